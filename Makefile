@@ -1,0 +1,32 @@
+# Two commands on a fresh machine: `make test` and `make train`.
+# Both create .venv and install the project into it first.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+# The Tiny Shakespeare corpus of this workplace, when present, so that no
+# download is needed; users elsewhere get it downloaded and cached.
+SHARED_DATA := $(abspath ../shared/data/tinyshakespeare.txt)
+ifneq ($(wildcard $(SHARED_DATA)),)
+export JAXATTN_SHAKESPEARE ?= $(SHARED_DATA)
+endif
+
+.PHONY: setup test train bench sample clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -n 2 tests
+
+train: $(STAMP)
+	$(PY) -m train.tiny_lm $(ARGS)
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,52 @@
+"""Argument checks that fail with a readable message before JAX traces.
+
+Shapes are static under `jax.jit`, so these checks run once per compilation
+and cost nothing at run time.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax.numpy as jnp
+import numpy as np
+
+
+def require_rank(name: str, x, rank: int, layout: str) -> None:
+    if not hasattr(x, "shape"):
+        raise TypeError(f"{name} must be an array, got {type(x).__name__}")
+    if x.ndim != rank:
+        raise ValueError(
+            f"{name} must have rank {rank} {layout}, got shape {tuple(x.shape)}"
+        )
+
+
+def require_broadcastable(name: str, shape: Sequence[int], target: Sequence[int],
+                          target_desc: str) -> None:
+    """Raises unless `shape` broadcasts to `target` (numpy rules, no growth of rank)."""
+    shape, target = tuple(shape), tuple(target)
+    ok = len(shape) <= len(target) and all(
+        s in (1, t) for s, t in zip(shape[::-1], target[::-1])
+    )
+    if not ok:
+        raise ValueError(
+            f"{name} of shape {shape} is not broadcastable to {target_desc} = {target}"
+        )
+
+
+def require_bool(name: str, x) -> None:
+    if x.dtype != jnp.bool_:
+        raise TypeError(
+            f"{name} must be a boolean array (True = attend), got dtype {x.dtype}; "
+            "pass additive scores as `bias` instead"
+        )
+
+
+def require_integer(name: str, x) -> None:
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+        raise TypeError(f"{name} must be an integer array, got dtype {x.dtype}")
+
+
+def require_positive_int(name: str, value) -> None:
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")

@@ -1,0 +1,181 @@
+"""Scaled dot-product attention: the fast grouped path and the textbook path.
+
+Shapes follow `jax.nn.dot_product_attention`:
+
+  query `[B, T, N, H]`, key `[B, S, K, H]`, value `[B, S, K, Hv]`
+
+B batch, T queries, S keys, N query heads, K key/value heads (N a multiple of
+K), G = N // K query heads per key/value head, H head dim, Hv value head dim.
+
+`scaled_dot_product_attention` groups the query heads as `[B, T, K, G, H]`
+so that MQA and GQA never materialise repeated keys and values.
+`reference_attention` is the seed formula `softmax(Q K^T / sqrt(d_k)) V`
+with an explicit `repeat_kv`, kept as documentation and as the oracle the
+tests compare against.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jaxattn._validate import require_bool, require_broadcastable, require_rank
+from jaxattn.masks import causal_mask
+
+# Logits of masked keys. Finite, so a fully masked row softmaxes to a uniform
+# row (then zeroed) instead of NaN, and gradients stay finite.
+_MASKED_LOGIT = float(jnp.finfo(jnp.float32).min)
+
+
+def repeat_kv(x: jnp.ndarray, n_rep: int) -> jnp.ndarray:
+    """`[B, S, K, H] -> [B, S, K * n_rep, H]`; output head j is input head j // n_rep.
+
+    This is Llama's `repeat_kv` (seed 000). The fast path does not need it; it
+    is here for teaching and for parity tests of GQA against MHA.
+    """
+    require_rank("x", x, 4, "[B, S, K, H]")
+    if not isinstance(n_rep, int) or n_rep < 1:
+        raise ValueError(f"n_rep must be a positive integer, got {n_rep!r}")
+    return x if n_rep == 1 else jnp.repeat(x, n_rep, axis=2)
+
+
+def _validate(query, key, value, mask, bias, dropout_rate):
+    require_rank("query", query, 4, "[B, T, N, H]")
+    require_rank("key", key, 4, "[B, S, K, H]")
+    require_rank("value", value, 4, "[B, S, K, Hv]")
+    (B, T, N, H), (Bk, S, K, Hk) = query.shape, key.shape
+    if Bk != B or value.shape[0] != B:
+        raise ValueError(
+            f"batch sizes differ: query {query.shape}, key {key.shape}, value {value.shape}"
+        )
+    if value.shape[1:3] != (S, K):
+        raise ValueError(
+            f"value {value.shape} must match key {key.shape} in length S and heads K"
+        )
+    if Hk != H:
+        raise ValueError(f"head dims differ: query {query.shape} has H={H}, key {key.shape} has H={Hk}")
+    if N % K:
+        raise ValueError(
+            f"query heads N={N} (query {query.shape}) must be a multiple of "
+            f"key/value heads K={K} (key {key.shape})"
+        )
+    target = (B, N, T, S)
+    if mask is not None:
+        require_bool("mask", mask)
+        require_broadcastable("mask", mask.shape, target, "[B, N, T, S]")
+    if bias is not None:
+        require_broadcastable("bias", bias.shape, target, "[B, N, T, S]")
+    if not 0.0 <= dropout_rate < 1.0:
+        raise ValueError(f"dropout_rate must be in [0, 1), got {dropout_rate}")
+
+
+def _group_heads(x: jnp.ndarray, num_kv_heads: int) -> jnp.ndarray:
+    """Mask or bias broadcastable to `[B, N, T, S]` -> broadcastable to `[B, K, G, T, S]`."""
+    x = x.reshape((1,) * (4 - x.ndim) + x.shape)
+    b, n, t, s = x.shape
+    if n == 1:
+        return x[:, :, None]
+    return x.reshape(b, num_kv_heads, n // num_kv_heads, t, s)
+
+
+def _full_mask(mask, is_causal, T, S, K):
+    """The boolean mask to apply, broadcastable to `[B, K, G, T, S]`, or None."""
+    grouped = None if mask is None else _group_heads(mask, K)
+    if is_causal:
+        causal = causal_mask(T, S)  # [T, S]
+        grouped = causal if grouped is None else jnp.logical_and(grouped, causal)
+    return grouped
+
+
+def _dropout(weights, rate, rng):
+    keep = jax.random.bernoulli(rng, 1.0 - rate, weights.shape)
+    return jnp.where(keep, weights / (1.0 - rate), 0.0)
+
+
+def scaled_dot_product_attention(query, key, value, *, mask=None, bias=None,
+                                 is_causal=False, scale=None, dropout_rate=0.0,
+                                 dropout_rng=None, return_weights=False):
+    """softmax(Q K^T * scale + bias, masked) V, grouped for MQA/GQA.
+
+    Args:
+      query: `[B, T, N, H]`.
+      key: `[B, S, K, H]`, N a multiple of K (K = N is MHA, K = 1 MQA).
+      value: `[B, S, K, Hv]`.
+      mask: boolean, True = attend, broadcastable to `[B, N, T, S]`.
+      bias: additive logits, broadcastable to `[B, N, T, S]`.
+      is_causal: also apply `causal_mask(T, S)`, aligned to the end of the keys.
+      scale: multiplies the logits; defaults to `1 / sqrt(H)`.
+      dropout_rate: dropout on the attention weights, applied only when
+        `dropout_rate > 0` and `dropout_rng` is given.
+      dropout_rng: PRNG key for the dropout.
+      return_weights: also return the attention weights.
+
+    Returns:
+      `[B, T, N, Hv]` in the query's dtype, or `(out, weights [B, N, T, S])`
+      (float32, after dropout, as used for the output). Logits and softmax are
+      float32 whatever the input dtype. A query row with no key to attend to
+      gives zeros, never NaN.
+    """
+    mask = None if mask is None else jnp.asarray(mask)
+    bias = None if bias is None else jnp.asarray(bias)
+    _validate(query, key, value, mask, bias, dropout_rate)
+    B, T, N, H = query.shape
+    S, K = key.shape[1], key.shape[2]
+    scale = 1.0 / math.sqrt(H) if scale is None else scale
+
+    q = query.reshape(B, T, K, N // K, H)
+    logits = jnp.einsum("BTKGH,BSKH->BKGTS", q, key,
+                        preferred_element_type=jnp.float32) * scale
+    if bias is not None:
+        logits = logits + _group_heads(bias, K).astype(jnp.float32)
+
+    allowed = _full_mask(mask, is_causal, T, S, K)
+    if allowed is not None:
+        logits = jnp.where(allowed, logits, _MASKED_LOGIT)
+    weights = jax.nn.softmax(logits, axis=-1)  # [B, K, G, T, S], float32
+    if allowed is not None:
+        weights = jnp.where(allowed, weights, 0.0)
+    if dropout_rate > 0.0 and dropout_rng is not None:
+        weights = _dropout(weights, dropout_rate, dropout_rng)
+
+    out = jnp.einsum("BKGTS,BSKH->BTKGH", weights.astype(value.dtype), value)
+    out = out.reshape(B, T, N, value.shape[-1]).astype(query.dtype)
+    if return_weights:
+        return out, weights.reshape(B, N, T, S)
+    return out
+
+
+def reference_attention(query, key, value, *, mask=None, bias=None,
+                        is_causal=False, scale=None, return_weights=False):
+    """The seed formula, step by step (seed 000 §5-§10). Same contract as above.
+
+    Slow on purpose: it repeats K/V to every query head and moves heads in
+    front, `[B, N, T, H]`, exactly as the textbook writes it.
+    """
+    mask = None if mask is None else jnp.asarray(mask)
+    bias = None if bias is None else jnp.asarray(bias)
+    _validate(query, key, value, mask, bias, 0.0)
+    B, T, N, H = query.shape
+    S, K = key.shape[1], key.shape[2]
+    scale = 1.0 / math.sqrt(H) if scale is None else scale
+
+    k = repeat_kv(key, N // K).transpose(0, 2, 1, 3)  # [B, N, S, H]
+    v = repeat_kv(value, N // K).transpose(0, 2, 1, 3)  # [B, N, S, Hv]
+    q = query.transpose(0, 2, 1, 3)  # [B, N, T, H]
+    scores = jnp.matmul(q.astype(jnp.float32), k.astype(jnp.float32).swapaxes(-1, -2)) * scale
+    if bias is not None:
+        scores = scores + bias.astype(jnp.float32)  # [B, N, T, S]
+    allowed = jnp.ones((T, S), bool) if mask is None else mask
+    if is_causal:
+        allowed = jnp.logical_and(allowed, causal_mask(T, S))
+    allowed = jnp.broadcast_to(allowed, (B, N, T, S))
+    scores = jnp.where(allowed, scores, -jnp.inf)
+    # A row with every key masked is defined as zeros rather than 0/0.
+    any_allowed = allowed.any(axis=-1, keepdims=True)
+    scores = jnp.where(any_allowed, scores, 0.0)
+    weights = jnp.where(any_allowed, jax.nn.softmax(scores, axis=-1), 0.0)
+    out = jnp.matmul(weights, v.astype(jnp.float32))  # [B, N, T, Hv]
+    out = out.transpose(0, 2, 1, 3).astype(query.dtype)  # [B, T, N, Hv]
+    return (out, weights) if return_weights else out

@@ -1,0 +1,89 @@
+"""Boolean attention masks. Convention everywhere: True = the query attends to the key.
+
+Masks are `[T, S]` (query length by key length) or broadcastable to
+`[B, N, T, S]`. Causal masks are aligned to the *end* of the keys: query `i`
+sees key `j` iff `j <= i + (S - T)`, so a block of T new queries that follows
+S - T cached keys sees everything before it and nothing after.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from jaxattn._validate import require_bool, require_integer, require_positive_int, require_rank
+
+
+def _query_key_offsets(q_len: int, kv_len: int) -> jnp.ndarray:
+    """`[T, S]` int array of (absolute query position) - (key position)."""
+    query_pos = jnp.arange(q_len)[:, None] + (kv_len - q_len)
+    key_pos = jnp.arange(kv_len)[None, :]
+    return query_pos - key_pos
+
+
+def causal_mask(q_len: int, kv_len: int | None = None) -> jnp.ndarray:
+    """`[T, S]` boolean mask, True where key j is not in the future of query i.
+
+    Args:
+      q_len: T, number of queries (the last T positions of the sequence).
+      kv_len: S, number of keys; defaults to T.
+    """
+    kv_len = q_len if kv_len is None else kv_len
+    require_positive_int("q_len", q_len)
+    require_positive_int("kv_len", kv_len)
+    return _query_key_offsets(q_len, kv_len) >= 0
+
+
+def sliding_window_mask(q_len: int, kv_len: int, window: int) -> jnp.ndarray:
+    """`[T, S]` causal mask that also hides keys `window` or more positions back.
+
+    Each query sees itself and the `window - 1` keys before it (Mistral's
+    convention: a window of 1 is the diagonal alone).
+    """
+    require_positive_int("q_len", q_len)
+    require_positive_int("kv_len", kv_len)
+    require_positive_int("window", window)
+    offsets = _query_key_offsets(q_len, kv_len)
+    return (offsets >= 0) & (offsets < window)
+
+
+def padding_mask(lengths, max_len: int) -> jnp.ndarray:
+    """`[B, 1, 1, S]` mask, True where key position `j < lengths[b]`.
+
+    Args:
+      lengths: `[B]` integer count of real (non-padding) keys in each row;
+        padding is on the right.
+      max_len: S, the padded key length.
+    """
+    lengths = jnp.asarray(lengths)
+    require_rank("lengths", lengths, 1, "[B]")
+    require_integer("lengths", lengths)
+    require_positive_int("max_len", max_len)
+    valid = jnp.arange(max_len)[None, :] < lengths[:, None]  # [B, S]
+    return valid[:, None, None, :]
+
+
+def combine_masks(*masks) -> jnp.ndarray | None:
+    """Logical AND of boolean masks, broadcasting; `None` entries are ignored.
+
+    Returns None when every argument is None (no masking at all).
+    """
+    present = [m for m in masks if m is not None]
+    if not present:
+        return None
+    for i, m in enumerate(present):
+        require_bool(f"masks[{i}]", jnp.asarray(m))
+    combined = present[0]
+    for m in present[1:]:
+        combined = jnp.logical_and(combined, m)
+    return combined
+
+
+def mask_to_bias(mask, dtype=jnp.float32) -> jnp.ndarray:
+    """Additive bias from a boolean mask: 0 where True, a large negative where False.
+
+    The large negative is the dtype's most negative finite value rather than
+    -inf, so that a fully masked row stays finite (it becomes uniform, not NaN).
+    """
+    mask = jnp.asarray(mask)
+    require_bool("mask", mask)
+    return jnp.where(mask, jnp.asarray(0, dtype), jnp.finfo(dtype).min).astype(dtype)

@@ -1,0 +1,169 @@
+"""Rotary position embeddings (RoPE), with context-extension scalings.
+
+Pair p of a head vector is rotated by the angle `position * inv_freq[p]`,
+`inv_freq[p] = theta^(-2p/H)` (seed 000 §3). Two pairings exist in the wild:
+
+* interleaved: pairs `(x[2p], x[2p+1])`, as in seed 000 and Meta's Llama;
+* half-split: pairs `(x[p], x[p + H/2])`, as in GPT-NeoX and Hugging Face Llama.
+
+They are the same rotation up to a fixed permutation of the head dimensions.
+RoPE is applied to queries and keys, never to values, identically on every head.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Literal
+
+import jax.numpy as jnp
+import numpy as np
+
+from jaxattn._validate import require_integer, require_rank
+
+ScalingKind = Literal["linear", "ntk", "llama3", "yarn"]
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """How to stretch RoPE beyond the context length a model was trained on.
+
+    Attributes:
+      kind: "linear" (position interpolation: every frequency / factor),
+        "ntk" (NTK-aware: theta * factor^(H / (H - 2))), "llama3" (Llama 3.1:
+        low frequencies / factor, high kept, a smooth ramp between) or "yarn"
+        (YaRN: per-frequency ramp between interpolation and extrapolation,
+        plus an attention temperature, see `rope_attention_factor`).
+      factor: the context-extension factor (> 1 extends).
+      original_max_position: training context length (llama3, yarn).
+      low_freq_factor, high_freq_factor: llama3's wavelength thresholds.
+      beta_fast, beta_slow: yarn's ramp bounds in rotations.
+      mscale, mscale_all_dim: yarn's temperature coefficients (DeepSeek-V2/V3).
+    """
+
+    kind: ScalingKind
+    factor: float
+    original_max_position: int = 4096
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+
+    def __post_init__(self):
+        if self.kind not in ("linear", "ntk", "llama3", "yarn"):
+            raise ValueError(
+                f"RopeScaling.kind must be 'linear', 'ntk', 'llama3' or 'yarn', got {self.kind!r}"
+            )
+        if not self.factor > 0:
+            raise ValueError(f"RopeScaling.factor must be positive, got {self.factor}")
+
+
+def _check_head_dim(head_dim: int) -> None:
+    if not isinstance(head_dim, (int, np.integer)) or head_dim <= 0 or head_dim % 2:
+        raise ValueError(f"RoPE needs an even, positive head dim, got head_dim={head_dim}")
+
+
+def _llama3(inv_freq: np.ndarray, s: RopeScaling) -> np.ndarray:
+    low_freq_wavelen = s.original_max_position / s.low_freq_factor
+    high_freq_wavelen = s.original_max_position / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (s.original_max_position / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor)
+    smoothed = (1 - smooth) * inv_freq / s.factor + smooth * inv_freq
+    out = np.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return np.where(is_medium, smoothed, out)
+
+
+def _yarn(inv_freq: np.ndarray, head_dim: int, theta: float, s: RopeScaling) -> np.ndarray:
+    def correction_dim(num_rotations):
+        return (head_dim * math.log(s.original_max_position / (num_rotations * 2 * math.pi))
+                ) / (2 * math.log(theta))
+
+    low = max(math.floor(correction_dim(s.beta_fast)), 0)
+    high = min(math.ceil(correction_dim(s.beta_slow)), head_dim - 1)
+    high = high + 0.001 if low == high else high
+    ramp = np.clip((np.arange(head_dim // 2) - low) / (high - low), 0.0, 1.0)
+    extrapolate = 1.0 - ramp  # 1 keeps the original (high) frequency
+    return inv_freq / s.factor * (1 - extrapolate) + inv_freq * extrapolate
+
+
+def rope_frequencies(head_dim: int, *, theta: float = 10000.0,
+                     scaling: RopeScaling | None = None) -> jnp.ndarray:
+    """`[H/2]` float32 angular frequencies `theta^(-2p/H)`, scaled if asked."""
+    _check_head_dim(head_dim)
+    if scaling is not None and scaling.kind == "ntk":
+        theta = theta * scaling.factor ** (head_dim / (head_dim - 2))
+    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    if scaling is None or scaling.kind == "ntk":
+        pass
+    elif scaling.kind == "linear":
+        inv_freq = inv_freq / scaling.factor
+    elif scaling.kind == "llama3":
+        inv_freq = _llama3(inv_freq, scaling)
+    else:
+        inv_freq = _yarn(inv_freq, head_dim, theta, scaling)
+    return jnp.asarray(inv_freq, jnp.float32)
+
+
+def _yarn_mscale(factor: float, mscale: float) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rope_attention_factor(scaling: RopeScaling | None) -> float:
+    """YaRN's attention temperature: multiply the softmax scale by its square.
+
+    (Hugging Face multiplies cos and sin by it, which scales the logits by its
+    square too.) 1.0 for every other scaling.
+    """
+    if scaling is None or scaling.kind != "yarn":
+        return 1.0
+    if scaling.mscale_all_dim:
+        return _yarn_mscale(scaling.factor, scaling.mscale) / _yarn_mscale(
+            scaling.factor, scaling.mscale_all_dim)
+    return _yarn_mscale(scaling.factor, 1.0)
+
+
+def apply_rope(x, positions, *, theta: float = 10000.0, interleaved: bool,
+               scaling: RopeScaling | None = None, inv_freq=None):
+    """Rotates each head vector of x by its position.
+
+    Args:
+      x: `[B, T, N, H]` queries or keys, H even.
+      positions: `[B, T]` or `[T]` integer positions.
+      theta: the RoPE base.
+      interleaved: True pairs `(x[2p], x[2p+1])` (Meta Llama, seed 000);
+        False pairs `(x[p], x[p + H/2])` (GPT-NeoX, Hugging Face Llama).
+      scaling: optional context-extension scaling of the frequencies.
+      inv_freq: precomputed `rope_frequencies(H, theta=..., scaling=...)`;
+        overrides theta and scaling when given.
+
+    Returns:
+      x rotated, same shape and dtype (computed in float32).
+    """
+    require_rank("x", x, 4, "[B, T, N, H]")
+    B, T, N, H = x.shape
+    _check_head_dim(H)
+    positions = jnp.asarray(positions)
+    require_integer("positions", positions)
+    if positions.shape not in ((B, T), (T,)):
+        raise ValueError(
+            f"positions must be [B, T] = {(B, T)} or [T] = {(T,)} for x {x.shape}, "
+            f"got {positions.shape}"
+        )
+    if inv_freq is None:
+        inv_freq = rope_frequencies(H, theta=theta, scaling=scaling)
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B?, T, H/2]
+    cos = jnp.cos(angles)[..., None, :]  # [B?, T, 1, H/2]
+    sin = jnp.sin(angles)[..., None, :]
+    xf = x.astype(jnp.float32)
+    if interleaved:
+        x1, x2 = xf[..., 0::2], xf[..., 1::2]
+        out = jnp.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
+        out = out.reshape(x.shape)
+    else:
+        x1, x2 = xf[..., : H // 2], xf[..., H // 2:]
+        out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
