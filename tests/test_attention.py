@@ -162,8 +162,7 @@ def test_jax_is_causal_is_aligned_to_the_start_of_the_keys():
 
 
 @pytest.mark.parametrize("heads", HEADS)
-@pytest.mark.parametrize("use_bias", [False, True])
-@pytest.mark.parametrize("scale", [None, 0.3])
+@pytest.mark.parametrize("use_bias,scale", [(False, None), (True, 0.3)])
 def test_matches_reference(heads, use_bias, scale):
     N, K = HEADS[heads]
     T, S = 3, 6
@@ -314,32 +313,40 @@ def test_bf16_agrees_with_float32():
 # Dropout on the weights (seed 004).
 
 
+# One shape and one rate for every dropout test, so that the random-bits
+# program compiles once, and "rbg" keys: XLA compiles the default threefry
+# bit generator for this shape in seconds on this CPU, RngBitGenerator in
+# well under one. The dropout logic under test is the same for every key type.
+DROPOUT_SHAPE = dict(B=4, T=16, S=16, N=4, K=2, H=8)
+P = 0.5
+
+
+def raw_key(i):
+    return jax.random.key(i, impl="rbg")
+
+
 def test_dropout_off_is_identity():
-    q, k, v = qkv()
-    rng = jax.random.PRNGKey(1)
+    q, k, v = qkv(**DROPOUT_SHAPE)
     base = sdpa(q, k, v, return_weights=True)
-    for kw in ({"dropout_rate": 0.0, "dropout_rng": rng}, {"dropout_rate": 0.5}):
+    for kw in ({"dropout_rate": 0.0, "dropout_rng": raw_key(1)}, {"dropout_rate": P}):
         out = sdpa(q, k, v, return_weights=True, **kw)
         np.testing.assert_array_equal(out[0], base[0])
         np.testing.assert_array_equal(out[1], base[1])
 
 
 def test_dropout_zeroes_or_rescales_weights_and_is_deterministic():
-    p = 0.25
-    q, k, v = qkv(B=2, T=8, S=8, N=4, K=2)
-    rng = jax.random.PRNGKey(3)
+    q, k, v = qkv(**DROPOUT_SHAPE)
     _, clean = sdpa(q, k, v, return_weights=True)
-    out, dropped = sdpa(q, k, v, dropout_rate=p, dropout_rng=rng, return_weights=True)
+    out, dropped = sdpa(q, k, v, dropout_rate=P, dropout_rng=raw_key(3), return_weights=True)
     dropped, clean = np.asarray(dropped), np.asarray(clean)
     zero = dropped == 0.0
     assert 0 < zero.sum() < zero.size
-    np.testing.assert_allclose(dropped[~zero], clean[~zero] / (1 - p), rtol=1e-6)
+    np.testing.assert_allclose(dropped[~zero], clean[~zero] / (1 - P), rtol=1e-6)
     # The output uses the dropped weights.
     np.testing.assert_allclose(out, reference_out(dropped, v), rtol=1e-5, atol=1e-5)
-    again = sdpa(q, k, v, dropout_rate=p, dropout_rng=rng, return_weights=True)
+    again = sdpa(q, k, v, dropout_rate=P, dropout_rng=raw_key(3), return_weights=True)
     np.testing.assert_array_equal(again[1], dropped)
-    other = sdpa(q, k, v, dropout_rate=p, dropout_rng=jax.random.PRNGKey(4),
-                 return_weights=True)
+    other = sdpa(q, k, v, dropout_rate=P, dropout_rng=raw_key(4), return_weights=True)
     assert not np.array_equal(other[1], dropped)
 
 
@@ -351,18 +358,17 @@ def reference_out(weights, v):
 
 
 def test_dropout_preserves_the_mean_statistically():
-    """E[dropped weight] = weight: the mean of dropped / clean over many keys is 1."""
-    p = 0.5
-    q, k, v = qkv(B=4, T=16, S=16, N=4, K=4, H=8)
+    """E[dropped weight] = weight: the mean of dropped / clean over many draws is 1."""
+    q, k, v = qkv(**DROPOUT_SHAPE)
     _, clean = sdpa(q, k, v, return_weights=True)
-    keys = np.asarray(jax.random.split(jax.random.PRNGKey(0), 4))
     ratios = np.stack([
-        np.asarray(sdpa(q, k, v, dropout_rate=p, dropout_rng=jnp.asarray(key),
+        np.asarray(sdpa(q, k, v, dropout_rate=P, dropout_rng=raw_key(i),
                         return_weights=True)[1]) / np.asarray(clean)
-        for key in keys])  # each entry is 0 or 2, mean 1, std 1
-    # 16384 Bernoulli draws: standard error 1/128 ~ 0.008; 0.05 is > 6 sigma.
+        for i in range(10, 14)])  # each entry is 0 or 1/(1-P) = 2: mean 1, std 1
+    # 16384 Bernoulli draws: standard error 1/128 ~ 0.008; 0.05 is > 6 sigma,
+    # while a missing 1/(1-P) rescale would give a mean of 0.5.
     assert abs(ratios.mean() - 1.0) < 0.05
-    assert abs(np.mean(ratios == 0.0) - p) < 0.05
+    assert abs(np.mean(ratios == 0.0) - P) < 0.05
 
 
 # --------------------------------------------------------------------------
