@@ -95,7 +95,8 @@ def test_errors():
         additive_attention(**{**x, "w_key": np.zeros((5, 8), np.float32)})
     with pytest.raises(ValueError, match=r"key and value must share S"):
         additive_attention(**{**x, "value": x["value"][:, :4]})
-    with pytest.raises(ValueError, match=r"mask of shape \(3, 4\) is not broadcastable to \[B, T, S\]"):
+    with pytest.raises(ValueError,
+                       match=r"mask of shape \(3, 4\) is not broadcastable to \[B, T, S\]"):
         additive_attention(**x, mask=np.ones((3, 4), bool))
     with pytest.raises(TypeError, match=r"mask must be a boolean array"):
         additive_attention(**x, mask=np.ones((3, 5), np.float32))

@@ -379,7 +379,8 @@ def test_dropout_preserves_the_mean_statistically():
                          ids=["fast", "reference"])
 def test_errors(fn):
     q, k, v = qkv(B=1, T=2, S=3, N=4, K=2, H=8)
-    with pytest.raises(ValueError, match=r"query must have rank 4 \[B, T, N, H\], got shape \(2, 4, 8\)"):
+    with pytest.raises(ValueError,
+                       match=r"query must have rank 4 \[B, T, N, H\], got shape \(2, 4, 8\)"):
         fn(q[0], k, v)
     with pytest.raises(ValueError, match=r"key must have rank 4"):
         fn(q, k[0], v)
@@ -394,7 +395,8 @@ def test_errors(fn):
         fn(q, jnp.concatenate([k, k]), v)
     with pytest.raises(ValueError, match=r"value .* must match key .* in length S and heads K"):
         fn(q, k, v[:, :2])
-    with pytest.raises(ValueError, match=r"mask of shape \(2, 2\) is not broadcastable to \[B, N, T, S\]"):
+    with pytest.raises(ValueError,
+                       match=r"mask of shape \(2, 2\) is not broadcastable to \[B, N, T, S\]"):
         fn(q, k, v, mask=jnp.ones((2, 2), bool))
     with pytest.raises(ValueError, match=r"mask of shape \(1, 2, 2, 3\) is not broadcastable"):
         fn(q, k, v, mask=jnp.ones((1, 2, 2, 3), bool))  # 2 heads, neither 1 nor N=4

@@ -256,7 +256,8 @@ def test_rope_errors():
     for bad in (7, 0, -4):
         with pytest.raises(ValueError, match=rf"head_dim={bad}"):
             rope_frequencies(bad)
-    with pytest.raises(ValueError, match=r"x must have rank 4 \[B, T, N, H\], got shape \(3, 2, 8\)"):
+    with pytest.raises(ValueError,
+                       match=r"x must have rank 4 \[B, T, N, H\], got shape \(3, 2, 8\)"):
         apply_rope(x[0], jnp.arange(3), interleaved=True)
     with pytest.raises(ValueError, match=r"positions must be \[B, T\] = \(1, 3\) or \[T\] = \(3,\)"
                                          r".* got \(4,\)"):
