@@ -89,6 +89,11 @@ def _full_mask(mask, is_causal, T, S, K):
     return grouped
 
 
+def _softmax_dtype(dtype):
+    """float32 for bf16/f16/f32 inputs; float64 inputs keep float64 (never downcast)."""
+    return jnp.promote_types(dtype, jnp.float32)
+
+
 def _dropout(weights, rate, rng):
     keep = jax.random.bernoulli(rng, 1.0 - rate, weights.shape)
     return jnp.where(keep, weights / (1.0 - rate), 0.0)
@@ -115,8 +120,9 @@ def scaled_dot_product_attention(query, key, value, *, mask=None, bias=None,
     Returns:
       `[B, T, N, Hv]` in the query's dtype, or `(out, weights [B, N, T, S])`
       (float32, after dropout, as used for the output). Logits and softmax are
-      float32 whatever the input dtype. A query row with no key to attend to
-      gives zeros, never NaN.
+      float32 whatever the input dtype (float64 inputs stay float64, so that
+      their gradients can be checked against finite differences). A query row
+      with no key to attend to gives zeros, never NaN.
     """
     mask = None if mask is None else jnp.asarray(mask)
     bias = None if bias is None else jnp.asarray(bias)
@@ -125,16 +131,17 @@ def scaled_dot_product_attention(query, key, value, *, mask=None, bias=None,
     S, K = key.shape[1], key.shape[2]
     scale = 1.0 / math.sqrt(H) if scale is None else scale
 
+    f32 = _softmax_dtype(query.dtype)
     q = query.reshape(B, T, K, N // K, H)
     logits = jnp.einsum("BTKGH,BSKH->BKGTS", q, key,
-                        preferred_element_type=jnp.float32) * scale
+                        preferred_element_type=f32) * scale
     if bias is not None:
-        logits = logits + _group_heads(bias, K).astype(jnp.float32)
+        logits = logits + _group_heads(bias, K).astype(f32)
 
     allowed = _full_mask(mask, is_causal, T, S, K)
     if allowed is not None:
         logits = jnp.where(allowed, logits, _MASKED_LOGIT)
-    weights = jax.nn.softmax(logits, axis=-1)  # [B, K, G, T, S], float32
+    weights = jax.nn.softmax(logits, axis=-1)  # [B, K, G, T, S], f32
     if allowed is not None:
         weights = jnp.where(allowed, weights, 0.0)
     if dropout_rate > 0.0 and dropout_rng is not None:
@@ -164,9 +171,10 @@ def reference_attention(query, key, value, *, mask=None, bias=None,
     k = repeat_kv(key, N // K).transpose(0, 2, 1, 3)  # [B, N, S, H]
     v = repeat_kv(value, N // K).transpose(0, 2, 1, 3)  # [B, N, S, Hv]
     q = query.transpose(0, 2, 1, 3)  # [B, N, T, H]
-    scores = jnp.matmul(q.astype(jnp.float32), k.astype(jnp.float32).swapaxes(-1, -2)) * scale
+    f32 = _softmax_dtype(query.dtype)
+    scores = jnp.matmul(q.astype(f32), k.astype(f32).swapaxes(-1, -2)) * scale
     if bias is not None:
-        scores = scores + bias.astype(jnp.float32)  # [B, N, T, S]
+        scores = scores + bias.astype(f32)  # [B, N, T, S]
     allowed = jnp.ones((T, S), bool) if mask is None else mask
     if is_causal:
         allowed = jnp.logical_and(allowed, causal_mask(T, S))
@@ -176,6 +184,6 @@ def reference_attention(query, key, value, *, mask=None, bias=None,
     any_allowed = allowed.any(axis=-1, keepdims=True)
     scores = jnp.where(any_allowed, scores, 0.0)
     weights = jnp.where(any_allowed, jax.nn.softmax(scores, axis=-1), 0.0)
-    out = jnp.matmul(weights, v.astype(jnp.float32))  # [B, N, T, Hv]
+    out = jnp.matmul(weights, v.astype(f32))  # [B, N, T, Hv]
     out = out.transpose(0, 2, 1, 3).astype(query.dtype)  # [B, T, N, Hv]
     return (out, weights) if return_weights else out

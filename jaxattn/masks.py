@@ -67,11 +67,12 @@ def combine_masks(*masks) -> jnp.ndarray | None:
 
     Returns None when every argument is None (no masking at all).
     """
-    present = [m for m in masks if m is not None]
+    present = [jnp.asarray(m) for m in masks if m is not None]
     if not present:
         return None
-    for i, m in enumerate(present):
-        require_bool(f"masks[{i}]", jnp.asarray(m))
+    for i, m in enumerate(masks):  # i is the caller's argument index
+        if m is not None:
+            require_bool(f"masks[{i}]", jnp.asarray(m))
     combined = present[0]
     for m in present[1:]:
         combined = jnp.logical_and(combined, m)

@@ -94,7 +94,8 @@ def rope_frequencies(head_dim: int, *, theta: float = 10000.0,
                      scaling: RopeScaling | None = None) -> jnp.ndarray:
     """`[H/2]` float32 angular frequencies `theta^(-2p/H)`, scaled if asked."""
     _check_head_dim(head_dim)
-    if scaling is not None and scaling.kind == "ntk":
+    if scaling is not None and scaling.kind == "ntk" and head_dim > 2:
+        # (With H = 2 the only frequency is theta^0 = 1, whatever theta is.)
         theta = theta * scaling.factor ** (head_dim / (head_dim - 2))
     inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
     if scaling is None or scaling.kind == "ntk":
@@ -155,6 +156,10 @@ def apply_rope(x, positions, *, theta: float = 10000.0, interleaved: bool,
         )
     if inv_freq is None:
         inv_freq = rope_frequencies(H, theta=theta, scaling=scaling)
+    elif jnp.shape(inv_freq) != (H // 2,):
+        raise ValueError(
+            f"inv_freq must be [H/2] = {(H // 2,)} for x {x.shape}, got {jnp.shape(inv_freq)}"
+        )
     angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B?, T, H/2]
     cos = jnp.cos(angles)[..., None, :]  # [B?, T, 1, H/2]
     sin = jnp.sin(angles)[..., None, :]

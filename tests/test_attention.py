@@ -1,0 +1,429 @@
+"""scaled_dot_product_attention, reference_attention and repeat_kv.
+
+Oracles: `jax.nn.dot_product_attention(implementation='xla')`, our textbook
+`reference_attention`, and the properties of seed 003 (rows sum to 1, masked
+keys get 0, permutation equivariance, Var(q.k) = d_k).
+"""
+
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from absl.testing import parameterized
+from jax.test_util import check_grads
+
+from jaxattn import (
+    causal_mask,
+    combine_masks,
+    padding_mask,
+    reference_attention,
+    repeat_kv,
+    scaled_dot_product_attention,
+    sliding_window_mask,
+)
+
+# Jitted once per shape: eager mode would compile every primitive separately,
+# which is several times slower on this small CPU. Error-path tests and the
+# chex variants call the plain functions.
+_STATIC = ("is_causal", "dropout_rate", "return_weights")
+sdpa = jax.jit(scaled_dot_product_attention, static_argnames=_STATIC)
+reference = jax.jit(reference_attention, static_argnames=_STATIC[::2])
+jax_attention = jax.jit(jax.nn.dot_product_attention,
+                        static_argnames=("is_causal", "local_window_size", "implementation"))
+
+
+def qkv(B=2, T=5, S=5, N=4, K=4, H=8, Hv=None, dtype=np.float32, seed=0):
+    """Random query [B,T,N,H], key [B,S,K,H], value [B,S,K,Hv] (numpy, no XLA compile)."""
+    rng = np.random.default_rng(seed)
+    return tuple(jnp.asarray(rng.standard_normal(shape, np.float32).astype(dtype))
+                 for shape in ((B, T, N, H), (B, S, K, H), (B, S, K, Hv or H)))
+
+
+# --------------------------------------------------------------------------
+# Shapes and dtypes, with and without jit.
+
+
+class ShapeTest(chex.TestCase):
+
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.named_parameters(
+        ("mha", 4, 4), ("gqa", 4, 2), ("mqa", 4, 1))
+    def test_sdpa_shapes(self, N, K):
+        q, k, v = qkv(B=2, T=3, S=6, N=N, K=K, H=8, Hv=5)
+        mask = padding_mask(jnp.array([6, 4]), 6)
+        fn = self.variant(lambda q, k, v, m: scaled_dot_product_attention(
+            q, k, v, mask=m, is_causal=True, return_weights=True))
+        out, w = fn(q, k, v, mask)
+        chex.assert_shape(out, (2, 3, N, 5))
+        chex.assert_shape(w, (2, N, 3, 6))
+        chex.assert_type(out, jnp.float32)
+        chex.assert_type(w, jnp.float32)
+        out_only = self.variant(lambda q, k, v: scaled_dot_product_attention(q, k, v))(q, k, v)
+        chex.assert_shape(out_only, (2, 3, N, 5))
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_sdpa_bf16_in_bf16_out(self):
+        q, k, v = qkv(N=4, K=2, dtype=jnp.bfloat16)
+        out, w = self.variant(lambda q, k, v: scaled_dot_product_attention(
+            q, k, v, return_weights=True))(q, k, v)
+        chex.assert_type(out, jnp.bfloat16)
+        chex.assert_type(w, jnp.float32)  # softmax stays float32
+        chex.assert_shape(out, q.shape)
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_reference_shapes(self):
+        q, k, v = qkv(B=1, T=2, S=4, N=6, K=3, H=4, Hv=3)
+        out, w = self.variant(lambda q, k, v: reference_attention(
+            q, k, v, return_weights=True))(q, k, v)
+        chex.assert_shape(out, (1, 2, 6, 3))
+        chex.assert_shape(w, (1, 6, 2, 4))
+        chex.assert_type([out, w], jnp.float32)
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_repeat_kv(self):
+        x = np.arange(2 * 3 * 2 * 4, dtype=np.float32).reshape(2, 3, 2, 4)
+        y = self.variant(repeat_kv, static_argnums=1)(x, 3)
+        chex.assert_shape(y, (2, 3, 6, 4))
+        chex.assert_type(y, jnp.float32)
+        y = np.asarray(y)
+        for j in range(6):  # output head j is input head j // n_rep (seed 000)
+            np.testing.assert_array_equal(y[:, :, j], x[:, :, j // 3])
+
+
+def test_seed_000_dimension_walk():
+    """[1,50,512] -> [1,50,8,64] -> [1,8,50,50] weights -> [1,50,512]."""
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((1, 50, 512), np.float32))
+    heads = x.reshape(1, 50, 8, 64)
+    out, w = sdpa(heads, heads, heads, is_causal=True, return_weights=True)
+    chex.assert_shape(w, (1, 8, 50, 50))
+    chex.assert_shape(out.reshape(1, 50, 512), (1, 50, 512))
+
+
+# --------------------------------------------------------------------------
+# Agreement with jax.nn.dot_product_attention.
+
+HEADS = {"mha": (4, 4), "gqa": (4, 2), "mqa": (4, 1)}
+LENGTHS = {"square": (6, 6), "t_lt_s": (3, 7)}
+MASKS = ("none", "causal", "padding", "window")
+
+
+def _ours_and_jax_kwargs(kind, T, S, lengths):
+    """Our kwargs and jax's kwargs that must describe the same mask."""
+    if kind == "none":
+        return {}, {}
+    if kind == "causal":
+        if T == S:
+            return {"is_causal": True}, {"is_causal": True}
+        # jax's is_causal is tril(ones(T, S)): aligned to the *start* of the
+        # keys; ours is aligned to the end. Give jax our mask explicitly.
+        return {"is_causal": True}, {"mask": causal_mask(T, S)[None, None]}
+    if kind == "padding":
+        return ({"mask": padding_mask(lengths, S)},
+                {"key_value_seq_lengths": lengths.astype(jnp.int32)})
+    window = 3
+    if T == S:  # jax's window (left, right) = (window - 1, 0) plus causal
+        return ({"mask": sliding_window_mask(T, S, window)},
+                {"is_causal": True, "local_window_size": (window - 1, 0)})
+    return ({"mask": sliding_window_mask(T, S, window)},
+            {"mask": sliding_window_mask(T, S, window)[None, None]})
+
+
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("lengths_name", LENGTHS)
+@pytest.mark.parametrize("kind", MASKS)
+def test_matches_jax_dot_product_attention(heads, lengths_name, kind):
+    (N, K), (T, S) = HEADS[heads], LENGTHS[lengths_name]
+    q, k, v = qkv(B=2, T=T, S=S, N=N, K=K, H=8)
+    lengths = jnp.array([S, S - 2])  # no row is fully masked
+    ours_kw, jax_kw = _ours_and_jax_kwargs(kind, T, S, lengths)
+    ours = sdpa(q, k, v, **ours_kw)
+    theirs = jax_attention(q, k, v, implementation="xla", **jax_kw)
+    np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_jax_is_causal_is_aligned_to_the_start_of_the_keys():
+    """Documents why we pass jax an explicit mask when T < S."""
+    T, S = 2, 5
+    q, k, v = qkv(B=1, T=T, S=S, N=2, K=2)
+    start_aligned = jnp.tril(jnp.ones((T, S), bool))
+    jax_causal = jax_attention(q, k, v, is_causal=True, implementation="xla")
+    jax_start = jax_attention(q, k, v, mask=start_aligned[None, None], implementation="xla")
+    np.testing.assert_allclose(jax_causal, jax_start, rtol=1e-6, atol=1e-6)
+    ours = sdpa(q, k, v, is_causal=True)
+    assert not np.allclose(ours, jax_causal, atol=1e-3)
+    np.testing.assert_allclose(ours, sdpa(q, k, v, mask=causal_mask(T, S)), rtol=1e-6)
+
+
+# --------------------------------------------------------------------------
+# Agreement with the textbook reference.
+
+
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("use_bias,scale", [(False, None), (True, 0.3)])
+def test_matches_reference(heads, use_bias, scale):
+    N, K = HEADS[heads]
+    T, S = 3, 6
+    q, k, v = qkv(B=2, T=T, S=S, N=N, K=K, H=8, Hv=4)
+    bias = jnp.asarray(np.random.default_rng(7).standard_normal((1, N, T, S), np.float32)
+                       ) if use_bias else None
+    mask = combine_masks(padding_mask(jnp.array([6, 4]), S), causal_mask(T, S))
+    kw = dict(mask=mask, bias=bias, scale=scale, return_weights=True)
+    out, w = sdpa(q, k, v, **kw)
+    ref_out, ref_w = reference(q, k, v, **kw)
+    np.testing.assert_allclose(out, ref_out, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(w, ref_w, rtol=1e-5, atol=1e-6)
+    # is_causal=True is the same as passing causal_mask(T, S).
+    out_c = sdpa(q, k, v, mask=padding_mask(jnp.array([6, 4]), S), bias=bias, scale=scale,
+                 is_causal=True)
+    np.testing.assert_allclose(out_c, out, rtol=1e-6, atol=1e-6)
+
+
+def test_per_head_mask_matches_reference_for_gqa():
+    """A mask with N distinct heads must be grouped as heads j -> kv head j // G."""
+    N, K, T, S = 4, 2, 4, 4
+    q, k, v = qkv(B=1, T=T, S=S, N=N, K=K)
+    mask = np.random.default_rng(3).random((1, N, T, S)) < 0.6
+    mask[..., 0] = True
+    np.testing.assert_allclose(sdpa(q, k, v, mask=mask), reference(q, k, v, mask=mask),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_scale_multiplies_logits():
+    q, k, v = qkv()
+    np.testing.assert_allclose(sdpa(q, k, v, scale=0.5), sdpa(q * 0.5 * np.sqrt(8), k, v),
+                               rtol=1e-5, atol=1e-5)
+
+
+# --------------------------------------------------------------------------
+# Properties from the seeds.
+
+
+def test_weight_rows_sum_to_one_and_masked_keys_get_exactly_zero():
+    T, S = 4, 7
+    q, k, v = qkv(B=2, T=T, S=S, N=4, K=2)
+    mask = combine_masks(padding_mask(jnp.array([7, 5]), S), sliding_window_mask(T, S, 3))
+    _, w = sdpa(q, k, v, mask=mask, return_weights=True)
+    np.testing.assert_allclose(w.sum(-1), 1.0, rtol=1e-6)
+    full = np.broadcast_to(mask, w.shape)
+    assert np.all(np.asarray(w)[~full] == 0.0)
+    assert np.all(np.asarray(w)[full] > 0.0)
+
+
+def test_permutation_equivariance():
+    """Attn(PQ, PK, PV) = P Attn(Q, K, V) without a mask (seed 003 §4.1)."""
+    q, k, v = qkv(B=2, T=7, S=7, N=4, K=2)
+    perm = np.random.default_rng(0).permutation(7)
+    out = sdpa(q, k, v)
+    out_perm = sdpa(q[:, perm], k[:, perm], v[:, perm])
+    np.testing.assert_allclose(out_perm, out[:, perm], rtol=1e-5, atol=1e-6)
+    # Permuting only the keys and values together leaves the output unchanged.
+    np.testing.assert_allclose(sdpa(q, k[:, perm], v[:, perm]), out, rtol=1e-5, atol=1e-6)
+
+
+def _centered_logit_variance(q, k, scale):
+    """Var of the logits our function used, read back from log(weights).
+
+    log w_ij = l_ij - logsumexp_j(l_ij): subtracting the row mean removes the
+    logsumexp, and the centred variance is Var(l) * (S - 1) / S.
+    """
+    S = k.shape[1]
+    _, w = sdpa(q, k, k, scale=scale, return_weights=True)
+    logw = np.log(np.asarray(w, np.float64))
+    centred = logw - logw.mean(-1, keepdims=True)
+    return centred.var() * S / (S - 1)
+
+
+def test_variance_of_logits_is_d_k_before_scaling_and_one_after():
+    """Seed 003: q, k with unit-variance entries give Var(q.k) = d_k; 1/sqrt(d_k) makes it 1.
+
+    64 x 64 = 4096 logits per head; the estimate's relative standard error is
+    about sqrt(2 / 4096) = 2.2%, so a +-15% band is ~7 sigma wide while the
+    wrong scales (1/d_k -> 1/64, none -> 64) are orders of magnitude outside.
+    """
+    d_k = 64
+    q, k, _ = qkv(B=1, T=64, S=64, N=2, K=2, H=d_k, seed=1)
+    raw = np.einsum("btnh,bsnh->bnts", np.asarray(q, np.float64), np.asarray(k, np.float64))
+    assert 0.85 * d_k < raw.var() < 1.15 * d_k
+    band = (0.85, 1.15)
+    default = _centered_logit_variance(q, k, None)  # 1/sqrt(d_k)
+    assert band[0] < default < band[1]
+    for wrong_scale in (1.0 / d_k, 1.0):
+        assert not band[0] < _centered_logit_variance(q, k, wrong_scale) < band[1]
+
+
+@pytest.mark.parametrize("K", [1, 2])
+def test_gqa_equals_mha_on_repeated_kv(K):
+    N = 4
+    q, k, v = qkv(B=2, T=5, S=6, N=N, K=K)
+    mask = padding_mask(jnp.array([6, 3]), 6)
+    grouped = sdpa(q, k, v, mask=mask, is_causal=True)
+    mha = sdpa(q, repeat_kv(k, N // K), repeat_kv(v, N // K), mask=mask, is_causal=True)
+    np.testing.assert_allclose(grouped, mha, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("fn", [sdpa, reference], ids=["fast", "reference"])
+def test_fully_masked_rows_are_zero_with_finite_gradients(fn):
+    T, S = 4, 3  # causal with T > S: the first T - S queries see no key
+    q, k, v = qkv(B=2, T=T, S=S, N=2, K=1)
+    mask = padding_mask(jnp.array([3, 0]), S)  # row 1 has no keys at all
+    out, w = fn(q, k, v, mask=mask, is_causal=True, return_weights=True)
+    assert np.all(np.isfinite(out))
+    np.testing.assert_array_equal(out[0, :T - S], 0.0)
+    np.testing.assert_array_equal(out[1], 0.0)
+    np.testing.assert_array_equal(w[1], 0.0)
+    assert np.all(np.asarray(out[0, T - S:]) != 0.0)
+    grads = jax.jit(jax.grad(lambda q, k, v: fn(q, k, v, mask=mask, is_causal=True).sum(),
+                             argnums=(0, 1, 2)))(q, k, v)
+    for g in grads:
+        assert np.all(np.isfinite(g))
+
+
+@pytest.mark.parametrize("fn,order,modes", [
+    # Second order forward-over-forward on the fast path; reverse-over-reverse
+    # would add ~10 s of compilation for little extra evidence, so reverse mode
+    # (what training uses) is checked at first order on both paths.
+    (sdpa, 2, ("fwd",)), (sdpa, 1, ("rev",)), (reference, 1, ("fwd", "rev"))],
+    ids=["fast-fwd2", "fast-rev1", "reference"])
+def test_gradients_match_finite_differences(fn, order, modes):
+    """Float64 inputs (softmax stays float64 for them), so the default tolerances apply."""
+    with jax.enable_x64(True):
+        q, k, v = (x.astype(jnp.float64) for x in qkv(B=1, T=3, S=4, N=2, K=1, H=4))
+        bias = jnp.asarray(np.random.default_rng(0).normal(size=(1, 2, 3, 4)))
+        mask = padding_mask(jnp.array([3]), 4)
+        f = functools.partial(fn, mask=mask, is_causal=True)
+        # bias is differentiable too (e.g. ALiBi or relative-position biases)
+        check_grads(lambda q, k, v, b: f(q, k, v, bias=b), (q, k, v, bias),
+                    order=order, modes=modes)
+
+
+def test_bf16_agrees_with_float32():
+    q16, k16, v16 = qkv(B=2, T=6, S=6, N=4, K=2, H=16, dtype=jnp.bfloat16)
+    out16 = sdpa(q16, k16, v16, is_causal=True)
+    assert out16.dtype == jnp.bfloat16
+    out32 = sdpa(*(x.astype(jnp.float32) for x in (q16, k16, v16)), is_causal=True)
+    # bf16 has an 8-bit mantissa (eps 2^-8 ~ 0.4%); outputs are O(1) averages
+    # and the weights are cast to bf16 before the value product.
+    np.testing.assert_allclose(out16.astype(jnp.float32), out32, rtol=2e-2, atol=2e-2)
+
+
+# --------------------------------------------------------------------------
+# Dropout on the weights (seed 004).
+
+
+# One shape and one rate for every dropout test, so that the random-bits
+# program compiles once, and "rbg" keys: XLA compiles the default threefry
+# bit generator for this shape in seconds on this CPU, RngBitGenerator in
+# well under one. The dropout logic under test is the same for every key type.
+DROPOUT_SHAPE = dict(B=4, T=16, S=16, N=4, K=2, H=8)
+P = 0.5
+
+
+def raw_key(i):
+    return jax.random.key(i, impl="rbg")
+
+
+def test_dropout_off_is_identity():
+    q, k, v = qkv(**DROPOUT_SHAPE)
+    base = sdpa(q, k, v, return_weights=True)
+    for kw in ({"dropout_rate": 0.0, "dropout_rng": raw_key(1)}, {"dropout_rate": P}):
+        out = sdpa(q, k, v, return_weights=True, **kw)
+        np.testing.assert_array_equal(out[0], base[0])
+        np.testing.assert_array_equal(out[1], base[1])
+
+
+def test_dropout_zeroes_or_rescales_weights_and_is_deterministic():
+    q, k, v = qkv(**DROPOUT_SHAPE)
+    _, clean = sdpa(q, k, v, return_weights=True)
+    out, dropped = sdpa(q, k, v, dropout_rate=P, dropout_rng=raw_key(3), return_weights=True)
+    dropped, clean = np.asarray(dropped), np.asarray(clean)
+    zero = dropped == 0.0
+    assert 0 < zero.sum() < zero.size
+    np.testing.assert_allclose(dropped[~zero], clean[~zero] / (1 - P), rtol=1e-6)
+    # The output uses the dropped weights.
+    np.testing.assert_allclose(out, reference_out(dropped, v), rtol=1e-5, atol=1e-5)
+    again = sdpa(q, k, v, dropout_rate=P, dropout_rng=raw_key(3), return_weights=True)
+    np.testing.assert_array_equal(again[1], dropped)
+    other = sdpa(q, k, v, dropout_rate=P, dropout_rng=raw_key(4), return_weights=True)
+    assert not np.array_equal(other[1], dropped)
+
+
+def reference_out(weights, v):
+    """out[b,t,n] = sum_s weights[b,n,t,s] v[b,s,n // G]."""
+    N, K = weights.shape[1], v.shape[2]
+    v_rep = np.repeat(np.asarray(v), N // K, axis=2)
+    return np.einsum("bnts,bsnh->btnh", weights, v_rep)
+
+
+def test_dropout_preserves_the_mean_statistically():
+    """E[dropped weight] = weight: the mean of dropped / clean over many draws is 1."""
+    q, k, v = qkv(**DROPOUT_SHAPE)
+    _, clean = sdpa(q, k, v, return_weights=True)
+    ratios = np.stack([
+        np.asarray(sdpa(q, k, v, dropout_rate=P, dropout_rng=raw_key(i),
+                        return_weights=True)[1]) / np.asarray(clean)
+        for i in range(10, 14)])  # each entry is 0 or 1/(1-P) = 2: mean 1, std 1
+    # 16384 Bernoulli draws: standard error 1/128 ~ 0.008; 0.05 is > 6 sigma,
+    # while a missing 1/(1-P) rescale would give a mean of 0.5.
+    assert abs(ratios.mean() - 1.0) < 0.05
+    assert abs(np.mean(ratios == 0.0) - P) < 0.05
+
+
+# --------------------------------------------------------------------------
+# Error paths: ValueError/TypeError naming the argument, before tracing.
+
+
+@pytest.mark.parametrize("fn", [scaled_dot_product_attention, reference_attention],
+                         ids=["fast", "reference"])
+def test_errors(fn):
+    q, k, v = qkv(B=1, T=2, S=3, N=4, K=2, H=8)
+    with pytest.raises(ValueError,
+                       match=r"query must have rank 4 \[B, T, N, H\], got shape \(2, 4, 8\)"):
+        fn(q[0], k, v)
+    with pytest.raises(ValueError, match=r"key must have rank 4"):
+        fn(q, k[0], v)
+    with pytest.raises(ValueError, match=r"value must have rank 4"):
+        fn(q, k, v[..., None])
+    with pytest.raises(ValueError, match=r"head dims differ: query .* H=8, key .* H=4"):
+        fn(q, k[..., :4], v)
+    with pytest.raises(ValueError, match=r"query heads N=4 .* multiple of key/value heads K=3"):
+        q3, k3, v3 = qkv(B=1, T=2, S=3, N=4, K=3)
+        fn(q3, k3, v3)
+    with pytest.raises(ValueError, match=r"batch sizes differ"):
+        fn(q, jnp.concatenate([k, k]), v)
+    with pytest.raises(ValueError, match=r"value .* must match key .* in length S and heads K"):
+        fn(q, k, v[:, :2])
+    with pytest.raises(ValueError,
+                       match=r"mask of shape \(2, 2\) is not broadcastable to \[B, N, T, S\]"):
+        fn(q, k, v, mask=jnp.ones((2, 2), bool))
+    with pytest.raises(ValueError, match=r"mask of shape \(1, 2, 2, 3\) is not broadcastable"):
+        fn(q, k, v, mask=jnp.ones((1, 2, 2, 3), bool))  # 2 heads, neither 1 nor N=4
+    with pytest.raises(TypeError, match=r"mask must be a boolean array"):
+        fn(q, k, v, mask=jnp.ones((2, 3)))
+    with pytest.raises(ValueError, match=r"bias of shape \(3, 2\) is not broadcastable"):
+        fn(q, k, v, bias=jnp.zeros((3, 2)))
+
+
+def test_dropout_rate_errors():
+    q, k, v = qkv()
+    for rate in (-0.1, 1.0, 1.5):
+        with pytest.raises(ValueError, match=r"dropout_rate must be in \[0, 1\)"):
+            scaled_dot_product_attention(q, k, v, dropout_rate=rate,
+                                         dropout_rng=jax.random.PRNGKey(0))
+
+
+def test_errors_are_raised_under_jit_before_tracing_fails():
+    q, k, v = qkv(B=1, T=2, S=3, N=4, K=3)
+    with pytest.raises(ValueError, match=r"N=4 .* K=3"):
+        jax.jit(scaled_dot_product_attention)(q, k, v)
+
+
+def test_repeat_kv_errors():
+    x = jnp.zeros((1, 2, 2, 4))
+    with pytest.raises(ValueError, match=r"x must have rank 4"):
+        repeat_kv(x[0], 2)
+    for bad in (0, -1, 1.5):
+        with pytest.raises(ValueError, match=r"n_rep must be a positive integer"):
+            repeat_kv(x, bad)
