@@ -75,7 +75,7 @@ def random_init(name: str, seed: int = 0) -> tuple[dict, ModelConfig, Tokenizer]
     if tokenizer.vocab_size != config.vocab_size:
         raise SampleError(f"config {name!r} has vocab_size {config.vocab_size}, but the character "
                           f"vocabulary of Tiny Shakespeare has {tokenizer.vocab_size}")
-    params = DecoderLM(config).init(jax.random.PRNGKey(seed), np.zeros((1, 1), np.int32))["params"]
+    params = jax.jit(DecoderLM(config).init)(jax.random.PRNGKey(seed), np.zeros((1, 1), np.int32))["params"]
     return params, config, tokenizer
 
 
