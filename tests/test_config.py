@@ -1,0 +1,91 @@
+import json
+
+import pytest
+
+from train.config import CONFIG_DIR, ExperimentConfig, TrainConfig, load_config, parse_override
+
+BABY_VARIANTS = ["gqa", "mqa", "mla", "learned", "sinusoidal", "rope"]
+
+
+def test_default_is_nanogpt_baby_run():
+    cfg = load_config()
+    m, t = cfg.model, cfg.train
+    assert (m.num_layers, m.num_heads, m.d_model, m.dropout) == (4, 4, 128, 0.0)
+    assert (t.block_size, t.batch_size, t.max_iters, t.lr, t.min_lr) == (64, 12, 2000, 1e-3, 1e-4)
+    assert (t.lr_decay_iters, t.warmup_iters, t.beta2, t.eval_interval, t.eval_iters) == (2000, 100, 0.99, 250, 20)
+
+
+def test_gpu_config_and_every_file_loads():
+    gpu = load_config("shakespeare_char")
+    assert (gpu.model.num_layers, gpu.model.num_heads, gpu.model.d_model) == (6, 6, 384)
+    assert (gpu.train.block_size, gpu.train.batch_size, gpu.model.dropout, gpu.train.max_iters) == (256, 64, 0.2, 5000)
+    for path in CONFIG_DIR.glob("*.toml"):
+        assert load_config(path.stem).name == path.stem
+
+
+def test_baby_variants_inherit_and_change_one_thing():
+    baby = load_config()
+    got = {v: load_config(f"shakespeare_char_baby_{v}") for v in BABY_VARIANTS}
+    assert got["gqa"].model.kv_heads == 2 and got["mqa"].model.kv_heads == 1
+    assert got["mla"].model.attention == "mla"
+    for p in ("learned", "sinusoidal", "rope"):
+        assert got[p].model.positions == p
+        assert got[p].model.replace(positions=baby.model.positions) == baby.model
+    assert got["gqa"].train.replace(out_dir=baby.train.out_dir) == baby.train
+
+
+def test_overrides_coerce_types():
+    cfg = load_config(overrides=["model.d_model=256", "train.lr=3e-4", "train.min_lr=0",
+                                 "model.num_kv_heads=none", "train.data_path=/tmp/x.txt",
+                                 "train.tokenizer=byte", "train.checkpoint=false",
+                                 'model.rope_scaling={kind = "linear", factor = 2}'])
+    assert cfg.model.d_model == 256 and cfg.train.lr == 3e-4
+    assert isinstance(cfg.train.min_lr, float) and cfg.train.min_lr == 0.0
+    assert cfg.model.num_kv_heads is None and cfg.train.data_path == "/tmp/x.txt"
+    assert cfg.train.tokenizer == "byte" and cfg.train.checkpoint is False
+    assert cfg.model.rope_scaling.kind == "linear" and cfg.model.rope_scaling.factor == 2.0
+
+
+@pytest.mark.parametrize("override, error, match", [
+    ("model.d_modl=256", ValueError, r"unknown model keys \['d_modl'\]"),
+    ("train.learning_rate=1", ValueError, "unknown train keys"),
+    ("model.d_model=big", TypeError, "model.d_model must be an integer"),
+    ("model.d_model=2.5", TypeError, "model.d_model must be an integer"),
+    ("train.lr=fast", TypeError, "train.lr must be a number"),
+    ("train.checkpoint=1", TypeError, "must be a bool"),
+    ("model.positions=alibi", ValueError, r"model.positions must be one of \('learned'"),
+    ("train.tokenizer=bpe", ValueError, "train.tokenizer must be one of"),
+    ("train.beta2=1.5", ValueError, r"beta2 must be in \(0, 1\)"),
+    ("train.batch_size=0", ValueError, "batch_size must be positive"),
+    ("model.num_kv_heads=3", ValueError, "multiple of"),
+    ("d_model=3", ValueError, "model.FIELD=VALUE"),
+    ("optim.lr=3", ValueError, "model.FIELD=VALUE"),
+])
+def test_validation_errors(override, error, match):
+    with pytest.raises(error, match=match):
+        load_config(overrides=[override])
+
+
+def test_unknown_keys_in_files(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[model]\nd_model = 64\n[optimizer]\nlr = 1\n')
+    with pytest.raises(ValueError, match=r"unknown config file bad.toml keys \['optimizer'\]"):
+        load_config(bad)
+    bad.write_text('[train]\nbatchsize = 4\n')
+    with pytest.raises(ValueError, match=r"unknown train keys \['batchsize'\]"):
+        load_config(bad)
+    with pytest.raises(FileNotFoundError, match="available: .*shakespeare_char_baby"):
+        load_config("no_such_experiment")
+
+
+def test_json_round_trip():
+    cfg = load_config("shakespeare_char_baby_gqa", ["model.rope_scaling={kind='ntk', factor=4.0}"])
+    again = ExperimentConfig.from_dict(json.loads(cfg.to_json()))
+    assert again == cfg
+
+
+def test_parse_override_values():
+    assert parse_override("train.sample_prompt='ROMEO:'") == ("train", "sample_prompt", "ROMEO:")
+    assert parse_override("train.out_dir=runs/x") == ("train", "out_dir", "runs/x")
+    assert parse_override("model.dropout=0.1") == ("model", "dropout", 0.1)
+    assert TrainConfig().replace(seed=3).seed == 3

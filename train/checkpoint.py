@@ -1,0 +1,132 @@
+"""Checkpoints with orbax: the latest state and the best state by val loss.
+
+Layout under a run's out_dir:
+  checkpoints/latest/<step>/   params, optimizer state, step, rng + meta.json (config, tokenizer)
+  checkpoints/best/<step>/     the same, for the lowest val loss seen so far
+
+Each is an orbax CheckpointManager keeping one step. Orbax writes a step into
+`<step>.orbax-checkpoint-tmp-*` and renames it to `<step>` only once every file is on
+disk; readers only see renamed steps, so a process killed mid-save leaves the previous
+checkpoint as the latest valid one (tests/test_checkpoint.py kills a real save).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from orbax.checkpoint.checkpoint_managers import LatestN
+
+from jaxattn.config import ModelConfig
+from train.config import ExperimentConfig
+from train.tokenizer import Tokenizer, from_dict as tokenizer_from_dict
+
+FORMAT_VERSION = 1
+KINDS = ("latest", "best")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, unreadable or does not match the run."""
+
+
+def _manager(directory: Path, *, create: bool) -> ocp.CheckpointManager:
+    options = ocp.CheckpointManagerOptions(
+        preservation_policy=LatestN(n=1), create=create, enable_async_checkpointing=False,
+        cleanup_tmp_directories=create)
+    return ocp.CheckpointManager(directory.absolute(), options=options, item_names=("state", "meta"))
+
+
+class Checkpointer:
+    """Saves and restores a run's train state: {'params', 'opt_state', 'step', 'rng'}."""
+
+    def __init__(self, out_dir: str | Path):
+        self.root = Path(out_dir) / "checkpoints"
+        self._managers = {kind: _manager(self.root / kind, create=True) for kind in KINDS}
+
+    def save(self, kind: str, step: int, state: Any, *, config: ExperimentConfig,
+             tokenizer: Tokenizer, val_loss: float | None, best_val_loss: float | None) -> None:
+        meta = {"format": FORMAT_VERSION, "step": int(step), "val_loss": _finite_or_none(val_loss),
+                "best_val_loss": _finite_or_none(best_val_loss), "config": config.to_dict(),
+                "tokenizer": tokenizer.to_dict()}
+        self._managers[kind].save(step, args=ocp.args.Composite(
+            state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
+
+    def latest_step(self, kind: str = "latest") -> int | None:
+        return self._managers[kind].latest_step()
+
+    def restore(self, kind: str, abstract_state: Any) -> tuple[Any, dict]:
+        """(state shaped like `abstract_state`, meta) of the newest `kind` checkpoint."""
+        return _restore(self._managers[kind], self.root / kind, abstract_state)
+
+    def close(self) -> None:
+        for manager in self._managers.values():
+            manager.close()
+
+
+def _finite_or_none(x: float | None) -> float | None:
+    return None if x is None or not math.isfinite(float(x)) else float(x)
+
+
+def _restore(manager: ocp.CheckpointManager, directory: Path, abstract_state: Any | None):
+    step = manager.latest_step()
+    if step is None:
+        raise CheckpointError(f"no finished checkpoint in {directory}")
+    state_args = ocp.args.StandardRestore(abstract_state) if abstract_state is not None \
+        else ocp.args.StandardRestore()
+    try:
+        restored = manager.restore(step, args=ocp.args.Composite(
+            state=state_args, meta=ocp.args.JsonRestore()))
+    except (ValueError, KeyError, TypeError) as err:
+        raise CheckpointError(
+            f"checkpoint {directory / str(step)} does not match this model/optimizer "
+            f"(different config?): {err}") from err
+    meta = restored["meta"]
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION:
+        raise CheckpointError(f"checkpoint {directory / str(step)} has an unknown format: {meta!r:.200}")
+    return restored["state"], meta
+
+
+def check_compatible(meta: dict, config: ExperimentConfig) -> list[str]:
+    """Raises if the checkpoint's model differs; returns warnings for train settings that
+    change the batches or schedule (a resume is exact only when these match)."""
+    saved = ExperimentConfig.from_dict(meta["config"])
+    if saved.model != config.model:
+        diff = {k: (v, getattr(config.model, k)) for k, v in saved.model.to_dict().items()
+                if getattr(config.model, k) != v and k != "rope_scaling"}
+        raise CheckpointError(f"checkpoint model config differs from this run's: "
+                              f"{{field: (checkpoint, now)}} = {diff or 'rope_scaling'}")
+    exact = ("seed", "batch_size", "block_size", "lr", "min_lr", "warmup_iters",
+             "lr_decay_iters", "beta1", "beta2", "weight_decay", "grad_clip", "data_path")
+    return [f"train.{k} was {getattr(saved.train, k)!r}, now {getattr(config.train, k)!r}"
+            for k in exact if getattr(saved.train, k) != getattr(config.train, k)]
+
+
+def _find_manager_dir(path: Path) -> Path:
+    """Accepts a run dir, its checkpoints/ dir, or checkpoints/{best,latest}."""
+    for candidate in (path / "checkpoints" / "best", path / "checkpoints" / "latest",
+                      path / "best", path / "latest", path):
+        if candidate.is_dir() and any(p.name.isdigit() for p in candidate.iterdir()):
+            return candidate
+    raise CheckpointError(
+        f"no checkpoint found under {path}: expected a run directory with checkpoints/best or "
+        "checkpoints/latest holding a finished step (train with `python -m train.tiny_lm` first)")
+
+
+def load_for_sampling(directory: str | Path) -> tuple[Any, ModelConfig, Tokenizer]:
+    """(params, model config, tokenizer) of a run's best checkpoint (else its latest)."""
+    path = Path(directory)
+    if not path.exists():
+        raise CheckpointError(f"checkpoint directory {str(path)!r} does not exist")
+    found = _find_manager_dir(path)
+    manager = _manager(found, create=False)
+    try:
+        state, meta = _restore(manager, found, None)
+    finally:
+        manager.close()
+    config = ExperimentConfig.from_dict(meta["config"])
+    params = jax.tree.map(np.asarray, state["params"])
+    return params, config.model, tokenizer_from_dict(meta["tokenizer"])

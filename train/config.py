@@ -1,0 +1,243 @@
+"""Experiment configs: a typed TrainConfig, configs/NAME.toml files and `--set` overrides.
+
+A config file has a `[model]` table (jaxattn.config.ModelConfig fields) and a `[train]`
+table (TrainConfig fields); `base = "other_name"` at the top inherits another file and
+overrides some of its values. Unknown keys, wrong types and bad choices are errors.
+Overrides use the same value syntax as TOML: `--set model.d_model=256 train.lr=3e-4
+train.data_path=/x.txt model.num_kv_heads=none`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tomllib
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, Mapping, Sequence
+
+from jaxattn.config import ModelConfig
+from jaxattn.rope import RopeScaling
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+DEFAULT_CONFIG = "shakespeare_char_baby"
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """How to train. Defaults are nanoGPT's CPU "baby" Shakespeare run.
+
+    Attributes:
+      batch_size, block_size: B sequences of T tokens per step.
+      max_iters: optimizer steps.
+      lr, min_lr: peak and final learning rate.
+      warmup_iters: linear warmup from 0 to lr.
+      lr_decay_iters: cosine decay from lr to min_lr ends here (then min_lr).
+      beta1, beta2, weight_decay: AdamW.
+      decay_embeddings: apply weight decay to embedding tables too (nanoGPT does).
+      grad_clip: clip_by_global_norm threshold (0 = off).
+      eval_interval, eval_iters: evaluate every N steps on eval_iters fixed batches per split.
+      log_interval: steps between progress-bar/metrics updates.
+      steps_per_dispatch: optimizer steps fused into one jitted call with lax.scan.
+      seed: the one seed of params, batches and dropout.
+      out_dir: where checkpoints, metrics.jsonl, config.json and loss.png go.
+      checkpoint: save latest and best-by-val-loss checkpoints at each eval.
+      data_path: the corpus (None: see train.data).
+      tokenizer: "char" or "byte".
+      val_fraction: the last fraction of the corpus held out.
+      sample_tokens, sample_temperature, sample_prompt: the sample printed at the end.
+      plot: write the loss curve PNG at the end.
+    """
+
+    batch_size: int = 12
+    block_size: int = 64
+    max_iters: int = 2000
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    warmup_iters: int = 100
+    lr_decay_iters: int = 2000
+    beta1: float = 0.9
+    beta2: float = 0.99
+    weight_decay: float = 0.1
+    decay_embeddings: bool = True
+    grad_clip: float = 1.0
+    eval_interval: int = 250
+    eval_iters: int = 20
+    log_interval: int = 10
+    steps_per_dispatch: int = 1
+    seed: int = 1337
+    out_dir: str = "runs/shakespeare_char_baby"
+    checkpoint: bool = True
+    data_path: str | None = None
+    tokenizer: Literal["char", "byte"] = "char"
+    val_fraction: float = 0.1
+    sample_tokens: int = 300
+    sample_temperature: float = 0.8
+    sample_prompt: str = "\n"
+    plot: bool = True
+
+    def __post_init__(self):
+        for name in ("batch_size", "block_size", "max_iters", "eval_interval", "eval_iters",
+                     "log_interval", "steps_per_dispatch", "lr_decay_iters"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"TrainConfig.{name} must be positive, got {getattr(self, name)}")
+        for name in ("warmup_iters", "sample_tokens", "weight_decay", "grad_clip", "min_lr"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"TrainConfig.{name} must be >= 0, got {getattr(self, name)}")
+        if not 0 < self.lr:
+            raise ValueError(f"TrainConfig.lr must be positive, got {self.lr}")
+        if self.min_lr > self.lr:
+            raise ValueError(f"TrainConfig.min_lr={self.min_lr} exceeds lr={self.lr}")
+        for name in ("beta1", "beta2", "val_fraction"):
+            if not 0.0 < getattr(self, name) < 1.0:
+                raise ValueError(f"TrainConfig.{name} must be in (0, 1), got {getattr(self, name)}")
+        if self.sample_temperature < 0:
+            raise ValueError(f"TrainConfig.sample_temperature must be >= 0, got {self.sample_temperature}")
+        if self.tokenizer not in ("char", "byte"):
+            raise ValueError(f"TrainConfig.tokenizer must be one of ('char', 'byte'), got {self.tokenizer!r}")
+
+    def replace(self, **changes) -> "TrainConfig":
+        return dataclasses.replace(self, **changes)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExperimentConfig:
+    """A named experiment: the model and how to train it."""
+
+    name: str
+    model: ModelConfig
+    train: TrainConfig
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "model": self.model.to_dict(),
+                "train": dataclasses.asdict(self.train)}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True, ensure_ascii=False)
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> "ExperimentConfig":
+        """Inverse of to_dict, with the same checks as a config file."""
+        _reject_unknown("experiment", values, {"name", "model", "train"})
+        return cls(name=str(values.get("name", "unnamed")),
+                   model=_build(ModelConfig, values.get("model", {}), "model"),
+                   train=_build(TrainConfig, values.get("train", {}), "train"))
+
+    def replace(self, **changes) -> "ExperimentConfig":
+        return dataclasses.replace(self, **changes)
+
+
+# ----------------------------------------------------------------------------- type checks
+
+def _reject_unknown(where: str, values: Mapping[str, Any], known) -> None:
+    unknown = sorted(set(values) - set(known))
+    if unknown:
+        raise ValueError(f"unknown {where} keys {unknown}; known keys: {sorted(known)}")
+
+
+def _coerce(name: str, value: Any, hint: Any) -> Any:
+    """`value` checked against the type annotation `hint` (ints are accepted as floats)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return _coerce(name, value, arg)
+            except (TypeError, ValueError) as err:
+                errors.append(str(err))
+        raise TypeError(f"{name} must be one of {hint}, got {value!r}: {'; '.join(errors)}")
+    if origin is Literal:
+        if value not in args:
+            raise ValueError(f"{name} must be one of {args}, got {value!r}")
+        return value
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be a bool (true/false), got {value!r}")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an integer, got {value!r}")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"{name} must be a number, got {value!r}")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise TypeError(f"{name} must be a string, got {value!r}")
+        return value
+    if hint is RopeScaling:
+        if isinstance(value, RopeScaling):
+            return value
+        if not isinstance(value, Mapping):
+            raise TypeError(f"{name} must be a table like {{kind = \"linear\", factor = 2.0}}, got {value!r}")
+        return _build(RopeScaling, value, name)
+    raise TypeError(f"{name}: unsupported annotation {hint!r}")
+
+
+def _build(cls, values: Mapping[str, Any], where: str):
+    """cls(**values) with unknown keys, types and choices checked first."""
+    if isinstance(values, cls):
+        return values
+    if not isinstance(values, Mapping):
+        raise TypeError(f"{where} must be a table, got {values!r}")
+    hints = typing.get_type_hints(cls)
+    _reject_unknown(where, values, hints)
+    return cls(**{k: _coerce(f"{where}.{k}", v, hints[k]) for k, v in values.items()})
+
+
+# ----------------------------------------------------------------------------- files and overrides
+
+def config_path(name_or_path: str | Path) -> Path:
+    """configs/NAME.toml for a bare name, else the given path."""
+    path = Path(name_or_path)
+    if path.suffix != ".toml":
+        path = CONFIG_DIR / f"{name_or_path}.toml"
+    if not path.is_file():
+        available = sorted(p.stem for p in CONFIG_DIR.glob("*.toml"))
+        raise FileNotFoundError(f"config {str(name_or_path)!r} not found at {path}; available: {available}")
+    return path
+
+
+def _read_tables(name_or_path: str | Path, seen: tuple[str, ...] = ()) -> dict[str, dict]:
+    path = config_path(name_or_path)
+    if str(path) in seen:
+        raise ValueError(f"config inheritance cycle: {' -> '.join(seen + (str(path),))}")
+    with open(path, "rb") as f:
+        raw = tomllib.load(f)
+    _reject_unknown(f"config file {path.name}", raw, {"base", "model", "train"})
+    tables = _read_tables(raw["base"], seen + (str(path),)) if "base" in raw else {"model": {}, "train": {}}
+    for table in ("model", "train"):
+        tables[table] = {**tables[table], **raw.get(table, {})}
+    return tables
+
+
+def parse_override(item: str) -> tuple[str, str, Any]:
+    """'model.d_model=256' -> ('model', 'd_model', 256); values use TOML syntax, bare words are strings."""
+    key, sep, text = item.partition("=")
+    table, dot, field = key.strip().partition(".")
+    if not sep or not dot or table not in ("model", "train") or not field:
+        raise ValueError(f"override {item!r} must look like model.FIELD=VALUE or train.FIELD=VALUE")
+    text = text.strip()
+    if text.lower() in ("none", "null"):
+        return table, field, None
+    try:
+        value = tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = text
+    return table, field, value
+
+
+def load_config(name_or_path: str | Path = DEFAULT_CONFIG,
+                overrides: Sequence[str] = ()) -> ExperimentConfig:
+    """Reads configs/NAME.toml (following `base`), applies overrides, validates everything."""
+    tables = _read_tables(name_or_path)
+    for item in overrides:
+        table, field, value = parse_override(item)
+        tables[table][field] = value
+    model = _build(ModelConfig, tables["model"], "model")
+    train = _build(TrainConfig, tables["train"], "train")
+    return ExperimentConfig(name=Path(name_or_path).stem, model=model, train=train)
