@@ -132,20 +132,26 @@ def build_programs(config: ExperimentConfig) -> Programs:
 # ----------------------------------------------------------------------------- sampling
 
 def sample_text(config: ExperimentConfig, params: Any, tokenizer: Tokenizer, *, seed: int) -> tuple[str, str]:
-    """(text, method): jaxattn.decoding.generate when available, else a full-forward loop."""
+    """(text, method). jaxattn.decoding.generate (KV cache) when prompt + sample fit in
+    max_seq_len; otherwise nanoGPT's way: a sliding window of block_size tokens re-run each step."""
     tc = config.train
-    prompt = tokenizer.encode(tc.sample_prompt)
+    prompt = tokenizer.encode(tc.sample_prompt)[-tc.block_size:]
     key = jax.random.PRNGKey(seed)
+    fits = len(prompt) + tc.sample_tokens <= config.model.max_seq_len
     try:
         from jaxattn.decoding import generate
     except ImportError:
         generate = None
-    if generate is not None:
-        tokens = generate(config.model, params, jnp.asarray(prompt)[None], max_new_tokens=tc.sample_tokens,
-                          temperature=tc.sample_temperature, rng=key)
-        return tokenizer.decode(np.asarray(tokens)[0]), "jaxattn.decoding.generate (KV cache)"
-    ids = full_forward_sample(config, params, prompt, tc.sample_tokens, tc.sample_temperature, key)
-    return tokenizer.decode(np.concatenate([prompt, ids])), "full-forward loop (no KV cache)"
+    if generate is not None and fits:
+        out = generate(params, config.model, jnp.asarray(prompt)[None], jnp.asarray([len(prompt)]),
+                       max_new_tokens=tc.sample_tokens, rng=key, temperature=tc.sample_temperature)
+        ids = np.asarray(out.tokens)[0]
+        method = "jaxattn.decoding.generate, KV cache"
+    else:
+        ids = full_forward_sample(config, params, prompt, tc.sample_tokens, tc.sample_temperature, key)
+        method = (f"sliding {tc.block_size}-token window, full forward per token, no KV cache: "
+                  + ("longer than max_seq_len" if not fits else "jaxattn.decoding not available"))
+    return tokenizer.decode(np.concatenate([prompt, ids])), method
 
 
 def full_forward_sample(config: ExperimentConfig, params, prompt: np.ndarray, num_tokens: int,
@@ -189,6 +195,12 @@ class RunResult:
     num_params: int
     sample: str
     out_dir: str
+    config: ExperimentConfig = dataclasses.field(repr=False, default=None)  # resolved (vocab from data)
+    params: Any = dataclasses.field(repr=False, default=None)  # the final parameters
+
+    def figures(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.name not in ("config", "params")}
 
 
 def resolve(config: ExperimentConfig, tokenizer: Tokenizer) -> ExperimentConfig:
@@ -331,8 +343,9 @@ def train(config: ExperimentConfig, *, resume: bool = False, quiet: bool = False
         final_train_loss=last["train"] if last else float("nan"), best_val_loss=best_val,
         steps=tc.max_iters, median_tokens_per_s=tokens_per_step / median_step,
         median_ms_per_iter=1e3 * median_step, compile_s=compile_s,
-        wall_s=time.perf_counter() - wall_start, num_params=num_params, sample=text, out_dir=str(out))
-    (out / "result.json").write_text(json.dumps(dataclasses.asdict(result), indent=2))
+        wall_s=time.perf_counter() - wall_start, num_params=num_params, sample=text, out_dir=str(out),
+        config=config, params=state["params"])
+    (out / "result.json").write_text(json.dumps(result.figures(), indent=2))
     return result
 
 
