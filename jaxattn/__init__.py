@@ -8,10 +8,26 @@ The functional core (pure, jit-able):
 * positions: `rope_frequencies`, `apply_rope`, `RopeScaling`,
   `rope_attention_factor`, `sinusoidal_positions`
 * `additive_attention`
+
+The Flax modules and the model (built from one `ModelConfig`):
+
+* `Attention` (MHA/MQA/GQA), `MultiHeadLatentAttention`, `MLP`, `RMSNorm`, `LayerNorm`
+* `Block`, `DecoderLM`, `count_params`
+* caches: `KVCache`, `LatentCache`, `DecodeCache`, `init_cache`, `cache_bytes_per_token`
 """
 
 from jaxattn.additive import additive_attention
 from jaxattn.attention import reference_attention, repeat_kv, scaled_dot_product_attention
+from jaxattn.cache import DecodeCache, KVCache, LatentCache, cache_bytes_per_token, init_cache
+from jaxattn.config import ModelConfig
+from jaxattn.layers import (
+    MLP,
+    Attention,
+    LayerNorm,
+    RMSNorm,
+    fused_to_separate_qkv,
+    separate_to_fused_qkv,
+)
 from jaxattn.masks import (
     causal_mask,
     combine_masks,
@@ -20,11 +36,30 @@ from jaxattn.masks import (
     sliding_window_mask,
 )
 from jaxattn.positions import sinusoidal_positions
+from jaxattn.mla import MultiHeadLatentAttention, latent_attention
+from jaxattn.model import Block, DecoderLM, count_params
 from jaxattn.rope import RopeScaling, apply_rope, rope_attention_factor, rope_frequencies
 
 __all__ = [
+    "Attention",
+    "Block",
+    "DecodeCache",
+    "DecoderLM",
+    "KVCache",
+    "LatentCache",
+    "LayerNorm",
+    "MLP",
+    "ModelConfig",
+    "MultiHeadLatentAttention",
+    "RMSNorm",
     "RopeScaling",
     "additive_attention",
+    "cache_bytes_per_token",
+    "count_params",
+    "fused_to_separate_qkv",
+    "init_cache",
+    "latent_attention",
+    "separate_to_fused_qkv",
     "apply_rope",
     "causal_mask",
     "combine_masks",

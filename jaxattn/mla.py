@@ -1,0 +1,234 @@
+"""Multi-head Latent Attention (DeepSeek-V2/V3): attention through a low-rank latent.
+
+Letters (beyond B, T, S, N, D): R = kv_lora_rank (the latent), P =
+qk_nope_head_dim (per-head key/query dims without position), E =
+qk_rope_head_dim (decoupled rotary dims), V = v_head_dim, Q = q_lora_rank.
+
+    queries:  x -> [W_DQ -> RMSNorm -> W_UQ] -> q_nope [B,T,N,P], q_rope [B,T,N,E]
+    keys:     x -> W_DKV -> c_kv [B,S,R] (RMSNorm), k_rope [B,S,E] (one key, all heads)
+    naive:    c_kv -> W_UKV -> k_nope [B,S,N,P], v [B,S,N,V];
+              attention of [q_nope, q_rope] on [k_nope, k_rope], values v
+    absorb:   q_nope W_UK -> q_latent [B,T,N,R] attends c_kv directly; the
+              output o_latent [B,T,N,R] goes through W_UV -> [B,T,N,V]
+
+The two are the same numbers: q_nope . (c W_UK) = (q_nope W_UK^T) . c, and
+sum_s w_s (c_s W_UV) = (sum_s w_s c_s) W_UV. Absorbed, the cache holds only
+c_kv and k_rope, R + E numbers per token and layer.
+"""
+
+from __future__ import annotations
+
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jaxattn.attention import scaled_dot_product_attention
+from jaxattn.cache import LatentCache, visible_mask, write_rows
+from jaxattn.config import ModelConfig
+from jaxattn.layers import RMSNorm, make_linear
+from jaxattn.masks import causal_mask, combine_masks
+from jaxattn.rope import apply_rope, rope_attention_factor, rope_frequencies
+
+_MASKED_LOGIT = float(jnp.finfo(jnp.float32).min)
+
+
+def latent_attention(q_latent, q_rope, c_kv, k_rope, *, scale, mask=None, is_causal=False,
+                     dropout_rate=0.0, dropout_rng=None):
+    """Softmax attention of absorbed queries against the latent cache, as einsums.
+
+    The latent acts as one key/value head shared by every query head (MQA with
+    K = 1): keys are `[c_kv, k_rope]`, values are `c_kv`.
+
+    Args:
+      q_latent: `[B, T, N, R]` queries with W_UK absorbed.
+      q_rope: `[B, T, N, E]` rotated rotary queries.
+      c_kv: `[B, S, R]` latents; k_rope: `[B, S, E]` rotated shared rotary keys.
+      scale: softmax scale; mask: bool, True = attend, broadcastable to `[B, N, T, S]`;
+      is_causal: also `causal_mask(T, S)`.
+
+    Returns:
+      `(o_latent [B, T, N, R], weights [B, N, T, S] float32)`; a query with no
+      visible key gets zeros.
+    """
+    f32 = jnp.float32
+    logits = (jnp.einsum("BTNR,BSR->BNTS", q_latent, c_kv, preferred_element_type=f32)
+              + jnp.einsum("BTNE,BSE->BNTS", q_rope, k_rope, preferred_element_type=f32)) * scale
+    T, S = logits.shape[-2:]
+    allowed = combine_masks(mask, causal_mask(T, S) if is_causal else None)
+    if allowed is not None:
+        logits = jnp.where(allowed, logits, _MASKED_LOGIT)
+    weights = jax.nn.softmax(logits, axis=-1)
+    if allowed is not None:
+        weights = jnp.where(allowed, weights, 0.0)
+    if dropout_rate > 0.0 and dropout_rng is not None:
+        keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, weights.shape)
+        weights = jnp.where(keep, weights / (1.0 - dropout_rate), 0.0)
+    o_latent = jnp.einsum("BNTS,BSR->BTNR", weights.astype(c_kv.dtype), c_kv)
+    return o_latent, weights
+
+
+def _check_mla(config: ModelConfig) -> None:
+    if not isinstance(config, ModelConfig):
+        raise TypeError(f"config must be a jaxattn.ModelConfig, got {type(config).__name__}")
+    if config.q_lora_rank is not None and (not isinstance(config.q_lora_rank, int)
+                                           or config.q_lora_rank <= 0):
+        raise ValueError(f"ModelConfig.q_lora_rank must be None or a positive integer, "
+                         f"got {config.q_lora_rank!r}")
+
+
+class MultiHeadLatentAttention(nn.Module):
+    """MLA with N heads. Parameters (bias-free, as DeepSeek's):
+
+    `wq` `[D, N(P+E)]`, or with query compression `wq_a` `[D, Q]`, `q_norm`,
+    `wq_b` `[Q, N(P+E)]`; `wkv_a` `[D, R+E]`; `kv_norm`; `wkv_b` `[R, N, P+V]`
+    (W_UK and W_UV side by side); `wo` `[N V, D]`.
+
+    RoPE rotates only the E decoupled dims and only when `config.positions ==
+    "rope"` (other schemes add positions to the embeddings instead). Softmax
+    scale `1/sqrt(P+E)` times YaRN's attention factor squared.
+    """
+
+    config: ModelConfig
+
+    def setup(self):
+        c = self.config
+        _check_mla(c)
+        N, P, E, V, R = (c.num_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim,
+                         c.kv_lora_rank)
+        dtypes = dict(dtype=jnp.dtype(c.dtype), param_dtype=jnp.dtype(c.param_dtype))
+        if c.q_lora_rank is None:
+            self.wq = make_linear(c, N * (P + E), use_bias=False)
+        else:
+            self.wq_a = make_linear(c, c.q_lora_rank, use_bias=False)
+            self.q_norm = RMSNorm(eps=c.norm_eps, **dtypes)
+            self.wq_b = make_linear(c, N * (P + E), use_bias=False)
+        self.wkv_a = make_linear(c, R + E, use_bias=False)
+        self.kv_norm = RMSNorm(eps=c.norm_eps, **dtypes)
+        # A 3-D parameter because both paths use it: as one [R, N(P+V)] matmul
+        # (naive) and split per head into W_UK, W_UV (absorb).
+        self.wkv_b = self.param("wkv_b", nn.initializers.normal(c.init_std), (R, N, P + V),
+                                jnp.dtype(c.param_dtype))
+        self.wo = make_linear(c, c.d_model, residual=True, use_bias=False)
+        self.resid_dropout = nn.Dropout(c.dropout)
+        self.use_rope = c.positions == "rope"
+        if self.use_rope:
+            self.inv_freq = rope_frequencies(E, theta=c.rope_theta, scaling=c.rope_scaling)
+        factor = rope_attention_factor(c.rope_scaling if self.use_rope else None)
+        self.scale = factor ** 2 / math.sqrt(P + E)
+
+    # -- the named steps -------------------------------------------------------------------
+
+    def project_query(self, x):
+        """x `[B, T, D]` -> q_nope `[B, T, N, P]`, q_rope `[B, T, N, E]` (not yet rotated)."""
+        c = self.config
+        B, T = x.shape[:2]
+        q = self.wq(x) if c.q_lora_rank is None else self.wq_b(self.q_norm(self.wq_a(x)))
+        q = q.reshape(B, T, c.num_heads, c.qk_nope_head_dim + c.qk_rope_head_dim)
+        return q[..., :c.qk_nope_head_dim], q[..., c.qk_nope_head_dim:]
+
+    def compress_kv(self, x):
+        """x `[B, S, D]` -> c_kv `[B, S, R]` (normalised), k_rope `[B, S, E]` (not yet rotated)."""
+        kv = self.wkv_a(x)  # [B, S, R + E]
+        R = self.config.kv_lora_rank
+        return self.kv_norm(kv[..., :R]), kv[..., R:]
+
+    def rotate(self, q_rope, k_rope, positions):
+        """RoPE on `[B, T, N, E]` queries and the shared `[B, S, E]` key (one head); identity without RoPE."""
+        if not self.use_rope:
+            return q_rope, k_rope
+        rope = dict(interleaved=self.config.rope_interleaved, inv_freq=self.inv_freq)
+        k_rope = apply_rope(k_rope[:, :, None, :], positions, **rope)[:, :, 0, :]
+        return apply_rope(q_rope, positions, **rope), k_rope
+
+    def update_cache(self, cache: LatentCache, c_kv, k_rope, starts) -> LatentCache:
+        """Writes row b's new latents and rotary keys at slots `starts[b] + arange(T)`."""
+        return LatentCache(c_kv=write_rows(cache.c_kv, c_kv, starts),
+                           k_rope=write_rows(cache.k_rope, k_rope, starts))
+
+    def attend_naive(self, q_nope, q_rope, c_kv, k_rope, *, mask=None, is_causal=False,
+                     deterministic=True, return_weights=False):
+        """Decompresses per-head keys and values, then `scaled_dot_product_attention` (K = N)."""
+        c = self.config
+        B, S, R = c_kv.shape
+        N, P = c.num_heads, c.qk_nope_head_dim
+        wkv_b = self.wkv_b.astype(c_kv.dtype).reshape(R, -1)
+        kv = (c_kv.reshape(B * S, R) @ wkv_b).reshape(B, S, N, -1)  # [B, S, N, P + V]
+        k_nope, v = kv[..., :P], kv[..., P:]
+        k_rope = jnp.broadcast_to(k_rope[:, :, None, :], (B, S, N, k_rope.shape[-1]))
+        q = jnp.concatenate([q_nope, q_rope], axis=-1)  # [B, T, N, P + E]
+        k = jnp.concatenate([k_nope, k_rope.astype(k_nope.dtype)], axis=-1)  # [B, S, N, P + E]
+        rate, rng = self._dropout(deterministic)
+        return scaled_dot_product_attention(q, k, v, mask=mask, is_causal=is_causal,
+                                            scale=self.scale, dropout_rate=rate, dropout_rng=rng,
+                                            return_weights=return_weights)
+
+    def attend_absorbed(self, q_nope, q_rope, c_kv, k_rope, *, mask=None, is_causal=False,
+                        deterministic=True, return_weights=False):
+        """W_UK folded into the query, attention on the latent, W_UV applied after: `[B, T, N, V]`."""
+        P = self.config.qk_nope_head_dim
+        w_uk = self.wkv_b[..., :P].astype(q_nope.dtype)  # [R, N, P]
+        w_uv = self.wkv_b[..., P:].astype(q_nope.dtype)  # [R, N, V]
+        q_latent = jnp.einsum("BTNP,RNP->BTNR", q_nope, w_uk)
+        rate, rng = self._dropout(deterministic)
+        o_latent, weights = latent_attention(
+            q_latent, q_rope, c_kv.astype(q_nope.dtype), k_rope.astype(q_nope.dtype),
+            scale=self.scale, mask=mask, is_causal=is_causal, dropout_rate=rate, dropout_rng=rng)
+        out = jnp.einsum("BTNR,RNV->BTNV", o_latent, w_uv)
+        return (out, weights) if return_weights else out
+
+    def project_out(self, out, *, deterministic=True):
+        """`[B, T, N, V] -> [B, T, D]` through W_O, then residual dropout."""
+        B, T = out.shape[:2]
+        y = self.wo(out.reshape(B, T, -1))
+        return self.resid_dropout(y, deterministic=deterministic)
+
+    # -- whole sequences and cached extension ----------------------------------------------
+
+    def __call__(self, x, *, positions=None, mask=None, is_causal=False, deterministic=True,
+                 return_weights=False, path=None):
+        """Self-attention over x `[B, T, D]`; same arguments as `Attention.__call__`.
+
+        `path` ("naive" or "absorb") overrides `config.mla_path`.
+        Returns `[B, T, D]`, or `(out, weights [B, N, T, T])`.
+        """
+        if not hasattr(x, "ndim") or x.ndim != 3:
+            raise ValueError(f"x must be [B, T, D], got shape {getattr(x, 'shape', type(x))}")
+        path = self.config.mla_path if path is None else path
+        if path not in ("naive", "absorb"):
+            raise ValueError(f"path must be 'naive' or 'absorb', got {path!r}")
+        positions = jnp.arange(x.shape[1]) if positions is None else positions
+        q_nope, q_rope = self.project_query(x)
+        c_kv, k_rope = self.compress_kv(x)
+        q_rope, k_rope = self.rotate(q_rope, k_rope, positions)
+        attend = self.attend_naive if path == "naive" else self.attend_absorbed
+        result = attend(q_nope, q_rope, c_kv, k_rope, mask=mask, is_causal=is_causal,
+                        deterministic=deterministic, return_weights=return_weights)
+        out, weights = result if return_weights else (result, None)
+        y = self.project_out(out, deterministic=deterministic)
+        return (y, weights) if return_weights else y
+
+    def extend(self, x, cache: LatentCache, starts):
+        """Appends x's tokens to the latent cache and attends (always absorbed).
+
+        Args:
+          x: `[B, T, D]`, token t of row b at absolute position `starts[b] + t`.
+          cache: this layer's `LatentCache` (`[B, L, R]`, `[B, L, E]`), `starts[b] + T <= L`.
+          starts: `[B]` int, tokens of each row already in the cache.
+
+        Returns:
+          `([B, T, D], new_cache)`.
+        """
+        positions = starts[:, None] + jnp.arange(x.shape[1])  # [B, T]
+        q_nope, q_rope = self.project_query(x)
+        c_kv, k_rope = self.compress_kv(x)
+        q_rope, k_rope = self.rotate(q_rope, k_rope, positions)
+        cache = self.update_cache(cache, c_kv, k_rope, starts)
+        mask = visible_mask(positions, cache.c_kv.shape[1])  # [B, 1, T, L]
+        out = self.attend_absorbed(q_nope, q_rope, cache.c_kv, cache.k_rope, mask=mask)
+        return self.project_out(out), cache
+
+    def _dropout(self, deterministic):
+        rate = 0.0 if deterministic else self.config.dropout
+        return rate, (self.make_rng("dropout") if rate > 0.0 else None)

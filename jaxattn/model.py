@@ -1,0 +1,211 @@
+"""A decoder-only language model from one `ModelConfig` (GPT-2 / Llama / DeepSeek shapes).
+
+tokens `[B, T]` -> embeddings (+ learned or sinusoidal positions) `[B, T, D]`
+-> N pre-norm blocks -> final norm -> lm_head -> float32 logits `[B, T, V]`.
+
+`__call__` runs whole sequences (training, scoring). `extend` appends tokens
+to a `DecodeCache` (prefill and one-token decode steps) and returns the new
+cache; the cache goes in and comes out, the module keeps no state.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jaxattn.cache import DecodeCache, KVCache, LatentCache
+from jaxattn.config import ModelConfig
+from jaxattn.layers import MLP, Attention, make_linear, make_norm
+from jaxattn.positions import sinusoidal_positions
+
+
+def _attention_module(config: ModelConfig) -> type[nn.Module]:
+    if config.attention == "mla":
+        from jaxattn.mla import MultiHeadLatentAttention
+        return MultiHeadLatentAttention
+    return Attention
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: `x + attn(norm(x))`, then `x + mlp(norm(x))`.
+
+    Residual dropout is inside the attention layer and the MLP.
+    """
+
+    config: ModelConfig
+
+    def setup(self):
+        self.attn_norm = make_norm(self.config)
+        self.attn = _attention_module(self.config)(self.config)
+        self.mlp_norm = make_norm(self.config)
+        self.mlp = MLP(self.config)
+
+    def __call__(self, x, *, positions, mask=None, deterministic=True, return_weights=False):
+        """`[B, T, D] -> ([B, T, D], weights [B, N, T, T] or None)`, causal."""
+        result = self.attn(self.attn_norm(x), positions=positions, mask=mask, is_causal=True,
+                           deterministic=deterministic, return_weights=return_weights)
+        attn_out, weights = result if return_weights else (result, None)
+        x = x + attn_out
+        x = x + self.mlp(self.mlp_norm(x), deterministic=deterministic)
+        return x, weights
+
+    def extend(self, x, cache, starts):
+        """`[B, T, D]` new tokens at positions `starts[b] + t` -> (`[B, T, D]`, new layer cache)."""
+        attn_out, cache = self.attn.extend(self.attn_norm(x), cache, starts)
+        x = x + attn_out
+        return x + self.mlp(self.mlp_norm(x)), cache
+
+
+def _check_model_config(config: ModelConfig) -> None:
+    if not isinstance(config, ModelConfig):
+        raise TypeError(f"config must be a jaxattn.ModelConfig, got {type(config).__name__}")
+    if config.positions == "sinusoidal" and config.d_model % 2:
+        raise ValueError(f"sinusoidal positions need an even d_model, got {config.d_model}")
+
+
+def _check_tokens(tokens) -> None:
+    if not hasattr(tokens, "ndim") or tokens.ndim != 2:
+        raise ValueError(f"tokens must be [B, T], got shape {getattr(tokens, 'shape', type(tokens))}")
+    if not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise TypeError(f"tokens must be integer ids, got dtype {tokens.dtype}")
+
+
+class DecoderLM(nn.Module):
+    """Token embedding `wte`, optional position table `wpe`, blocks `blocks_i`, `final_norm`, lm_head."""
+
+    config: ModelConfig
+
+    def setup(self):
+        c = self.config
+        _check_model_config(c)
+        embed = dict(embedding_init=nn.initializers.normal(c.init_std),
+                     dtype=jnp.dtype(c.dtype), param_dtype=jnp.dtype(c.param_dtype))
+        self.wte = nn.Embed(c.vocab_size, c.d_model, **embed)
+        if c.positions == "learned":
+            self.wpe = nn.Embed(c.max_seq_len, c.d_model, **embed)
+        elif c.positions == "sinusoidal":
+            self.sinusoid = sinusoidal_positions(c.max_seq_len, c.d_model)  # [P, D], not a param
+        self.embed_dropout = nn.Dropout(c.dropout)
+        self.blocks = [Block(c) for _ in range(c.num_layers)]
+        self.final_norm = make_norm(c)
+        if not c.tie_embeddings:
+            self.lm_head = make_linear(c, c.vocab_size, use_bias=False)
+
+    # -- the named steps -------------------------------------------------------------------
+
+    def embed(self, tokens, positions, *, deterministic=True):
+        """tokens `[B, T]`, positions `[B, T]` or `[T]` -> `[B, T, D]`.
+
+        Learned and sinusoidal tables are indexed by absolute position (out of
+        range positions are clamped to the last row); RoPE and none add nothing here.
+        """
+        x = self.wte(tokens)
+        c = self.config
+        if c.positions == "learned":
+            x = x + self.wpe(positions)
+        elif c.positions == "sinusoidal":
+            x = x + self.sinusoid[positions].astype(x.dtype)
+        return self.embed_dropout(x, deterministic=deterministic)
+
+    def logits(self, x):
+        """Final norm and lm_head: `[B, T, D] -> [B, T, V]` float32 (one 2-D matmul)."""
+        x = self.final_norm(x)
+        if not self.config.tie_embeddings:
+            return self.lm_head(x).astype(jnp.float32)
+        B, T, D = x.shape
+        head = self.wte.embedding.T.astype(x.dtype)  # [D, V], shared with wte
+        logits = jnp.dot(x.reshape(B * T, D), head, preferred_element_type=jnp.float32)
+        return logits.reshape(B, T, -1)
+
+    # -- whole sequences -------------------------------------------------------------------
+
+    def __call__(self, tokens, *, positions=None, padding_mask=None, deterministic=True,
+                 return_weights=False):
+        """Causal forward pass.
+
+        Args:
+          tokens: `[B, T]` int ids.
+          positions: `[B, T]` or `[T]` absolute positions (default arange(T)).
+          padding_mask: `[B, T]` bool, True = real token; padding keys are hidden.
+          deterministic: no dropout when True; else pass rngs={'dropout': key}.
+          return_weights: also return a tuple over layers of `[B, N, T, T]` weights.
+
+        Returns:
+          logits `[B, T, V]` float32, or `(logits, weights)`.
+        """
+        _check_tokens(tokens)
+        B, T = tokens.shape
+        if positions is None:
+            self._check_length(T)
+            positions = jnp.arange(T)
+        mask = None
+        if padding_mask is not None:
+            if padding_mask.shape != (B, T) or padding_mask.dtype != jnp.bool_:
+                raise ValueError(f"padding_mask must be bool [B, T] = {(B, T)}, got "
+                                 f"{padding_mask.dtype} {padding_mask.shape}")
+            mask = padding_mask[:, None, None, :]  # [B, 1, 1, S]
+        x = self.embed(tokens, positions, deterministic=deterministic)
+        all_weights = []
+        for block in self.blocks:
+            x, weights = block(x, positions=positions, mask=mask, deterministic=deterministic,
+                               return_weights=return_weights)
+            all_weights.append(weights)
+        logits = self.logits(x)
+        return (logits, tuple(all_weights)) if return_weights else logits
+
+    # -- cached extension ------------------------------------------------------------------
+
+    def extend(self, tokens, cache: DecodeCache, *, num_new=None):
+        """Appends tokens to the cache: prefill (T > 1, right-padded) or decode (T = 1).
+
+        Args:
+          tokens: `[B, T]`; token t of row b is placed at absolute position
+            `cache.lengths[b] + t` and attends causally to everything before it.
+          cache: `DecodeCache` from `init_cache`, with `lengths[b] + T <= max_len`.
+          num_new: `[B]` int, how many of row b's T tokens are real (default T);
+            the rest are padding, written to slots that later tokens overwrite
+            and that no real query sees.
+
+        Returns:
+          `(logits [B, T, V] float32, new_cache)`, `new_cache.lengths = lengths + num_new`.
+        """
+        _check_tokens(tokens)
+        self._check_cache(tokens, cache)
+        B, T = tokens.shape
+        starts = cache.lengths
+        positions = starts[:, None] + jnp.arange(T)  # [B, T] absolute
+        x = self.embed(tokens, positions)
+        layers = []
+        for block, layer_cache in zip(self.blocks, cache.layers):
+            x, layer_cache = block.extend(x, layer_cache, starts)
+            layers.append(layer_cache)
+        num_new = jnp.full((B,), T, jnp.int32) if num_new is None else jnp.asarray(num_new, jnp.int32)
+        if num_new.shape != (B,):
+            raise ValueError(f"num_new must be [B] = {(B,)}, got {num_new.shape}")
+        return self.logits(x), DecodeCache(layers=tuple(layers), lengths=starts + num_new)
+
+    def _check_length(self, T: int) -> None:
+        if self.config.positions in ("learned", "sinusoidal") and T > self.config.max_seq_len:
+            raise ValueError(f"sequence length {T} exceeds max_seq_len={self.config.max_seq_len} "
+                             f"of the {self.config.positions} position table")
+
+    def _check_cache(self, tokens, cache) -> None:
+        if not isinstance(cache, DecodeCache):
+            raise TypeError(f"cache must be a DecodeCache (see init_cache), got {type(cache).__name__}")
+        c = self.config
+        expected = LatentCache if c.attention == "mla" else KVCache
+        if len(cache.layers) != c.num_layers or not all(isinstance(l, expected) for l in cache.layers):
+            raise ValueError(f"cache must hold {c.num_layers} {expected.__name__} layers for "
+                             f"attention={c.attention!r}, got "
+                             f"{[type(l).__name__ for l in cache.layers]}")
+        if cache.lengths.shape != (tokens.shape[0],):
+            raise ValueError(f"cache.lengths {cache.lengths.shape} does not match the batch of "
+                             f"tokens {tokens.shape}")
+        if tokens.shape[1] > cache.max_len:
+            raise ValueError(f"{tokens.shape[1]} tokens do not fit a cache of max_len={cache.max_len}")
+
+
+def count_params(params) -> int:
+    """Total number of parameters (numbers) in a parameter pytree."""
+    return sum(int(x.size) for x in jax.tree_util.tree_leaves(params))

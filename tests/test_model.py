@@ -1,0 +1,211 @@
+"""DecoderLM: causality for every attention kind x position scheme, training, padding, counts."""
+
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from jaxattn.config import ModelConfig
+from jaxattn.model import DecoderLM, count_params
+
+VOCAB, T = 13, 8
+KINDS = {
+    "mha": dict(),
+    "gqa": dict(num_kv_heads=2),
+    "mqa": dict(num_kv_heads=1),
+    "mla_naive": dict(attention="mla", mla_path="naive"),
+    "mla_absorb": dict(attention="mla", mla_path="absorb", q_lora_rank=8),
+}
+POSITIONS = ("learned", "sinusoidal", "rope", "none")
+
+
+def tiny_config(kind="mha", positions="learned", **changes):
+    base = dict(vocab_size=VOCAB, d_model=16, num_layers=2, num_heads=4, max_seq_len=12,
+                positions=positions, kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4,
+                v_head_dim=4, mlp_hidden=32)
+    return ModelConfig(**{**base, **KINDS[kind], **changes})
+
+
+@functools.lru_cache(maxsize=None)
+def _learned_params(config):
+    return DecoderLM(config).init(jax.random.PRNGKey(1), jnp.zeros((1, 2), jnp.int32))["params"]
+
+
+def init(config, batch=2, length=T, seed=0):
+    """Params and random tokens. Initialisation is the slow part of these tests (one
+    kernel compile per parameter shape), so every position scheme reuses the params
+    of the learned one, minus its `wpe` table."""
+    tokens = jax.random.randint(jax.random.PRNGKey(seed), (batch, length), 0, VOCAB)
+    params = dict(_learned_params(config.replace(positions="learned")))
+    if config.positions != "learned":
+        del params["wpe"]
+    return params, tokens
+
+
+def forward(config, **kwargs):
+    """`(params, tokens) -> DecoderLM(config).apply(...)`, run eagerly (tiny shapes
+    compile faster op by op than as one program)."""
+    return lambda p, tok: DecoderLM(config).apply({"params": p}, tok, **kwargs)
+
+
+@pytest.mark.parametrize("positions", POSITIONS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_changing_token_t_never_changes_earlier_logits(kind, positions):
+    config = tiny_config(kind, positions)
+    params, tokens = init(config)
+    t = 5
+    changed = tokens.at[:, t].set((tokens[:, t] + 1) % VOCAB)
+    both = forward(config)(params, jnp.concatenate([tokens, changed]))
+    before, after = both[:2], both[2:]
+    chex.assert_shape(before, (2, T, VOCAB))
+    assert before.dtype == jnp.float32
+    np.testing.assert_allclose(before[:, :t], after[:, :t], atol=1e-6, rtol=0)
+    assert np.abs(before[:, t:] - after[:, t:]).max() > 1e-4  # and the change is seen from t on
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_few_gradient_steps_decrease_the_loss(kind):
+    config = tiny_config(kind, "rope" if kind.startswith("mla") else "learned")
+    params, tokens = init(config, batch=4, length=T + 1)
+    model = DecoderLM(config)
+
+    def loss_fn(p):
+        logits = model.apply({"params": p}, tokens[:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+    opt = optax.adam(1e-2)
+    state = opt.init(params)
+
+    def step(p, s):
+        loss, grads = jax.value_and_grad(loss_fn)(p)
+        updates, s = opt.update(grads, s, p)
+        return optax.apply_updates(p, updates), s, loss
+
+    losses = []
+    for _ in range(5):
+        params, state, loss = step(params, state)
+        losses.append(float(loss))
+    assert losses[-1] < losses[0] - 0.1, losses
+
+
+@pytest.mark.parametrize("kind", ["gqa", "mla_absorb"])
+def test_right_padding_does_not_change_the_real_tokens(kind):
+    config = tiny_config(kind, "rope")
+    params, tokens = init(config)
+    length = 5
+    pad = jnp.arange(T)[None, :] < jnp.array([[T], [length]])  # row 1 has 5 real tokens
+    padded = forward(config, padding_mask=pad)(params, tokens)
+    alone = forward(config)(params, tokens[1:, :length])
+    np.testing.assert_allclose(padded[1, :length], alone[0], atol=1e-5, rtol=1e-5)
+    full = forward(config)(params, tokens[:1])
+    np.testing.assert_allclose(padded[0], full[0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["mha", "mqa", "mla_naive"])
+def test_return_weights_is_one_causal_distribution_per_layer(kind):
+    config = tiny_config(kind)
+    params, tokens = init(config)
+    logits, weights = forward(config, return_weights=True)(params, tokens)
+    assert len(weights) == config.num_layers
+    for w in weights:
+        chex.assert_shape(w, (2, config.num_heads, T, T))
+        np.testing.assert_allclose(w.sum(-1), 1.0, atol=1e-5)
+        assert float(jnp.abs(jnp.triu(w, k=1)).max()) == 0.0
+
+
+def test_dropout_only_when_not_deterministic():
+    config = tiny_config("gqa", dropout=0.3)
+    params, tokens = init(config)
+    a = forward(config)(params, tokens)
+    b = forward(config)(params, tokens)
+    c = forward(config, deterministic=False, rngs={"dropout": jax.random.PRNGKey(3)})(params, tokens)
+    np.testing.assert_array_equal(a, b)
+    assert np.abs(a - c).max() > 1e-4
+
+
+def test_bfloat16_compute_and_params_give_float32_logits():
+    config = tiny_config("mla_absorb", "rope", dtype="bfloat16", param_dtype="bfloat16")
+    params, tokens = init(config)
+    assert all(x.dtype == jnp.bfloat16 for x in jax.tree_util.tree_leaves(params))
+    logits = forward(config)(params, tokens)
+    assert logits.dtype == jnp.float32 and bool(jnp.isfinite(logits).all())
+
+
+def test_untied_head_and_swiglu_rmsnorm_build():
+    config = tiny_config("gqa", "rope", tie_embeddings=False, mlp="swiglu", norm="rmsnorm")
+    params, tokens = init(config)
+    chex.assert_shape(params["lm_head"]["kernel"], (16, VOCAB))
+    chex.assert_shape(params["blocks_0"]["mlp"]["gate_up"]["kernel"], (16, 64))
+    chex.assert_shape(forward(config)(params, tokens), (2, T, VOCAB))
+
+
+def gpt2_formula(V, P, D, L, F):
+    """GPT-2 with tied embeddings, biases everywhere, LayerNorm with bias."""
+    embeddings = V * D + P * D
+    layer_norm = 2 * D
+    attention = (D * 3 * D + 3 * D) + (D * D + D)  # c_attn, c_proj
+    mlp = (D * F + F) + (F * D + D)  # c_fc, c_proj
+    return embeddings + L * (2 * layer_norm + attention + mlp) + layer_norm
+
+
+def test_gpt2_small_parameter_count_matches_the_closed_form():
+    config = ModelConfig(vocab_size=50257, d_model=768, num_layers=12, num_heads=12,
+                         max_seq_len=1024, positions="learned", norm="layernorm", mlp="gelu",
+                         use_bias=True, tie_embeddings=True)
+    shapes = jax.eval_shape(lambda: DecoderLM(config).init(
+        jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32)))["params"]
+    expected = gpt2_formula(V=50257, P=1024, D=768, L=12, F=3072)
+    assert expected == 124_439_808  # the published GPT-2 small count (with wpe)
+    assert count_params(shapes) == expected
+
+
+def test_gqa_and_mla_parameter_counts_match_their_formulas():
+    D, L, N, K, H, F, V, P = 16, 2, 4, 2, 4, 32, VOCAB, 12
+    params, _ = init(tiny_config("gqa"))
+    attention = D * (N + 2 * K) * H + N * H * D
+    per_layer = 2 * D + attention + 2 * D * F  # two LayerNorms (scale only: no bias), MLP
+    assert count_params(params) == V * D + P * D + L * per_layer + D
+
+    R, Pn, E, Vh, Q = 8, 4, 4, 4, 8
+    params, _ = init(tiny_config("mla_absorb"))
+    mla = (D * Q + Q + Q * N * (Pn + E)) + (D * (R + E) + R + R * N * (Pn + Vh)) + N * Vh * D
+    per_layer = 2 * D + mla + 2 * D * F
+    assert count_params(params) == V * D + P * D + L * per_layer + D
+
+
+def test_init_follows_nanogpt():
+    config = ModelConfig(vocab_size=64, d_model=128, num_layers=8, num_heads=4, mlp_hidden=512)
+    params = DecoderLM(config).init(jax.random.PRNGKey(0), jnp.zeros((1, 2), jnp.int32))["params"]
+    block = params["blocks_0"]
+    assert abs(float(block["attn"]["qkv"]["kernel"].std()) - 0.02) < 0.002
+    residual = 0.02 / np.sqrt(2 * 8)
+    for kernel in (block["attn"]["out"]["kernel"], block["mlp"]["c_proj"]["kernel"]):
+        assert abs(float(kernel.std()) - residual) < 0.1 * residual
+
+
+def test_bad_configs_and_inputs_raise_clear_errors():
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        tiny_config("mha", num_kv_heads=3)
+    with pytest.raises(ValueError, match="not divisible by num_heads"):
+        ModelConfig(d_model=30, num_heads=4)
+    with pytest.raises(ValueError, match="attention must be one of"):
+        ModelConfig(attention="linear")
+    with pytest.raises(ValueError, match="even d_model"):
+        _learned_params(tiny_config("mha", "sinusoidal", d_model=15, num_heads=3, head_dim=5))
+    with pytest.raises(ValueError, match="q_lora_rank"):
+        _learned_params(tiny_config("mla_naive", q_lora_rank=0))
+    config = tiny_config("mha")
+    params, tokens = init(config)
+    model = DecoderLM(config)
+    with pytest.raises(ValueError, match="exceeds max_seq_len=12"):
+        model.apply({"params": params}, jnp.zeros((1, 13), jnp.int32))
+    with pytest.raises(ValueError, match=r"tokens must be \[B, T\]"):
+        model.apply({"params": params}, tokens[0])
+    with pytest.raises(TypeError, match="integer ids"):
+        model.apply({"params": params}, tokens.astype(jnp.float32))
+    with pytest.raises(ValueError, match="padding_mask"):
+        model.apply({"params": params}, tokens, padding_mask=jnp.ones((2, 3), bool))
