@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import jax  # noqa: E402
 
 from train.config import DEFAULT_CONFIG, load_config  # noqa: E402
-from train.tiny_lm import train  # noqa: E402
+from train.tiny_lm import apply_xla_flags, train  # noqa: E402
 
 NANOGPT = {"ms_per_iter": (45.6, 48.7), "tokens_per_s": 16_000, "val_loss": 1.8857,
            "source": "/work/shared/perf/README.md (torch eager, 2 threads, same 2-core CPU)"}
@@ -36,6 +36,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args(argv)
     config = load_config(args.config, ["train.out_dir='runs/bench_train'", *args.set])
+    apply_xla_flags(config.train.xla_flags)
     result = train(config, quiet=False)
     nanogpt_ms = sum(NANOGPT["ms_per_iter"]) / 2
     tokens_per_step = config.train.batch_size * config.train.block_size

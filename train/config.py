@@ -48,6 +48,8 @@ class TrainConfig:
       val_fraction: the last fraction of the corpus held out.
       sample_tokens, sample_temperature, sample_prompt: the sample printed at the end.
       plot: write the loss curve PNG at the end.
+      xla_flags: extra XLA_FLAGS for the CPU compiler; applied by the command-line programs
+        before JAX starts (a process that already used JAX keeps its flags).
     """
 
     batch_size: int = 12
@@ -76,6 +78,7 @@ class TrainConfig:
     sample_temperature: float = 0.8
     sample_prompt: str = "\n"
     plot: bool = True
+    xla_flags: str = ""
 
     def __post_init__(self):
         for name in ("batch_size", "block_size", "max_iters", "eval_interval", "eval_iters",

@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -248,7 +249,7 @@ def train(config: ExperimentConfig, *, resume: bool = False, quiet: bool = False
     programs = build_programs(config)
     train_data, val_data = jnp.asarray(corpus.train), jnp.asarray(corpus.val)
     state = programs.init(tc.seed)
-    log(f"parameters: {count_params(state['params']):,}")
+    log(f"parameters: {count_params(state['params']):,}; XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
     num_params = count_params(state["params"])
     ckpt = Checkpointer(out) if tc.checkpoint or resume else None
     best_val = math.inf
@@ -382,6 +383,21 @@ def plot_losses(metrics_path: Path, png: Path, *, title: str) -> None:
     plt.close(fig)
 
 
+def apply_xla_flags(flags: str) -> bool:
+    """Adds `flags` to XLA_FLAGS if JAX's backend has not started yet; returns whether they apply."""
+    from jax._src import xla_bridge
+
+    current = os.environ.get("XLA_FLAGS", "")
+    missing = [f for f in flags.split() if f not in current.split()]
+    if not missing:
+        return True
+    if xla_bridge.backends_are_initialized():
+        print(f"warning: JAX already started; train.xla_flags {missing} are not applied", file=sys.stderr)
+        return False
+    os.environ["XLA_FLAGS"] = " ".join([current, *missing]).strip()
+    return True
+
+
 def main(argv: list[str] | None = None) -> RunResult:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=DEFAULT_CONFIG, help="configs/NAME.toml or a path")
@@ -400,6 +416,7 @@ def main(argv: list[str] | None = None) -> RunResult:
         config = load_config(args.config, overrides)
     except (ValueError, TypeError, FileNotFoundError) as err:
         parser.error(str(err))
+    apply_xla_flags(config.train.xla_flags)
     try:
         result = train(config, resume=args.resume, quiet=args.quiet, loss_plot=args.loss_plot)
     except (data_lib.DataError, CheckpointError) as err:
