@@ -1,0 +1,58 @@
+"""Hugging Face transformers `generate` (KV cache, greedy) on GPT-2-shaped random models.
+
+Run with an interpreter that has torch and transformers (bench/decode.py passes
+--hf-python); prints one JSON list of results on stdout:
+
+    /work/scratch/hf/.venv/bin/python bench/hf_decode.py --cases baby:1:256,small:8:1000
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+SHAPES = {"baby": dict(n_layer=4, n_head=4, n_embd=128), "small": dict(n_layer=6, n_head=6, n_embd=384)}
+
+
+def measure(shape: str, batch: int, new_tokens: int, prompt_len: int, repeats: int) -> dict:
+    config = GPT2Config(vocab_size=65, n_positions=1024, bos_token_id=0, eos_token_id=0,
+                        **SHAPES[shape])
+    model = GPT2LMHeadModel(config).eval()
+    prompt = torch.randint(1, 65, (batch, prompt_len), generator=torch.Generator().manual_seed(0))
+    run = lambda: model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,  # noqa
+                                 min_new_tokens=new_tokens, do_sample=False, use_cache=True, pad_token_id=0)
+    with torch.inference_mode():
+        run()  # warm-up
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            out = run()
+            times.append(time.perf_counter() - start)
+    assert out.shape == (batch, prompt_len + new_tokens)
+    seconds = statistics.median(times)
+    return dict(model=shape, batch=batch, new_tokens=new_tokens, seconds=seconds,
+                tokens_per_s=batch * new_tokens / seconds, params=sum(p.numel() for p in model.parameters()))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--cases", required=True, help="comma-separated MODEL:BATCH:NEW_TOKENS")
+    parser.add_argument("--prompt-len", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    results = []
+    for case in args.cases.split(","):
+        shape, batch, new = case.split(":")
+        results.append(measure(shape, int(batch), int(new), args.prompt_len, args.repeats))
+    print(json.dumps(dict(torch=torch.__version__, results=results)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,286 @@
+"""Autoregressive generation: one prefill, then a `jax.lax.scan` of one-token steps.
+
+`generate` compiles once per (batch size, prompt bucket, max_new_tokens, config):
+prompt lengths are padded up to a bucket (powers of two up to 64, then
+multiples of 64) and the sampling knobs, the stop token and the rng are traced
+values, so a new prompt, temperature, top-k, top-p or seed reuses the compiled
+program. Each scan step is one `DecoderLM.extend` call with T = 1 against the
+KV cache (see `jaxattn.cache`), then one `jaxattn.sampling.sample`.
+
+`generate_without_cache` is the same loop that reruns the full forward pass
+over a fixed-size token buffer every step: the oracle for tests and the
+baseline of `bench/decode.py`.
+
+Rows stop independently: once a row emits `stop_token` it is `done`, its cache
+stops advancing (`num_new = 0`) and its later output tokens are `pad_token`.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable, NamedTuple
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxattn import sampling
+from jaxattn.cache import DecodeCache, init_cache
+from jaxattn.config import ModelConfig
+from jaxattn.model import DecoderLM
+
+# Incremented each time a generation loop is traced (a Python side effect runs
+# only while tracing), so tests can prove that a second call did not recompile.
+TRACE_COUNT = {"generate": 0, "generate_without_cache": 0}
+
+
+class GenerateOutput(NamedTuple):
+    """What `generate` returns.
+
+    Attributes:
+      tokens: `[B, max_new_tokens]` int32 generated ids; after a row's stop
+        token (included) the rest of the row is `pad_token`.
+      counts: `[B]` int32 number of real generated tokens per row (stop token
+        included).
+      logits: `[B, max_new_tokens, V]` float32 logits each token was drawn
+        from (only with `return_logits=True`, else None).
+    """
+
+    tokens: jax.Array
+    counts: jax.Array
+    logits: jax.Array | None = None
+
+
+@flax.struct.dataclass
+class SamplingKnobs:
+    """Sampling settings as traced scalars (changing them never recompiles).
+
+    Attributes:
+      temperature: `[]` float32; 0 = greedy.
+      top_k: `[]` int32; <= 0 disables top-k.
+      top_p: `[]` float32; >= 1 disables top-p.
+      stop_token: `[]` int32; -1 = no stop token.
+      pad_token: `[]` int32 written after a row is done.
+    """
+
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+    stop_token: jax.Array
+    pad_token: jax.Array
+
+
+@flax.struct.dataclass
+class DecodeState:
+    """The carry of the decoding scan.
+
+    Attributes:
+      context: what the model needs to produce the next logits: a
+        `DecodeCache` for cached decoding, a `TokenBuffer` for recomputation.
+      last_token: `[B]` int32 token fed to the next step.
+      done: `[B]` bool, True once the row has emitted the stop token.
+      counts: `[B]` int32 real tokens generated so far per row.
+      rng: PRNG key for the next draw.
+    """
+
+    context: DecodeCache | "TokenBuffer"
+    last_token: jax.Array
+    done: jax.Array
+    counts: jax.Array
+    rng: jax.Array
+
+
+@flax.struct.dataclass
+class TokenBuffer:
+    """Prompt plus generated tokens for decoding by full recomputation.
+
+    Attributes:
+      tokens: `[B, L]` int32, right-padded.
+      lengths: `[B]` int32 real tokens per row.
+    """
+
+    tokens: jax.Array
+    lengths: jax.Array
+
+
+def prompt_bucket(length: int, max_len: int) -> int:
+    """The padded prompt length: next power of two (>= 8) up to 64, then next multiple of 64; at most `max_len`."""
+    bucket = 8
+    while bucket < min(length, 64):
+        bucket *= 2
+    if length > 64:
+        bucket = -(-length // 64) * 64
+    return max(length, min(bucket, max_len))
+
+
+# ---------------------------------------------------------------- one step
+
+
+def _choose(state: DecodeState, logits: jax.Array, context, knobs: SamplingKnobs):
+    """Draws the next token of every row from `[B, V]` logits and records it; returns `(state, token)`."""
+    rng, key = jax.random.split(state.rng)
+    drawn = sampling.sample(logits, key, temperature=knobs.temperature, top_k=knobs.top_k, top_p=knobs.top_p)
+    token = jnp.where(state.done, knobs.pad_token, drawn)  # [B]
+    state = DecodeState(
+        context=context,
+        last_token=token,
+        done=state.done | (token == knobs.stop_token),
+        counts=state.counts + (~state.done).astype(jnp.int32),
+        rng=rng,
+    )
+    return state, token
+
+
+def _extend_cache(model: DecoderLM, params, cache: DecodeCache, token, active):
+    """One cached step: `[B]` tokens -> (`[B, V]` logits, cache); inactive rows do not advance."""
+    logits, cache = model.apply({"params": params}, token[:, None], cache,
+                                num_new=active.astype(jnp.int32), method=DecoderLM.extend)
+    return logits[:, 0], cache
+
+
+def _extend_buffer(model: DecoderLM, params, buffer: TokenBuffer, token, active):
+    """One recomputed step: append `[B]` tokens, rerun the whole buffer, read `[B, V]` logits at the last real token."""
+    rows = jnp.arange(token.shape[0])
+    tokens = buffer.tokens.at[rows, buffer.lengths].set(jnp.where(active, token, buffer.tokens[rows, buffer.lengths]))
+    lengths = buffer.lengths + active.astype(jnp.int32)
+    logits = model.apply({"params": params}, tokens)  # [B, L, V]
+    return logits[rows, lengths - 1], TokenBuffer(tokens=tokens, lengths=lengths)
+
+
+# ---------------------------------------------------------------- the loop
+
+
+def _decode(first_logits, context, advance: Callable, rng, knobs: SamplingKnobs, max_new_tokens: int,
+            return_logits: bool):
+    """Samples from `[B, V]` prefill logits, then scans `max_new_tokens - 1` steps of `advance`."""
+    batch = first_logits.shape[0]
+    state = DecodeState(context=context, last_token=jnp.zeros((batch,), jnp.int32),
+                        done=jnp.zeros((batch,), bool), counts=jnp.zeros((batch,), jnp.int32), rng=rng)
+    state, first_token = _choose(state, first_logits, context, knobs)
+
+    def step(state: DecodeState, _):
+        logits, context = advance(state.context, state.last_token, ~state.done)
+        state, token = _choose(state, logits, context, knobs)
+        return state, (token, logits if return_logits else None)
+
+    state, (tokens, logits) = jax.lax.scan(step, state, None, length=max_new_tokens - 1)
+    tokens = jnp.concatenate([first_token[:, None], tokens.T], axis=1)  # [B, max_new_tokens]
+    if return_logits:
+        logits = jnp.concatenate([first_logits[:, None], jnp.swapaxes(logits, 0, 1)], axis=1)  # [B, max_new, V]
+    return GenerateOutput(tokens=tokens, counts=state.counts, logits=logits)
+
+
+def _last_real(logits, lengths):
+    """`[B, T, V]` logits -> `[B, V]` at position `lengths - 1` of each row."""
+    return logits[jnp.arange(logits.shape[0]), lengths - 1]
+
+
+@functools.partial(jax.jit, static_argnames=("config", "max_new_tokens", "cache_len", "return_logits"))
+def _generate_cached(params, prompt, lengths, rng, knobs, *, config, max_new_tokens, cache_len, return_logits):
+    TRACE_COUNT["generate"] += 1
+    model = DecoderLM(config)
+    cache = init_cache(config, prompt.shape[0], cache_len)
+    logits, cache = model.apply({"params": params}, prompt, cache, num_new=lengths, method=DecoderLM.extend)
+    advance = functools.partial(_extend_cache, model, params)
+    return _decode(_last_real(logits, lengths), cache, advance, rng, knobs, max_new_tokens, return_logits)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "max_new_tokens", "buffer_len", "return_logits"))
+def _generate_recomputed(params, prompt, lengths, rng, knobs, *, config, max_new_tokens, buffer_len, return_logits):
+    TRACE_COUNT["generate_without_cache"] += 1
+    model = DecoderLM(config)
+    tokens = jnp.zeros((prompt.shape[0], buffer_len), jnp.int32).at[:, :prompt.shape[1]].set(prompt)
+    logits = model.apply({"params": params}, tokens)  # [B, L, V]
+    advance = functools.partial(_extend_buffer, model, params)
+    buffer = TokenBuffer(tokens=tokens, lengths=lengths)
+    return _decode(_last_real(logits, lengths), buffer, advance, rng, knobs, max_new_tokens, return_logits)
+
+
+# ---------------------------------------------------------------- public API
+
+
+def _validate(config, prompt_tokens, prompt_lengths, max_new_tokens, temperature, top_k, top_p):
+    """Checks on host values before anything is traced; returns numpy `(tokens [B,Tp], lengths [B])`."""
+    if not isinstance(config, ModelConfig):
+        raise TypeError(f"config must be a ModelConfig, got {type(config).__name__}")
+    tokens, lengths = np.asarray(prompt_tokens), np.asarray(prompt_lengths)
+    if tokens.ndim != 2 or not np.issubdtype(tokens.dtype, np.integer):
+        raise ValueError(f"prompt_tokens must be an integer array [B, Tp], got {tokens.dtype} {tokens.shape}")
+    if lengths.shape != tokens.shape[:1] or not np.issubdtype(lengths.dtype, np.integer):
+        raise ValueError(f"prompt_lengths must be an integer array [B] = [{tokens.shape[0]}], "
+                         f"got {lengths.dtype} {lengths.shape}")
+    if lengths.min() < 1 or lengths.max() > tokens.shape[1]:
+        raise ValueError(f"prompt_lengths must be in [1, Tp={tokens.shape[1]}], got {lengths.tolist()}")
+    if tokens.min() < 0 or tokens.max() >= config.vocab_size:
+        raise ValueError(f"prompt_tokens must be in [0, vocab_size={config.vocab_size}), "
+                         f"got range [{tokens.min()}, {tokens.max()}]")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+    if lengths.max() + max_new_tokens > config.max_seq_len:
+        raise ValueError(f"longest prompt ({lengths.max()}) + max_new_tokens ({max_new_tokens}) exceeds "
+                         f"the model's context, config.max_seq_len={config.max_seq_len}")
+    if not np.all(np.asarray(temperature) >= 0):
+        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+    if not 0.0 <= float(top_p) <= 1.0:
+        raise ValueError(f"top_p must be in [0, 1], got {top_p}")
+    return tokens.astype(np.int32), lengths.astype(np.int32)
+
+
+def _prepare(config, prompt_tokens, prompt_lengths, max_new_tokens, temperature, top_k, top_p,
+             stop_token, pad_token):
+    """Validates, pads the prompt to its bucket and packs the traced knobs."""
+    tokens, lengths = _validate(config, prompt_tokens, prompt_lengths, max_new_tokens, temperature, top_k, top_p)
+    bucket = prompt_bucket(int(lengths.max()), config.max_seq_len)
+    padded = np.full((tokens.shape[0], bucket), pad_token, np.int32)
+    width = min(bucket, tokens.shape[1])
+    padded[:, :width] = tokens[:, :width]
+    knobs = SamplingKnobs(
+        temperature=jnp.asarray(temperature, jnp.float32), top_k=jnp.asarray(top_k, jnp.int32),
+        top_p=jnp.asarray(top_p, jnp.float32), stop_token=jnp.asarray(-1 if stop_token is None else stop_token,
+                                                                       jnp.int32),
+        pad_token=jnp.asarray(pad_token, jnp.int32))
+    context_len = min(bucket + max_new_tokens, config.max_seq_len)
+    return jnp.asarray(padded), jnp.asarray(lengths), knobs, context_len
+
+
+def generate(params, config: ModelConfig, prompt_tokens, prompt_lengths, *, max_new_tokens: int, rng: jax.Array,
+             temperature=1.0, top_k=0, top_p=1.0, stop_token: int | None = None, pad_token: int = 0,
+             return_logits: bool = False) -> GenerateOutput:
+    """Generates `max_new_tokens` tokens after each prompt with a KV cache.
+
+    Args:
+      params: `DecoderLM(config)` parameters.
+      config: the model config (static: part of the compilation key).
+      prompt_tokens: `[B, Tp]` int, right-padded prompts.
+      prompt_lengths: `[B]` int, real tokens per prompt (1..Tp).
+      max_new_tokens: tokens to generate per row; prompt + new must fit in
+        `config.max_seq_len`.
+      rng: PRNG key of the draws (same key, same tokens).
+      temperature, top_k, top_p: see `jaxattn.sampling`; traced, so changing
+        them does not recompile.
+      stop_token: id that ends a row (it is emitted, then padding); None = never.
+      pad_token: id written after a row's stop token (and used to pad prompts).
+      return_logits: also return the `[B, max_new_tokens, V]` logits of each draw.
+
+    Returns:
+      `GenerateOutput(tokens [B, max_new_tokens], counts [B], logits)`.
+    """
+    prompt, lengths, knobs, cache_len = _prepare(config, prompt_tokens, prompt_lengths, max_new_tokens,
+                                                 temperature, top_k, top_p, stop_token, pad_token)
+    return _generate_cached(params, prompt, lengths, rng, knobs, config=config, max_new_tokens=max_new_tokens,
+                            cache_len=cache_len, return_logits=return_logits)
+
+
+def generate_without_cache(params, config: ModelConfig, prompt_tokens, prompt_lengths, *, max_new_tokens: int,
+                           rng: jax.Array, temperature=1.0, top_k=0, top_p=1.0, stop_token: int | None = None,
+                           pad_token: int = 0, return_logits: bool = False) -> GenerateOutput:
+    """`generate` without a cache: every step reruns the full forward over a fixed `[B, L]` buffer.
+
+    Same arguments, same draws (the rng is split identically), so with equal
+    logits it returns the same tokens; O(L) times the work per step.
+    """
+    prompt, lengths, knobs, buffer_len = _prepare(config, prompt_tokens, prompt_lengths, max_new_tokens,
+                                                  temperature, top_k, top_p, stop_token, pad_token)
+    return _generate_recomputed(params, prompt, lengths, rng, knobs, config=config, max_new_tokens=max_new_tokens,
+                                buffer_len=buffer_len, return_logits=return_logits)

@@ -1,0 +1,179 @@
+"""Cached extension equals full recomputation; cache pytrees, sizes and per-row writes."""
+
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxattn.cache import (
+    DecodeCache,
+    KVCache,
+    LatentCache,
+    cache_bytes_per_token,
+    init_cache,
+    visible_mask,
+    write_rows,
+)
+from jaxattn.config import ModelConfig
+from jaxattn.model import DecoderLM
+
+VOCAB, T, MAX_LEN = 13, 8, 12
+KINDS = {
+    "mha": dict(),
+    "gqa": dict(num_kv_heads=2),
+    "mqa": dict(num_kv_heads=1),
+    "mla_naive": dict(attention="mla", mla_path="naive"),
+    "mla_absorb": dict(attention="mla", mla_path="absorb", q_lora_rank=8),
+}
+POSITIONS = ("learned", "sinusoidal", "rope", "none")
+
+
+def tiny_config(kind="mha", positions="learned", **changes):
+    base = dict(vocab_size=VOCAB, d_model=16, num_layers=2, num_heads=4, max_seq_len=MAX_LEN,
+                positions=positions, kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4,
+                v_head_dim=4, mlp_hidden=32)
+    return ModelConfig(**{**base, **KINDS[kind], **changes})
+
+
+@functools.lru_cache(maxsize=None)
+def _learned_params(config):
+    return DecoderLM(config).init(jax.random.PRNGKey(1), jnp.zeros((1, 2), jnp.int32))["params"]
+
+
+def params_for(config):
+    """Every position scheme reuses the learned scheme's params minus `wpe` (init is slow)."""
+    params = dict(_learned_params(config.replace(positions="learned")))
+    if config.positions != "learned":
+        del params["wpe"]
+    return params
+
+
+def full(config, params, tokens):
+    return DecoderLM(config).apply({"params": params}, tokens)
+
+
+def extend(config, params, tokens, cache, num_new=None):
+    return DecoderLM(config).apply({"params": params}, tokens, cache, num_new=num_new,
+                                   method=DecoderLM.extend)
+
+
+def random_tokens(shape, seed=0):
+    return jax.random.randint(jax.random.PRNGKey(seed), shape, 0, VOCAB)
+
+
+@pytest.mark.parametrize("positions", POSITIONS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_prefill_then_steps_equal_the_full_forward(kind, positions):
+    config = tiny_config(kind, positions)
+    params = params_for(config)
+    tokens = random_tokens((2, T))
+    expected = full(config, params, tokens)  # causal: position t only sees tokens <= t
+    prefill = 5
+    logits, cache = extend(config, params, tokens[:, :prefill], init_cache(config, 2, MAX_LEN))
+    np.testing.assert_allclose(logits, expected[:, :prefill], atol=2e-5, rtol=1e-5)
+    for t in range(prefill, T):
+        logits, cache = extend(config, params, tokens[:, t:t + 1], cache)
+        chex.assert_shape(logits, (2, 1, VOCAB))
+        np.testing.assert_allclose(logits[:, 0], expected[:, t], atol=2e-5, rtol=1e-5)
+    np.testing.assert_array_equal(cache.lengths, [T, T])
+
+
+@pytest.mark.parametrize("positions", POSITIONS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_right_padded_rows_match_their_unpadded_single_row_runs(kind, positions):
+    config = tiny_config(kind, positions)
+    params = params_for(config)
+    sequences = random_tokens((2, T), seed=1)
+    lengths = np.array([6, 3])  # prompt lengths; row 1 is right-padded with junk
+    prompts = jnp.where(jnp.arange(6)[None, :] < lengths[:, None], sequences[:, :6], VOCAB - 1)
+    logits, cache = extend(config, params, prompts, init_cache(config, 2, MAX_LEN),
+                           num_new=jnp.asarray(lengths))
+    np.testing.assert_array_equal(cache.lengths, lengths)
+    # decode two more tokens of each row's own sequence, rows at different positions
+    step_logits = []
+    for step in range(2):
+        next_tokens = sequences[jnp.arange(2), jnp.asarray(lengths) + step][:, None]
+        out, cache = extend(config, params, next_tokens, cache)
+        step_logits.append(out[:, 0])
+    for row in range(2):
+        n = int(lengths[row])
+        alone = full(config, params, sequences[row:row + 1, :n + 2])[0]
+        np.testing.assert_allclose(logits[row, :n], alone[:n], atol=2e-5, rtol=1e-5)
+        for step in range(2):
+            np.testing.assert_allclose(step_logits[step][row], alone[n + step], atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_cache_bytes_per_token_match_the_arrays(kind):
+    for dtype in ("float32", "bfloat16"):
+        config = tiny_config(kind, dtype=dtype)
+        B, L = 3, 7
+        cache = init_cache(config, B, L)
+        arrays = [x for layer in cache.layers for x in jax.tree_util.tree_leaves(layer)]
+        size = cache_bytes_per_token(config)
+        assert size["bytes"] == sum(x.nbytes for x in arrays) // (B * L)
+        assert size["numbers"] == sum(x.size for x in arrays) // (B * L)
+        assert size["bytes_per_layer"] * config.num_layers == size["bytes"]
+        if config.attention == "mla":
+            assert size["numbers_per_layer"] == config.kv_lora_rank + config.qk_rope_head_dim
+        else:
+            assert size["numbers_per_layer"] == 2 * config.kv_heads * config.dim_per_head
+
+
+def test_init_cache_shapes_and_pytree():
+    config = tiny_config("gqa", num_layers=3)
+    cache = init_cache(config, 2, 10)
+    assert isinstance(cache, DecodeCache) and len(cache.layers) == 3 and cache.max_len == 10
+    chex.assert_shape([cache.layers[0].k, cache.layers[0].v], (2, 10, 2, 4))  # K heads, not N
+    assert cache.lengths.dtype == jnp.int32
+    leaves = jax.tree_util.tree_leaves(cache)
+    assert len(leaves) == 3 * 2 + 1  # a pytree: jit/scan carry it
+    mla = init_cache(tiny_config("mla_naive"), 2, 10, dtype=jnp.bfloat16)
+    assert isinstance(mla.layers[0], LatentCache)
+    chex.assert_shape([mla.layers[0].c_kv, mla.layers[0].k_rope], [(2, 10, 8), (2, 10, 4)])
+    assert mla.layers[0].c_kv.dtype == jnp.bfloat16
+
+
+def test_write_rows_writes_each_row_at_its_own_start():
+    buffer = jnp.zeros((2, 6, 1))
+    update = jnp.ones((2, 2, 1)) * jnp.array([1.0, 2.0])[:, None, None]
+    out = write_rows(buffer, update, jnp.array([0, 3]))
+    np.testing.assert_array_equal(out[..., 0], [[1, 1, 0, 0, 0, 0], [0, 0, 0, 2, 2, 0]])
+
+
+def test_visible_mask_is_by_absolute_position():
+    mask = visible_mask(jnp.array([[2], [4]]), 6)
+    chex.assert_shape(mask, (2, 1, 1, 6))
+    np.testing.assert_array_equal(mask[:, 0, 0], [[1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 0]])
+
+
+def test_extend_inside_jit_returns_a_cache_of_the_same_structure():
+    config = tiny_config("mqa", "rope")
+    params = params_for(config)
+    step = jax.jit(functools.partial(extend, config))
+    cache = init_cache(config, 2, MAX_LEN)
+    logits, new_cache = step(params, random_tokens((2, 1)), cache)
+    assert jax.tree_util.tree_structure(new_cache) == jax.tree_util.tree_structure(cache)
+    chex.assert_trees_all_equal_shapes_and_dtypes(new_cache, cache)
+    np.testing.assert_array_equal(new_cache.lengths, [1, 1])
+
+
+def test_extend_rejects_mismatched_caches():
+    config = tiny_config("mha")
+    params = params_for(config)
+    tokens = random_tokens((2, 3))
+    with pytest.raises(ValueError, match="KVCache layers"):
+        extend(config, params, tokens, init_cache(tiny_config("mla_naive"), 2, MAX_LEN))
+    with pytest.raises(ValueError, match="cache.lengths"):
+        extend(config, params, tokens, init_cache(config, 3, MAX_LEN))
+    with pytest.raises(ValueError, match="do not fit"):
+        extend(config, params, random_tokens((2, 5)), init_cache(config, 2, 4))
+    with pytest.raises(TypeError, match="DecodeCache"):
+        extend(config, params, tokens, {"k": 1})
+    with pytest.raises(ValueError, match="num_new"):
+        extend(config, params, tokens, init_cache(config, 2, MAX_LEN), num_new=jnp.array([1]))
+    with pytest.raises(ValueError, match="max_len must be a positive integer"):
+        init_cache(config, 2, 0)

@@ -1,0 +1,194 @@
+"""Cached generation: equal to full recomputation, batch independent, compiled once, stoppable."""
+
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxattn import decoding
+from jaxattn.config import ModelConfig
+from jaxattn.model import DecoderLM
+
+ATTENTION = {
+    "mha": dict(),
+    "gqa": dict(num_kv_heads=2),
+    "mqa": dict(num_kv_heads=1),
+    "mla": dict(attention="mla", kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8),
+}
+POSITIONS = ("learned", "sinusoidal", "rope", "none")
+# Two rows of different lengths, right-padded: per-row offsets and padding are exercised everywhere.
+PROMPTS = np.array([[3, 1, 4, 1, 5, 9, 2], [6, 5, 3, 0, 0, 0, 0]], np.int32)
+LENGTHS = np.array([7, 3], np.int32)
+NEW = 6
+
+
+def tiny_config(attention="mha", positions="learned", **changes) -> ModelConfig:
+    # init_std 0.2 makes the logits far from uniform, so argmax ties and float noise cannot hide a bug.
+    base = dict(vocab_size=17, d_model=32, num_layers=2, num_heads=4, max_seq_len=32, init_std=0.2,
+                positions=positions, **ATTENTION[attention])
+    return ModelConfig(**{**base, **changes})
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_params(config: ModelConfig):
+    return jax.jit(DecoderLM(config).init)(jax.random.PRNGKey(0), jnp.zeros((1, 4), jnp.int32))["params"]
+
+
+def forward(config, tokens):
+    """Logits `[B, T, V]` of one full (uncached) forward pass."""
+    return jax.jit(DecoderLM(config).apply)({"params": tiny_params(config)}, jnp.asarray(tokens))
+
+
+def greedy(config, prompts=PROMPTS, lengths=LENGTHS, new=NEW, **kwargs):
+    return decoding.generate(tiny_params(config), config, prompts, lengths, max_new_tokens=new,
+                             rng=jax.random.PRNGKey(0), temperature=0.0, **kwargs)
+
+
+def full_sequences(prompts, lengths, generated):
+    """Each row's prompt followed by its generated tokens, `[B, max(P) + new]`, right-padded."""
+    rows = [np.concatenate([p[:n], g]) for p, n, g in zip(prompts, lengths, np.asarray(generated))]
+    out = np.zeros((len(rows), max(map(len, rows))), np.int32)
+    for b, row in enumerate(rows):
+        out[b, :len(row)] = row
+    return out
+
+
+@pytest.mark.parametrize("positions", POSITIONS)
+@pytest.mark.parametrize("attention", list(ATTENTION))
+def test_cached_logits_equal_full_forward_at_every_step(attention, positions):
+    config = tiny_config(attention, positions)
+    out = greedy(config, return_logits=True)
+    chex.assert_shape(out.tokens, (2, NEW))
+    chex.assert_shape(out.logits, (2, NEW, config.vocab_size))
+    # One causal forward pass over prompt + generated tokens: position t's logits are those of the
+    # prefix that ends at t (test_step_by_step_prefixes checks that with separate passes too).
+    sequences = full_sequences(PROMPTS, LENGTHS, out.tokens)
+    full = forward(config, sequences)
+    for b, n in enumerate(LENGTHS):
+        np.testing.assert_allclose(out.logits[b], full[b, n - 1:n - 1 + NEW], atol=2e-5, rtol=1e-5)
+    np.testing.assert_array_equal(out.tokens, jnp.argmax(out.logits, -1))
+    np.testing.assert_array_equal(out.counts, [NEW, NEW])
+
+
+@pytest.mark.parametrize("attention, positions", [("mha", "learned"), ("mla", "rope")])
+def test_greedy_tokens_equal_a_python_loop_of_full_forward_passes(attention, positions):
+    config = tiny_config(attention, positions)
+    out = greedy(config, return_logits=True)
+    b, n = 1, LENGTHS[1]  # the padded row
+    prefix = list(PROMPTS[b, :n])
+    for step in range(NEW):  # a separate forward pass over each unpadded prefix
+        logits = forward(config, [prefix])[0, -1]
+        np.testing.assert_allclose(out.logits[b, step], logits, atol=2e-5, rtol=1e-5)
+        prefix.append(int(jnp.argmax(logits)))
+    np.testing.assert_array_equal(out.tokens[b], prefix[n:])
+
+
+def test_cached_and_recomputed_generation_agree_when_sampling():
+    config = tiny_config("mla", "rope")
+    kwargs = dict(max_new_tokens=NEW, rng=jax.random.PRNGKey(3), temperature=1.3, top_k=8, top_p=0.95)
+    cached = decoding.generate(tiny_params(config), config, PROMPTS, LENGTHS, **kwargs)
+    recomputed = decoding.generate_without_cache(tiny_params(config), config, PROMPTS, LENGTHS, **kwargs)
+    np.testing.assert_array_equal(cached.tokens, recomputed.tokens)
+
+
+def test_a_row_does_not_depend_on_the_rest_of_the_batch():
+    config = tiny_config("gqa", "learned")
+    prompts = [[5, 1, 2], [4, 4, 8, 1, 9, 0, 3, 3, 2], [7] * 14]
+    padded = np.zeros((3, 14), np.int32)
+    for b, p in enumerate(prompts):
+        padded[b, :len(p)] = p
+    together = greedy(config, padded, np.array([3, 9, 14]), new=8)
+    for b, p in enumerate(prompts):
+        alone = greedy(config, np.array([p]), np.array([len(p)]), new=8)
+        np.testing.assert_array_equal(together.tokens[b], alone.tokens[0])
+
+
+def test_no_retrace_for_a_new_prompt_in_the_same_bucket_or_new_knobs():
+    config = tiny_config("mha", "rope")
+    params = tiny_params(config)
+    run = functools.partial(decoding.generate, params, config, max_new_tokens=5)
+    run(PROMPTS[:, :5], np.array([5, 3]), rng=jax.random.PRNGKey(0), temperature=0.7)
+    traces = decoding.TRACE_COUNT["generate"]
+    # Lengths 7 and 6 share bucket 8 with 5 and 3; every knob and the seed change.
+    run(PROMPTS, np.array([7, 6]), rng=jax.random.PRNGKey(1), temperature=0.0, top_k=3, top_p=0.5, stop_token=4)
+    run(PROMPTS[:, :6], np.array([2, 6]), rng=jax.random.PRNGKey(2), temperature=1.5, top_p=0.9, pad_token=1)
+    assert decoding.TRACE_COUNT["generate"] == traces
+    # The counter does see a new bucket (length 9 -> 16).
+    run(np.ones((2, 9), np.int32), np.array([9, 9]), rng=jax.random.PRNGKey(0))
+    assert decoding.TRACE_COUNT["generate"] == traces + 1
+
+
+def test_stop_token_freezes_the_row_and_pads_the_rest():
+    config = tiny_config("mha", "learned")
+    free = np.asarray(greedy(config, new=12).tokens)
+    stop = int(free[0, 3])
+    first_stop = [int(np.flatnonzero(row == stop)[0]) if (row == stop).any() else None for row in free]
+    out = greedy(config, new=12, stop_token=stop, pad_token=16)
+    for b, index in enumerate(first_stop):
+        if index is None:
+            np.testing.assert_array_equal(out.tokens[b], free[b])
+            assert int(out.counts[b]) == 12
+        else:
+            np.testing.assert_array_equal(out.tokens[b, :index + 1], free[b, :index + 1])
+            assert (np.asarray(out.tokens[b, index + 1:]) == 16).all()
+            assert int(out.counts[b]) == index + 1
+    assert first_stop[0] is not None and first_stop[0] <= 3
+
+
+def test_stopped_row_leaves_the_other_row_unchanged():
+    config = tiny_config("gqa", "rope")
+    free = np.asarray(greedy(config, new=10).tokens)
+    stop = int(free[1, 0])  # row 1 stops at once
+    out = greedy(config, new=10, stop_token=stop)
+    assert int(out.counts[1]) == 1
+    row0_stop = np.flatnonzero(free[0] == stop)
+    end = row0_stop[0] + 1 if row0_stop.size else 10
+    np.testing.assert_array_equal(out.tokens[0, :end], free[0, :end])
+
+
+def test_same_seed_same_samples_other_seed_other_samples():
+    config = tiny_config("mqa", "sinusoidal")
+    run = functools.partial(decoding.generate, tiny_params(config), config, PROMPTS, LENGTHS,
+                            max_new_tokens=12, temperature=1.5)
+    a = run(rng=jax.random.PRNGKey(7)).tokens
+    b = run(rng=jax.random.PRNGKey(7)).tokens
+    c = run(rng=jax.random.PRNGKey(8)).tokens
+    np.testing.assert_array_equal(a, b)
+    assert (np.asarray(a) != np.asarray(c)).any()
+
+
+def test_top_k_one_is_greedy_at_any_temperature():
+    config = tiny_config("mha", "none")
+    sampled = decoding.generate(tiny_params(config), config, PROMPTS, LENGTHS, max_new_tokens=NEW,
+                                rng=jax.random.PRNGKey(5), temperature=3.0, top_k=1)
+    np.testing.assert_array_equal(sampled.tokens, greedy(config).tokens)
+
+
+@pytest.mark.parametrize("length, bucket", [(1, 8), (8, 8), (9, 16), (33, 64), (64, 64), (65, 128), (130, 192),
+                                            (200, 200)])
+def test_prompt_bucket(length, bucket):
+    assert decoding.prompt_bucket(length, max_len=200) == bucket
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(max_new_tokens=30), "exceeds the model's context"),
+    (dict(max_new_tokens=0), "max_new_tokens"),
+    (dict(prompt_lengths=np.array([8, 3])), "prompt_lengths"),
+    (dict(prompt_lengths=np.array([0, 3])), "prompt_lengths"),
+    (dict(prompt_lengths=np.array([7])), "prompt_lengths"),
+    (dict(prompt_tokens=PROMPTS + 20), "vocab_size"),
+    (dict(prompt_tokens=PROMPTS[0]), "prompt_tokens"),
+    (dict(temperature=-1.0), "temperature"),
+    (dict(top_p=1.5), "top_p"),
+])
+def test_bad_arguments_raise_before_tracing(kwargs, message):
+    config = tiny_config()
+    args = dict(prompt_tokens=PROMPTS, prompt_lengths=LENGTHS, max_new_tokens=4, rng=jax.random.PRNGKey(0))
+    args.update(kwargs)
+    traces = decoding.TRACE_COUNT["generate"]
+    with pytest.raises(ValueError, match=message):
+        decoding.generate(tiny_params(config), config, **args)
+    assert decoding.TRACE_COUNT["generate"] == traces

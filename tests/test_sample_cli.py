@@ -1,0 +1,141 @@
+"""`python -m train.sample`: output, timing report, windows beyond the context, and its error messages."""
+
+import io
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxattn import decoding
+from jaxattn.config import ModelConfig
+from jaxattn.model import DecoderLM
+from train import sample
+from train.checkpoint import Checkpointer
+from train.config import ExperimentConfig, TrainConfig
+from train.tokenizer import CharTokenizer
+
+CHARS = "\n !$&',-.3:;?ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"  # Tiny Shakespeare's 65
+TINY_TOML = """
+[model]
+vocab_size = 65
+d_model = 16
+num_layers = 1
+num_heads = 2
+max_seq_len = 16
+init_std = 0.2
+"""
+
+
+@pytest.fixture
+def tiny(tmp_path, monkeypatch):
+    """A tiny config file and a corpus holding exactly Tiny Shakespeare's characters."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(CHARS * 3)
+    monkeypatch.setenv("JAXATTN_SHAKESPEARE", str(corpus))
+    config = tmp_path / "tiny.toml"
+    config.write_text(TINY_TOML)
+    return str(config)
+
+
+def run(capsys, *argv):
+    code = sample.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_random_init_prints_samples_and_reports_compile_time_and_speed(tiny, capsys):
+    code, out, err = run(capsys, "--random-init", tiny, "--prompt", "ROMEO:", "--max-new-tokens", "9",
+                         "--num-samples", "2", "--seed", "3")
+    assert code == 0, err
+    texts = out.rstrip("\n").split("\n---------------\n")
+    assert len(texts) == 2
+    for text in texts:
+        assert text.startswith("ROMEO:") and len(text) == len("ROMEO:") + 9
+    assert "compile:" in err and "tokens/s" in err and "2 x 9" in err
+
+
+def test_generation_continues_past_the_context_in_windows(tiny, capsys):
+    # max_seq_len 16: the prompt plus 40 tokens need several windows.
+    code, out, err = run(capsys, "--random-init", tiny, "--prompt", "KING:", "--max-new-tokens", "40")
+    assert code == 0, err
+    assert out.startswith("KING:") and len(out) == len("KING:") + 40 + 1  # print's newline
+
+
+def test_greedy_windowed_generation_matches_generate_within_the_first_window(tiny):
+    params, config, tokenizer = sample.random_init(tiny, seed=0)
+    ids = tokenizer.encode("To be")
+    windowed = sample.generate_ids(params, config, ids, num_samples=1, max_new_tokens=11, seed=0,
+                                   temperature=0.0, top_k=0, top_p=1.0)
+    direct = decoding.generate(params, config, ids[None], np.array([len(ids)]), max_new_tokens=11,
+                               rng=jax.random.PRNGKey(0), temperature=0.0)
+    np.testing.assert_array_equal(windowed, direct.tokens)
+
+
+def test_prompt_from_stdin(tiny, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "stdin", io.StringIO("JULIET:\n"))
+    code, out, err = run(capsys, "--random-init", tiny, "--max-new-tokens", "3")
+    assert code == 0, err
+    assert out.startswith("JULIET:\n")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--prompt", "héllo"], "cannot be encoded"),
+    (["--prompt", "A" * 16], "context is max_seq_len=16"),
+    (["--prompt", ""], "prompt is empty"),
+    (["--prompt", "A", "--temperature", "-1"], "--temperature"),
+    (["--prompt", "A", "--top-p", "0"], "--top-p"),
+])
+def test_bad_prompts_and_knobs_give_clear_errors(tiny, capsys, argv, message):
+    code, out, err = run(capsys, "--random-init", tiny, *argv)
+    assert code == 2 and out == ""
+    assert message in err and err.startswith("error: ")
+
+
+def test_unknown_config_name(capsys):
+    code, _, err = run(capsys, "--random-init", "no_such_config", "--prompt", "A")
+    assert code == 2 and "not found" in err
+
+
+def test_missing_checkpoint(tmp_path, capsys):
+    code, _, err = run(capsys, "--checkpoint", str(tmp_path / "nowhere"), "--prompt", "A")
+    assert code == 2 and "does not exist" in err
+
+
+def test_directory_without_a_checkpoint(tmp_path, capsys):
+    code, _, err = run(capsys, "--checkpoint", str(tmp_path), "--prompt", "A")
+    assert code == 2 and "no checkpoint found" in err
+
+
+def _save(run_dir, config: ModelConfig, params):
+    checkpointer = Checkpointer(run_dir)
+    experiment = ExperimentConfig(name="tiny", model=config, train=TrainConfig())
+    checkpointer.save("best", 1, {"params": params, "step": jnp.int32(1)}, config=experiment,
+                      tokenizer=CharTokenizer(CHARS), val_loss=2.0, best_val_loss=2.0)
+    checkpointer.close()
+
+
+def _init(config):
+    return jax.jit(DecoderLM(config).init)(jax.random.PRNGKey(1), jnp.zeros((1, 2), jnp.int32))["params"]
+
+
+def test_checkpoint_round_trip_samples_what_the_params_say(tmp_path, capsys):
+    config = ModelConfig(vocab_size=65, d_model=16, num_layers=1, num_heads=2, max_seq_len=16, init_std=0.2)
+    params = _init(config)
+    _save(tmp_path, config, params)
+    code, out, err = run(capsys, "--checkpoint", str(tmp_path), "--prompt", "ROMEO:", "--max-new-tokens", "8",
+                         "--temperature", "0")
+    assert code == 0, err
+    tokenizer = CharTokenizer(CHARS)
+    prompt = tokenizer.encode("ROMEO:")
+    expected = decoding.generate(params, config, prompt[None], np.array([len(prompt)]), max_new_tokens=8,
+                                 rng=jax.random.PRNGKey(0), temperature=0.0)
+    assert out == "ROMEO:" + tokenizer.decode(expected.tokens[0]) + "\n"
+
+
+def test_checkpoint_whose_params_do_not_fit_its_config(tmp_path, capsys):
+    saved = ModelConfig(vocab_size=65, d_model=16, num_layers=1, num_heads=2, max_seq_len=16)
+    _save(tmp_path, saved.replace(d_model=32), _init(saved))
+    code, _, err = run(capsys, "--checkpoint", str(tmp_path), "--prompt", "A")
+    assert code == 2 and "incompatible" in err
