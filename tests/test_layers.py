@@ -1,0 +1,199 @@
+"""Attention (MHA/MQA/GQA), norms and MLP against the seed formulas."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxattn.config import ModelConfig
+from jaxattn.layers import (
+    MLP,
+    Attention,
+    LayerNorm,
+    RMSNorm,
+    fused_to_separate_qkv,
+    separate_to_fused_qkv,
+)
+from jaxattn.rope import RopeScaling
+
+
+def attention_config(**changes):
+    base = dict(d_model=32, num_heads=4, num_layers=2, positions="none", fused_qkv=False)
+    return ModelConfig(**{**base, **changes})
+
+
+def init(config, x, context=None, seed=0):
+    return Attention(config).init(jax.random.PRNGKey(seed), x, context)["params"]
+
+
+def run(config, params, *args, method=None, **kwargs):
+    return Attention(config).apply({"params": params}, *args, method=method, **kwargs)
+
+
+def inputs(*shape, seed=0):
+    return jax.random.normal(jax.random.PRNGKey(seed), shape)
+
+
+def test_seed_000_dimension_walk():
+    config = ModelConfig(d_model=512, num_heads=8, num_layers=1, positions="rope")
+    x = inputs(1, 50, 512)  # [B, T, D]
+    attn = Attention(config)
+    params = attn.init(jax.random.PRNGKey(0), x)["params"]
+    q, k, v = attn.apply({"params": params}, x, method=Attention.project)
+    chex.assert_shape([q, k, v], (1, 50, 8, 64))  # split heads: [B, T, N, H]
+    positions = jnp.arange(50)
+    q, k = attn.apply({"params": params}, q, k, positions, positions, method=Attention.rotate)
+    chex.assert_shape(q.transpose(0, 2, 1, 3), (1, 8, 50, 64))  # the textbook [B, N, T, H] view
+    out, weights = attn.apply({"params": params}, q, k, v, is_causal=True, return_weights=True,
+                              method=Attention.attend)
+    chex.assert_shape(weights, (1, 8, 50, 50))  # scores [B, N, T, S]
+    chex.assert_shape(out, (1, 50, 8, 64))  # our layout keeps heads after time: no transpose back
+    y = attn.apply({"params": params}, out, method=Attention.project_out)
+    chex.assert_shape(y, (1, 50, 512))  # merged heads and W_O
+    np.testing.assert_allclose(y, attn.apply({"params": params}, x, is_causal=True), atol=1e-5)
+
+
+def seed_004_forward(q, k, v, wq, wk, wv, wo, n_heads, is_causal):
+    """Seed 004's MultiHeadAttention.forward in numpy (nn.Linear(x) = x @ W here; no dropout)."""
+    bsz, seqlen, _ = q.shape
+    head_dim = wq.shape[1] // n_heads
+    xq, xk, xv = q @ wq, k @ wk, v @ wv
+    xq = xq.reshape(bsz, seqlen, n_heads, head_dim).transpose(0, 2, 1, 3)
+    xk = xk.reshape(bsz, k.shape[1], n_heads, head_dim).transpose(0, 2, 1, 3)
+    xv = xv.reshape(bsz, v.shape[1], n_heads, head_dim).transpose(0, 2, 1, 3)
+    scores = xq @ xk.transpose(0, 1, 3, 2) / np.sqrt(head_dim)
+    if is_causal:
+        scores = scores + np.triu(np.full((seqlen, seqlen), -np.inf), 1)[None, None]
+    scores = np.exp(scores - scores.max(-1, keepdims=True))
+    scores = scores / scores.sum(-1, keepdims=True)
+    output = (scores @ xv).transpose(0, 2, 1, 3).reshape(bsz, seqlen, -1)
+    return output @ wo
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_mha_equals_a_numpy_transcription_of_seed_004(is_causal):
+    config = attention_config()
+    x = inputs(2, 6, 32)
+    params = init(config, x)
+    weights = [np.asarray(params[name]["kernel"], np.float64) for name in ("query", "key", "value", "out")]
+    expected = seed_004_forward(*(np.asarray(x, np.float64),) * 3, *weights, 4, is_causal)
+    np.testing.assert_allclose(run(config, params, x, is_causal=is_causal), expected, atol=2e-5)
+
+
+def test_cross_attention_equals_seed_004_with_keys_and_values_from_the_context():
+    config = attention_config()
+    x, context = inputs(2, 6, 32), inputs(2, 9, 32, seed=1)
+    params = init(config, x, context)
+    weights = [np.asarray(params[name]["kernel"], np.float64) for name in ("query", "key", "value", "out")]
+    c = np.asarray(context, np.float64)
+    expected = seed_004_forward(np.asarray(x, np.float64), c, c, *weights, 4, False)
+    np.testing.assert_allclose(run(config, params, x, context), expected, atol=2e-5)
+
+
+def test_cross_attention_padding_mask_hides_padded_context():
+    config = attention_config(num_kv_heads=2, fused_qkv=True)
+    x, context = inputs(2, 5, 32), inputs(2, 9, 32, seed=1)
+    params = init(config, x, context)
+    mask = (jnp.arange(9) < 6)[None, None, None, :]  # [1, 1, 1, S]
+    masked = run(config, params, x, context, mask=mask)
+    np.testing.assert_allclose(masked, run(config, params, x, context[:, :6]), atol=1e-6)
+
+
+@pytest.mark.parametrize("changes", [dict(), dict(num_kv_heads=2, use_bias=True),
+                                     dict(num_kv_heads=1, head_dim=12, positions="rope")])
+def test_fused_and_separate_qkv_agree_for_the_same_weights(changes):
+    separate = attention_config(**changes)
+    fused = separate.replace(fused_qkv=True)
+    x = inputs(2, 7, 32)
+    params = init(separate, x)
+    fused_params = separate_to_fused_qkv(params)
+    chex.assert_shape(fused_params["qkv"]["kernel"],
+                      (32, (separate.num_heads + 2 * separate.kv_heads) * separate.dim_per_head))
+    for causal in (False, True):
+        np.testing.assert_allclose(run(fused, fused_params, x, is_causal=causal),
+                                   run(separate, params, x, is_causal=causal), atol=1e-6)
+    chex.assert_trees_all_close(fused_to_separate_qkv(fused_params, separate), params)
+
+
+def test_gqa_equals_mha_with_each_kv_head_repeated_over_its_group():
+    gqa = attention_config(num_kv_heads=2)
+    x = inputs(2, 6, 32)
+    params = init(gqa, x)
+    mha_params = dict(params)
+    for name in ("key", "value"):
+        kernel = params[name]["kernel"].reshape(32, 2, 8)  # [D, K, H]
+        mha_params[name] = {"kernel": jnp.repeat(kernel, 2, axis=1).reshape(32, 32)}  # head n <- n // G
+    np.testing.assert_allclose(run(gqa, params, x, is_causal=True),
+                               run(attention_config(), mha_params, x, is_causal=True), atol=1e-6)
+
+
+def test_head_dim_is_independent_of_d_model_and_weights_are_returned():
+    config = attention_config(head_dim=8, num_kv_heads=2, fused_qkv=True)
+    x = inputs(2, 5, 32)
+    params = init(config, x)
+    chex.assert_shape(params["qkv"]["kernel"], (32, (4 + 2 * 2) * 8))
+    chex.assert_shape(params["out"]["kernel"], (4 * 8, 32))
+    y, weights = run(config, params, x, is_causal=True, return_weights=True)
+    chex.assert_shape(y, (2, 5, 32))
+    chex.assert_shape(weights, (2, 4, 5, 5))
+    np.testing.assert_allclose(weights.sum(-1), 1.0, atol=1e-6)
+    assert float(jnp.abs(jnp.triu(weights, 1)).max()) == 0.0
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_rope_attention_depends_only_on_relative_positions(interleaved):
+    config = attention_config(positions="rope", rope_interleaved=interleaved,
+                              rope_scaling=RopeScaling("yarn", 4.0, original_max_position=16))
+    x = inputs(1, 6, 32)
+    params = jax.tree_util.tree_map(lambda w: 25 * w, init(config, x))  # std 0.5: sharp attention
+    at_zero = run(config, params, x, is_causal=True)
+    shifted = run(config, params, x, positions=jnp.arange(6) + 11, is_causal=True)
+    np.testing.assert_allclose(at_zero, shifted, atol=2e-4, rtol=1e-4)
+    unrotated = run(config.replace(positions="none"), params, x, is_causal=True)
+    assert np.abs(at_zero - unrotated).max() > 0.1
+
+
+def test_dropout_is_off_when_deterministic_and_on_otherwise():
+    config = attention_config(dropout=0.5)
+    x = inputs(2, 6, 32)
+    params = init(config, x)
+    a = run(config, params, x)
+    np.testing.assert_array_equal(a, run(config, params, x, deterministic=True))
+    b = run(config, params, x, deterministic=False, rngs={"dropout": jax.random.PRNGKey(1)})
+    c = run(config, params, x, deterministic=False, rngs={"dropout": jax.random.PRNGKey(2)})
+    assert np.abs(a - b).max() > 1e-3 and np.abs(b - c).max() > 1e-3
+
+
+def test_norms_match_their_formulas():
+    x = inputs(3, 8) * 3 + 1
+    xn = np.asarray(x)
+    rms = RMSNorm(eps=1e-6).apply({"params": {"scale": jnp.full(8, 2.0)}}, x)
+    np.testing.assert_allclose(rms, 2 * xn / np.sqrt((xn ** 2).mean(-1, keepdims=True) + 1e-6),
+                               rtol=1e-5)
+    ln = LayerNorm(eps=1e-5).apply({"params": {"scale": jnp.ones(8), "bias": jnp.ones(8)}}, x)
+    expected = (xn - xn.mean(-1, keepdims=True)) / np.sqrt(xn.var(-1, keepdims=True) + 1e-5) + 1
+    np.testing.assert_allclose(ln, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["gelu", "swiglu"])
+def test_mlp_shapes(kind):
+    config = ModelConfig(d_model=16, num_heads=2, mlp=kind, mlp_hidden=24, use_bias=True)
+    x = inputs(2, 3, 16)
+    params = MLP(config).init(jax.random.PRNGKey(0), x)["params"]
+    chex.assert_shape(MLP(config).apply({"params": params}, x), (2, 3, 16))
+    hidden = params["gate_up" if kind == "swiglu" else "c_fc"]["kernel"]
+    chex.assert_shape(hidden, (16, 2 * 24 if kind == "swiglu" else 24))
+
+
+def test_bad_inputs_raise_clear_errors():
+    config = attention_config(fused_qkv=True)
+    x = inputs(2, 5, 32)
+    with pytest.raises(ValueError, match="fused QKV shares one input width"):
+        init(config, x, inputs(2, 4, 16))
+    with pytest.raises(ValueError, match=r"x must be \[B, T, D\]"):
+        init(config, x[0])
+    with pytest.raises(ValueError, match="context must be"):
+        init(config, x, inputs(3, 4, 32))
+    with pytest.raises(TypeError, match="ModelConfig"):
+        Attention({"d_model": 32}).init(jax.random.PRNGKey(0), x)

@@ -1,0 +1,112 @@
+"""Multi-head Latent Attention: absorbed equals naive, latent attention equals MQA on the latent."""
+
+import math
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxattn.attention import scaled_dot_product_attention
+from jaxattn.cache import LatentCache, init_cache
+from jaxattn.config import ModelConfig
+from jaxattn.mla import MultiHeadLatentAttention, latent_attention
+from jaxattn.rope import RopeScaling, rope_attention_factor
+
+B, T, D = 2, 7, 32
+
+
+def mla_config(**changes):
+    base = dict(d_model=D, num_heads=4, num_layers=2, attention="mla", positions="rope",
+                kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6)
+    return ModelConfig(**{**base, **changes})
+
+
+def setup_mla(config, seed=0):
+    x = jax.random.normal(jax.random.PRNGKey(seed), (B, T, D))
+    params = MultiHeadLatentAttention(config).init(jax.random.PRNGKey(seed + 1), x)["params"]
+    # std 0.3 rather than 0.02 so that attention is far from uniform and paths can differ
+    params = jax.tree_util.tree_map(lambda w: w * 15 if w.ndim > 1 else w, params)
+    return x, params
+
+
+def run(config, params, *args, **kwargs):
+    return MultiHeadLatentAttention(config).apply({"params": params}, *args, **kwargs)
+
+
+@pytest.mark.parametrize("q_lora_rank", [None, 12])
+def test_absorbed_equals_naive(q_lora_rank):
+    config = mla_config(q_lora_rank=q_lora_rank)
+    x, params = setup_mla(config)
+    assert ("wq_a" in params) == (q_lora_rank is not None)
+    mask = (jnp.arange(T) < jnp.array([[T], [4]]))[:, None, None, :]  # padding [B, 1, 1, S]
+    for causal in (True, False):
+        naive, w_naive = run(config, params, x, path="naive", mask=mask, is_causal=causal,
+                             return_weights=True)
+        absorb, w_absorb = run(config, params, x, path="absorb", mask=mask, is_causal=causal,
+                               return_weights=True)
+        chex.assert_shape([w_naive, w_absorb], (B, 4, T, T))
+        assert float(w_naive.std()) > 0.05  # far from uniform: a real check
+        np.testing.assert_allclose(absorb, naive, atol=1e-5, rtol=1e-5)
+        np.testing.assert_allclose(w_absorb, w_naive, atol=1e-6)
+
+
+def test_step_shapes():
+    config = mla_config(q_lora_rank=12)
+    x, params = setup_mla(config)
+    mla = MultiHeadLatentAttention(config)
+    q_nope, q_rope = mla.apply({"params": params}, x, method=MultiHeadLatentAttention.project_query)
+    chex.assert_shape([q_nope, q_rope], [(B, T, 4, 8), (B, T, 4, 4)])
+    c_kv, k_rope = mla.apply({"params": params}, x, method=MultiHeadLatentAttention.compress_kv)
+    chex.assert_shape([c_kv, k_rope], [(B, T, 16), (B, T, 4)])  # one rotary key for all heads
+    np.testing.assert_allclose(jnp.sqrt(jnp.mean(c_kv ** 2, -1)), 1.0, atol=1e-3)  # RMSNorm, scale 1
+    chex.assert_shape(params["wkv_b"], (16, 4, 8 + 6))  # [R, N, P + V]: W_UK | W_UV
+    out = run(config, params, x, is_causal=True)
+    chex.assert_shape(out, (B, T, D))
+
+
+def test_latent_attention_is_mqa_with_one_latent_kv_head():
+    keys = jax.random.split(jax.random.PRNGKey(3), 4)
+    q_latent = jax.random.normal(keys[0], (B, T, 4, 16))
+    q_rope = jax.random.normal(keys[1], (B, T, 4, 4))
+    c_kv = jax.random.normal(keys[2], (B, 9, 16))
+    k_rope = jax.random.normal(keys[3], (B, 9, 4))
+    out, weights = latent_attention(q_latent, q_rope, c_kv, k_rope, scale=0.3, is_causal=True)
+    query = jnp.concatenate([q_latent, q_rope], -1)  # [B, T, N, R + E]
+    key = jnp.concatenate([c_kv, k_rope], -1)[:, :, None]  # [B, S, 1, R + E]
+    expected, expected_w = scaled_dot_product_attention(
+        query, key, c_kv[:, :, None], scale=0.3, is_causal=True, return_weights=True)
+    np.testing.assert_allclose(out, expected, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(weights, expected_w, atol=1e-6)
+
+
+def test_softmax_scale_includes_the_yarn_factor_squared():
+    yarn = RopeScaling("yarn", 40.0, original_max_position=64, mscale=1.0, mscale_all_dim=0.0)
+    _, params = setup_mla(mla_config())
+    for scaling, factor in ((None, 1.0), (yarn, rope_attention_factor(yarn))):
+        config = mla_config(rope_scaling=scaling)
+        scale = MultiHeadLatentAttention(config).apply({"params": params}, method=lambda m: m.scale)
+        assert math.isclose(scale, factor ** 2 / math.sqrt(8 + 4))
+    assert rope_attention_factor(yarn) > 1.3
+
+
+def test_extend_stores_only_the_latent_and_the_rotary_key():
+    config = mla_config()
+    x, params = setup_mla(config)
+    cache = init_cache(config, B, 10).layers[0]
+    out, cache = run(config, params, x, cache, jnp.zeros((B,), jnp.int32),
+                     method=MultiHeadLatentAttention.extend)
+    assert isinstance(cache, LatentCache)
+    chex.assert_shape([cache.c_kv, cache.k_rope], [(B, 10, 16), (B, 10, 4)])
+    assert sum(a.shape[-1] for a in (cache.c_kv, cache.k_rope)) == 16 + 4  # R + E per token
+    np.testing.assert_allclose(out, run(config, params, x, is_causal=True, path="naive"),
+                               atol=1e-5, rtol=1e-5)
+    assert float(jnp.abs(cache.c_kv[:, T:]).max()) == 0.0  # nothing written past the tokens
+
+
+def test_bad_path_raises():
+    config = mla_config()
+    x, params = setup_mla(config)
+    with pytest.raises(ValueError, match="path must be"):
+        run(config, params, x, path="fast")
