@@ -56,7 +56,7 @@ def decode_tokens_per_s(config: ExperimentConfig, params, *, batch_size: int = 1
 def kv_bytes_per_token(config: ExperimentConfig) -> int:
     """Bytes one token adds to the decode cache, summed over layers."""
     from jaxattn.cache import cache_bytes_per_token
-    return int(cache_bytes_per_token(config.model)["total"])
+    return int(cache_bytes_per_token(config.model)["bytes"])
 
 
 def run_one(kind: str, positions: str, args) -> dict:

@@ -291,18 +291,17 @@ def train(config: ExperimentConfig, *, resume: bool = False, quiet: bool = False
     interval_losses: list[float] = []
     bar = tqdm(total=tc.max_iters, initial=start_step, unit="it", disable=quiet, dynamic_ncols=True,
                mininterval=0.5, file=sys.stdout)
-    chunk_times: list[tuple[int, float]] = []  # (steps, seconds) of chunks with no eval in them
+    chunk_times: list[tuple[int, float]] = []  # (steps, seconds) per dispatch, eval excluded
     last = run_eval(start_step) if start_step % tc.eval_interval == 0 or start_step == tc.max_iters else None
     pending = None  # (first step, losses) of the chunk in flight: read after dispatching the next
     tick = time.perf_counter()
 
-    def drain(pending, timed):
+    def drain(pending):
         nonlocal tick
         first, losses = pending
         losses = np.asarray(losses)  # waits for that chunk
         now = time.perf_counter()
-        if timed:
-            chunk_times.append((len(losses), now - tick))
+        chunk_times.append((len(losses), now - tick))
         tick = now
         for i, loss in enumerate(losses):  # the mean loss of each log interval, at its last step
             step = first + i + 1
@@ -318,20 +317,20 @@ def train(config: ExperimentConfig, *, resume: bool = False, quiet: bool = False
     for a, b in _chunks(start_step, tc.max_iters, tc):
         state, losses = compiled[b - a](state, train_data)
         if pending is not None:
-            drain(pending, timed=True)
+            drain(pending)
         pending = (a, losses)
         if b % tc.eval_interval == 0 or b == tc.max_iters:
-            drain(pending, timed=False)  # the eval below syncs; keep its time out of the rate
+            drain(pending)
             pending = None
             last = run_eval(b)
-            tick = time.perf_counter()
+            tick = time.perf_counter()  # keep eval and checkpoint time out of the rate
     if pending is not None:
-        drain(pending, timed=True)
+        drain(pending)
     bar.close()
     if ckpt is not None:
         ckpt.close()
 
-    per_step = [t / s for s, t in chunk_times]
+    per_step = [t / s for s, t in chunk_times[1:] or chunk_times]  # the first dispatch warms up
     median_step = statistics.median(per_step) if per_step else float("nan")
     text, method = ("", "")
     if sample:
