@@ -16,7 +16,7 @@ from train.config import load_config
 TINY_MODEL = ["model.d_model=32", "model.num_layers=2", "model.num_heads=2", "model.max_seq_len=16"]
 TINY_TRAIN = ["train.batch_size=4", "train.block_size=16", "train.eval_iters=8", "train.eval_interval=10",
               "train.log_interval=5", "train.warmup_iters=5", "train.lr=3e-3", "train.sample_tokens=20",
-              "train.lr_decay_iters=40"]
+              "train.lr_decay_iters=40", "train.data_parallel=1"]
 
 
 @pytest.fixture(scope="module")
@@ -153,3 +153,25 @@ def test_attention_maps_from_a_checkpoint(full_run, tmp_path):
     png = attention_maps.main(["--checkpoint", str(out), "--text", "First Citizen", "--out",
                                str(tmp_path / "maps.png")])
     assert png.stat().st_size > 1000
+
+
+def test_data_parallel_equals_one_device(text_file, tmp_path):
+    """Two host devices (a fresh process: the device count is fixed when JAX starts) give the
+    single-device losses up to float summation order."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    losses = {}
+    for devices in (1, 2):
+        out = tmp_path / f"dp{devices}"
+        args = [f"--set", *TINY_MODEL, *TINY_TRAIN, "train.max_iters=10", f"train.data_parallel={devices}",
+                "train.checkpoint=false", "train.plot=false", "train.sample_tokens=0",
+                "--data", str(text_file), "--out-dir", str(out), "--quiet"]
+        env = {**os.environ, "PYTHONPATH": str(root)}
+        subprocess.run([sys.executable, "-m", "train.tiny_lm", *args], check=True, env=env, cwd=root,
+                       capture_output=True)
+        losses[devices] = [r["loss"] for r in _metrics(out) if "loss" in r]
+    assert len(losses[1]) == 2
+    np.testing.assert_allclose(losses[2], losses[1], rtol=1e-5)

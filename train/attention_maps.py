@@ -34,7 +34,7 @@ def draw(weights: np.ndarray, chars: list[str], png: Path, *, title: str) -> Non
     num_layers, num_heads, T, _ = weights.shape
     cell = max(1.6, 0.13 * T)
     fig, axes = plt.subplots(num_layers, num_heads, figsize=(cell * num_heads + 1, cell * num_layers + 0.6),
-                             dpi=110, squeeze=False)
+                             dpi=80, squeeze=False)
     labels = [VISIBLE.get(c, c) for c in chars]
     fontsize = max(3.5, min(8.0, 260 / T))
     for layer in range(num_layers):

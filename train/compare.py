@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from train.config import DEFAULT_CONFIG, ExperimentConfig, load_config
-from train.tiny_lm import apply_xla_flags, train
+from train.tiny_lm import apply_xla_flags, run_flags, train
 
 KINDS = {
     "MHA": [],
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     unknown = sorted(set(kinds) - set(KINDS))
     if unknown:
         parser.error(f"unknown --kinds {unknown}; choose from {list(KINDS)}")
-    apply_xla_flags(load_config(args.config, args.set).train.xla_flags)
+    apply_xla_flags(run_flags(load_config(args.config, args.set).train))
     rows = [run_one(kind, pos, args) for kind in kinds for pos in args.positions.split(",")]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -96,11 +96,14 @@ def build_programs(config: ExperimentConfig) -> Programs:
         logits = model.apply({"params": params}, x, deterministic=not dropout, rngs=rngs)
         return cross_entropy(logits, y)
 
+    loss_and_grads = jax.value_and_grad(loss_fn)
+    if tc.data_parallel > 1:
+        loss_and_grads = _data_parallel(loss_and_grads, tc.data_parallel)
+
     def one_step(state, train_data):
         step = state["step"]
         x, y = data_lib.get_batch(train_data, data_lib.batch_key(tc.seed, data_lib.TRAIN, step), B, T)
-        loss, grads = jax.value_and_grad(loss_fn)(state["params"], x, y,
-                                                  jax.random.fold_in(state["rng"], step))
+        loss, grads = loss_and_grads(state["params"], x, y, jax.random.fold_in(state["rng"], step))
         updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         return {**state, "params": params, "opt_state": opt_state, "step": step + 1}, loss
@@ -128,6 +131,39 @@ def build_programs(config: ExperimentConfig) -> Programs:
                 "rng": dropout_key}
 
     return Programs(init=init, train_steps=train_steps, evaluate=evaluate)
+
+
+def _mesh(num_devices: int):
+    from jax.sharding import Mesh
+
+    devices = jax.devices()
+    if len(devices) < num_devices:
+        raise ValueError(f"train.data_parallel={num_devices} needs {num_devices} devices, JAX has {len(devices)}; "
+                         f"start it with XLA_FLAGS=--xla_force_host_platform_device_count={num_devices} "
+                         "(the command-line programs do this)")
+    return Mesh(np.array(devices[:num_devices]), ("data",))
+
+
+def _replicate(tree, num_devices: int):
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    return jax.device_put(tree, NamedSharding(_mesh(num_devices), P()))
+
+
+def _data_parallel(loss_and_grads: Callable, num_devices: int) -> Callable:
+    """The same (loss, grads) computed as the mean over `num_devices` host devices, each taking
+    B / num_devices rows of the batch; params are replicated. Equal to the single-device
+    result up to float summation order."""
+    from jax.sharding import PartitionSpec as P
+
+    mesh = _mesh(num_devices)
+
+    def local(params, x, y, dropout_key):  # x, y: [B / num_devices, T]
+        key = jax.random.fold_in(dropout_key, jax.lax.axis_index("data"))
+        loss, grads = loss_and_grads(params, x, y, key)
+        return jax.lax.pmean((loss, grads), "data")
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(), P("data"), P("data"), P()),
+                         out_specs=P(), check_vma=False)
 
 
 # ----------------------------------------------------------------------------- sampling
@@ -249,6 +285,8 @@ def train(config: ExperimentConfig, *, resume: bool = False, quiet: bool = False
     programs = build_programs(config)
     train_data, val_data = jnp.asarray(corpus.train), jnp.asarray(corpus.val)
     state = programs.init(tc.seed)
+    if tc.data_parallel > 1:  # every array replicated on the data-parallel devices
+        state, train_data, val_data = _replicate((state, train_data, val_data), tc.data_parallel)
     log(f"parameters: {count_params(state['params']):,}; XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
     num_params = count_params(state["params"])
     ckpt = Checkpointer(out) if tc.checkpoint or resume else None
@@ -333,7 +371,7 @@ def train(config: ExperimentConfig, *, resume: bool = False, quiet: bool = False
     per_step = [t / s for s, t in chunk_times[1:] or chunk_times]  # the first dispatch warms up
     median_step = statistics.median(per_step) if per_step else float("nan")
     text, method = ("", "")
-    if sample:
+    if sample and tc.sample_tokens > 0:
         text, method = sample_text(config, state["params"], corpus.tokenizer, seed=tc.seed)
         log(f"--- sample ({method}, temperature {tc.sample_temperature}) ---\n{text}\n---")
     if tc.plot:
@@ -382,6 +420,12 @@ def plot_losses(metrics_path: Path, png: Path, *, title: str) -> None:
     plt.close(fig)
 
 
+def run_flags(tc: TrainConfig) -> str:
+    """train.xla_flags plus the host device count data parallelism needs."""
+    devices = f"--xla_force_host_platform_device_count={tc.data_parallel}" if tc.data_parallel > 1 else ""
+    return f"{tc.xla_flags} {devices}".strip()
+
+
 def apply_xla_flags(flags: str) -> bool:
     """Adds `flags` to XLA_FLAGS if JAX's backend has not started yet; returns whether they apply."""
     from jax._src import xla_bridge
@@ -415,7 +459,7 @@ def main(argv: list[str] | None = None) -> RunResult:
         config = load_config(args.config, overrides)
     except (ValueError, TypeError, FileNotFoundError) as err:
         parser.error(str(err))
-    apply_xla_flags(config.train.xla_flags)
+    apply_xla_flags(run_flags(config.train))
     try:
         result = train(config, resume=args.resume, quiet=args.quiet, loss_plot=args.loss_plot)
     except (data_lib.DataError, CheckpointError) as err:
