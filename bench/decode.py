@@ -1,6 +1,6 @@
 """Decode tokens/s: KV-cached `generate` vs full recomputation vs Hugging Face, per attention kind.
 
-    PYTHONPATH=$PWD python bench/decode.py [--hf-python /work/scratch/hf/.venv/bin/python] [--quick]
+    PYTHONPATH=$PWD python bench/decode.py [--hf-python /work/scratch/hf/.venv/bin/python] [--models baby,small --kinds MHA,GQA\ kv=2,MQA,MLA --lengths 256,1000]
 
 Random-init models (speed does not depend on the weights), greedy, prompt of
 16 tokens, batch 1 and 8, 256 and 1000 new tokens. Medians of --repeats runs;
@@ -83,14 +83,17 @@ def main() -> None:
     parser.add_argument("--hf-python", help="interpreter with torch + transformers (else quote README figures)")
     parser.add_argument("--hf-threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--quick", action="store_true", help="baby model, MHA, 256 tokens only")
+    parser.add_argument("--models", default="baby,small")
+    parser.add_argument("--kinds", default=",".join(KINDS), help="comma-separated subset of " + ",".join(KINDS))
+    parser.add_argument("--lengths", default="256,1000")
+    parser.add_argument("--small-kinds", default=None, help="kinds for the 10.7M model (default: --kinds)")
     args = parser.parse_args()
-    models = ["baby"] if args.quick else list(MODELS)
-    kinds = ["MHA"] if args.quick else list(KINDS)
-    lengths = [256] if args.quick else [256, 1000]
+    models = args.models.split(",")
+    lengths = [int(n) for n in args.lengths.split(",")]
     rows = []
     for model in models:
-        for kind in kinds:
+        kinds = (args.small_kinds or args.kinds) if model == "small" else args.kinds
+        for kind in kinds.split(","):
             config = make_config(model, kind)
             params = jax.jit(DecoderLM(config).init)(jax.random.PRNGKey(0), jnp.zeros((1, 1), jnp.int32))["params"]
             cache_bytes = cache_bytes_per_token(config)["bytes"]

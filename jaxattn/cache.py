@@ -124,11 +124,13 @@ def write_rows(buffer: jnp.ndarray, update: jnp.ndarray, starts: jnp.ndarray) ->
     The caller keeps `starts[b] + T <= L`: `dynamic_update_slice` clamps the
     start index so that the update fits, which would shift the write.
     """
-    def write_row(row, new, start):
-        index = (start,) + (0,) * (new.ndim - 1)
-        return jax.lax.dynamic_update_slice(row, new.astype(row.dtype), index)
-
-    return jax.vmap(write_row)(buffer, update, starts)
+    # One dynamic_update_slice per row (B is static) rather than a vmap: XLA turns the vmapped
+    # form into a scatter that copies the whole buffer each decode step (bench/results/decode_notes.md).
+    update = update.astype(buffer.dtype)
+    for b in range(buffer.shape[0]):
+        index = (b, starts[b]) + (0,) * (buffer.ndim - 2)
+        buffer = jax.lax.dynamic_update_slice(buffer, update[b:b + 1], index)
+    return buffer
 
 
 def visible_mask(query_positions: jnp.ndarray, max_len: int) -> jnp.ndarray:
