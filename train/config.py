@@ -48,6 +48,10 @@ class TrainConfig:
       val_fraction: the last fraction of the corpus held out.
       sample_tokens, sample_temperature, sample_prompt: the sample printed at the end.
       plot: write the loss curve PNG at the end.
+      data_parallel: split each batch over this many CPU "devices" (one per core) and average
+        the gradients; >1 makes the command-line programs start JAX with that many host devices.
+      xla_flags: extra XLA_FLAGS for the CPU compiler; applied by the command-line programs
+        before JAX starts (a process that already used JAX keeps its flags).
     """
 
     batch_size: int = 12
@@ -76,10 +80,12 @@ class TrainConfig:
     sample_temperature: float = 0.8
     sample_prompt: str = "\n"
     plot: bool = True
+    data_parallel: int = 1
+    xla_flags: str = ""
 
     def __post_init__(self):
         for name in ("batch_size", "block_size", "max_iters", "eval_interval", "eval_iters",
-                     "log_interval", "steps_per_dispatch", "lr_decay_iters"):
+                     "log_interval", "steps_per_dispatch", "lr_decay_iters", "data_parallel"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"TrainConfig.{name} must be positive, got {getattr(self, name)}")
         for name in ("warmup_iters", "sample_tokens", "weight_decay", "grad_clip", "min_lr"):
@@ -87,6 +93,9 @@ class TrainConfig:
                 raise ValueError(f"TrainConfig.{name} must be >= 0, got {getattr(self, name)}")
         if not 0 < self.lr:
             raise ValueError(f"TrainConfig.lr must be positive, got {self.lr}")
+        if self.batch_size % self.data_parallel:
+            raise ValueError(f"TrainConfig.batch_size={self.batch_size} must be divisible by "
+                             f"data_parallel={self.data_parallel}")
         if self.min_lr > self.lr:
             raise ValueError(f"TrainConfig.min_lr={self.min_lr} exceeds lr={self.lr}")
         for name in ("beta1", "beta2", "val_fraction"):

@@ -1,0 +1,177 @@
+"""Short training runs of a tiny model on a slice of the corpus (or a synthetic text)."""
+
+import json
+import math
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from train import tiny_lm
+from train.checkpoint import load_for_sampling
+from train.config import load_config
+
+TINY_MODEL = ["model.d_model=32", "model.num_layers=2", "model.num_heads=2", "model.max_seq_len=16"]
+TINY_TRAIN = ["train.batch_size=4", "train.block_size=16", "train.eval_iters=8", "train.eval_interval=10",
+              "train.log_interval=5", "train.warmup_iters=5", "train.lr=3e-3", "train.sample_tokens=20",
+              "train.lr_decay_iters=40", "train.data_parallel=1"]
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory):
+    """The first 20k characters of Tiny Shakespeare when available, else a repetitive text."""
+    from train.data import ENV_PATH
+    import os
+    path = tmp_path_factory.mktemp("data") / "slice.txt"
+    source = os.environ.get(ENV_PATH)
+    if source and Path(source).is_file():
+        path.write_text(Path(source).read_text(encoding="utf-8")[:20_000], encoding="utf-8")
+    else:
+        path.write_text("To be, or not to be, that is the question.\n" * 500)
+    return path
+
+
+def _config(text_file, out_dir, *extra):
+    return load_config(overrides=TINY_MODEL + TINY_TRAIN + [f"train.data_path='{text_file}'",
+                                                            f"train.out_dir='{out_dir}'", *extra])
+
+
+def _metrics(out_dir):
+    return [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def full_run(text_file, tmp_path_factory):
+    out = tmp_path_factory.mktemp("full")
+    config = _config(text_file, out, "train.max_iters=30", "train.steps_per_dispatch=5")
+    result = tiny_lm.train(config, quiet=True)
+    return out, result
+
+
+def test_loss_decreases_and_artifacts_are_written(full_run):
+    out, result = full_run
+    evals = [r for r in _metrics(out) if "val_loss" in r]
+    assert [r["step"] for r in evals] == [0, 10, 20, 30]
+    assert evals[0]["train_loss"] == pytest.approx(math.log(result_vocab(out)), abs=0.3)  # uniform start
+    assert evals[-1]["train_loss"] < evals[0]["train_loss"] - 0.6
+    assert evals[-1]["val_loss"] < evals[0]["val_loss"] - 0.3
+    assert result.final_val_loss == evals[-1]["val_loss"]
+    assert (out / "loss.png").stat().st_size > 1000
+    assert json.loads((out / "config.json").read_text())["train"]["max_iters"] == 30
+    assert len(result.sample) > 20 and result.median_tokens_per_s > 0 and result.compile_s > 0
+
+
+def result_vocab(out):
+    return json.loads((Path(out) / "config.json").read_text())["model"]["vocab_size"]
+
+
+def test_resume_equals_uninterrupted(full_run, text_file, tmp_path):
+    full_out, _ = full_run
+    first = tiny_lm.train(_config(text_file, tmp_path, "train.max_iters=20", "train.steps_per_dispatch=5"),
+                          quiet=True, sample=False)
+    assert first.steps == 20
+    tiny_lm.train(_config(text_file, tmp_path, "train.max_iters=30", "train.steps_per_dispatch=5"),
+                  resume=True, quiet=True, sample=False)
+    full, resumed = _metrics(full_out), _metrics(tmp_path)
+    full_losses = {r["step"]: r["loss"] for r in full if "loss" in r}
+    resumed_losses = {r["step"]: r["loss"] for r in resumed if "loss" in r}
+    assert sorted(resumed_losses) == sorted(full_losses) and max(full_losses) == 30
+    np.testing.assert_allclose([resumed_losses[s] for s in sorted(full_losses)],
+                               [full_losses[s] for s in sorted(full_losses)], rtol=1e-6)
+    full_params, _, _ = load_for_sampling(full_out / "checkpoints" / "latest")
+    resumed_params, _, _ = load_for_sampling(tmp_path / "checkpoints" / "latest")
+    for a, b in zip(jax.tree.leaves(full_params), jax.tree.leaves(resumed_params)):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_steps_per_dispatch_does_not_change_the_maths(full_run, text_file, tmp_path):
+    full_out, _ = full_run
+    tiny_lm.train(_config(text_file, tmp_path, "train.max_iters=10", "train.steps_per_dispatch=1",
+                          "train.checkpoint=false", "train.plot=false"), quiet=True, sample=False)
+    one = [r["loss"] for r in _metrics(tmp_path) if "loss" in r]
+    five = [r["loss"] for r in _metrics(full_out) if "loss" in r][:len(one)]
+    np.testing.assert_allclose(one, five, rtol=1e-5)
+
+
+def test_lr_schedule_is_nanogpts():
+    tc = load_config().train
+    schedule = tiny_lm.lr_schedule(tc)
+
+    def get_lr(it):  # nanoGPT train.py
+        if it < tc.warmup_iters:
+            return tc.lr * (it + 1) / (tc.warmup_iters + 1)
+        if it > tc.lr_decay_iters:
+            return tc.min_lr
+        ratio = (it - tc.warmup_iters) / (tc.lr_decay_iters - tc.warmup_iters)
+        return tc.min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (tc.lr - tc.min_lr)
+
+    for it in (0, 1, 50, 99, 100, 101, 1000, 1999, 2000, 2500):
+        assert float(schedule(it)) == pytest.approx(get_lr(it), rel=1e-5)
+
+
+def test_weight_decay_mask():
+    params = {"token_embed": {"embedding": jnp.zeros((5, 4))}, "pos_embed": jnp.zeros((8, 4)),
+              "block_0": {"attn": {"kernel": jnp.zeros((4, 12)), "bias": jnp.zeros(12)},
+                          "norm": {"scale": jnp.zeros(4)}}}
+    with_embed = tiny_lm.decay_mask(params, decay_embeddings=True)
+    without = tiny_lm.decay_mask(params, decay_embeddings=False)
+    assert with_embed["token_embed"]["embedding"] and with_embed["pos_embed"]
+    assert not without["token_embed"]["embedding"] and not without["pos_embed"]
+    for mask in (with_embed, without):
+        assert mask["block_0"]["attn"]["kernel"]
+        assert not mask["block_0"]["attn"]["bias"] and not mask["block_0"]["norm"]["scale"]
+
+
+def test_cli_errors_are_clear(tmp_path, capsys):
+    with pytest.raises(SystemExit, match="does not exist"):
+        tiny_lm.main(["--data", str(tmp_path / "missing.txt"), "--out-dir", str(tmp_path), "--quiet"])
+    with pytest.raises(SystemExit):
+        tiny_lm.main(["--set", "train.max_itres=3"])
+    assert "unknown train keys ['max_itres']" in capsys.readouterr().err
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    with pytest.raises(SystemExit, match="is empty"):
+        tiny_lm.main(["--data", str(empty), "--out-dir", str(tmp_path), "--quiet"])
+    text = tmp_path / "text.txt"
+    text.write_text("abcdefgh" * 100)
+    with pytest.raises(SystemExit, match="no checkpoint"):
+        tiny_lm.main(["--data", str(text), "--out-dir", str(tmp_path / "fresh"), "--resume", "--quiet"])
+
+
+def test_attention_maps_from_a_checkpoint(full_run, tmp_path):
+    from train import attention_maps
+
+    out, result = full_run
+    params, model_config, tokenizer = load_for_sampling(out)
+    ids = tokenizer.encode("First Citizen")
+    weights = attention_maps.attention_weights(params, model_config, ids)
+    assert weights.shape == (2, 2, len(ids), len(ids))  # [L, N, T, T]
+    np.testing.assert_allclose(weights.sum(-1), 1.0, rtol=1e-5)
+    assert np.all(np.triu(weights, k=1) == 0)  # causal
+    png = attention_maps.main(["--checkpoint", str(out), "--text", "First Citizen", "--out",
+                               str(tmp_path / "maps.png")])
+    assert png.stat().st_size > 1000
+
+
+def test_data_parallel_equals_one_device(text_file, tmp_path):
+    """Two host devices (a fresh process: the device count is fixed when JAX starts) give the
+    single-device losses up to float summation order."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    losses = {}
+    for devices in (1, 2):
+        out = tmp_path / f"dp{devices}"
+        args = [f"--set", *TINY_MODEL, *TINY_TRAIN, "train.max_iters=10", f"train.data_parallel={devices}",
+                "train.checkpoint=false", "train.plot=false", "train.sample_tokens=0",
+                "--data", str(text_file), "--out-dir", str(out), "--quiet"]
+        env = {**os.environ, "PYTHONPATH": str(root)}
+        subprocess.run([sys.executable, "-m", "train.tiny_lm", *args], check=True, env=env, cwd=root,
+                       capture_output=True)
+        losses[devices] = [r["loss"] for r in _metrics(out) if "loss" in r]
+    assert len(losses[1]) == 2
+    np.testing.assert_allclose(losses[2], losses[1], rtol=1e-5)
