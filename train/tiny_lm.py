@@ -133,6 +133,19 @@ def build_programs(config: ExperimentConfig) -> Programs:
     return Programs(init=init, train_steps=train_steps, evaluate=evaluate)
 
 
+def _fit_data_parallel(config: ExperimentConfig) -> ExperimentConfig:
+    """Falls back to one device, with a warning, when JAX started with fewer host devices than
+    train.data_parallel asks for (e.g. `train()` called after JAX was initialised). The maths is
+    the same either way; only the speed differs."""
+    wanted, available = config.train.data_parallel, len(jax.devices())
+    if wanted <= available:
+        return config
+    print(f"warning: train.data_parallel={wanted} but JAX has {available} device(s); training on one. "
+          f"Start Python with XLA_FLAGS=--xla_force_host_platform_device_count={wanted} "
+          f"(python -m train.tiny_lm does this) to use {wanted} cores.", file=sys.stderr)
+    return config.replace(train=config.train.replace(data_parallel=1))
+
+
 def _mesh(num_devices: int):
     from jax.sharding import Mesh
 
@@ -274,7 +287,8 @@ def train(config: ExperimentConfig, *, resume: bool = False, quiet: bool = False
     wall_start = time.perf_counter()
     tc = config.train
     corpus = data_lib.load_corpus(tc.data_path, tokenizer=tc.tokenizer, val_fraction=tc.val_fraction)
-    config = resolve(config, corpus.tokenizer)
+    config = _fit_data_parallel(resolve(config, corpus.tokenizer))
+    tc = config.train
     data_lib.check_block_size(corpus, tc.block_size)
     out = Path(tc.out_dir)
     out.mkdir(parents=True, exist_ok=True)
