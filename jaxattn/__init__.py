@@ -14,12 +14,16 @@ The Flax modules and the model (built from one `ModelConfig`):
 * `Attention` (MHA/MQA/GQA), `MultiHeadLatentAttention`, `MLP`, `RMSNorm`, `LayerNorm`
 * `Block`, `DecoderLM`, `count_params`
 * caches: `KVCache`, `LatentCache`, `DecodeCache`, `init_cache`, `cache_bytes_per_token`
+
+Decoding: `generate` (prefill + `jax.lax.scan` over one-token steps), and the
+pure sampling functions in `jaxattn.sampling` (`sample`, `greedy`, `filter_logits`).
 """
 
 from jaxattn.additive import additive_attention
 from jaxattn.attention import reference_attention, repeat_kv, scaled_dot_product_attention
 from jaxattn.cache import DecodeCache, KVCache, LatentCache, cache_bytes_per_token, init_cache
 from jaxattn.config import ModelConfig
+from jaxattn.decoding import GenerateOutput, generate
 from jaxattn.layers import (
     MLP,
     Attention,
@@ -45,6 +49,7 @@ __all__ = [
     "Block",
     "DecodeCache",
     "DecoderLM",
+    "GenerateOutput",
     "KVCache",
     "LatentCache",
     "LayerNorm",
@@ -57,6 +62,7 @@ __all__ = [
     "cache_bytes_per_token",
     "count_params",
     "fused_to_separate_qkv",
+    "generate",
     "init_cache",
     "latent_attention",
     "separate_to_fused_qkv",
