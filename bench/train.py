@@ -39,15 +39,16 @@ NANOGPT_SCRIPT = Path(__file__).resolve().parent / "nanogpt_baseline.py"
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def run_nanogpt(python: str, data: Path, iters: int, lr_decay_iters: int) -> dict:
+def run_nanogpt(python: str, data: Path, iters: int, lr_decay_iters: int, threads: int) -> dict:
     """nanoGPT's baby run in a subprocess under `python`; its JSON record, marked as measured."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "nanogpt.json"
         subprocess.run([python, str(NANOGPT_SCRIPT), "--data", str(data), "--max-iters", str(iters),
-                        "--lr-decay-iters", str(lr_decay_iters), "--json", str(out)], check=True)
+                        "--lr-decay-iters", str(lr_decay_iters), "--threads", str(threads), "--json", str(out)],
+                       check=True)
         record = json.loads(out.read_text())
     return {**record, "measured": True,
-            "source": f"measured in this run: {NANOGPT_SCRIPT.name} under {python} (torch eager, 2 threads)"}
+            "source": f"measured in this run: {NANOGPT_SCRIPT.name} under {python} (torch eager, {threads} threads)"}
 
 
 def main(argv=None) -> dict:
@@ -57,6 +58,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--out", default=str(RESULTS))
     parser.add_argument("--nanogpt-python", help="a Python with torch: also run nanoGPT's baby run side by side")
     parser.add_argument("--nanogpt-max-iters", type=int, help="nanoGPT's iters (default: the same as ours)")
+    parser.add_argument("--nanogpt-threads", type=int, default=2, help="torch threads (the shared figures used 2)")
     args = parser.parse_args(argv)
     command = "PYTHONPATH=$PWD python bench/train.py " + shlex.join(sys.argv[1:] if argv is None else argv)
     config = load_config(args.config, ["train.out_dir='runs/bench_train'", *args.set])
@@ -65,7 +67,7 @@ def main(argv=None) -> dict:
     tc = config.train
     if args.nanogpt_python:
         nanogpt = run_nanogpt(args.nanogpt_python, resolve_data_path(tc.data_path, download_if_missing=False),
-                              args.nanogpt_max_iters or tc.max_iters, tc.lr_decay_iters)
+                              args.nanogpt_max_iters or tc.max_iters, tc.lr_decay_iters, args.nanogpt_threads)
     else:
         nanogpt = NANOGPT_QUOTED
     record = {
@@ -87,6 +89,17 @@ def main(argv=None) -> dict:
     (out / "train.md").write_text(markdown(record))
     print(markdown(record))
     return record
+
+
+def disturbed_warning(r: dict) -> list[str]:
+    """A warning line when a median is far above its fastest: other processes took the cores."""
+    n = r["nanogpt"]
+    sides = [("jaxattn", r["median_ms_per_iter"] / r["fastest_ms_per_iter"])]
+    if n["measured"]:
+        sides.append(("nanoGPT", n["median_ms_per_iter"] / n["fastest_ms_per_iter"]))
+    slow = [f"{name} median {ratio:.1f}x its fastest" for name, ratio in sides if ratio > 1.5]
+    return [f"**Disturbed run** ({', '.join(slow)}): re-run on a quiet machine before quoting the ratio.", ""] \
+        if slow else []
 
 
 def markdown(r: dict) -> str:
@@ -115,6 +128,7 @@ def markdown(r: dict) -> str:
         f"jax {r['env']['jax']}, {r['env']['cpus']} CPUs. nanoGPT figures: {n['source']}. The machine is shared, "
         "so timings are noisy (up to ~1.8x run to run); only a measured column gives a same-run ratio.",
         "",
+        *disturbed_warning(r),
         f"Made by: `{r['command']}`",
         "",
     ])
