@@ -1,0 +1,285 @@
+"""nanoGPT's CPU baby run, ported into one file so that bench/train.py can time it side by side.
+
+    /work/scratch/hf/.venv/bin/python bench/nanogpt_baseline.py [--data PATH] [--max-iters N] [--json OUT]
+
+Source: github.com/karpathy/nanoGPT, `model.py` (GPT, CausalSelfAttention, MLP, LayerNorm,
+_init_weights, configure_optimizers) and `train.py` (get_batch, estimate_loss, get_lr, the loop),
+run as `python train.py config/train_shakespeare_char.py --device=cpu --compile=False
+--eval_iters=20 --log_interval=1 --block_size=64 --batch_size=12 --n_layer=4 --n_head=4
+--n_embd=128 --max_iters=2000 --lr_decay_iters=2000 --dropout=0.0`, with
+data/shakespeare_char/prepare.py's char-level split (sorted characters, first 90% train, last 10% val).
+What is left out is what the CPU run does not execute: DDP, autocast / GradScaler (no-ops in fp32 on
+CPU), torch.compile, checkpoints, wandb, from_pretrained, generate, the manual-attention fallback.
+One deliberate difference: nanoGPT takes one more optimizer step after its eval at iter max_iters;
+this port stops at that eval (the figures are the same, the step is never evaluated).
+
+Timing: each iteration (forward, next batch, backward, clip, AdamW step, loss.item()) is timed on its
+own, so eval time is excluded; the median skips the first 10 iterations. Needs torch (any CPU build),
+never imports jax. Prints and returns a JSON record (the last line of stdout).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+import torch.nn as nn
+from torch.nn import functional as F
+
+DEFAULT_DATA = os.environ.get("JAXATTN_SHAKESPEARE", "/work/shared/data/tinyshakespeare.txt")
+WARMUP_ITERS_EXCLUDED = 10  # first iterations left out of the median (allocator and thread-pool warm-up)
+
+
+# ----------------------------------------------------------------------------- model.py
+
+@dataclass
+class GPTConfig:
+    block_size: int = 64
+    vocab_size: int = 65
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    dropout: float = 0.0
+    bias: bool = False  # train.py's default: no bias in Linear and LayerNorm
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm with an optional bias (PyTorch's has no bias=False)."""
+
+    def __init__(self, ndim, bias):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(ndim))
+        self.bias = nn.Parameter(torch.zeros(ndim)) if bias else None
+
+    def forward(self, input):
+        return F.layer_norm(input, self.weight.shape, self.weight, self.bias, 1e-5)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        assert config.n_embd % config.n_head == 0
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.resid_dropout = nn.Dropout(config.dropout)
+        self.n_head, self.n_embd, self.dropout = config.n_head, config.n_embd, config.dropout
+
+    def forward(self, x):
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=None,
+                                           dropout_p=self.dropout if self.training else 0, is_causal=True)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.gelu = nn.GELU()  # exact (erf) GELU
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x):
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.ln_1 = LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(config.vocab_size, config.n_embd),
+            wpe=nn.Embedding(config.block_size, config.n_embd),
+            drop=nn.Dropout(config.dropout),
+            h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+            ln_f=LayerNorm(config.n_embd, bias=config.bias),
+        ))
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight  # weight tying
+        self.apply(self._init_weights)
+        for pn, p in self.named_parameters():  # GPT-2's scaled init of the residual projections
+            if pn.endswith("c_proj.weight"):
+                torch.nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    def _init_weights(self, module):
+        if isinstance(module, nn.Linear):
+            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                torch.nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def forward(self, idx, targets):
+        t = idx.size(1)
+        pos = torch.arange(0, t, dtype=torch.long, device=idx.device)  # (t)
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (b, t, n_embd)
+        for block in self.transformer.h:
+            x = block(x)
+        logits = self.lm_head(self.transformer.ln_f(x))  # (b, t, vocab)
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+        return logits, loss
+
+    def configure_optimizers(self, weight_decay, learning_rate, betas):
+        """AdamW, decay on every >= 2-D tensor (matmul weights and the tied embedding), none on norms."""
+        params = [p for p in self.parameters() if p.requires_grad]
+        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=False)  # not fused on CPU
+
+
+# ----------------------------------------------------------------------------- train.py
+
+@dataclass
+class TrainArgs:
+    """config/train_shakespeare_char.py with the baby-run command-line overrides."""
+
+    max_iters: int = 2000
+    eval_interval: int = 250
+    eval_iters: int = 20
+    batch_size: int = 12
+    block_size: int = 64
+    learning_rate: float = 1e-3
+    min_lr: float = 1e-4
+    warmup_iters: int = 100
+    lr_decay_iters: int = 2000
+    weight_decay: float = 1e-1
+    beta1: float = 0.9
+    beta2: float = 0.99
+    grad_clip: float = 1.0
+    seed: int = 1337
+
+
+def load_splits(path: str) -> tuple[np.ndarray, np.ndarray, int]:
+    """prepare.py: ids in the sorted character set as uint16, first 90% train, last 10% val."""
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    stoi = {ch: i for i, ch in enumerate(sorted(set(text)))}
+    ids = np.array([stoi[c] for c in text], dtype=np.uint16)
+    n = len(text)
+    return ids[:int(n * 0.9)], ids[int(n * 0.9):], len(stoi)
+
+
+def get_batch(data: np.ndarray, a: TrainArgs) -> tuple[torch.Tensor, torch.Tensor]:
+    """train.py's get_batch: torch.randint offsets, numpy slices cast to int64; x, y (B, T)."""
+    ix = torch.randint(len(data) - a.block_size, (a.batch_size,))
+    x = torch.stack([torch.from_numpy((data[i:i + a.block_size]).astype(np.int64)) for i in ix])
+    y = torch.stack([torch.from_numpy((data[i + 1:i + 1 + a.block_size]).astype(np.int64)) for i in ix])
+    return x, y
+
+
+@torch.no_grad()
+def estimate_loss(model: GPT, splits: dict, a: TrainArgs) -> dict:
+    out = {}
+    model.eval()
+    for split, data in splits.items():
+        losses = torch.zeros(a.eval_iters)
+        for k in range(a.eval_iters):
+            X, Y = get_batch(data, a)
+            losses[k] = model(X, Y)[1].item()
+        out[split] = losses.mean().item()
+    model.train()
+    return out
+
+
+def get_lr(it: int, a: TrainArgs) -> float:
+    """Linear warmup, cosine decay to min_lr at lr_decay_iters, then min_lr."""
+    if it < a.warmup_iters:
+        return a.learning_rate * (it + 1) / (a.warmup_iters + 1)
+    if it > a.lr_decay_iters:
+        return a.min_lr
+    decay_ratio = (it - a.warmup_iters) / (a.lr_decay_iters - a.warmup_iters)
+    coeff = 0.5 * (1.0 + math.cos(math.pi * decay_ratio))
+    return a.min_lr + coeff * (a.learning_rate - a.min_lr)
+
+
+def train_step(model, optimizer, X, Y, next_batch, a: TrainArgs):
+    """One iteration of train.py's loop body (gradient_accumulation_steps = 1); returns (loss, X, Y)."""
+    _, loss = model(X, Y)
+    X, Y = next_batch()
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), a.grad_clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.item(), X, Y  # log_interval=1: nanoGPT syncs on loss.item() every iteration
+
+
+def run(data_path: str, a: TrainArgs, threads: int = 2, log=print) -> dict:
+    """The baby run; its figures as a JSON-ready dict."""
+    wall_start = time.perf_counter()
+    torch.set_num_threads(threads)
+    torch.manual_seed(a.seed)
+    train_data, val_data, vocab_size = load_splits(data_path)
+    model = GPT(GPTConfig(block_size=a.block_size, vocab_size=vocab_size))
+    optimizer = model.configure_optimizers(a.weight_decay, a.learning_rate, (a.beta1, a.beta2))
+    splits = {"train": train_data, "val": val_data}
+    evals, iter_s = [], []
+    X, Y = get_batch(train_data, a)
+    for iter_num in range(a.max_iters + 1):
+        lr = get_lr(iter_num, a)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        if iter_num % a.eval_interval == 0 or iter_num == a.max_iters:
+            losses = estimate_loss(model, splits, a)
+            evals.append({"iter": iter_num, **losses})
+            log(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}", flush=True)
+        if iter_num == a.max_iters:
+            break
+        t0 = time.perf_counter()
+        _, X, Y = train_step(model, optimizer, X, Y, lambda: get_batch(train_data, a), a)
+        iter_s.append(time.perf_counter() - t0)
+    timed = iter_s[WARMUP_ITERS_EXCLUDED:] or iter_s
+    median_s = statistics.median(timed)
+    return {
+        "impl": "nanoGPT (port: bench/nanogpt_baseline.py, torch eager)", "iters": a.max_iters,
+        "median_ms_per_iter": 1e3 * median_s, "median_tokens_per_s": a.batch_size * a.block_size / median_s,
+        "fastest_ms_per_iter": 1e3 * min(timed), "final_val_loss": evals[-1]["val"],
+        "final_train_loss": evals[-1]["train"], "evals": evals, "train_s": sum(iter_s),
+        "wall_s": time.perf_counter() - wall_start,
+        "params": sum(p.numel() for p in model.parameters()), "data": data_path, "args": asdict(a),
+        "env": {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpus": os.cpu_count()},
+    }
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data", default=DEFAULT_DATA, help="Tiny Shakespeare text file")
+    parser.add_argument("--max-iters", type=int, default=TrainArgs.max_iters)
+    parser.add_argument("--lr-decay-iters", type=int, default=TrainArgs.lr_decay_iters)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--json", help="also write the JSON record to this file")
+    args = parser.parse_args(argv)
+    record = run(args.data, TrainArgs(max_iters=args.max_iters, lr_decay_iters=args.lr_decay_iters), args.threads)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(record, f, indent=2)
+    print(json.dumps(record))
+    return record
+
+
+if __name__ == "__main__":
+    main()
