@@ -4,8 +4,13 @@ Why a cache is exact (seed 001): the key and value of token j depend only on
 tokens <= j and fixed weights, so they never change once computed. Each layer
 stores them once, in a buffer of `max_len` slots per row:
 
-* standard attention (MHA/MQA/GQA): `KVCache(k [B, L, K, H], v [B, L, K, Hv])`,
-  K/V kept at K heads (never repeated for GQA/MQA);
+* standard attention (MHA/MQA/GQA): `KVCache(k [B, K, L, H], v [B, K, L, Hv])`,
+  K/V kept at K heads (never repeated for GQA/MQA) and heads-major: each
+  (row, head) is one contiguous `[L, H]` matrix, so attention against the
+  cache is a plain batched matmul over (B, K). With the sequence-major
+  `[B, L, K, H]` layout of the rest of the library XLA transposed the whole
+  cache (both arrays, every layer) on every decode step: 4x slower attention
+  at batch 8 (bench/results/decode_notes.md);
 * Multi-head Latent Attention: `LatentCache(c_kv [B, L, R], k_rope [B, L, E])`,
   the normalised joint latent (R = kv_lora_rank) and the one rotary key shared
   by all heads (E = qk_rope_head_dim); per-head keys and values are never stored.
@@ -13,12 +18,14 @@ stores them once, in a buffer of `max_len` slots per row:
 `DecodeCache` bundles the per-layer caches with `lengths [B]`: row b holds
 `lengths[b]` tokens, at slots `0 .. lengths[b] - 1` (slot = absolute position).
 Rows can be at different lengths. Writes put T new tokens of row b at slots
-`lengths[b] + arange(T)` (`jax.lax.dynamic_update_slice`, vmapped over rows);
+`lengths[b] + arange(T)` (`jax.lax.dynamic_update_slice`, one per row);
 reads are masked by position: key slot j is visible to a query at absolute
 position p iff j <= p, so slots not yet written are never visible.
 """
 
 from __future__ import annotations
+
+import math
 
 import flax.struct
 import jax
@@ -32,8 +39,8 @@ class KVCache:
     """One standard-attention layer's cache.
 
     Attributes:
-      k: `[B, L, K, H]` rotated keys (RoPE already applied when used).
-      v: `[B, L, K, Hv]` values.
+      k: `[B, K, L, H]` rotated keys (RoPE already applied when used).
+      v: `[B, K, L, Hv]` values.
     """
 
     k: jnp.ndarray
@@ -70,7 +77,7 @@ class DecodeCache:
     def max_len(self) -> int:
         """L, the number of slots per row."""
         first = self.layers[0]
-        return (first.k if isinstance(first, KVCache) else first.c_kv).shape[1]
+        return first.k.shape[2] if isinstance(first, KVCache) else first.c_kv.shape[1]
 
 
 def _layer_shapes(config: ModelConfig, batch_size: int, max_len: int) -> dict[str, tuple]:
@@ -79,7 +86,7 @@ def _layer_shapes(config: ModelConfig, batch_size: int, max_len: int) -> dict[st
         return {"c_kv": (batch_size, max_len, config.kv_lora_rank),
                 "k_rope": (batch_size, max_len, config.qk_rope_head_dim)}
     K, H = config.kv_heads, config.dim_per_head
-    return {"k": (batch_size, max_len, K, H), "v": (batch_size, max_len, K, H)}
+    return {"k": (batch_size, K, max_len, H), "v": (batch_size, K, max_len, H)}
 
 
 def init_cache(config: ModelConfig, batch_size: int, max_len: int, dtype=None) -> DecodeCache:
@@ -107,8 +114,7 @@ def cache_bytes_per_token(config: ModelConfig, dtype=None) -> dict:
     config's compute dtype). The per-row `lengths` counter is not per token.
     """
     dtype = jnp.dtype(config.dtype if dtype is None else dtype)
-    numbers = sum(shape[-1] if len(shape) == 3 else shape[-2] * shape[-1]
-                  for shape in _layer_shapes(config, 1, 1).values())
+    numbers = sum(math.prod(shape) for shape in _layer_shapes(config, 1, 1).values())  # B = L = 1
     return {
         "numbers_per_layer": numbers,
         "bytes_per_layer": numbers * dtype.itemsize,
@@ -118,9 +124,11 @@ def cache_bytes_per_token(config: ModelConfig, dtype=None) -> dict:
     }
 
 
-def write_rows(buffer: jnp.ndarray, update: jnp.ndarray, starts: jnp.ndarray) -> jnp.ndarray:
-    """Writes `update [B, T, ...]` into `buffer [B, L, ...]` at slots `starts[b] + arange(T)`.
+def write_rows(buffer: jnp.ndarray, update: jnp.ndarray, starts: jnp.ndarray, axis: int = 1) -> jnp.ndarray:
+    """Writes row b of `update` into row b of `buffer` at slots `starts[b] + arange(T)` along `axis`.
 
+    `buffer` is `[B, ..., L, ...]` and `update` `[B, ..., T, ...]` with L and T
+    at `axis` (1 for `[B, L, R]` latents, 2 for `[B, K, L, H]` keys/values).
     The caller keeps `starts[b] + T <= L`: `dynamic_update_slice` clamps the
     start index so that the update fits, which would shift the write.
     """
@@ -128,7 +136,7 @@ def write_rows(buffer: jnp.ndarray, update: jnp.ndarray, starts: jnp.ndarray) ->
     # form into a scatter that copies the whole buffer each decode step (bench/results/decode_notes.md).
     update = update.astype(buffer.dtype)
     for b in range(buffer.shape[0]):
-        index = (b, starts[b]) + (0,) * (buffer.ndim - 2)
+        index = tuple(starts[b] if d == axis else (b if d == 0 else 0) for d in range(buffer.ndim))
         buffer = jax.lax.dynamic_update_slice(buffer, update[b:b + 1], index)
     return buffer
 

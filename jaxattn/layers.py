@@ -14,8 +14,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jaxattn.attention import scaled_dot_product_attention
-from jaxattn.cache import KVCache, visible_mask, write_rows
+from jaxattn.attention import cached_attention, scaled_dot_product_attention
+from jaxattn.cache import KVCache, write_rows
 from jaxattn.config import ModelConfig
 from jaxattn.rope import apply_rope, rope_attention_factor, rope_frequencies
 
@@ -206,8 +206,10 @@ class Attention(nn.Module):
         return apply_rope(q, q_positions, **rope), apply_rope(k, k_positions, **rope)
 
     def update_cache(self, cache: KVCache, k, v, starts) -> KVCache:
-        """Writes the new k, v `[B, T, K, H]` of row b at slots `starts[b] + arange(T)`."""
-        return KVCache(k=write_rows(cache.k, k, starts), v=write_rows(cache.v, v, starts))
+        """Writes the new k, v `[B, T, K, H]` of row b at slots `starts[b] + arange(T)` of the `[B, K, L, H]` cache."""
+        heads_major = lambda x: jnp.swapaxes(x, 1, 2)  # [B, T, K, H] -> [B, K, T, H]  # noqa: E731
+        return KVCache(k=write_rows(cache.k, heads_major(k), starts, axis=2),
+                       v=write_rows(cache.v, heads_major(v), starts, axis=2))
 
     def attend(self, q, k, v, *, mask=None, is_causal=False, deterministic=True,
                return_weights=False):
@@ -263,7 +265,7 @@ class Attention(nn.Module):
 
         Args:
           x: `[B, T, D]`; token t of row b sits at absolute position `starts[b] + t`.
-          cache: this layer's `KVCache` (`[B, L, K, H]`), `starts[b] + T <= L`.
+          cache: this layer's `KVCache` (`[B, K, L, H]`), `starts[b] + T <= L`.
           starts: `[B]` int, tokens of each row already in the cache.
 
         Returns:
@@ -274,8 +276,7 @@ class Attention(nn.Module):
         q, k, v = self.project(x)
         q, k = self.rotate(q, k, positions, positions)
         cache = self.update_cache(cache, k, v, starts)
-        mask = visible_mask(positions, cache.k.shape[1])  # [B, 1, T, L]
-        out = self.attend(q, cache.k, cache.v, mask=mask)
+        out = cached_attention(q, cache.k, cache.v, positions, scale=self.scale)  # [B, T, N, H]
         return self.project_out(out), cache
 
     def _check_inputs(self, x, context):

@@ -427,3 +427,34 @@ def test_repeat_kv_errors():
     for bad in (0, -1, 1.5):
         with pytest.raises(ValueError, match=r"n_rep must be a positive integer"):
             repeat_kv(x, bad)
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (4, 2), (4, 1)])
+@pytest.mark.parametrize("num_queries", [1, 3])
+def test_cached_attention_equals_masked_attention_on_the_same_cache(num_heads, num_kv_heads, num_queries):
+    """The decode fast path (heads-major cache, position mask) = the general path with `visible_mask`."""
+    from jaxattn.attention import cached_attention
+    from jaxattn.cache import visible_mask
+
+    B, L, H = 2, 9, 8
+    keys = jax.random.split(jax.random.PRNGKey(3), 3)
+    query = jax.random.normal(keys[0], (B, num_queries, num_heads, H))
+    key_cache = jax.random.normal(keys[1], (B, num_kv_heads, L, H))
+    value_cache = jax.random.normal(keys[2], (B, num_kv_heads, L, H))
+    positions = jnp.array([[2], [6]]) + jnp.arange(num_queries)  # rows at different lengths
+    out = cached_attention(query, key_cache, value_cache, positions, scale=0.3)
+    expected = scaled_dot_product_attention(
+        query, key_cache.transpose(0, 2, 1, 3), value_cache.transpose(0, 2, 1, 3),
+        mask=visible_mask(positions, L), scale=0.3)
+    chex.assert_shape(out, (B, num_queries, num_heads, H))
+    np.testing.assert_allclose(out, expected, atol=1e-6, rtol=1e-6)
+
+
+def test_cached_attention_errors():
+    from jaxattn.attention import cached_attention
+
+    q, cache = jnp.zeros((2, 1, 4, 8)), jnp.zeros((2, 3, 5, 8))
+    with pytest.raises(ValueError, match="multiple of K"):
+        cached_attention(q, cache, cache, jnp.zeros((2, 1), jnp.int32))
+    with pytest.raises(ValueError, match="query_positions"):
+        cached_attention(q, cache[:, :2], cache[:, :2], jnp.zeros((2,), jnp.int32))

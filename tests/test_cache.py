@@ -127,7 +127,7 @@ def test_init_cache_shapes_and_pytree():
     config = tiny_config("gqa", num_layers=3)
     cache = init_cache(config, 2, 10)
     assert isinstance(cache, DecodeCache) and len(cache.layers) == 3 and cache.max_len == 10
-    chex.assert_shape([cache.layers[0].k, cache.layers[0].v], (2, 10, 2, 4))  # K heads, not N
+    chex.assert_shape([cache.layers[0].k, cache.layers[0].v], (2, 2, 10, 4))  # [B, K, L, H]: K heads, not N
     assert cache.lengths.dtype == jnp.int32
     leaves = jax.tree_util.tree_leaves(cache)
     assert len(leaves) == 3 * 2 + 1  # a pytree: jit/scan carry it
@@ -142,6 +142,14 @@ def test_write_rows_writes_each_row_at_its_own_start():
     update = jnp.ones((2, 2, 1)) * jnp.array([1.0, 2.0])[:, None, None]
     out = write_rows(buffer, update, jnp.array([0, 3]))
     np.testing.assert_array_equal(out[..., 0], [[1, 1, 0, 0, 0, 0], [0, 0, 0, 2, 2, 0]])
+
+
+def test_write_rows_along_the_slot_axis_of_a_heads_major_buffer():
+    buffer = jnp.zeros((2, 3, 6, 1))  # [B, K, L, H]
+    update = jnp.ones((2, 3, 2, 1)) * jnp.array([1.0, 2.0])[:, None, None, None]
+    out = write_rows(buffer, update, jnp.array([1, 4]), axis=2)
+    for head in range(3):
+        np.testing.assert_array_equal(out[:, head, :, 0], [[0, 1, 1, 0, 0, 0], [0, 0, 0, 0, 2, 2]])
 
 
 def test_visible_mask_is_by_absolute_position():

@@ -122,3 +122,18 @@ def test_knobs_are_traced_values_under_jit():
     nucleus = draw(LOGITS, key, 0.7, 0, 0.3)
     assert len(traces) == 1
     assert int(greedy_tokens[0]) == int(top1[0]) == int(nucleus[0]) == 3
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(0.0, 0, 1.0), (0.0, 3, 0.5), (0.8, 0, 1.0),
+                                                     (0.8, 3, 1.0), (0.8, 0, 0.6), (1.3, 4, 0.7)])
+def test_sample_branches_equal_the_unbranched_formula(temperature, top_k, top_p):
+    """`sample` skips sorting when top-k/top-p are off and everything when greedy: same tokens as the full path."""
+    logits = jax.random.normal(jax.random.PRNGKey(5), (6, 11)) * 3
+    key = jax.random.PRNGKey(9)
+    full = jax.random.categorical(
+        key, sampling.filter_logits(sampling.apply_temperature(logits, temperature), top_k=top_k, top_p=top_p),
+        axis=-1)
+    expected = sampling.greedy(logits) if temperature == 0 else full
+    for knobs in [(temperature, top_k, top_p), (jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p))]:
+        got = jax.jit(lambda l, t, k, p: sampling.sample(l, key, temperature=t, top_k=k, top_p=p))(logits, *knobs)
+        np.testing.assert_array_equal(got, expected)
