@@ -1,6 +1,5 @@
 """DecoderLM: causality for every attention kind x position scheme, training, padding, counts."""
 
-import functools
 
 import chex
 import jax
@@ -11,39 +10,12 @@ import pytest
 
 from jaxattn.config import ModelConfig
 from jaxattn.model import DecoderLM, count_params
-
-VOCAB, T = 13, 8
-KINDS = {
-    "mha": dict(),
-    "gqa": dict(num_kv_heads=2),
-    "mqa": dict(num_kv_heads=1),
-    "mla_naive": dict(attention="mla", mla_path="naive"),
-    "mla_absorb": dict(attention="mla", mla_path="absorb", q_lora_rank=8),
-}
-POSITIONS = ("learned", "sinusoidal", "rope", "none")
-
-
-def tiny_config(kind="mha", positions="learned", **changes):
-    base = dict(vocab_size=VOCAB, d_model=16, num_layers=2, num_heads=4, max_seq_len=12,
-                positions=positions, kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4,
-                v_head_dim=4, mlp_hidden=32)
-    return ModelConfig(**{**base, **KINDS[kind], **changes})
-
-
-@functools.lru_cache(maxsize=None)
-def _learned_params(config):
-    return DecoderLM(config).init(jax.random.PRNGKey(1), jnp.zeros((1, 2), jnp.int32))["params"]
-
+from tiny_models import KINDS, POSITIONS, T, VOCAB, learned_params, params_for, tiny_config
 
 def init(config, batch=2, length=T, seed=0):
-    """Params and random tokens. Initialisation is the slow part of these tests (one
-    kernel compile per parameter shape), so every position scheme reuses the params
-    of the learned one, minus its `wpe` table."""
+    """Params (shared across position schemes, see `params_for`) and random tokens."""
     tokens = jax.random.randint(jax.random.PRNGKey(seed), (batch, length), 0, VOCAB)
-    params = dict(_learned_params(config.replace(positions="learned")))
-    if config.positions != "learned":
-        del params["wpe"]
-    return params, tokens
+    return params_for(config), tokens
 
 
 def forward(config, **kwargs):
@@ -195,9 +167,9 @@ def test_bad_configs_and_inputs_raise_clear_errors():
     with pytest.raises(ValueError, match="attention must be one of"):
         ModelConfig(attention="linear")
     with pytest.raises(ValueError, match="even d_model"):
-        _learned_params(tiny_config("mha", "sinusoidal", d_model=15, num_heads=3, head_dim=5))
+        learned_params(tiny_config("mha", "sinusoidal", d_model=15, num_heads=3, head_dim=5))
     with pytest.raises(ValueError, match="q_lora_rank"):
-        _learned_params(tiny_config("mla_naive", q_lora_rank=0))
+        learned_params(tiny_config("mla_naive", q_lora_rank=0))
     config = tiny_config("mha")
     params, tokens = init(config)
     model = DecoderLM(config)
