@@ -79,7 +79,7 @@ class Programs:
     """The jitted functions of a run (compiled lazily per distinct number of steps)."""
 
     init: Callable  # (seed) -> state
-    train_steps: Callable  # (state, train_data, num_steps) -> (state, losses [num_steps])
+    train_steps: Callable  # (state, train_data, num_steps) -> (state, (losses, lrs) [num_steps] each)
     evaluate: Callable  # (params, train_data, val_data) -> {'train': loss, 'val': loss}
 
 
@@ -88,6 +88,7 @@ def build_programs(config: ExperimentConfig) -> Programs:
 
     model, tc = DecoderLM(config.model), config.train
     optimizer = make_optimizer(tc)
+    schedule = lr_schedule(tc)
     dropout = config.model.dropout > 0
     B, T = tc.batch_size, tc.block_size
 
@@ -106,7 +107,8 @@ def build_programs(config: ExperimentConfig) -> Programs:
         loss, grads = loss_and_grads(state["params"], x, y, jax.random.fold_in(state["rng"], step))
         updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
-        return {**state, "params": params, "opt_state": opt_state, "step": step + 1}, loss
+        # The lr is returned with the loss so that logging it needs no extra device call.
+        return {**state, "params": params, "opt_state": opt_state, "step": step + 1}, (loss, schedule(step))
 
     @partial(jax.jit, static_argnums=(2,), donate_argnums=(0,))
     def train_steps(state, train_data, num_steps):
@@ -340,19 +342,18 @@ def train(config: ExperimentConfig, *, resume: bool = False, quiet: bool = False
         return losses
 
     tokens_per_step = tc.batch_size * tc.block_size
-    schedule = jax.jit(lr_schedule(tc))
     interval_losses: list[float] = []
     bar = tqdm(total=tc.max_iters, initial=start_step, unit="it", disable=quiet, dynamic_ncols=True,
                mininterval=0.5, file=sys.stdout)
     chunk_times: list[tuple[int, float]] = []  # (steps, seconds) per dispatch, eval excluded
     last = run_eval(start_step) if start_step % tc.eval_interval == 0 or start_step == tc.max_iters else None
-    pending = None  # (first step, losses) of the chunk in flight: read after dispatching the next
+    pending = None  # (first step, (losses, lrs)) of the chunk in flight: read after dispatching the next
     tick = time.perf_counter()
 
     def drain(pending):
         nonlocal tick
-        first, losses = pending
-        losses = np.asarray(losses)  # waits for that chunk
+        first, (losses, lrs) = pending
+        losses, lrs = np.asarray(losses), np.asarray(lrs)  # waits for that chunk
         now = time.perf_counter()
         chunk_times.append((len(losses), now - tick))
         tick = now
@@ -361,17 +362,17 @@ def train(config: ExperimentConfig, *, resume: bool = False, quiet: bool = False
             interval_losses.append(float(loss))
             if step % tc.log_interval == 0 or step == tc.max_iters:
                 _append_jsonl(metrics_path, {"step": step, "loss": float(np.mean(interval_losses)),
-                                             "lr": float(schedule(step - 1))})
+                                             "lr": float(lrs[i])})
                 interval_losses.clear()
         steps_s = [s / t for s, t in chunk_times[-20:]] or [0.0]
         bar.set_postfix(loss=f"{losses[-1]:.4f}", tok_s=f"{statistics.median(steps_s) * tokens_per_step:,.0f}")
         bar.update(len(losses))
 
     for a, b in _chunks(start_step, tc.max_iters, tc):
-        state, losses = compiled[b - a](state, train_data)
+        state, outputs = compiled[b - a](state, train_data)
         if pending is not None:
             drain(pending)
-        pending = (a, losses)
+        pending = (a, outputs)
         if b % tc.eval_interval == 0 or b == tc.max_iters:
             drain(pending)
             pending = None
