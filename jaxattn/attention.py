@@ -7,8 +7,9 @@ Shapes follow `jax.nn.dot_product_attention`:
 B batch, T queries, S keys, N query heads, K key/value heads (N a multiple of
 K), G = N // K query heads per key/value head, H head dim, Hv value head dim.
 
-`scaled_dot_product_attention` groups the query heads as `[B, T, K, G, H]`
-so that MQA and GQA never materialise repeated keys and values.
+`scaled_dot_product_attention` groups the query heads as `[B, K, G, T, H]`
+(heads in front, G query heads per key/value head) so that MQA and GQA never
+materialise repeated keys and values.
 `reference_attention` is the seed formula `softmax(Q K^T / sqrt(d_k)) V`
 with an explicit `repeat_kv`, kept as documentation and as the oracle the
 tests compare against.
@@ -16,6 +17,7 @@ tests compare against.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -99,9 +101,87 @@ def _dropout(weights, rate, rng):
     return jnp.where(keep, weights / (1.0 - rate), 0.0)
 
 
+def _may_have_empty_rows(mask, bias, is_causal, T, S) -> bool:
+    """Whether some query row could have every key masked (then it must be zeroed).
+
+    Without a mask or bias, and with causal masking only when every query sees
+    at least key 0 (T <= S, end-aligned), each row keeps a finite logit and the
+    masked keys' weights underflow to exactly 0 by themselves.
+    """
+    return mask is not None or bias is not None or (is_causal and T > S)
+
+
+def _heads_major(query, key, value):
+    """`[B,T,N,H]`, `[B,S,K,H]`, `[B,S,K,Hv]` -> q `[B,K,G,T,H]`, k `[B,K,S,H]`, v `[B,K,S,Hv]`.
+
+    Heads in front make both attention products plain matmuls batched over
+    (B, K); on CPU that beats contracting the `[B,T,K,G,H]` layout in place
+    (bench/results/train_notes.md).
+    """
+    B, T, N, H = query.shape
+    K = key.shape[2]
+    q = query.reshape(B, T, K, N // K, H).transpose(0, 2, 3, 1, 4)
+    return q, key.transpose(0, 2, 1, 3), value.transpose(0, 2, 1, 3)
+
+
+def _softmax_weights(q, k, bias, allowed, zero_empty_rows, scale, f32):
+    """Masked softmax of the scaled logits: `[B,K,G,T,S]` weights in float32 (or float64)."""
+    logits = jnp.einsum("BKGTH,BKSH->BKGTS", q, k, preferred_element_type=f32) * scale
+    if bias is not None:
+        logits = logits + bias.astype(f32)
+    if allowed is not None:
+        logits = jnp.where(allowed, logits, _MASKED_LOGIT)
+    weights = jax.nn.softmax(logits, axis=-1)
+    if allowed is not None and zero_empty_rows:
+        weights = jnp.where(allowed, weights, 0.0)
+    return weights
+
+
+def _weighted_values(weights, v):
+    return jnp.einsum("BKGTS,BKSH->BKGTH", weights.astype(v.dtype), v)
+
+
+def _sum_to_shape(x, shape):
+    """Sums a `[B,K,G,T,S]` cotangent down to the broadcast `shape` of a bias."""
+    axes = tuple(i for i, (n, m) in enumerate(zip(x.shape, shape)) if m == 1 and n != 1)
+    return x.sum(axis=axes, keepdims=True).reshape(shape)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _attention_custom_vjp(q, k, v, bias, allowed, zero_empty_rows, scale):
+    f32 = _softmax_dtype(q.dtype)
+    return _weighted_values(_softmax_weights(q, k, bias, allowed, zero_empty_rows, scale, f32), v)
+
+
+def _attention_fwd(q, k, v, bias, allowed, zero_empty_rows, scale):
+    f32 = _softmax_dtype(q.dtype)
+    weights = _softmax_weights(q, k, bias, allowed, zero_empty_rows, scale, f32)
+    out = _weighted_values(weights, v)
+    return out, (q, k, v, bias, allowed, weights, out)
+
+
+def _attention_bwd(zero_empty_rows, scale, residuals, d_out):
+    """FlashAttention's backward: rowsum(dP * P) computed as rowsum(dO * O) (seed 004 maths)."""
+    q, k, v, bias, allowed, weights, out = residuals
+    f32 = weights.dtype
+    d_out = d_out.astype(f32)
+    d_v = jnp.einsum("BKGTS,BKGTH->BKSH", weights, d_out)
+    d_weights = jnp.einsum("BKGTH,BKSH->BKGTS", d_out, v, preferred_element_type=f32)
+    delta = jnp.sum(d_out * out.astype(f32), axis=-1, keepdims=True)  # [B,K,G,T,1]
+    d_logits = weights * (d_weights - delta)  # masked keys have weight 0, so 0 here
+    d_q = jnp.einsum("BKGTS,BKSH->BKGTH", d_logits, k, preferred_element_type=f32) * scale
+    d_k = jnp.einsum("BKGTS,BKGTH->BKSH", d_logits, q, preferred_element_type=f32) * scale
+    d_bias = None if bias is None else _sum_to_shape(d_logits, bias.shape).astype(bias.dtype)
+    return (d_q.astype(q.dtype), d_k.astype(k.dtype), d_v.astype(v.dtype), d_bias, None)
+
+
+_attention_custom_vjp.defvjp(_attention_fwd, _attention_bwd)
+
+
 def scaled_dot_product_attention(query, key, value, *, mask=None, bias=None,
                                  is_causal=False, scale=None, dropout_rate=0.0,
-                                 dropout_rng=None, return_weights=False):
+                                 dropout_rng=None, return_weights=False,
+                                 implementation="xla"):
     """softmax(Q K^T * scale + bias, masked) V, grouped for MQA/GQA.
 
     Args:
@@ -116,6 +196,12 @@ def scaled_dot_product_attention(query, key, value, *, mask=None, bias=None,
         `dropout_rate > 0` and `dropout_rng` is given.
       dropout_rng: PRNG key for the dropout.
       return_weights: also return the attention weights.
+      implementation: "xla" differentiates the maths with JAX (any order, any
+        mode); "custom_vjp" uses a hand-written reverse-mode backward that
+        keeps the weights and output and computes rowsum(dP * P) as
+        rowsum(dO * O), faster for training (bench/results/train_notes.md) but
+        `jax.jvp` through it raises. Dropout and `return_weights` always take
+        the "xla" path.
 
     Returns:
       `[B, T, N, Hv]` in the query's dtype, or `(out, weights [B, N, T, S])`
@@ -127,28 +213,27 @@ def scaled_dot_product_attention(query, key, value, *, mask=None, bias=None,
     mask = None if mask is None else jnp.asarray(mask)
     bias = None if bias is None else jnp.asarray(bias)
     _validate(query, key, value, mask, bias, dropout_rate)
+    if implementation not in ("xla", "custom_vjp"):
+        raise ValueError(f'implementation must be "xla" or "custom_vjp", got {implementation!r}')
     B, T, N, H = query.shape
     S, K = key.shape[1], key.shape[2]
     scale = 1.0 / math.sqrt(H) if scale is None else scale
 
-    f32 = _softmax_dtype(query.dtype)
-    q = query.reshape(B, T, K, N // K, H)
-    logits = jnp.einsum("BTKGH,BSKH->BKGTS", q, key,
-                        preferred_element_type=f32) * scale
-    if bias is not None:
-        logits = logits + _group_heads(bias, K).astype(f32)
-
-    allowed = _full_mask(mask, is_causal, T, S, K)
-    if allowed is not None:
-        logits = jnp.where(allowed, logits, _MASKED_LOGIT)
-    weights = jax.nn.softmax(logits, axis=-1)  # [B, K, G, T, S], f32
-    if allowed is not None:
-        weights = jnp.where(allowed, weights, 0.0)
-    if dropout_rate > 0.0 and dropout_rng is not None:
-        weights = _dropout(weights, dropout_rate, dropout_rng)
-
-    out = jnp.einsum("BKGTS,BSKH->BTKGH", weights.astype(value.dtype), value)
-    out = out.reshape(B, T, N, value.shape[-1]).astype(query.dtype)
+    q, k, v = _heads_major(query, key, value)  # [B,K,G,T,H], [B,K,S,H], [B,K,S,Hv]
+    bias = None if bias is None else _group_heads(bias, K)
+    allowed = _full_mask(mask, is_causal, T, S, K)  # broadcastable to [B,K,G,T,S]
+    zero_empty_rows = _may_have_empty_rows(mask, bias, is_causal, T, S)
+    dropout = dropout_rate > 0.0 and dropout_rng is not None
+    if implementation == "custom_vjp" and not dropout and not return_weights:
+        out = _attention_custom_vjp(q, k, v, bias, allowed, zero_empty_rows, scale)
+    else:
+        weights = _softmax_weights(q, k, bias, allowed, zero_empty_rows, scale,
+                                   _softmax_dtype(query.dtype))  # [B,K,G,T,S]
+        if dropout:
+            weights = _dropout(weights, dropout_rate, dropout_rng)
+        out = _weighted_values(weights, v)
+    # [B,K,G,T,Hv] -> [B,T,K,G,Hv] -> [B,T,N,Hv]
+    out = out.transpose(0, 3, 1, 2, 4).reshape(B, T, N, value.shape[-1]).astype(query.dtype)
     if return_weights:
         return out, weights.reshape(B, N, T, S)
     return out

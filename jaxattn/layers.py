@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from jaxattn.attention import cached_attention, scaled_dot_product_attention
 from jaxattn.cache import KVCache, write_rows
 from jaxattn.config import ModelConfig
+from jaxattn.matmul import matmul
 from jaxattn.rope import apply_rope, rope_attention_factor, rope_frequencies
 
 
@@ -33,6 +34,8 @@ class Linear(nn.Module):
       use_bias: add a bias (initialised to zeros).
       init_std: the kernel is initialised normal(0, init_std).
       dtype: compute dtype; param_dtype: storage dtype.
+      matmul_dtype: "bfloat16" rounds both operands and accumulates in float32
+        (`jaxattn.matmul.matmul`); "float32" is a plain matmul in `dtype`.
     """
 
     features: int
@@ -40,6 +43,7 @@ class Linear(nn.Module):
     init_std: float = 0.02
     dtype: jnp.dtype = jnp.float32
     param_dtype: jnp.dtype = jnp.float32
+    matmul_dtype: jnp.dtype = jnp.float32
 
     @nn.compact
     def __call__(self, x: jnp.ndarray, columns: slice | None = None) -> jnp.ndarray:
@@ -48,7 +52,10 @@ class Linear(nn.Module):
                             (x.shape[-1], self.features), self.param_dtype)
         columns = slice(None) if columns is None else columns
         rows = x.reshape(-1, x.shape[-1]).astype(self.dtype)  # [B*T, D_in]
-        y = rows @ kernel[:, columns].astype(self.dtype)
+        if jnp.dtype(self.matmul_dtype) == jnp.bfloat16:
+            y = matmul(rows, kernel[:, columns], operand_dtype=jnp.bfloat16).astype(self.dtype)
+        else:
+            y = rows @ kernel[:, columns].astype(self.dtype)
         if self.use_bias:
             bias = self.param("bias", nn.initializers.zeros, (self.features,), self.param_dtype)
             y = y + bias[columns].astype(self.dtype)
@@ -105,7 +112,7 @@ def make_linear(config: ModelConfig, features: int, *, residual: bool = False,
     return Linear(features, use_bias=config.use_bias if use_bias is None else use_bias,
                   init_std=residual_init_std(config) if residual else config.init_std,
                   dtype=jnp.dtype(config.dtype), param_dtype=jnp.dtype(config.param_dtype),
-                  name=name)
+                  matmul_dtype=jnp.dtype(config.matmul_dtype), name=name)
 
 
 class MLP(nn.Module):
@@ -218,7 +225,8 @@ class Attention(nn.Module):
         rng = self.make_rng("dropout") if rate > 0.0 else None
         return scaled_dot_product_attention(
             q, k, v, mask=mask, is_causal=is_causal, scale=self.scale,
-            dropout_rate=rate, dropout_rng=rng, return_weights=return_weights)
+            dropout_rate=rate, dropout_rng=rng, return_weights=return_weights,
+            implementation=self.config.attention_impl)
 
     def project_out(self, out: jnp.ndarray, *, deterministic: bool = True) -> jnp.ndarray:
         """Merges heads `[B, T, N, H] -> [B, T, N*H]` (a free reshape) and applies W_O -> `[B, T, D]`."""

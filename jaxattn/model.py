@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from jaxattn.cache import DecodeCache, KVCache, LatentCache
 from jaxattn.config import ModelConfig
 from jaxattn.layers import MLP, Attention, make_linear, make_norm
+from jaxattn.matmul import matmul
 from jaxattn.positions import sinusoidal_positions
 
 
@@ -114,8 +115,11 @@ class DecoderLM(nn.Module):
         if not self.config.tie_embeddings:
             return self.lm_head(x).astype(jnp.float32)
         B, T, D = x.shape
-        head = self.wte.embedding.T.astype(x.dtype)  # [D, V], shared with wte
-        logits = jnp.dot(x.reshape(B * T, D), head, preferred_element_type=jnp.float32)
+        head = self.wte.embedding.T  # [D, V], shared with wte
+        if self.config.matmul_dtype == "bfloat16":
+            logits = matmul(x.reshape(B * T, D), head, operand_dtype=jnp.bfloat16)
+        else:
+            logits = jnp.dot(x.reshape(B * T, D), head.astype(x.dtype), preferred_element_type=jnp.float32)
         return logits.reshape(B, T, -1)
 
     # -- whole sequences -------------------------------------------------------------------

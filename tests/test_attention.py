@@ -310,6 +310,75 @@ def test_bf16_agrees_with_float32():
 
 
 # --------------------------------------------------------------------------
+# implementation="custom_vjp": the hand-written backward equals autodiff.
+
+sdpa_custom = jax.jit(functools.partial(scaled_dot_product_attention, implementation="custom_vjp"),
+                      static_argnames=_STATIC)
+
+
+def _loss_and_grads(fn, q, k, v, bias, **kw):
+    """Value and gradients (q, k, v, bias) of a weighted sum of the output."""
+    weights = jnp.asarray(np.random.default_rng(5).standard_normal(
+        q.shape[:3] + v.shape[-1:], np.float32))
+
+    def loss(q, k, v, bias):
+        return jnp.vdot(fn(q, k, v, bias=bias, **kw), weights)
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))(q, k, v, bias)
+
+
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("case", ["none", "causal", "padding_bias", "empty_rows"])
+def test_custom_vjp_gradients_equal_autodiff(heads, case):
+    N, K = HEADS[heads]
+    T, S = (5, 3) if case == "empty_rows" else (4, 6)
+    q, k, v = qkv(B=2, T=T, S=S, N=N, K=K, H=8, Hv=4)
+    bias = jnp.asarray(np.random.default_rng(2).standard_normal((1, N, T, S), np.float32))
+    kw = {"none": {}, "causal": {"is_causal": True},
+          "padding_bias": {"mask": padding_mask(jnp.array([6, 2]), S)},
+          # causal with T > S leaves the first queries no key; row 1 has no keys at all
+          "empty_rows": {"mask": padding_mask(jnp.array([3, 0]), S), "is_causal": True}}[case]
+    bias = bias if case in ("padding_bias", "empty_rows") else jnp.zeros_like(bias)
+    (loss, grads) = _loss_and_grads(scaled_dot_product_attention, q, k, v, bias, **kw)
+    (loss_c, grads_c) = _loss_and_grads(
+        functools.partial(scaled_dot_product_attention, implementation="custom_vjp"),
+        q, k, v, bias, **kw)
+    np.testing.assert_allclose(loss_c, loss, rtol=1e-6)
+    for name, g, g_c in zip("qkvb", grads, grads_c):
+        assert np.all(np.isfinite(g_c)), name
+        np.testing.assert_allclose(g_c, g, rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+def test_custom_vjp_gradients_match_finite_differences():
+    with jax.enable_x64(True):
+        q, k, v = (x.astype(jnp.float64) for x in qkv(B=1, T=3, S=4, N=4, K=2, H=4))
+        bias = jnp.asarray(np.random.default_rng(0).normal(size=(1, 4, 3, 4)))
+        f = functools.partial(scaled_dot_product_attention, implementation="custom_vjp",
+                              mask=padding_mask(jnp.array([3]), 4), is_causal=True)
+        check_grads(lambda q, k, v, b: f(q, k, v, bias=b), (q, k, v, bias), order=1, modes=("rev",))
+
+
+def test_custom_vjp_forward_equals_xla_and_falls_back_for_weights_and_dropout():
+    q, k, v = qkv(B=2, T=4, S=4, N=4, K=2)
+    np.testing.assert_array_equal(sdpa_custom(q, k, v, is_causal=True), sdpa(q, k, v, is_causal=True))
+    out, w = sdpa_custom(q, k, v, is_causal=True, return_weights=True)
+    ref_out, ref_w = sdpa(q, k, v, is_causal=True, return_weights=True)
+    np.testing.assert_array_equal(w, ref_w)
+    key = jax.random.PRNGKey(3)
+    np.testing.assert_array_equal(
+        sdpa_custom(q, k, v, dropout_rate=0.5, dropout_rng=key),
+        sdpa(q, k, v, dropout_rate=0.5, dropout_rng=key))
+
+
+def test_custom_vjp_is_reverse_mode_only_and_the_name_is_checked():
+    q, k, v = qkv(B=1, T=2, S=2, N=2, K=2)
+    f = functools.partial(scaled_dot_product_attention, implementation="custom_vjp")
+    with pytest.raises(TypeError, match="custom_vjp"):
+        jax.jvp(lambda q: f(q, k, v), (q,), (q,))
+    with pytest.raises(ValueError, match=r'implementation must be "xla" or "custom_vjp", got \'flash\''):
+        scaled_dot_product_attention(q, k, v, implementation="flash")
+
+
+# --------------------------------------------------------------------------
 # Dropout on the weights (seed 004).
 
 

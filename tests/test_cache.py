@@ -50,6 +50,22 @@ def test_prefill_then_steps_equal_the_full_forward(kind, positions):
     np.testing.assert_array_equal(cache.lengths, [T, T])
 
 
+@pytest.mark.parametrize("kind,batch", [("mha", 1), ("mla_absorb", 2)])
+def test_cached_steps_equal_the_full_forward_with_bfloat16_matmuls(kind, batch):
+    """Same bf16-rounded products on both paths; only float32 summation order differs,
+    which can flip a bf16 rounding of an activation: hence 1e-2 rather than 2e-5.
+    Batch 1 decode steps are matrix-vector products (XLA's own dot, not YNNPACK)."""
+    config = tiny_config(kind, "rope", matmul_dtype="bfloat16", attention_impl="custom_vjp")
+    params = params_for(config)
+    tokens = random_tokens((batch, T))
+    expected = full(config, params, tokens)
+    logits, cache = extend(config, params, tokens[:, :3], init_cache(config, batch, MAX_LEN))
+    np.testing.assert_allclose(logits, expected[:, :3], atol=1e-2, rtol=0)
+    for t in range(3, T):
+        logits, cache = extend(config, params, tokens[:, t:t + 1], cache)
+        np.testing.assert_allclose(logits[:, 0], expected[:, t], atol=1e-2, rtol=0)
+
+
 @pytest.mark.parametrize("positions", POSITIONS)
 @pytest.mark.parametrize("kind", KINDS)
 def test_right_padded_rows_match_their_unpadded_single_row_runs(kind, positions):

@@ -65,6 +65,36 @@ def test_a_few_gradient_steps_decrease_the_loss(kind):
 
 
 @pytest.mark.parametrize("kind", ["gqa", "mla_absorb"])
+def test_training_speed_options_keep_the_float32_model_within_bfloat16_rounding(kind):
+    """matmul_dtype=bfloat16 + attention_impl=custom_vjp (the baby training config) change
+    speed, not the model: same params, logits and gradients within bf16 rounding."""
+    config = tiny_config(kind, "rope")
+    fast = config.replace(matmul_dtype="bfloat16", attention_impl="custom_vjp")
+    params, tokens = init(config, batch=4, length=T + 1)
+
+    def loss_fn(config):
+        def loss(p):
+            logits = DecoderLM(config).apply({"params": p}, tokens[:, :-1])
+            return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+        return jax.jit(jax.value_and_grad(loss))
+
+    (loss32, g32), (loss16, g16) = loss_fn(config)(params), loss_fn(fast)(params)
+    np.testing.assert_allclose(loss16, loss32, rtol=1e-2)
+    for a, b in zip(jax.tree_util.tree_leaves(g16), jax.tree_util.tree_leaves(g32)):
+        scale = float(jnp.abs(b).max())
+        np.testing.assert_allclose(a, b, atol=0.05 * scale, rtol=0)
+    steps = optax.adam(1e-2)
+    state, step = steps.init(params), loss_fn(fast)
+    losses = []
+    for _ in range(5):
+        loss, grads = step(params)
+        updates, state = steps.update(grads, state, params)
+        params = optax.apply_updates(params, updates)
+        losses.append(float(loss))
+    assert losses[-1] < losses[0] - 0.1, losses
+
+
+@pytest.mark.parametrize("kind", ["gqa", "mla_absorb"])
 def test_right_padding_does_not_change_the_real_tokens(kind):
     config = tiny_config(kind, "rope")
     params, tokens = init(config)
@@ -166,6 +196,10 @@ def test_bad_configs_and_inputs_raise_clear_errors():
         ModelConfig(d_model=30, num_heads=4)
     with pytest.raises(ValueError, match="attention must be one of"):
         ModelConfig(attention="linear")
+    with pytest.raises(ValueError, match=r"matmul_dtype must be one of \('float32', 'bfloat16'\)"):
+        ModelConfig(matmul_dtype="float16")
+    with pytest.raises(ValueError, match=r"attention_impl must be one of \('xla', 'custom_vjp'\)"):
+        ModelConfig(attention_impl="flash")
     with pytest.raises(ValueError, match="even d_model"):
         learned_params(tiny_config("mha", "sinusoidal", d_model=15, num_heads=3, head_dim=5))
     with pytest.raises(ValueError, match="q_lora_rank"):

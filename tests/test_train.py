@@ -140,17 +140,18 @@ def test_cli_errors_are_clear(tmp_path, capsys):
         tiny_lm.main(["--data", str(text), "--out-dir", str(tmp_path / "fresh"), "--resume", "--quiet"])
 
 
-def test_attention_maps_from_a_checkpoint(full_run, tmp_path):
+def test_attention_maps_from_a_checkpoint(text_file, full_run, tmp_path):
     from train import attention_maps
 
     out, result = full_run
     params, model_config, tokenizer = load_for_sampling(out)
-    ids = tokenizer.encode("First Citizen")
+    text = text_file.read_text()[:13]  # characters the tokenizer knows, with or without the corpus
+    ids = tokenizer.encode(text)
     weights = attention_maps.attention_weights(params, model_config, ids)
     assert weights.shape == (2, 2, len(ids), len(ids))  # [L, N, T, T]
     np.testing.assert_allclose(weights.sum(-1), 1.0, rtol=1e-5)
     assert np.all(np.triu(weights, k=1) == 0)  # causal
-    png = attention_maps.main(["--checkpoint", str(out), "--text", "First Citizen", "--out",
+    png = attention_maps.main(["--checkpoint", str(out), "--text", text, "--out",
                                str(tmp_path / "maps.png")])
     assert png.stat().st_size > 1000
 
