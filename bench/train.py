@@ -1,14 +1,16 @@
 """Benchmark of the default training run against nanoGPT on this machine, side by side.
 
     PYTHONPATH=$PWD python bench/train.py [--set train.max_iters=500 ...] \
-        [--nanogpt-python /work/scratch/hf/.venv/bin/python [--nanogpt-max-iters N]]
+        [--nanogpt-python /work/scratch/hf/.venv/bin/python [--nanogpt-max-iters N]] [--float32-too]
 
 Runs configs/shakespeare_char_baby.toml (2000 iters) and writes bench/results/train.json and
 train.md: median tokens/s and ms/iter (excluding compile), compile time, final val loss, wall time
 and the ratio to nanoGPT. With --nanogpt-python (an interpreter that has torch), nanoGPT's baby run
 (bench/nanogpt_baseline.py, a port of its model.py and train.py) runs right after ours on the same
 data file and iters, and the table shows both as measured in this run. Without it, nanoGPT's figures
-are quoted from /work/shared/perf/README.md and the column says so.
+are quoted from /work/shared/perf/README.md and the column says so. --float32-too also trains
+the same config with float32 matmuls and autodiff attention (`model.matmul_dtype=float32
+model.attention_impl=xla`), to show what the two speed options give.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ NANOGPT_QUOTED = {"measured": False, "iters": 2000, "ms_per_iter_range": [45.6, 
                   "source": "quoted from /work/shared/perf/README.md (torch eager, 2 threads, same 2-core CPU)"}
 NANOGPT_SCRIPT = Path(__file__).resolve().parent / "nanogpt_baseline.py"
 RESULTS = Path(__file__).resolve().parent / "results"
+FLOAT32_OVERRIDES = ["model.matmul_dtype=float32", "model.attention_impl=xla"]
 
 
 def run_nanogpt(python: str, data: Path, iters: int, lr_decay_iters: int, threads: int) -> dict:
@@ -59,12 +62,22 @@ def main(argv=None) -> dict:
     parser.add_argument("--nanogpt-python", help="a Python with torch: also run nanoGPT's baby run side by side")
     parser.add_argument("--nanogpt-max-iters", type=int, help="nanoGPT's iters (default: the same as ours)")
     parser.add_argument("--nanogpt-threads", type=int, default=2, help="torch threads (the shared figures used 2)")
+    parser.add_argument("--float32-too", action="store_true",
+                        help="also train with float32 matmuls and autodiff attention")
     args = parser.parse_args(argv)
     command = "PYTHONPATH=$PWD python bench/train.py " + shlex.join(sys.argv[1:] if argv is None else argv)
     config = load_config(args.config, ["train.out_dir='runs/bench_train'", *args.set])
     apply_xla_flags(run_flags(config.train))
     result = train(config, quiet=False)
     tc = config.train
+    float32 = None
+    if args.float32_too:
+        plain = load_config(args.config, ["train.out_dir='runs/bench_train_float32'", *args.set,
+                                          *FLOAT32_OVERRIDES])
+        r32 = train(plain, quiet=False)
+        float32 = {"overrides": FLOAT32_OVERRIDES, "final_val_loss": r32.final_val_loss,
+                   "median_tokens_per_s": r32.median_tokens_per_s, "median_ms_per_iter": r32.median_ms_per_iter,
+                   "fastest_ms_per_iter": r32.fastest_ms_per_iter, "compile_s": r32.compile_s, "wall_s": r32.wall_s}
     if args.nanogpt_python:
         nanogpt = run_nanogpt(args.nanogpt_python, resolve_data_path(tc.data_path, download_if_missing=False),
                               args.nanogpt_max_iters or tc.max_iters, tc.lr_decay_iters, args.nanogpt_threads)
@@ -76,7 +89,7 @@ def main(argv=None) -> dict:
         "median_ms_per_iter": result.median_ms_per_iter, "fastest_ms_per_iter": result.fastest_ms_per_iter,
         "compile_s": result.compile_s, "wall_s": result.wall_s,
         "steps_per_dispatch": tc.steps_per_dispatch, "data_parallel": tc.data_parallel,
-        "params": result.num_params, "nanogpt": nanogpt,
+        "params": result.num_params, "nanogpt": nanogpt, "float32": float32,
         "speedup_vs_nanogpt_tokens_per_s": result.median_tokens_per_s / nanogpt["median_tokens_per_s"],
         "speedup_vs_nanogpt_ms_per_iter": nanogpt["median_ms_per_iter"] / result.median_ms_per_iter,
         "tokens_per_step": tc.batch_size * tc.block_size,
@@ -103,25 +116,31 @@ def disturbed_warning(r: dict) -> list[str]:
 
 
 def markdown(r: dict) -> str:
-    n, measured = r["nanogpt"], r["nanogpt"]["measured"]
+    n, measured, f = r["nanogpt"], r["nanogpt"]["measured"], r.get("float32")
     approx = "" if measured else "~"
     ms = f"{n['median_ms_per_iter']:.1f}" if measured else "{}-{}".format(*n["ms_per_iter_range"])
     fastest = f"{n['fastest_ms_per_iter']:.1f} (one iter)" if measured else ""
     column = "nanoGPT (measured, this run)" if measured else "nanoGPT (quoted, not this run)"
     iters = "" if n["iters"] == r["iters"] else f" (nanoGPT: {n['iters']} iters)"
+    f_head, f_rule = (" jaxattn, float32 matmuls + autodiff attention |", " ---: |") if f else ("", "")
+
+    def f_cell(key, fmt):
+        return f" {format(f[key], fmt)} |" if f else ""
     return "\n".join([
         f"# Training benchmark: {r['config']} ({r['iters']} iters{', ' + ' '.join(r['overrides']) if r['overrides'] else ''})",
         "",
-        f"| | jaxattn (this run) | {column} | ratio |",
-        "| --- | ---: | ---: | ---: |",
-        f"| tokens/s (median, excl. compile) | {r['median_tokens_per_s']:,.0f} | {approx}{n['median_tokens_per_s']:,.0f} | "
-        f"{r['speedup_vs_nanogpt_tokens_per_s']:.2f}x |",
-        f"| ms/iter (median) | {r['median_ms_per_iter']:.1f} | {ms} | "
+        f"| | jaxattn, default config |{f_head} {column} | ratio |",
+        f"| --- | ---: |{f_rule} ---: | ---: |",
+        f"| tokens/s (median, excl. compile) | {r['median_tokens_per_s']:,.0f} |{f_cell('median_tokens_per_s', ',.0f')} "
+        f"{approx}{n['median_tokens_per_s']:,.0f} | {r['speedup_vs_nanogpt_tokens_per_s']:.2f}x |",
+        f"| ms/iter (median) | {r['median_ms_per_iter']:.1f} |{f_cell('median_ms_per_iter', '.1f')} {ms} | "
         f"{r['speedup_vs_nanogpt_ms_per_iter']:.2f}x (nanoGPT ms / ours) |",
-        f"| ms/iter (fastest {r['steps_per_dispatch']}-step dispatch) | {r['fastest_ms_per_iter']:.1f} | {fastest} | |",
-        f"| val loss at the last iter{iters} | {r['final_val_loss']:.4f} | {n['final_val_loss']:.4f} | |",
-        f"| compile time (s) | {r['compile_s']:.1f} | n/a (eager) | |",
-        f"| wall time (s) | {r['wall_s']:.1f} | {approx}{n['wall_s']:.0f} | |",
+        f"| ms/iter (fastest {r['steps_per_dispatch']}-step dispatch) | {r['fastest_ms_per_iter']:.1f} |"
+        f"{f_cell('fastest_ms_per_iter', '.1f')} {fastest} | |",
+        f"| val loss at the last iter{iters} | {r['final_val_loss']:.4f} |{f_cell('final_val_loss', '.4f')} "
+        f"{n['final_val_loss']:.4f} | |",
+        f"| compile time (s) | {r['compile_s']:.1f} |{f_cell('compile_s', '.1f')} n/a (eager) | |",
+        f"| wall time (s) | {r['wall_s']:.1f} |{f_cell('wall_s', '.1f')} {approx}{n['wall_s']:.0f} | |",
         "",
         f"{r['steps_per_dispatch']} optimizer steps per jitted dispatch (lax.scan), batch split over "
         f"{r['data_parallel']} host devices; {r['params']:,} parameters; "
