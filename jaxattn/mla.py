@@ -162,7 +162,8 @@ class MultiHeadLatentAttention(nn.Module):
         rate, rng = self._dropout(deterministic)
         return scaled_dot_product_attention(q, k, v, mask=mask, is_causal=is_causal,
                                             scale=self.scale, dropout_rate=rate, dropout_rng=rng,
-                                            return_weights=return_weights)
+                                            return_weights=return_weights,
+                                            implementation=c.attention_impl)
 
     def attend_absorbed(self, q_nope, q_rope, c_kv, k_rope, *, mask=None, is_causal=False,
                         deterministic=True, return_weights=False):

@@ -64,7 +64,7 @@ def test_a_few_gradient_steps_decrease_the_loss(kind):
     assert losses[-1] < losses[0] - 0.1, losses
 
 
-@pytest.mark.parametrize("kind", ["gqa", "mla_absorb"])
+@pytest.mark.parametrize("kind", ["gqa", "mla_naive", "mla_absorb"])
 def test_training_speed_options_keep_the_float32_model_within_bfloat16_rounding(kind):
     """matmul_dtype=bfloat16 + attention_impl=custom_vjp (the baby training config) change
     speed, not the model: same params, logits and gradients within bf16 rounding."""
