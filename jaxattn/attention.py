@@ -149,8 +149,7 @@ def _sum_to_shape(x, shape):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
 def _attention_custom_vjp(q, k, v, bias, allowed, zero_empty_rows, scale):
-    f32 = _softmax_dtype(q.dtype)
-    return _weighted_values(_softmax_weights(q, k, bias, allowed, zero_empty_rows, scale, f32), v)
+    return _attention_fwd(q, k, v, bias, allowed, zero_empty_rows, scale)[0]
 
 
 def _attention_fwd(q, k, v, bias, allowed, zero_empty_rows, scale):
