@@ -14,7 +14,8 @@ One deliberate difference: nanoGPT takes one more optimizer step after its eval 
 this port stops at that eval (the figures are the same, the step is never evaluated).
 
 Timing: each iteration (forward, next batch, backward, clip, AdamW step, loss.item()) is timed on its
-own, so eval time is excluded; the median skips the first 10 iterations. Needs torch (any CPU build),
+own, so eval time is excluded; the median skips the first 10 iterations. `--lockstep` pauses at each
+eval point for bench/train.py to interleave the two runs. Needs torch (any CPU build),
 never imports jax. Prints and returns a JSON record (the last line of stdout).
 """
 
@@ -25,6 +26,7 @@ import json
 import math
 import os
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass
 
@@ -34,6 +36,7 @@ import torch.nn as nn
 from torch.nn import functional as F
 
 DEFAULT_DATA = os.environ.get("JAXATTN_SHAKESPEARE", "/work/shared/data/tinyshakespeare.txt")
+LOCKSTEP_PREFIX = "LOCKSTEP at iter"
 WARMUP_ITERS_EXCLUDED = 10  # first iterations left out of the median (allocator and thread-pool warm-up)
 
 
@@ -228,8 +231,19 @@ def train_step(model, optimizer, X, Y, next_batch, a: TrainArgs):
     return loss.item(), X, Y  # log_interval=1: nanoGPT syncs on loss.item() every iteration
 
 
-def run(data_path: str, a: TrainArgs, threads: int = 2, log=print) -> dict:
-    """The baby run; its figures as a JSON-ready dict."""
+def wait_for_turn(iter_num: int) -> None:
+    """Lockstep mode: report reaching an eval point, then block until the driver says go.
+
+    bench/train.py runs our training and this one in turns of one eval interval each, so that
+    both are timed in the same minutes of a machine whose speed drifts.
+    """
+    print(f"{LOCKSTEP_PREFIX} {iter_num}", flush=True)
+    if sys.stdin.readline().strip() != "go":
+        raise SystemExit("lockstep driver went away")
+
+
+def run(data_path: str, a: TrainArgs, threads: int = 2, log=print, lockstep: bool = False) -> dict:
+    """The baby run; its figures as a JSON-ready dict. With `lockstep`, pauses at every eval point."""
     wall_start = time.perf_counter()
     torch.set_num_threads(threads)
     torch.manual_seed(a.seed)
@@ -244,6 +258,8 @@ def run(data_path: str, a: TrainArgs, threads: int = 2, log=print) -> dict:
         for group in optimizer.param_groups:
             group["lr"] = lr
         if iter_num % a.eval_interval == 0 or iter_num == a.max_iters:
+            if lockstep:
+                wait_for_turn(iter_num)
             losses = estimate_loss(model, splits, a)
             evals.append({"iter": iter_num, **losses})
             log(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}", flush=True)
@@ -272,8 +288,11 @@ def main(argv=None) -> dict:
     parser.add_argument("--lr-decay-iters", type=int, default=TrainArgs.lr_decay_iters)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", help="also write the JSON record to this file")
+    parser.add_argument("--lockstep", action="store_true",
+                        help=f"at each eval point print '{LOCKSTEP_PREFIX} <iter>' and wait for 'go' on stdin")
     args = parser.parse_args(argv)
-    record = run(args.data, TrainArgs(max_iters=args.max_iters, lr_decay_iters=args.lr_decay_iters), args.threads)
+    record = run(args.data, TrainArgs(max_iters=args.max_iters, lr_decay_iters=args.lr_decay_iters), args.threads,
+                 lockstep=args.lockstep)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(record, f, indent=2)

@@ -6,8 +6,9 @@
 Runs configs/shakespeare_char_baby.toml (2000 iters) and writes bench/results/train.json and
 train.md: median tokens/s and ms/iter (excluding compile), compile time, final val loss, wall time
 and the ratio to nanoGPT. With --nanogpt-python (an interpreter that has torch), nanoGPT's baby run
-(bench/nanogpt_baseline.py, a port of its model.py and train.py) runs right after ours on the same
-data file and iters, and the table shows both as measured in this run. Without it, nanoGPT's figures
+(bench/nanogpt_baseline.py, a port of its model.py and train.py) trains on the same data file and
+iters in turns with ours (one eval interval each, alternating), and the table shows both as
+measured in this run. Without it, nanoGPT's figures
 are quoted from /work/shared/perf/README.md and the column says so. --float32-too also trains
 the same config with float32 matmuls and autodiff attention (`model.matmul_dtype=float32
 model.attention_impl=xla`), to show what the two speed options give.
@@ -23,6 +24,7 @@ import shlex
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -42,16 +44,62 @@ RESULTS = Path(__file__).resolve().parent / "results"
 FLOAT32_OVERRIDES = ["model.matmul_dtype=float32", "model.attention_impl=xla"]
 
 
-def run_nanogpt(python: str, data: Path, iters: int, lr_decay_iters: int, threads: int) -> dict:
-    """nanoGPT's baby run in a subprocess under `python`; its JSON record, marked as measured."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "nanogpt.json"
-        subprocess.run([python, str(NANOGPT_SCRIPT), "--data", str(data), "--max-iters", str(iters),
-                        "--lr-decay-iters", str(lr_decay_iters), "--threads", str(threads), "--json", str(out)],
-                       check=True)
-        record = json.loads(out.read_text())
-    return {**record, "measured": True,
-            "source": f"measured in this run: {NANOGPT_SCRIPT.name} under {python} (torch eager, {threads} threads)"}
+LOCKSTEP_PREFIX = "LOCKSTEP at iter"  # what nanogpt_baseline.py --lockstep prints at each eval point
+
+
+class NanoGPTInTurns:
+    """nanoGPT's baby run in a subprocess, trained in turns with ours.
+
+    The port (`--lockstep`) stops at each of its eval points until told to go on; `turn`, called
+    after each of our evals, lets it run its next eval interval. So the two runs alternate every
+    250 iters (a few seconds) and are timed in the same minutes: on this shared VM the speed
+    drifts by up to 2x over minutes, which made back-to-back runs disagree about the ratio.
+    """
+
+    def __init__(self, python: str, data: Path, iters: int, lr_decay_iters: int, threads: int):
+        self.json_path = Path(tempfile.mkdtemp()) / "nanogpt.json"
+        self.python, self.threads = python, threads
+        self.seconds = 0.0  # spent in the port's turns (not part of our wall time)
+        self.proc = subprocess.Popen(
+            [python, str(NANOGPT_SCRIPT), "--data", str(data), "--max-iters", str(iters), "--lockstep",
+             "--lr-decay-iters", str(lr_decay_iters), "--threads", str(threads), "--json", str(self.json_path)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+        self._run_to_pause()  # torch import and model set-up happen before our run starts
+
+    def _run_to_pause(self) -> bool:
+        """Echoes the port's output until it pauses (True) or exits (False)."""
+        for line in self.proc.stdout:
+            if line.startswith(LOCKSTEP_PREFIX):
+                return True
+            print(f"[nanoGPT] {line}", end="", flush=True)
+        return False
+
+    def turn(self, step: int | None = None) -> bool:
+        """Lets the port run to its next eval point; False once it has finished."""
+        start = time.perf_counter()
+        try:
+            return self._go()
+        finally:
+            self.seconds += time.perf_counter() - start
+
+    def _go(self) -> bool:
+        try:
+            self.proc.stdin.write("go\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:  # it has exited
+            return False
+        return self._run_to_pause()
+
+    def finish(self) -> dict:
+        """Runs the port to its end; its JSON record, marked as measured."""
+        while self.turn():
+            pass
+        if self.proc.wait() != 0:
+            raise RuntimeError(f"nanoGPT port exited with status {self.proc.returncode}")
+        record = json.loads(self.json_path.read_text())
+        return {**record, "measured": True, "interleaved": True,
+                "source": f"measured in this run, in turns of one eval interval with ours: "
+                          f"{NANOGPT_SCRIPT.name} under {self.python} (torch eager, {self.threads} threads)"}
 
 
 def main(argv=None) -> dict:
@@ -68,8 +116,13 @@ def main(argv=None) -> dict:
     command = "PYTHONPATH=$PWD python bench/train.py " + shlex.join(sys.argv[1:] if argv is None else argv)
     config = load_config(args.config, ["train.out_dir='runs/bench_train'", *args.set])
     apply_xla_flags(run_flags(config.train))
-    result = train(config, quiet=False)
     tc = config.train
+    nanogpt_run = None
+    if args.nanogpt_python:
+        nanogpt_run = NanoGPTInTurns(args.nanogpt_python, resolve_data_path(tc.data_path, download_if_missing=False),
+                                     args.nanogpt_max_iters or tc.max_iters, tc.lr_decay_iters, args.nanogpt_threads)
+    result = train(config, quiet=False, after_eval=nanogpt_run.turn if nanogpt_run else None)
+    nanogpt = nanogpt_run.finish() if nanogpt_run else NANOGPT_QUOTED
     float32 = None
     if args.float32_too:
         plain = load_config(args.config, ["train.out_dir='runs/bench_train_float32'", *args.set,
@@ -78,16 +131,12 @@ def main(argv=None) -> dict:
         float32 = {"overrides": FLOAT32_OVERRIDES, "final_val_loss": r32.final_val_loss,
                    "median_tokens_per_s": r32.median_tokens_per_s, "median_ms_per_iter": r32.median_ms_per_iter,
                    "fastest_ms_per_iter": r32.fastest_ms_per_iter, "compile_s": r32.compile_s, "wall_s": r32.wall_s}
-    if args.nanogpt_python:
-        nanogpt = run_nanogpt(args.nanogpt_python, resolve_data_path(tc.data_path, download_if_missing=False),
-                              args.nanogpt_max_iters or tc.max_iters, tc.lr_decay_iters, args.nanogpt_threads)
-    else:
-        nanogpt = NANOGPT_QUOTED
     record = {
         "command": command, "config": config.name, "overrides": args.set, "iters": result.steps,
         "final_val_loss": result.final_val_loss, "median_tokens_per_s": result.median_tokens_per_s,
         "median_ms_per_iter": result.median_ms_per_iter, "fastest_ms_per_iter": result.fastest_ms_per_iter,
-        "compile_s": result.compile_s, "wall_s": result.wall_s,
+        "compile_s": result.compile_s,
+        "wall_s": result.wall_s - (nanogpt_run.seconds if nanogpt_run else 0.0),  # without the port's turns
         "steps_per_dispatch": tc.steps_per_dispatch, "data_parallel": tc.data_parallel,
         "params": result.num_params, "nanogpt": nanogpt, "float32": float32,
         "speedup_vs_nanogpt_tokens_per_s": result.median_tokens_per_s / nanogpt["median_tokens_per_s"],
@@ -145,7 +194,9 @@ def markdown(r: dict) -> str:
         f"{r['steps_per_dispatch']} optimizer steps per jitted dispatch (lax.scan), batch split over "
         f"{r['data_parallel']} host devices; {r['params']:,} parameters; "
         f"jax {r['env']['jax']}, {r['env']['cpus']} CPUs. nanoGPT figures: {n['source']}. The machine is shared, "
-        "so timings are noisy (up to ~1.8x run to run); only a measured column gives a same-run ratio.",
+        "so timings drift (up to ~2x over minutes); only a measured column gives a same-run ratio"
+        + (", and the two runs take turns every eval interval so that both see the same minutes."
+           if n.get("interleaved") else "."),
         "",
         *disturbed_warning(r),
         f"Made by: `{r['command']}`",

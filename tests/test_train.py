@@ -46,14 +46,16 @@ def _metrics(out_dir):
 def full_run(text_file, tmp_path_factory):
     out = tmp_path_factory.mktemp("full")
     config = _config(text_file, out, "train.max_iters=30", "train.steps_per_dispatch=5")
-    result = tiny_lm.train(config, quiet=True)
-    return out, result
+    hooked = []
+    result = tiny_lm.train(config, quiet=True, after_eval=hooked.append)
+    return out, result, hooked
 
 
 def test_loss_decreases_and_artifacts_are_written(full_run):
-    out, result = full_run
+    out, result, hooked = full_run
     evals = [r for r in _metrics(out) if "val_loss" in r]
     assert [r["step"] for r in evals] == [0, 10, 20, 30]
+    assert hooked == [0, 10, 20, 30]  # after_eval runs once per evaluation (bench/train.py's turns)
     assert evals[0]["train_loss"] == pytest.approx(math.log(result_vocab(out)), abs=0.3)  # uniform start
     assert evals[-1]["train_loss"] < evals[0]["train_loss"] - 0.6
     assert evals[-1]["val_loss"] < evals[0]["val_loss"] - 0.3
@@ -68,7 +70,7 @@ def result_vocab(out):
 
 
 def test_resume_equals_uninterrupted(full_run, text_file, tmp_path):
-    full_out, _ = full_run
+    full_out, _, _ = full_run
     first = tiny_lm.train(_config(text_file, tmp_path, "train.max_iters=20", "train.steps_per_dispatch=5"),
                           quiet=True, sample=False)
     assert first.steps == 20
@@ -87,7 +89,7 @@ def test_resume_equals_uninterrupted(full_run, text_file, tmp_path):
 
 
 def test_steps_per_dispatch_does_not_change_the_maths(full_run, text_file, tmp_path):
-    full_out, _ = full_run
+    full_out, _, _ = full_run
     tiny_lm.train(_config(text_file, tmp_path, "train.max_iters=10", "train.steps_per_dispatch=1",
                           "train.checkpoint=false", "train.plot=false"), quiet=True, sample=False)
     one = [r["loss"] for r in _metrics(tmp_path) if "loss" in r]
@@ -143,7 +145,7 @@ def test_cli_errors_are_clear(tmp_path, capsys):
 def test_attention_maps_from_a_checkpoint(text_file, full_run, tmp_path):
     from train import attention_maps
 
-    out, result = full_run
+    out, result, _ = full_run
     params, model_config, tokenizer = load_for_sampling(out)
     text = text_file.read_text()[:13]  # characters the tokenizer knows, with or without the corpus
     ids = tokenizer.encode(text)

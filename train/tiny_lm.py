@@ -281,8 +281,13 @@ def _chunks(start: int, stop: int, tc: TrainConfig):
 
 
 def train(config: ExperimentConfig, *, resume: bool = False, quiet: bool = False,
-          loss_plot: str | None = None, sample: bool = True) -> RunResult:
-    """Runs an experiment end to end and returns its figures."""
+          loss_plot: str | None = None, sample: bool = True,
+          after_eval: Callable[[int], None] | None = None) -> RunResult:
+    """Runs an experiment end to end and returns its figures.
+
+    `after_eval(step)`, if given, is called after each evaluation, outside the timed steps:
+    bench/train.py uses it to run a baseline in turns with this run.
+    """
     from tqdm import tqdm
     from jaxattn.model import count_params
 
@@ -339,6 +344,8 @@ def train(config: ExperimentConfig, *, resume: bool = False, quiet: bool = False
                 ckpt.save("best", step, state, **kw)
         else:
             best_val = min(best_val, losses["val"])
+        if after_eval is not None:
+            after_eval(step)
         return losses
 
     tokens_per_step = tc.batch_size * tc.block_size
