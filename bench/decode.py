@@ -7,8 +7,10 @@ Random-init models (speed does not depend on the weights), greedy, prompt of
 compile time (first call minus a steady call) reported separately. Models:
 "baby" (4 layers, 4 heads, d 128, vocab 65, 0.8M params) and "small" (6 layers,
 6 heads, d 384, vocab 65, 10.7M params), both with max_seq_len 1024 so that
-1000 new tokens fit (the trained 10.7M model has block 256). Writes
-bench/results/decode.json and bench/results/decode.md.
+1000 new tokens fit (the trained 10.7M model has block 256). With --hf-python,
+Hugging Face's `generate` runs each (model, batch, length) case right before
+ours, so that both are timed in the same minutes of a machine whose speed
+drifts. Writes bench/results/decode.json and bench/results/decode.md.
 """
 
 from __future__ import annotations
@@ -78,6 +80,19 @@ def run_hf(hf_python: str, cases: list[tuple[str, int, int]], threads: int, repe
     return {(r["model"], r["batch"], r["new_tokens"]): r["tokens_per_s"] for r in data["results"]}, data["torch"]
 
 
+def measure_row(model, kind, config, params, batch, new, hf_tokens_per_s, repeats) -> dict:
+    """One table row: our cached (and for one case recomputed) decoding, and the ratio to HF."""
+    row = dict(model=model, kind=kind, params=count_params(params), batch=batch, new_tokens=new,
+               cache_bytes_per_token=cache_bytes_per_token(config)["bytes"],
+               cached=time_generation(generate, params, config, batch, new, repeats))
+    if kind == "MHA" and batch == 1 and new == 256:  # recompute is O(L) per step: one point
+        row["recompute"] = time_generation(generate_without_cache, params, config, batch, new, repeats)
+    row["hf_tokens_per_s"] = hf_tokens_per_s or HF_QUOTED.get((model, batch))
+    row["vs_hf"] = row["cached"]["tokens_per_s"] / row["hf_tokens_per_s"]
+    print(json.dumps(row), flush=True)
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--hf-python", help="interpreter with torch + transformers (else quote README figures)")
@@ -91,31 +106,26 @@ def main() -> None:
     models = args.models.split(",")
     lengths = [int(n) for n in args.lengths.split(",")]
     rows = []
+    hf_source = "quoted from /work/shared/perf/README.md (256 new tokens, not measured in this run)"
+    torch_version = None
     for model in models:
-        kinds = (args.small_kinds or args.kinds) if model == "small" else args.kinds
-        for kind in kinds.split(","):
-            config = make_config(model, kind)
-            params = jax.jit(DecoderLM(config).init)(jax.random.PRNGKey(0), jnp.zeros((1, 1), jnp.int32))["params"]
-            cache_bytes = cache_bytes_per_token(config)["bytes"]
-            for batch in (1, 8):
-                for new in lengths:
-                    row = dict(model=model, kind=kind, params=count_params(params), batch=batch, new_tokens=new,
-                               cache_bytes_per_token=cache_bytes,
-                               cached=time_generation(generate, params, config, batch, new, args.repeats))
-                    if kind == "MHA" and batch == 1 and new == 256:  # recompute is O(L) per step: one point
-                        row["recompute"] = time_generation(generate_without_cache, params, config, batch, new,
-                                                           args.repeats)
-                    rows.append(row)
-                    print(json.dumps({k: v for k, v in row.items()}), flush=True)
-    hf, hf_source = {}, "quoted from /work/shared/perf/README.md (256 new tokens, not measured in this run)"
-    if args.hf_python:
-        cases = sorted({(r["model"], r["batch"], r["new_tokens"]) for r in rows})
-        hf, torch_version = run_hf(args.hf_python, cases, args.hf_threads, args.repeats)
-        hf_source = f"measured in this run: torch {torch_version}, {args.hf_threads} thread(s), GPT-2 shape (MHA)"
-    for row in rows:
-        measured = hf.get((row["model"], row["batch"], row["new_tokens"]))
-        row["hf_tokens_per_s"] = measured if measured else HF_QUOTED.get((row["model"], row["batch"]))
-        row["vs_hf"] = row["cached"]["tokens_per_s"] / row["hf_tokens_per_s"]
+        kinds = ((args.small_kinds or args.kinds) if model == "small" else args.kinds).split(",")
+        configs = {kind: make_config(model, kind) for kind in kinds}
+        params = {kind: jax.jit(DecoderLM(c).init)(jax.random.PRNGKey(0), jnp.zeros((1, 1), jnp.int32))["params"]
+                  for kind, c in configs.items()}
+        for batch in (1, 8):
+            for new in lengths:
+                # HF right next to ours for the same case: the VM's speed drifts over minutes.
+                hf = None
+                if args.hf_python:
+                    measured, torch_version = run_hf(args.hf_python, [(model, batch, new)], args.hf_threads,
+                                                     args.repeats)
+                    hf = measured[(model, batch, new)]
+                for kind in kinds:
+                    rows.append(measure_row(model, kind, configs[kind], params[kind], batch, new, hf, args.repeats))
+    if torch_version:
+        hf_source = (f"measured in this run, each case right before ours: torch {torch_version}, "
+                     f"{args.hf_threads} thread(s), GPT-2 shape (MHA)")
     write(rows, hf_source, args)
 
 
