@@ -231,15 +231,17 @@ def train_step(model, optimizer, X, Y, next_batch, a: TrainArgs):
     return loss.item(), X, Y  # log_interval=1: nanoGPT syncs on loss.item() every iteration
 
 
-def wait_for_turn(iter_num: int) -> None:
+def wait_for_turn(iter_num: int) -> float:
     """Lockstep mode: report reaching an eval point, then block until the driver says go.
 
     bench/train.py runs our training and this one in turns of one eval interval each, so that
     both are timed in the same minutes of a machine whose speed drifts.
     """
+    start = time.perf_counter()
     print(f"{LOCKSTEP_PREFIX} {iter_num}", flush=True)
     if sys.stdin.readline().strip() != "go":
         raise SystemExit("lockstep driver went away")
+    return time.perf_counter() - start  # seconds spent waiting (left out of wall_s)
 
 
 def run(data_path: str, a: TrainArgs, threads: int = 2, log=print, lockstep: bool = False) -> dict:
@@ -251,7 +253,7 @@ def run(data_path: str, a: TrainArgs, threads: int = 2, log=print, lockstep: boo
     model = GPT(GPTConfig(block_size=a.block_size, vocab_size=vocab_size))
     optimizer = model.configure_optimizers(a.weight_decay, a.learning_rate, (a.beta1, a.beta2))
     splits = {"train": train_data, "val": val_data}
-    evals, iter_s = [], []
+    evals, iter_s, waited = [], [], 0.0
     X, Y = get_batch(train_data, a)
     for iter_num in range(a.max_iters + 1):
         lr = get_lr(iter_num, a)
@@ -259,7 +261,7 @@ def run(data_path: str, a: TrainArgs, threads: int = 2, log=print, lockstep: boo
             group["lr"] = lr
         if iter_num % a.eval_interval == 0 or iter_num == a.max_iters:
             if lockstep:
-                wait_for_turn(iter_num)
+                waited += wait_for_turn(iter_num)
             losses = estimate_loss(model, splits, a)
             evals.append({"iter": iter_num, **losses})
             log(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}", flush=True)
@@ -275,7 +277,7 @@ def run(data_path: str, a: TrainArgs, threads: int = 2, log=print, lockstep: boo
         "median_ms_per_iter": 1e3 * median_s, "median_tokens_per_s": a.batch_size * a.block_size / median_s,
         "fastest_ms_per_iter": 1e3 * min(timed), "final_val_loss": evals[-1]["val"],
         "final_train_loss": evals[-1]["train"], "evals": evals, "train_s": sum(iter_s),
-        "wall_s": time.perf_counter() - wall_start,
+        "wall_s": time.perf_counter() - wall_start - waited,
         "params": sum(p.numel() for p in model.parameters()), "data": data_path, "args": asdict(a),
         "env": {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpus": os.cpu_count()},
     }
