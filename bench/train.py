@@ -21,6 +21,7 @@ import json
 import os
 import platform
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -97,6 +98,7 @@ class NanoGPTInTurns:
         if self.proc.wait() != 0:
             raise RuntimeError(f"nanoGPT port exited with status {self.proc.returncode}")
         record = json.loads(self.json_path.read_text())
+        shutil.rmtree(self.json_path.parent, ignore_errors=True)
         return {**record, "measured": True, "interleaved": True,
                 "source": f"measured in this run, in turns of one eval interval with ours: "
                           f"{NANOGPT_SCRIPT.name} under {self.python} (torch eager, {self.threads} threads)"}

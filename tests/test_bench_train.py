@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -12,13 +13,13 @@ ROOT = Path(__file__).resolve().parent.parent
 # Stands in for `python bench/nanogpt_baseline.py ... --lockstep`: same arguments, same pause protocol
 # (and the same eval points: every 250 iters and the last one); logs each segment to a file.
 FAKE_PORT = '''
-import argparse, json, sys
+import argparse, json, os, sys
 p = argparse.ArgumentParser()
 p.add_argument("script"); p.add_argument("--data"); p.add_argument("--max-iters", type=int)
 p.add_argument("--lr-decay-iters"); p.add_argument("--threads"); p.add_argument("--json")
 p.add_argument("--lockstep", action="store_true")
 a = p.parse_args()
-trace = open(a.json + ".trace", "w")
+trace = open(os.environ["FAKE_PORT_TRACE"], "w")
 for it in range(a.max_iters + 1):
     if it % 250 == 0 or it == a.max_iters:
         print("LOCKSTEP at iter", it, flush=True)
@@ -41,7 +42,8 @@ def bench_train():
 
 
 @pytest.fixture
-def fake_python(tmp_path):
+def fake_python(tmp_path, monkeypatch):
+    monkeypatch.setenv("FAKE_PORT_TRACE", str(tmp_path / "trace.txt"))
     script = tmp_path / "fake_port.py"
     script.write_text(FAKE_PORT)
     python = tmp_path / "python"
@@ -50,20 +52,21 @@ def fake_python(tmp_path):
     return python
 
 
-def _trace(run):
-    return Path(str(run.json_path) + ".trace").read_text().split("\n")[:-1]
+def _trace():
+    return Path(os.environ["FAKE_PORT_TRACE"]).read_text().split("\n")[:-1]
 
 
 def test_port_runs_one_eval_interval_per_turn(bench_train, fake_python, tmp_path):
     run = bench_train.NanoGPTInTurns(str(fake_python), tmp_path / "data.txt", iters=600, lr_decay_iters=600,
                                      threads=2)
-    assert _trace(run) == []  # started, paused at its first eval point
+    assert _trace() == []  # started, paused at its first eval point
     assert run.turn(0)
-    assert _trace(run) == ["eval 0"]  # eval 0, then iters 0-249, paused before eval 250
+    assert _trace() == ["eval 0"]  # eval 0, then iters 0-249, paused before eval 250
     assert run.turn(250)
-    assert _trace(run) == ["eval 0", "eval 250"]
+    assert _trace() == ["eval 0", "eval 250"]
     record = run.finish()  # the remaining turns: eval 500, iters to 600, eval 600
-    assert _trace(run) == ["eval 0", "eval 250", "eval 500", "eval 600"]
+    assert _trace() == ["eval 0", "eval 250", "eval 500", "eval 600"]
+    assert not run.json_path.parent.exists()  # its temporary directory is removed
     assert record["measured"] and record["interleaved"] and record["final_val_loss"] == 1.9
     assert "in turns" in record["source"]
 
