@@ -293,7 +293,7 @@ def _weighted_cache_values(weights, value_cache):
     """
     B, K, G, T, L = weights.shape
     if B > 1 and K > 1 and G * T > 1:
-        return jnp.einsum("BKGTS,BKSH->BKGTH", weights, value_cache).transpose(0, 3, 1, 2, 4)
+        return _weighted_values(weights, value_cache).transpose(0, 3, 1, 2, 4)
     return jnp.einsum("BKGTS,BKSH->BTKGH", weights, value_cache)
 
 
