@@ -21,7 +21,7 @@ _CHOICES = {
     "dtype": ("float32", "bfloat16"),
     "param_dtype": ("float32", "bfloat16"),
     "mla_path": ("naive", "absorb"),
-    "matmul_dtype": ("float32", "bfloat16"),
+    "matmul_dtype": ("float32", "bfloat16", "auto"),
     "attention_impl": ("xla", "custom_vjp"),
 }
 
@@ -61,8 +61,10 @@ class ModelConfig:
       dtype: compute dtype; softmax and losses stay float32.
       param_dtype: parameter storage dtype.
       matmul_dtype: operand dtype of the dense projections; "bfloat16" rounds
-        the operands and accumulates in float32 (`jaxattn.matmul`, ~3x faster
-        on CPU; reverse-mode autodiff only).
+        the operands and accumulates in float32 (`jaxattn.matmul`: ~3x faster
+        on CPUs with AMX-BF16, slower on CPUs without it; reverse-mode autodiff
+        only); "auto" picks by hardware when the model is built
+        (`jaxattn.matmul.fast_operand_dtype`).
       attention_impl: "xla" (autodiff of the attention maths, any order and
         mode) or "custom_vjp" (hand-written backward, reverse mode only,
         faster for training; see `scaled_dot_product_attention`).
@@ -97,7 +99,7 @@ class ModelConfig:
     tie_embeddings: bool = True
     dtype: DType = "float32"
     param_dtype: DType = "float32"
-    matmul_dtype: DType = "float32"
+    matmul_dtype: Literal["float32", "bfloat16", "auto"] = "float32"
     attention_impl: Literal["xla", "custom_vjp"] = "xla"
     init_std: float = 0.02
 

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jaxattn.attention import cached_attention, scaled_dot_product_attention
 from jaxattn.cache import KVCache, write_rows
 from jaxattn.config import ModelConfig
-from jaxattn.matmul import matmul
+from jaxattn.matmul import matmul, resolve_operand_dtype
 from jaxattn.rope import apply_rope, rope_attention_factor, rope_frequencies
 
 
@@ -112,7 +112,7 @@ def make_linear(config: ModelConfig, features: int, *, residual: bool = False,
     return Linear(features, use_bias=config.use_bias if use_bias is None else use_bias,
                   init_std=residual_init_std(config) if residual else config.init_std,
                   dtype=jnp.dtype(config.dtype), param_dtype=jnp.dtype(config.param_dtype),
-                  matmul_dtype=jnp.dtype(config.matmul_dtype), name=name)
+                  matmul_dtype=jnp.dtype(resolve_operand_dtype(config.matmul_dtype)), name=name)
 
 
 class MLP(nn.Module):

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jaxattn.cache import DecodeCache, KVCache, LatentCache
 from jaxattn.config import ModelConfig
 from jaxattn.layers import MLP, Attention, make_linear, make_norm
-from jaxattn.matmul import matmul
+from jaxattn.matmul import matmul, resolve_operand_dtype
 from jaxattn.positions import sinusoidal_positions
 
 
@@ -116,7 +116,7 @@ class DecoderLM(nn.Module):
             return self.lm_head(x).astype(jnp.float32)
         B, T, D = x.shape
         head = self.wte.embedding.T  # [D, V], shared with wte
-        if self.config.matmul_dtype == "bfloat16":
+        if resolve_operand_dtype(self.config.matmul_dtype) == "bfloat16":
             logits = matmul(x.reshape(B * T, D), head, operand_dtype=jnp.bfloat16)
         else:
             logits = jnp.dot(x.reshape(B * T, D), head.astype(x.dtype), preferred_element_type=jnp.float32)

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxattn.matmul import matmul
+from jaxattn.matmul import cpu_flags, fast_operand_dtype, matmul, resolve_operand_dtype
 
 
 def _rounded(x):
@@ -78,3 +78,30 @@ def test_errors():
         matmul(x, w.T)
     with pytest.raises(ValueError, match="operand_dtype"):
         matmul(x, w, operand_dtype=jnp.float16)
+
+
+@pytest.mark.parametrize("backend,flags,expected", [
+    ("cpu", {"avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}, "bfloat16"),
+    ("cpu", {"avx512f", "avx512_bf16"}, "float32"),  # bf16 instructions but no AMX: slower
+    ("cpu", set(), "float32"),
+    ("gpu", set(), "bfloat16"),
+    ("tpu", set(), "bfloat16"),
+])
+def test_fast_operand_dtype_is_bfloat16_only_where_it_is_faster(backend, flags, expected):
+    assert fast_operand_dtype(backend, frozenset(flags)) == expected
+
+
+def test_cpu_flags_reads_the_flags_line(tmp_path):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nmodel name\t: Some Xeon\nflags\t\t: fpu avx512f amx_bf16\n\n"
+                       "processor\t: 1\nflags\t\t: fpu avx512f amx_bf16\n")
+    assert cpu_flags(str(cpuinfo)) == {"fpu", "avx512f", "amx_bf16"}
+    assert cpu_flags(str(tmp_path / "missing")) == frozenset()
+
+
+def test_auto_resolves_to_this_machines_choice():
+    assert resolve_operand_dtype("auto") == fast_operand_dtype(jax.default_backend(), cpu_flags())
+    assert resolve_operand_dtype("float32") == "float32"
+    assert resolve_operand_dtype("bfloat16") == "bfloat16"
+    with pytest.raises(ValueError, match="'float32', 'bfloat16' or 'auto', got 'float16'"):
+        resolve_operand_dtype("float16")

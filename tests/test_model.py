@@ -94,6 +94,14 @@ def test_training_speed_options_keep_the_float32_model_within_bfloat16_rounding(
     assert losses[-1] < losses[0] - 0.1, losses
 
 
+def test_auto_matmul_dtype_builds_the_model_of_the_dtype_it_resolves_to():
+    from jaxattn.matmul import resolve_operand_dtype
+    auto = tiny_config("gqa", "rope", matmul_dtype="auto")
+    resolved = auto.replace(matmul_dtype=resolve_operand_dtype("auto"))
+    params, tokens = init(auto)
+    np.testing.assert_array_equal(forward(auto)(params, tokens), forward(resolved)(params, tokens))
+
+
 @pytest.mark.parametrize("kind", ["gqa", "mla_absorb"])
 def test_right_padding_does_not_change_the_real_tokens(kind):
     config = tiny_config(kind, "rope")
@@ -196,7 +204,7 @@ def test_bad_configs_and_inputs_raise_clear_errors():
         ModelConfig(d_model=30, num_heads=4)
     with pytest.raises(ValueError, match="attention must be one of"):
         ModelConfig(attention="linear")
-    with pytest.raises(ValueError, match=r"matmul_dtype must be one of \('float32', 'bfloat16'\)"):
+    with pytest.raises(ValueError, match=r"matmul_dtype must be one of \('float32', 'bfloat16', 'auto'\)"):
         ModelConfig(matmul_dtype="float16")
     with pytest.raises(ValueError, match=r"attention_impl must be one of \('xla', 'custom_vjp'\)"):
         ModelConfig(attention_impl="flash")

@@ -69,6 +69,15 @@ def result_vocab(out):
     return json.loads((Path(out) / "config.json").read_text())["model"]["vocab_size"]
 
 
+def test_auto_matmul_dtype_is_resolved_in_the_printed_and_saved_config(full_run):
+    from jaxattn.matmul import resolve_operand_dtype
+    out, result, _ = full_run
+    assert load_config().model.matmul_dtype == "auto"  # the default config asks for "auto"
+    assert result.config.model.matmul_dtype == resolve_operand_dtype("auto")
+    saved = json.loads((Path(out) / "config.json").read_text())
+    assert saved["model"]["matmul_dtype"] == result.config.model.matmul_dtype
+
+
 def test_resume_equals_uninterrupted(full_run, text_file, tmp_path):
     full_out, _, _ = full_run
     first = tiny_lm.train(_config(text_file, tmp_path, "train.max_iters=20", "train.steps_per_dispatch=5"),

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jaxattn.matmul import resolve_operand_dtype
 from train import data as data_lib
 from train.checkpoint import Checkpointer, CheckpointError, check_compatible
 from train.config import DEFAULT_CONFIG, ExperimentConfig, TrainConfig, load_config
@@ -257,8 +258,11 @@ class RunResult:
 
 
 def resolve(config: ExperimentConfig, tokenizer: Tokenizer) -> ExperimentConfig:
-    """The config with the model's vocabulary set from the tokenizer, checked against block_size."""
-    model = config.model.replace(vocab_size=tokenizer.vocab_size)
+    """The config with the model's vocabulary set from the tokenizer and `matmul_dtype="auto"`
+    replaced by what it means on this machine (so the printed and saved config say which),
+    checked against block_size."""
+    model = config.model.replace(vocab_size=tokenizer.vocab_size,
+                                 matmul_dtype=resolve_operand_dtype(config.model.matmul_dtype))
     if model.max_seq_len < config.train.block_size:
         raise ValueError(f"model.max_seq_len={model.max_seq_len} is shorter than "
                          f"train.block_size={config.train.block_size}")
