@@ -169,14 +169,16 @@ def _data_parallel(loss_and_grads: Callable, num_devices: int) -> Callable:
     """The same (loss, grads) computed as the mean over `num_devices` host devices, each taking
     B / num_devices rows of the batch; params are replicated. Equal to the single-device
     result up to float summation order."""
+    from jax.flatten_util import ravel_pytree
     from jax.sharding import PartitionSpec as P
 
     mesh = _mesh(num_devices)
 
     def local(params, x, y, dropout_key):  # x, y: [B / num_devices, T]
         key = jax.random.fold_in(dropout_key, jax.lax.axis_index("data"))
-        loss, grads = loss_and_grads(params, x, y, key)
-        return jax.lax.pmean((loss, grads), "data")
+        flat, unravel = ravel_pytree(loss_and_grads(params, x, y, key))  # [1 + num_params]
+        # One buffer: XLA:CPU's all-reduce of the ~30 separate arrays took 3.2 ms, of one 0.9 ms.
+        return unravel(jax.lax.pmean(flat, "data"))
 
     return jax.shard_map(local, mesh=mesh, in_specs=(P(), P("data"), P("data"), P()),
                          out_specs=P(), check_vma=False)
