@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import jax  # noqa: E402
 
+from jaxattn.matmul import cpu_flags  # noqa: E402
 from train.config import DEFAULT_CONFIG, load_config  # noqa: E402
 from train.data import resolve_data_path  # noqa: E402
 from train.tiny_lm import apply_xla_flags, run_flags, train  # noqa: E402
@@ -144,8 +145,9 @@ def main(argv=None) -> dict:
         "speedup_vs_nanogpt_tokens_per_s": result.median_tokens_per_s / nanogpt["median_tokens_per_s"],
         "speedup_vs_nanogpt_ms_per_iter": nanogpt["median_ms_per_iter"] / result.median_ms_per_iter,
         "tokens_per_step": tc.batch_size * tc.block_size,
+        "matmul_dtype": result.config.model.matmul_dtype,  # what "auto" resolved to here
         "env": {"jax": jax.__version__, "python": platform.python_version(), "cpus": os.cpu_count(),
-                "XLA_FLAGS": os.environ.get("XLA_FLAGS", "")},
+                "amx_bf16": "amx_bf16" in cpu_flags(), "XLA_FLAGS": os.environ.get("XLA_FLAGS", "")},
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -194,7 +196,8 @@ def markdown(r: dict) -> str:
         f"| wall time (s) | {r['wall_s']:.1f} |{f_cell('wall_s', '.1f')} {approx}{n['wall_s']:.0f} | |",
         "",
         f"{r['steps_per_dispatch']} optimizer steps per jitted dispatch (lax.scan), batch split over "
-        f"{r['data_parallel']} host devices; {r['params']:,} parameters; "
+        f"{r['data_parallel']} host devices; dense matmuls with {r['matmul_dtype']} operands "
+        f"(this CPU {'has' if r['env'].get('amx_bf16') else 'has no'} AMX-BF16); {r['params']:,} parameters; "
         f"jax {r['env']['jax']}, {r['env']['cpus']} CPUs. nanoGPT figures: {n['source']}. The machine is shared, "
         "so timings drift (up to ~2x over minutes); only a measured column gives a same-run ratio"
         + (", and the two runs take turns every eval interval so that both see the same minutes."

@@ -86,3 +86,13 @@ def test_markdown_says_the_runs_took_turns(bench_train):
                              source="measured in this run, in turns")
     text = bench_train.markdown(record)
     assert "nanoGPT (measured, this run)" in text and "take turns" in text
+
+
+def test_markdown_names_the_matmul_dtype_and_whether_the_cpu_has_amx(bench_train):
+    record = json.loads((ROOT / "bench" / "results" / "train.json").read_text())
+    for dtype, amx, phrase in (("bfloat16", True, "this CPU has AMX-BF16"),
+                               ("float32", False, "this CPU has no AMX-BF16")):
+        record.update(matmul_dtype=dtype)
+        record["env"]["amx_bf16"] = amx
+        text = bench_train.markdown(record)
+        assert f"dense matmuls with {dtype} operands ({phrase})" in text
