@@ -118,8 +118,8 @@ def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str]:
     return frozenset()
 
 
-def fast_operand_dtype(backend: str, flags: frozenset[str] | set[str]) -> str:
-    """The matmul operand dtype that trains faster on `backend` with CPU `flags`.
+def fast_operand_dtype(backend: str, flags: frozenset[str] | set[str]) -> tuple[str, str]:
+    """(dtype, reason): the matmul operand dtype that trains faster on `backend` with CPU `flags`.
 
     "bfloat16" on GPUs and TPUs (bfloat16 matrix units) and on CPUs with AMX-BF16
     (`amx_bf16`: XLA's YNNPACK dots run 3-5x faster than float32 there);
@@ -127,15 +127,17 @@ def fast_operand_dtype(backend: str, flags: frozenset[str] | set[str]) -> str:
     casts make a training step slower.
     """
     if backend in ("gpu", "cuda", "rocm", "tpu"):
-        return "bfloat16"
-    return "bfloat16" if "amx_bf16" in flags else "float32"
+        return "bfloat16", f"{backend} backend"
+    if "amx_bf16" in flags:
+        return "bfloat16", "this CPU has AMX-BF16"
+    return "float32", "this CPU has no AMX-BF16, where bfloat16 matmuls are slower than float32"
 
 
 def resolve_operand_dtype(name: str) -> str:
     """"float32" and "bfloat16" as they are; "auto" -> `fast_operand_dtype` of this process's
     default backend and CPU. Initialises JAX's backend, so call it after setting XLA_FLAGS."""
     if name == "auto":
-        return fast_operand_dtype(jax.default_backend(), cpu_flags())
+        return fast_operand_dtype(jax.default_backend(), cpu_flags())[0]
     if name not in ("float32", "bfloat16"):
         raise ValueError(f"matmul dtype must be 'float32', 'bfloat16' or 'auto', got {name!r}")
     return name

@@ -80,15 +80,16 @@ def test_errors():
         matmul(x, w, operand_dtype=jnp.float16)
 
 
-@pytest.mark.parametrize("backend,flags,expected", [
-    ("cpu", {"avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}, "bfloat16"),
-    ("cpu", {"avx512f", "avx512_bf16"}, "float32"),  # bf16 instructions but no AMX: slower
-    ("cpu", set(), "float32"),
-    ("gpu", set(), "bfloat16"),
-    ("tpu", set(), "bfloat16"),
+@pytest.mark.parametrize("backend,flags,expected,reason", [
+    ("cpu", {"avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}, "bfloat16", "has AMX-BF16"),
+    ("cpu", {"avx512f", "avx512_bf16"}, "float32", "has no AMX-BF16"),  # bf16 instructions, no AMX: slower
+    ("cpu", set(), "float32", "has no AMX-BF16"),
+    ("gpu", set(), "bfloat16", "gpu backend"),
+    ("tpu", set(), "bfloat16", "tpu backend"),
 ])
-def test_fast_operand_dtype_is_bfloat16_only_where_it_is_faster(backend, flags, expected):
-    assert fast_operand_dtype(backend, frozenset(flags)) == expected
+def test_fast_operand_dtype_is_bfloat16_only_where_it_is_faster(backend, flags, expected, reason):
+    dtype, why = fast_operand_dtype(backend, frozenset(flags))
+    assert dtype == expected and reason in why
 
 
 def test_cpu_flags_reads_the_flags_line(tmp_path):
@@ -100,7 +101,7 @@ def test_cpu_flags_reads_the_flags_line(tmp_path):
 
 
 def test_auto_resolves_to_this_machines_choice():
-    assert resolve_operand_dtype("auto") == fast_operand_dtype(jax.default_backend(), cpu_flags())
+    assert resolve_operand_dtype("auto") == fast_operand_dtype(jax.default_backend(), cpu_flags())[0]
     assert resolve_operand_dtype("float32") == "float32"
     assert resolve_operand_dtype("bfloat16") == "bfloat16"
     with pytest.raises(ValueError, match="'float32', 'bfloat16' or 'auto', got 'float16'"):

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxattn.matmul import resolve_operand_dtype
+from jaxattn.matmul import cpu_flags, fast_operand_dtype, resolve_operand_dtype
 from train import data as data_lib
 from train.checkpoint import Checkpointer, CheckpointError, check_compatible
 from train.config import DEFAULT_CONFIG, ExperimentConfig, TrainConfig, load_config
@@ -300,6 +300,7 @@ def train(config: ExperimentConfig, *, resume: bool = False, quiet: bool = False
     wall_start = time.perf_counter()
     tc = config.train
     corpus = data_lib.load_corpus(tc.data_path, tokenizer=tc.tokenizer, val_fraction=tc.val_fraction)
+    asked_auto = config.model.matmul_dtype == "auto"
     config = _fit_data_parallel(resolve(config, corpus.tokenizer))
     tc = config.train
     data_lib.check_block_size(corpus, tc.block_size)
@@ -308,6 +309,9 @@ def train(config: ExperimentConfig, *, resume: bool = False, quiet: bool = False
     log = (lambda *a: None) if quiet else partial(print, flush=True)
     log(f"config {config.name} (data {corpus.path}, {len(corpus.train):,} train / {len(corpus.val):,} val tokens):")
     log(config.to_json())
+    if asked_auto:
+        reason = fast_operand_dtype(jax.default_backend(), cpu_flags())[1]
+        log(f'model.matmul_dtype "auto" -> "{config.model.matmul_dtype}" ({reason})')
     (out / "config.json").write_text(config.to_json())
 
     programs = build_programs(config)
