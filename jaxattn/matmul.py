@@ -134,8 +134,11 @@ def fast_operand_dtype(backend: str, flags: frozenset[str] | set[str]) -> tuple[
 
 
 def resolve_operand_dtype(name: str) -> str:
-    """"float32" and "bfloat16" as they are; "auto" -> `fast_operand_dtype` of this process's
-    default backend and CPU. Initialises JAX's backend, so call it after setting XLA_FLAGS."""
+    """The concrete operand dtype of `name`: float32 and bfloat16 as they are, "auto" the
+    `fast_operand_dtype` of this process's default backend and CPU.
+
+    Initialises JAX's backend, so call it after setting XLA_FLAGS.
+    """
     if name == "auto":
         return fast_operand_dtype(jax.default_backend(), cpu_flags())[0]
     if name not in ("float32", "bfloat16"):
