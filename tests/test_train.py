@@ -169,7 +169,8 @@ def test_attention_maps_from_a_checkpoint(text_file, full_run, tmp_path):
 
 def test_data_parallel_equals_one_device(text_file, tmp_path):
     """Two host devices (a fresh process: the device count is fixed when JAX starts) give the
-    single-device losses up to float summation order."""
+    single-device losses up to float summation order, and their checkpoint (arrays replicated
+    over two devices) loads for sampling in this one-device process."""
     import os
     import subprocess
     import sys
@@ -179,7 +180,7 @@ def test_data_parallel_equals_one_device(text_file, tmp_path):
     for devices in (1, 2):
         out = tmp_path / f"dp{devices}"
         args = [f"--set", *TINY_MODEL, *TINY_TRAIN, "train.max_iters=10", f"train.data_parallel={devices}",
-                "train.checkpoint=false", "train.plot=false", "train.sample_tokens=0",
+                f"train.checkpoint={'true' if devices == 2 else 'false'}", "train.plot=false", "train.sample_tokens=0",
                 "--data", str(text_file), "--out-dir", str(out), "--quiet"]
         env = {**os.environ, "PYTHONPATH": str(root)}
         subprocess.run([sys.executable, "-m", "train.tiny_lm", *args], check=True, env=env, cwd=root,
@@ -187,3 +188,10 @@ def test_data_parallel_equals_one_device(text_file, tmp_path):
         losses[devices] = [r["loss"] for r in _metrics(out) if "loss" in r]
     assert len(losses[1]) == 2
     np.testing.assert_allclose(losses[2], losses[1], rtol=1e-5)
+    assert len(jax.devices()) == 1
+    params, model_config, tokenizer = load_for_sampling(tmp_path / "dp2")
+    from jaxattn.model import DecoderLM
+    fresh = DecoderLM(model_config).init(jax.random.PRNGKey(0), jnp.zeros((1, 4), jnp.int32))["params"]
+    assert jax.tree.map(np.shape, params) == jax.tree.map(np.shape, fresh)
+    logits = DecoderLM(model_config).apply({"params": params}, jnp.asarray([tokenizer.encode("To be")]))
+    assert np.isfinite(np.asarray(logits)).all()

@@ -116,6 +116,17 @@ def _find_manager_dir(path: Path) -> Path:
         "checkpoints/latest holding a finished step (train with `python -m train.tiny_lm` first)")
 
 
+def _on_one_device(state_dir: Path) -> Any:
+    """The saved state's shapes and dtypes, placed on this process's first device: a checkpoint
+    of a data-parallel run (replicated over N host devices) then loads in a one-device process."""
+    try:
+        saved = ocp.StandardCheckpointHandler().metadata(state_dir.absolute())
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"cannot read the checkpoint metadata in {state_dir}: {err}") from err
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    return jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), saved)
+
+
 def load_for_sampling(directory: str | Path) -> tuple[Any, ModelConfig, Tokenizer]:
     """(params, model config, tokenizer) of a run's best checkpoint (else its latest)."""
     path = Path(directory)
@@ -124,7 +135,9 @@ def load_for_sampling(directory: str | Path) -> tuple[Any, ModelConfig, Tokenize
     found = _find_manager_dir(path)
     manager = _manager(found, create=False)
     try:
-        state, meta = _restore(manager, found, None)
+        step = manager.latest_step()
+        target = None if step is None else _on_one_device(found / str(step) / "state")
+        state, meta = _restore(manager, found, target)
     finally:
         manager.close()
     config = ExperimentConfig.from_dict(meta["config"])
