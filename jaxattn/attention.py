@@ -166,7 +166,9 @@ def _attention_bwd(zero_empty_rows, scale, residuals, d_out):
     d_out = d_out.astype(f32)
     d_v = jnp.einsum("BKGTS,BKGTH->BKSH", weights, d_out)
     d_weights = jnp.einsum("BKGTH,BKSH->BKGTS", d_out, v, preferred_element_type=f32)
-    delta = jnp.sum(d_out * out.astype(f32), axis=-1, keepdims=True)  # [B,K,G,T,1]
+    # rowsum(dO * O) as a batched dot: as a multiply and sum XLA:CPU fused it into the dO V^T
+    # dot's library call, and the whole baby step ran ~5% slower (bench/results/train_notes.md).
+    delta = jnp.einsum("BKGTH,BKGTH->BKGT", d_out, out.astype(f32))[..., None]  # [B,K,G,T,1]
     d_logits = weights * (d_weights - delta)  # masked keys have weight 0, so 0 here
     d_q = jnp.einsum("BKGTS,BKSH->BKGTH", d_logits, k, preferred_element_type=f32) * scale
     d_k = jnp.einsum("BKGTS,BKGTH->BKSH", d_logits, q, preferred_element_type=f32) * scale
