@@ -17,7 +17,7 @@ Numerics match `torch.autocast(dtype=torch.bfloat16)` for linear layers:
 operands rounded to bfloat16 (8-bit mantissa), products summed in float32.
 
 That speed needs the CPU's AMX-BF16 tile unit. On an AVX-512 CPU without AMX
-(the same VM type in another session) bfloat16 dots ran at 90-100 GFLOP/s
+(the same VM type in another session) bfloat16 dots ran at 87-101 GFLOP/s
 against 75-180 for float32, and the baby training step was 1.3x slower with
 bfloat16 than with float32. `matmul_dtype="auto"` therefore picks by hardware
 (`fast_operand_dtype`).
