@@ -1,4 +1,4 @@
-"""Additive (Bahdanau) attention, seed 003 §7.1.
+"""Additive (Bahdanau) attention (docs/theory.md §13).
 
 Scores come from a one-hidden-layer network instead of a dot product:
 `e_ij = w_score . tanh(q_i W_q + k_j W_k)`, so queries and keys may have
@@ -7,10 +7,10 @@ different sizes and no `1/sqrt(d)` scale is needed.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 from jaxattn._validate import require_bool, require_broadcastable, require_rank
+from jaxattn.softmax import masked_softmax
 
 
 def _validate(query, key, value, w_query, w_key, w_score, mask):
@@ -55,11 +55,7 @@ def additive_attention(query, key, value, *, w_query, w_key, w_score, mask=None,
     q = jnp.einsum("BTD,DA->BTA", query, w_query)
     k = jnp.einsum("BSD,DA->BSA", key, w_key)
     hidden = jnp.tanh(q[:, :, None, :] + k[:, None, :, :])  # [B, T, S, A]
-    scores = jnp.einsum("BTSA,A->BTS", hidden, w_score).astype(jnp.float32)
-    if mask is not None:
-        scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
-    weights = jax.nn.softmax(scores, axis=-1)
-    if mask is not None:
-        weights = jnp.where(mask, weights, 0.0)
+    scores = jnp.einsum("BTSA,A->BTS", hidden, w_score)
+    weights = masked_softmax(scores, mask)  # [B, T, S] float32
     out = jnp.einsum("BTS,BSD->BTD", weights.astype(value.dtype), value)
     return (out, weights) if return_weights else out

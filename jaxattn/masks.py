@@ -3,7 +3,9 @@
 Masks are `[T, S]` (query length by key length) or broadcastable to
 `[B, N, T, S]`. Causal masks are aligned to the *end* of the keys: query `i`
 sees key `j` iff `j <= i + (S - T)`, so a block of T new queries that follows
-S - T cached keys sees everything before it and nothing after.
+S - T cached keys sees everything before it and nothing after
+(docs/theory.md §3). A cache is read by absolute position instead
+(`visible_cache_slots`, docs/theory.md §9).
 """
 
 from __future__ import annotations
@@ -60,6 +62,25 @@ def padding_mask(lengths, max_len: int) -> jnp.ndarray:
     require_positive_int("max_len", max_len)
     valid = jnp.arange(max_len)[None, :] < lengths[:, None]  # [B, S]
     return valid[:, None, None, :]
+
+
+def visible_cache_slots(query_positions, num_slots: int) -> jnp.ndarray:
+    """`[B, 1, T, L]` mask of a KV cache: slot j is visible to a query at absolute position p iff j <= p.
+
+    The one visibility rule of cached attention (slot = absolute position,
+    docs/theory.md §9): slots a row has not written yet, and padding written
+    past a row's length, are never visible to its real queries.
+
+    Args:
+      query_positions: `[B, T]` integer absolute positions of the queries.
+      num_slots: L, the cache slots per row.
+    """
+    query_positions = jnp.asarray(query_positions)
+    require_rank("query_positions", query_positions, 2, "[B, T]")
+    require_integer("query_positions", query_positions)
+    require_positive_int("num_slots", num_slots)
+    slots = jnp.arange(num_slots)
+    return (slots[None, None, :] <= query_positions[:, :, None])[:, None]  # [B, 1, T, L]
 
 
 def combine_masks(*masks) -> jnp.ndarray | None:

@@ -1,4 +1,4 @@
-"""Additive (Bahdanau) attention, seed 003 §7.1."""
+"""Additive (Bahdanau) attention (docs/theory.md §13)."""
 
 import functools
 
