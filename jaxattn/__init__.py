@@ -1,29 +1,37 @@
 """jaxattn: attention mechanisms in JAX/Flax, from the formula to a tiny LM.
 
-The functional core (pure, jit-able):
+The functional core (pure, jit-able; docs/theory.md derives each formula):
 
 * `scaled_dot_product_attention`, `reference_attention`, `repeat_kv`
+* `masked_softmax` (the one softmax every attention uses)
 * masks: `causal_mask`, `padding_mask`, `sliding_window_mask`,
   `combine_masks`, `mask_to_bias`
 * positions: `rope_frequencies`, `apply_rope`, `RopeScaling`,
   `rope_attention_factor`, `sinusoidal_positions`
 * `additive_attention`
 
-The Flax modules and the model (built from one `ModelConfig`):
+The Flax modules and the model (built from one `ModelConfig`, the maths, and
+an optional `Kernels`, which implementations run it):
 
-* `Attention` (MHA/MQA/GQA), `MultiHeadLatentAttention`, `MLP`, `RMSNorm`, `LayerNorm`
+* `Attention` (MHA/MQA/GQA), `MultiHeadLatentAttention` (`MLAConfig`), `MLP`,
+  `RMSNorm`, `LayerNorm`
 * `Block`, `DecoderLM`, `count_params`
 * caches: `KVCache`, `LatentCache`, `DecodeCache`, `init_cache`, `cache_bytes_per_token`
 
-Decoding: `generate` (prefill + `jax.lax.scan` over one-token steps), and the
-pure sampling functions in `jaxattn.sampling` (`sample`, `greedy`, `filter_logits`).
+Decoding: `generate` (prefill + `jax.lax.scan` over one-token steps),
+`generate_windowed` (past the context), and the pure sampling functions in
+`jaxattn.sampling`.
+
+Implementations: `Kernels`, `resolve_kernels` and the formulations behind
+them live in `jaxattn.kernels`, the one seam between maths and machine.
 """
 
 from jaxattn.additive import additive_attention
 from jaxattn.attention import reference_attention, repeat_kv, scaled_dot_product_attention
 from jaxattn.cache import DecodeCache, KVCache, LatentCache, cache_bytes_per_token, init_cache
-from jaxattn.config import ModelConfig
-from jaxattn.decoding import GenerateOutput, generate
+from jaxattn.config import MLAConfig, ModelConfig
+from jaxattn.decoding import GenerateOutput, generate, generate_windowed
+from jaxattn.kernels import Kernels, Platform, resolve_kernels
 from jaxattn.layers import (
     MLP,
     Attention,
@@ -39,10 +47,11 @@ from jaxattn.masks import (
     padding_mask,
     sliding_window_mask,
 )
-from jaxattn.positions import sinusoidal_positions
 from jaxattn.mla import MultiHeadLatentAttention, latent_attention
 from jaxattn.model import Block, DecoderLM, count_params
+from jaxattn.positions import sinusoidal_positions
 from jaxattn.rope import RopeScaling, apply_rope, rope_attention_factor, rope_frequencies
+from jaxattn.softmax import masked_softmax
 
 __all__ = [
     "Attention",
@@ -51,31 +60,37 @@ __all__ = [
     "DecoderLM",
     "GenerateOutput",
     "KVCache",
+    "Kernels",
     "LatentCache",
     "LayerNorm",
+    "MLAConfig",
     "MLP",
     "ModelConfig",
     "MultiHeadLatentAttention",
+    "Platform",
     "RMSNorm",
     "RopeScaling",
     "additive_attention",
+    "apply_rope",
     "cache_bytes_per_token",
+    "causal_mask",
+    "combine_masks",
     "count_params",
     "fused_to_separate_qkv",
     "generate",
+    "generate_windowed",
     "init_cache",
     "latent_attention",
-    "separate_to_fused_qkv",
-    "apply_rope",
-    "causal_mask",
-    "combine_masks",
     "mask_to_bias",
+    "masked_softmax",
     "padding_mask",
     "reference_attention",
     "repeat_kv",
+    "resolve_kernels",
     "rope_attention_factor",
     "rope_frequencies",
     "scaled_dot_product_attention",
+    "separate_to_fused_qkv",
     "sinusoidal_positions",
     "sliding_window_mask",
 ]

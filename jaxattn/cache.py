@@ -1,16 +1,13 @@
 """Decoding caches: immutable pytrees that go into the model and come out updated.
 
-Why a cache is exact (seed 001): the key and value of token j depend only on
-tokens <= j and fixed weights, so they never change once computed. Each layer
-stores them once, in a buffer of `max_len` slots per row:
+Why a cache is exact (docs/theory.md §9): the key and value of token j depend
+only on tokens <= j and fixed weights, so they never change once computed.
+Each layer stores them once, in a buffer of `max_len` slots per row:
 
 * standard attention (MHA/MQA/GQA): `KVCache(k [B, K, L, H], v [B, K, L, Hv])`,
   K/V kept at K heads (never repeated for GQA/MQA) and heads-major: each
   (row, head) is one contiguous `[L, H]` matrix, so attention against the
-  cache is a plain batched matmul over (B, K). With the sequence-major
-  `[B, L, K, H]` layout of the rest of the library XLA transposed the whole
-  cache (both arrays, every layer) on every decode step: 4x slower attention
-  at batch 8 (bench/results/decode_notes.md);
+  cache is a matmul batched over (B, K) that reads the cache in place;
 * Multi-head Latent Attention: `LatentCache(c_kv [B, L, R], k_rope [B, L, E])`,
   the normalised joint latent (R = kv_lora_rank) and the one rotary key shared
   by all heads (E = qk_rope_head_dim); per-head keys and values are never stored.
@@ -19,8 +16,9 @@ stores them once, in a buffer of `max_len` slots per row:
 `lengths[b]` tokens, at slots `0 .. lengths[b] - 1` (slot = absolute position).
 Rows can be at different lengths. Writes put T new tokens of row b at slots
 `lengths[b] + arange(T)` (`jax.lax.dynamic_update_slice`, one per row);
-reads are masked by position: key slot j is visible to a query at absolute
-position p iff j <= p, so slots not yet written are never visible.
+reads are masked by position (`jaxattn.masks.visible_cache_slots`): key slot j
+is visible to a query at absolute position p iff j <= p, so slots not yet
+written are never visible.
 """
 
 from __future__ import annotations
@@ -28,9 +26,9 @@ from __future__ import annotations
 import math
 
 import flax.struct
-import jax
 import jax.numpy as jnp
 
+from jaxattn import kernels
 from jaxattn.config import ModelConfig
 
 
@@ -82,10 +80,10 @@ class DecodeCache:
 
 def _layer_shapes(config: ModelConfig, batch_size: int, max_len: int) -> dict[str, tuple]:
     """Shapes of one layer's cache arrays, by field name."""
-    if config.attention == "mla":
-        return {"c_kv": (batch_size, max_len, config.kv_lora_rank),
-                "k_rope": (batch_size, max_len, config.qk_rope_head_dim)}
-    K, H = config.kv_heads, config.dim_per_head
+    if config.mla is not None:
+        return {"c_kv": (batch_size, max_len, config.mla.kv_lora_rank),
+                "k_rope": (batch_size, max_len, config.mla.qk_rope_head_dim)}
+    K, H = config.num_kv_heads, config.head_dim
     return {"k": (batch_size, K, max_len, H), "v": (batch_size, K, max_len, H)}
 
 
@@ -98,7 +96,7 @@ def init_cache(config: ModelConfig, batch_size: int, max_len: int, dtype=None) -
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
     dtype = jnp.dtype(config.dtype if dtype is None else dtype)
-    layer_type = LatentCache if config.attention == "mla" else KVCache
+    layer_type = KVCache if config.mla is None else LatentCache
     shapes = _layer_shapes(config, batch_size, max_len)
     layers = tuple(layer_type(**{name: jnp.zeros(shape, dtype) for name, shape in shapes.items()})
                    for _ in range(config.num_layers))
@@ -124,29 +122,18 @@ def cache_bytes_per_token(config: ModelConfig, dtype=None) -> dict:
     }
 
 
-def write_rows(buffer: jnp.ndarray, update: jnp.ndarray, starts: jnp.ndarray, axis: int = 1) -> jnp.ndarray:
+def write_rows(buffer: jnp.ndarray, update: jnp.ndarray, starts: jnp.ndarray, *, axis: int = 1,
+               implementation: str = "xla") -> jnp.ndarray:
     """Writes row b of `update` into row b of `buffer` at slots `starts[b] + arange(T)` along `axis`.
 
-    `buffer` is `[B, ..., L, ...]` and `update` `[B, ..., T, ...]` with L and T
-    at `axis` (1 for `[B, L, R]` latents, 2 for `[B, K, L, H]` keys/values).
+    Args:
+      buffer: `[B, ..., L, ...]` with the L slots at `axis` (1 for `[B, L, R]`
+        latents, 2 for `[B, K, L, H]` keys/values).
+      update: `[B, ..., T, ...]`, cast to the buffer's dtype.
+      starts: `[B]` int, where each row's T new entries go.
+      implementation: a name of `jaxattn.kernels.choices("decode")`.
+
     The caller keeps `starts[b] + T <= L`: `dynamic_update_slice` clamps the
     start index so that the update fits, which would shift the write.
     """
-    # One dynamic_update_slice per row (B is static) rather than a vmap: XLA turns the vmapped
-    # form into a scatter that copies the whole buffer each decode step (bench/results/decode_notes.md).
-    update = update.astype(buffer.dtype)
-    for b in range(buffer.shape[0]):
-        index = tuple(starts[b] if d == axis else (b if d == 0 else 0) for d in range(buffer.ndim))
-        buffer = jax.lax.dynamic_update_slice(buffer, update[b:b + 1], index)
-    return buffer
-
-
-def visible_mask(query_positions: jnp.ndarray, max_len: int) -> jnp.ndarray:
-    """`[B, 1, T, L]` mask: slot j is visible to a query at absolute position p iff j <= p.
-
-    Args:
-      query_positions: `[B, T]` absolute positions of the new queries.
-      max_len: L, the cache slots.
-    """
-    slots = jnp.arange(max_len)
-    return (slots[None, None, :] <= query_positions[:, :, None])[:, None]
+    return kernels.cache_writer(implementation)(buffer, update, starts, axis=axis)

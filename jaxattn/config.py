@@ -1,4 +1,9 @@
-"""One frozen dataclass describes a decoder LM; every module is built from it."""
+"""One frozen dataclass describes a decoder LM's maths; every module is built from it.
+
+`ModelConfig` says *what* is computed. *How* it is computed on a given machine
+(which kernels run) is a separate `jaxattn.kernels.Kernels` value, so a config
+and a checkpoint mean the same model on every CPU, GPU or TPU.
+"""
 
 from __future__ import annotations
 
@@ -7,23 +12,56 @@ from typing import Any, Literal, Mapping
 
 from jaxattn.rope import RopeScaling
 
-AttentionKind = Literal["standard", "mla"]
 PositionKind = Literal["learned", "sinusoidal", "rope", "none"]
 NormKind = Literal["layernorm", "rmsnorm"]
 MlpKind = Literal["gelu", "swiglu"]
 DType = Literal["float32", "bfloat16"]
 
 _CHOICES = {
-    "attention": ("standard", "mla"),
     "positions": ("learned", "sinusoidal", "rope", "none"),
     "norm": ("layernorm", "rmsnorm"),
     "mlp": ("gelu", "swiglu"),
     "dtype": ("float32", "bfloat16"),
     "param_dtype": ("float32", "bfloat16"),
-    "mla_path": ("naive", "absorb"),
-    "matmul_dtype": ("float32", "bfloat16", "auto"),
-    "attention_impl": ("xla", "custom_vjp"),
 }
+# Fields that None derives from others; `replace` derives them again unless they are given.
+_DERIVED = ("num_kv_heads", "head_dim", "mlp_hidden")
+
+
+def _require_positive_int(owner: str, name: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{owner}.{name} must be a positive integer, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head Latent Attention's sizes (DeepSeek-V2/V3, docs/theory.md §6).
+
+    Attributes:
+      kv_lora_rank: R, the joint key/value latent (what the cache stores per token, with E).
+      q_lora_rank: Q, the query compression rank (None = queries projected directly).
+      qk_nope_head_dim: P, per-head query/key dims that carry no position.
+      qk_rope_head_dim: E, the decoupled rotary dims (one rotary key shared by all heads).
+      v_head_dim: per-head value dim.
+    """
+
+    kv_lora_rank: int = 64
+    q_lora_rank: int | None = None
+    qk_nope_head_dim: int = 32
+    qk_rope_head_dim: int = 16
+    v_head_dim: int = 32
+
+    def __post_init__(self):
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            _require_positive_int("MLAConfig", name, getattr(self, name))
+        if self.q_lora_rank is not None:
+            _require_positive_int("MLAConfig", "q_lora_rank", self.q_lora_rank)
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(f"MLAConfig.qk_rope_head_dim must be even (RoPE rotates pairs), "
+                             f"got {self.qk_rope_head_dim}")
+
+    def replace(self, **changes) -> "MLAConfig":
+        return dataclasses.replace(self, **changes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,16 +73,9 @@ class ModelConfig:
       d_model: D, the residual stream width.
       num_layers: number of transformer blocks.
       num_heads: N, query heads.
-      num_kv_heads: K, key/value heads (None = N: MHA; 1: MQA; between: GQA).
-      head_dim: H (None = d_model // num_heads).
-      attention: "standard" (MHA/MQA/GQA) or "mla" (Multi-head Latent Attention).
-      kv_lora_rank: MLA latent size of the joint key/value compression.
-      q_lora_rank: MLA query compression rank (None = no query compression).
-      qk_nope_head_dim: MLA per-head key/query dims that carry no position.
-      qk_rope_head_dim: MLA decoupled rotary dims (one rotary key shared by all heads).
-      v_head_dim: MLA per-head value dim.
-      mla_path: "naive" (decompress K and V) or "absorb" (attend in latent space)
-        for full-sequence forward passes; cached decoding always absorbs.
+      num_kv_heads: K, key/value heads: N is MHA, 1 MQA, between GQA (None = N).
+      head_dim: H, the head dim of standard attention (None = d_model // num_heads).
+      mla: Multi-head Latent Attention's sizes; None = standard attention (MHA/MQA/GQA).
       positions: "learned" (GPT-2 wpe), "sinusoidal", "rope" or "none".
       rope_theta: RoPE base.
       rope_interleaved: RoPE pairing, True = (x[2i], x[2i+1]), False = half-split.
@@ -60,15 +91,11 @@ class ModelConfig:
       tie_embeddings: lm_head shares the token embedding matrix.
       dtype: compute dtype; softmax and losses stay float32.
       param_dtype: parameter storage dtype.
-      matmul_dtype: operand dtype of the dense projections; "bfloat16" rounds
-        the operands and accumulates in float32 (`jaxattn.matmul`: ~3x faster
-        on CPUs with AMX-BF16, slower on CPUs without it; reverse-mode autodiff
-        only); "auto" picks by hardware when the model is built
-        (`jaxattn.matmul.fast_operand_dtype`).
-      attention_impl: "xla" (autodiff of the attention maths, any order and
-        mode) or "custom_vjp" (hand-written backward, reverse mode only,
-        faster for training; see `scaled_dot_product_attention`).
       init_std: standard deviation of the weight initialisation.
+
+    `num_kv_heads`, `head_dim` and `mlp_hidden` given as None are derived when
+    the config is built, so they always read as integers; `replace` derives
+    them again from the new values unless they are given explicitly.
     """
 
     vocab_size: int = 65
@@ -77,13 +104,7 @@ class ModelConfig:
     num_heads: int = 4
     num_kv_heads: int | None = None
     head_dim: int | None = None
-    attention: AttentionKind = "standard"
-    kv_lora_rank: int = 64
-    q_lora_rank: int | None = None
-    qk_nope_head_dim: int = 32
-    qk_rope_head_dim: int = 16
-    v_head_dim: int = 32
-    mla_path: Literal["naive", "absorb"] = "naive"
+    mla: MLAConfig | None = None
     positions: PositionKind = "learned"
     rope_theta: float = 10000.0
     rope_interleaved: bool = False
@@ -99,63 +120,63 @@ class ModelConfig:
     tie_embeddings: bool = True
     dtype: DType = "float32"
     param_dtype: DType = "float32"
-    matmul_dtype: Literal["float32", "bfloat16", "auto"] = "float32"
-    attention_impl: Literal["xla", "custom_vjp"] = "xla"
     init_std: float = 0.02
 
     def __post_init__(self):
         for name, choices in _CHOICES.items():
             if getattr(self, name) not in choices:
                 raise ValueError(f"ModelConfig.{name} must be one of {choices}, got {getattr(self, name)!r}")
-        for name in ("vocab_size", "d_model", "num_layers", "num_heads", "max_seq_len",
-                     "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"ModelConfig.{name} must be a positive integer, got {value!r}")
-        if self.num_heads % self.kv_heads:
-            raise ValueError(
-                f"ModelConfig.num_heads={self.num_heads} must be a multiple of "
-                f"num_kv_heads={self.kv_heads}")
-        if self.head_dim is None and self.d_model % self.num_heads:
-            raise ValueError(
-                f"ModelConfig.d_model={self.d_model} is not divisible by num_heads={self.num_heads}; "
-                "set head_dim explicitly")
-        if self.positions == "rope" and self.attention == "standard" and self.dim_per_head % 2:
-            raise ValueError(f"RoPE needs an even head_dim, got {self.dim_per_head}")
-        if self.attention == "mla" and self.qk_rope_head_dim % 2:
-            raise ValueError(f"MLA's qk_rope_head_dim must be even, got {self.qk_rope_head_dim}")
+        for name in ("vocab_size", "d_model", "num_layers", "num_heads", "max_seq_len"):
+            _require_positive_int("ModelConfig", name, getattr(self, name))
+        if self.mla is not None and not isinstance(self.mla, MLAConfig):
+            raise TypeError(f"ModelConfig.mla must be a jaxattn.MLAConfig or None, got {type(self.mla).__name__}")
+        self._derive()
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"ModelConfig.num_heads={self.num_heads} must be a multiple of "
+                             f"num_kv_heads={self.num_kv_heads}")
+        if self.positions == "rope" and self.mla is None and self.head_dim % 2:
+            raise ValueError(f"RoPE needs an even head_dim, got {self.head_dim}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"ModelConfig.dropout must be in [0, 1), got {self.dropout}")
 
-    @property
-    def kv_heads(self) -> int:
-        """K, the number of key/value heads."""
-        return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
+    def _derive(self) -> None:
+        """Fills the None-means-derived fields and remembers which were derived."""
+        derived = frozenset(name for name in _DERIVED if getattr(self, name) is None)
+        object.__setattr__(self, "_derived_fields", derived)  # not a field: not compared or saved
+        if self.num_kv_heads is None:
+            object.__setattr__(self, "num_kv_heads", self.num_heads)
+        if self.head_dim is None:
+            if self.d_model % self.num_heads:
+                raise ValueError(f"ModelConfig.d_model={self.d_model} is not divisible by "
+                                 f"num_heads={self.num_heads}; set head_dim explicitly")
+            object.__setattr__(self, "head_dim", self.d_model // self.num_heads)
+        if self.mlp_hidden is None:
+            object.__setattr__(self, "mlp_hidden", 4 * self.d_model)
+        for name in _DERIVED:
+            _require_positive_int("ModelConfig", name, getattr(self, name))
 
     @property
-    def dim_per_head(self) -> int:
-        """H, the head dim of standard attention."""
-        return self.d_model // self.num_heads if self.head_dim is None else self.head_dim
-
-    @property
-    def hidden_dim(self) -> int:
-        """The MLP hidden width."""
-        return 4 * self.d_model if self.mlp_hidden is None else self.mlp_hidden
+    def attention(self) -> Literal["standard", "mla"]:
+        """"mla" when `mla` is set, else "standard" (MHA/MQA/GQA)."""
+        return "standard" if self.mla is None else "mla"
 
     def replace(self, **changes) -> "ModelConfig":
-        return dataclasses.replace(self, **changes)
+        """A copy with `changes`; fields that were derived are derived again from the new values."""
+        again = {name: None for name in self._derived_fields if name not in changes}
+        return dataclasses.replace(self, **again, **changes)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> "ModelConfig":
-        """Builds a config from plain values; unknown keys are an error."""
+        """Builds a config from plain values (as `to_dict` writes them); unknown keys are an error."""
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
             raise ValueError(f"unknown ModelConfig keys {unknown}; known keys: {sorted(known)}")
         values = dict(values)
-        if isinstance(values.get("rope_scaling"), Mapping):
-            values["rope_scaling"] = RopeScaling(**values["rope_scaling"])
+        for name, kind in (("rope_scaling", RopeScaling), ("mla", MLAConfig)):
+            if isinstance(values.get(name), Mapping):
+                values[name] = kind(**values[name])
         return cls(**values)

@@ -9,7 +9,8 @@ KV cache (see `jaxattn.cache`), then one `jaxattn.sampling.sample`.
 
 `generate_without_cache` is the same loop that reruns the full forward pass
 over a fixed-size token buffer every step: the oracle for tests and the
-baseline of `bench/decode.py`.
+baseline of `bench/decode.py`. `generate_windowed` goes past the model's
+context by running `generate` in windows (the one way this library does it).
 
 Rows stop independently: once a row emits `stop_token` it is `done`, its cache
 stops advancing (`num_new = 0`) and its later output tokens are `pad_token`.
@@ -28,11 +29,8 @@ import numpy as np
 from jaxattn import sampling
 from jaxattn.cache import DecodeCache, init_cache
 from jaxattn.config import ModelConfig
+from jaxattn.kernels import Kernels
 from jaxattn.model import DecoderLM
-
-# Incremented each time a generation loop is traced (a Python side effect runs
-# only while tracing), so tests can prove that a second call did not recompile.
-TRACE_COUNT = {"generate": 0, "generate_without_cache": 0}
 
 
 class GenerateOutput(NamedTuple):
@@ -176,20 +174,23 @@ def _last_real(logits, lengths):
     return logits[jnp.arange(logits.shape[0]), lengths - 1]
 
 
-@functools.partial(jax.jit, static_argnames=("config", "max_new_tokens", "cache_len", "return_logits"))
-def _generate_cached(params, prompt, lengths, rng, knobs, *, config, max_new_tokens, cache_len, return_logits):
-    TRACE_COUNT["generate"] += 1
-    model = DecoderLM(config)
+_STATIC = ("config", "kernels", "max_new_tokens", "return_logits")
+
+
+@functools.partial(jax.jit, static_argnames=(*_STATIC, "cache_len"))
+def _generate_cached(params, prompt, lengths, rng, knobs, *, config, kernels, max_new_tokens, cache_len,
+                     return_logits):
+    model = DecoderLM(config, kernels)
     cache = init_cache(config, prompt.shape[0], cache_len)
     logits, cache = model.apply({"params": params}, prompt, cache, num_new=lengths, method=DecoderLM.extend)
     advance = functools.partial(_extend_cache, model, params)
     return _decode(_last_real(logits, lengths), cache, advance, rng, knobs, max_new_tokens, return_logits)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "max_new_tokens", "buffer_len", "return_logits"))
-def _generate_recomputed(params, prompt, lengths, rng, knobs, *, config, max_new_tokens, buffer_len, return_logits):
-    TRACE_COUNT["generate_without_cache"] += 1
-    model = DecoderLM(config)
+@functools.partial(jax.jit, static_argnames=(*_STATIC, "buffer_len"))
+def _generate_recomputed(params, prompt, lengths, rng, knobs, *, config, kernels, max_new_tokens, buffer_len,
+                         return_logits):
+    model = DecoderLM(config, kernels)
     tokens = jnp.zeros((prompt.shape[0], buffer_len), jnp.int32).at[:, :prompt.shape[1]].set(prompt)
     logits = model.apply({"params": params}, tokens)  # [B, L, V]
     advance = functools.partial(_extend_buffer, model, params)
@@ -200,10 +201,12 @@ def _generate_recomputed(params, prompt, lengths, rng, knobs, *, config, max_new
 # ---------------------------------------------------------------- public API
 
 
-def _validate(config, prompt_tokens, prompt_lengths, max_new_tokens, temperature, top_k, top_p):
+def _validate(config, kernels, prompt_tokens, prompt_lengths, max_new_tokens, temperature, top_p):
     """Checks on host values before anything is traced; returns numpy `(tokens [B,Tp], lengths [B])`."""
     if not isinstance(config, ModelConfig):
         raise TypeError(f"config must be a ModelConfig, got {type(config).__name__}")
+    if not isinstance(kernels, Kernels):
+        raise TypeError(f"kernels must be a jaxattn.Kernels, got {type(kernels).__name__}")
     tokens, lengths = np.asarray(prompt_tokens), np.asarray(prompt_lengths)
     if tokens.ndim != 2 or not np.issubdtype(tokens.dtype, np.integer):
         raise ValueError(f"prompt_tokens must be an integer array [B, Tp], got {tokens.dtype} {tokens.shape}")
@@ -227,10 +230,10 @@ def _validate(config, prompt_tokens, prompt_lengths, max_new_tokens, temperature
     return tokens.astype(np.int32), lengths.astype(np.int32)
 
 
-def _prepare(config, prompt_tokens, prompt_lengths, max_new_tokens, temperature, top_k, top_p,
+def _prepare(config, kernels, prompt_tokens, prompt_lengths, max_new_tokens, temperature, top_k, top_p,
              stop_token, pad_token):
     """Validates, pads the prompt to its bucket and packs the traced knobs."""
-    tokens, lengths = _validate(config, prompt_tokens, prompt_lengths, max_new_tokens, temperature, top_k, top_p)
+    tokens, lengths = _validate(config, kernels, prompt_tokens, prompt_lengths, max_new_tokens, temperature, top_p)
     bucket = prompt_bucket(int(lengths.max()), config.max_seq_len)
     padded = np.full((tokens.shape[0], bucket), pad_token, np.int32)
     width = min(bucket, tokens.shape[1])
@@ -246,7 +249,7 @@ def _prepare(config, prompt_tokens, prompt_lengths, max_new_tokens, temperature,
 
 def generate(params, config: ModelConfig, prompt_tokens, prompt_lengths, *, max_new_tokens: int, rng: jax.Array,
              temperature=1.0, top_k=0, top_p=1.0, stop_token: int | None = None, pad_token: int = 0,
-             return_logits: bool = False) -> GenerateOutput:
+             return_logits: bool = False, kernels: Kernels = Kernels()) -> GenerateOutput:
     """Generates `max_new_tokens` tokens after each prompt with a KV cache.
 
     Args:
@@ -255,32 +258,70 @@ def generate(params, config: ModelConfig, prompt_tokens, prompt_lengths, *, max_
       prompt_tokens: `[B, Tp]` int, right-padded prompts.
       prompt_lengths: `[B]` int, real tokens per prompt (1..Tp).
       max_new_tokens: tokens to generate per row; prompt + new must fit in
-        `config.max_seq_len`.
+        `config.max_seq_len` (`generate_windowed` goes further).
       rng: PRNG key of the draws (same key, same tokens).
       temperature, top_k, top_p: see `jaxattn.sampling`; traced, so changing
         them does not recompile.
       stop_token: id that ends a row (it is emitted, then padding); None = never.
       pad_token: id written after a row's stop token (and used to pad prompts).
       return_logits: also return the `[B, max_new_tokens, V]` logits of each draw.
+      kernels: which implementations run the model (static; default the reference).
 
     Returns:
       `GenerateOutput(tokens [B, max_new_tokens], counts [B], logits)`.
     """
-    prompt, lengths, knobs, cache_len = _prepare(config, prompt_tokens, prompt_lengths, max_new_tokens,
+    prompt, lengths, knobs, cache_len = _prepare(config, kernels, prompt_tokens, prompt_lengths, max_new_tokens,
                                                  temperature, top_k, top_p, stop_token, pad_token)
-    return _generate_cached(params, prompt, lengths, rng, knobs, config=config, max_new_tokens=max_new_tokens,
-                            cache_len=cache_len, return_logits=return_logits)
+    return _generate_cached(params, prompt, lengths, rng, knobs, config=config, kernels=kernels,
+                            max_new_tokens=max_new_tokens, cache_len=cache_len, return_logits=return_logits)
 
 
 def generate_without_cache(params, config: ModelConfig, prompt_tokens, prompt_lengths, *, max_new_tokens: int,
                            rng: jax.Array, temperature=1.0, top_k=0, top_p=1.0, stop_token: int | None = None,
-                           pad_token: int = 0, return_logits: bool = False) -> GenerateOutput:
+                           pad_token: int = 0, return_logits: bool = False,
+                           kernels: Kernels = Kernels()) -> GenerateOutput:
     """`generate` without a cache: every step reruns the full forward over a fixed `[B, L]` buffer.
 
     Same arguments, same draws (the rng is split identically), so with equal
     logits it returns the same tokens; O(L) times the work per step.
     """
-    prompt, lengths, knobs, buffer_len = _prepare(config, prompt_tokens, prompt_lengths, max_new_tokens,
+    prompt, lengths, knobs, buffer_len = _prepare(config, kernels, prompt_tokens, prompt_lengths, max_new_tokens,
                                                   temperature, top_k, top_p, stop_token, pad_token)
-    return _generate_recomputed(params, prompt, lengths, rng, knobs, config=config, max_new_tokens=max_new_tokens,
-                                buffer_len=buffer_len, return_logits=return_logits)
+    return _generate_recomputed(params, prompt, lengths, rng, knobs, config=config, kernels=kernels,
+                                max_new_tokens=max_new_tokens, buffer_len=buffer_len, return_logits=return_logits)
+
+
+def generate_windowed(params, config: ModelConfig, prompt_ids, *, max_new_tokens: int, rng: jax.Array,
+                      num_samples: int = 1, temperature=1.0, top_k=0, top_p=1.0,
+                      kernels: Kernels = Kernels()) -> np.ndarray:
+    """`[num_samples, max_new_tokens]` ids continuing one prompt, past the model's context if need be.
+
+    Within the context this is `generate` (the same draws for the same `rng`).
+    Beyond it, as nanoGPT crops its context, generation goes on in windows: the
+    last half context of tokens is prefilled again and the next half context
+    drawn, so every token sees between half and all of a context of history.
+    A prompt that fills the context keeps its last `max_seq_len - 1` tokens.
+    At most two programs compile: the first window and the later ones.
+
+    Args:
+      prompt_ids: `[P]` int token ids, P >= 1.
+      the rest: as `generate` (one prompt, `num_samples` rows).
+    """
+    context = config.max_seq_len
+    prompt = np.asarray(prompt_ids, np.int32).reshape(-1)[-(context - 1):]  # room for one new token
+    if prompt.size == 0 or context < 2:
+        raise ValueError(f"generate_windowed needs a non-empty prompt and max_seq_len >= 2, got "
+                         f"{np.asarray(prompt_ids).shape} tokens and max_seq_len={context}")
+    keep = max(1, context // 2)
+    history = np.tile(prompt, (num_samples, 1))  # [num_samples, P + drawn so far]
+    knobs = dict(temperature=temperature, top_k=top_k, top_p=top_p, kernels=kernels)
+    window = 0
+    while history.shape[1] - prompt.size < max_new_tokens:
+        rows = history if window == 0 else history[:, -keep:]
+        num_new = min(max_new_tokens, context - rows.shape[1]) if window == 0 else context - keep
+        key = rng if window == 0 else jax.random.fold_in(rng, window)
+        out = generate(params, config, rows, np.full(num_samples, rows.shape[1]), max_new_tokens=num_new,
+                       rng=key, **knobs)
+        history = np.concatenate([history, np.asarray(out.tokens)], axis=1)
+        window += 1
+    return history[:, prompt.size:prompt.size + max_new_tokens]

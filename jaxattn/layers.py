@@ -1,9 +1,10 @@
 """Flax building blocks: linear maps, norms, the MLP and one attention layer for MHA/MQA/GQA.
 
-Every module is built from one `ModelConfig`. Dense projections run as 2-D
-matmuls on `[B*T, D]` (about 2x faster than 3-D ones on CPU, see
-/work/shared/perf), heads stay in the `[B, T, N, H]` layout with no transpose,
-and the attention maths is `jaxattn.scaled_dot_product_attention`.
+Every module is built from one `ModelConfig` (the maths) and one
+`jaxattn.kernels.Kernels` (which implementations run; the default is the
+reference). Dense projections run as 2-D matmuls on `[B*T, D]`, heads stay in
+the `[B, T, N, H]` layout with no transpose, and the attention maths is
+`jaxattn.scaled_dot_product_attention` (docs/theory.md §4-§5).
 """
 
 from __future__ import annotations
@@ -14,10 +15,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jaxattn import kernels as kernels_lib
 from jaxattn.attention import cached_attention, scaled_dot_product_attention
 from jaxattn.cache import KVCache, write_rows
 from jaxattn.config import ModelConfig
-from jaxattn.matmul import matmul, resolve_operand_dtype
+from jaxattn.kernels import Kernels
 from jaxattn.rope import apply_rope, rope_attention_factor, rope_frequencies
 
 
@@ -34,8 +36,9 @@ class Linear(nn.Module):
       use_bias: add a bias (initialised to zeros).
       init_std: the kernel is initialised normal(0, init_std).
       dtype: compute dtype; param_dtype: storage dtype.
-      matmul_dtype: "bfloat16" rounds both operands and accumulates in float32
-        (`jaxattn.matmul.matmul`); "float32" is a plain matmul in `dtype`.
+      matmul: a name of `jaxattn.kernels.choices("matmul")`: "xla" multiplies
+        in `dtype` with float32 sums, "bfloat16"/"bfloat16_cpu" round both
+        operands to bfloat16 (docs/theory.md §15).
     """
 
     features: int
@@ -43,7 +46,7 @@ class Linear(nn.Module):
     init_std: float = 0.02
     dtype: jnp.dtype = jnp.float32
     param_dtype: jnp.dtype = jnp.float32
-    matmul_dtype: jnp.dtype = jnp.float32
+    matmul: str = "xla"
 
     @nn.compact
     def __call__(self, x: jnp.ndarray, columns: slice | None = None) -> jnp.ndarray:
@@ -52,10 +55,8 @@ class Linear(nn.Module):
                             (x.shape[-1], self.features), self.param_dtype)
         columns = slice(None) if columns is None else columns
         rows = x.reshape(-1, x.shape[-1]).astype(self.dtype)  # [B*T, D_in]
-        if jnp.dtype(self.matmul_dtype) == jnp.bfloat16:
-            y = matmul(rows, kernel[:, columns], operand_dtype=jnp.bfloat16).astype(self.dtype)
-        else:
-            y = rows @ kernel[:, columns].astype(self.dtype)
+        matmul = kernels_lib.matmul_kernel(self.matmul)
+        y = matmul(rows, kernel[:, columns].astype(self.dtype)).astype(self.dtype)  # [B*T, features]
         if self.use_bias:
             bias = self.param("bias", nn.initializers.zeros, (self.features,), self.param_dtype)
             y = y + bias[columns].astype(self.dtype)
@@ -106,28 +107,29 @@ def make_norm(config: ModelConfig, name: str | None = None) -> nn.Module:
     return LayerNorm(eps=config.norm_eps, use_bias=config.use_bias, name=name, **dtypes)
 
 
-def make_linear(config: ModelConfig, features: int, *, residual: bool = False,
+def make_linear(config: ModelConfig, kernels: Kernels, features: int, *, residual: bool = False,
                 use_bias: bool | None = None, name: str | None = None) -> Linear:
-    """A `Linear` with the config's dtypes and init (`residual`: scaled init)."""
+    """A `Linear` with the config's dtypes and init (`residual`: scaled init) and the kernels' matmul."""
     return Linear(features, use_bias=config.use_bias if use_bias is None else use_bias,
                   init_std=residual_init_std(config) if residual else config.init_std,
                   dtype=jnp.dtype(config.dtype), param_dtype=jnp.dtype(config.param_dtype),
-                  matmul_dtype=jnp.dtype(resolve_operand_dtype(config.matmul_dtype)), name=name)
+                  matmul=kernels.matmul, name=name)
 
 
 class MLP(nn.Module):
     """GELU MLP (`c_fc`, GELU, `c_proj`) or SwiGLU (`gate_up`, silu(gate) * up, `down`), then dropout."""
 
     config: ModelConfig
+    kernels: Kernels = Kernels()
 
     def setup(self):
-        c = self.config
+        c, k = self.config, self.kernels
         if c.mlp == "swiglu":
-            self.gate_up = make_linear(c, 2 * c.hidden_dim)  # one matmul for both
-            self.down = make_linear(c, c.d_model, residual=True)
+            self.gate_up = make_linear(c, k, 2 * c.mlp_hidden)  # one matmul for both
+            self.down = make_linear(c, k, c.d_model, residual=True)
         else:
-            self.c_fc = make_linear(c, c.hidden_dim)
-            self.c_proj = make_linear(c, c.d_model, residual=True)
+            self.c_fc = make_linear(c, k, c.mlp_hidden)
+            self.c_proj = make_linear(c, k, c.d_model, residual=True)
         self.dropout = nn.Dropout(c.dropout)
 
     def __call__(self, x: jnp.ndarray, *, deterministic: bool = True) -> jnp.ndarray:
@@ -141,17 +143,18 @@ class MLP(nn.Module):
         return self.dropout(y, deterministic=deterministic)
 
 
-def _check_standard(config: ModelConfig) -> None:
+def check_config(config, kernels) -> None:
+    """TypeError unless `config` is a `ModelConfig` and `kernels` a `Kernels`."""
     if not isinstance(config, ModelConfig):
         raise TypeError(f"config must be a jaxattn.ModelConfig, got {type(config).__name__}")
-    if config.head_dim is not None and config.head_dim <= 0:
-        raise ValueError(f"ModelConfig.head_dim must be positive, got {config.head_dim}")
+    if not isinstance(kernels, Kernels):
+        raise TypeError(f"kernels must be a jaxattn.Kernels, got {type(kernels).__name__}")
 
 
 class Attention(nn.Module):
     """Multi-head attention with N query heads and K key/value heads.
 
-    K = N is MHA, K = 1 MQA, anything between GQA; H = `config.dim_per_head`
+    K = N is MHA, K = 1 MQA, anything between GQA; H = `config.head_dim`
     need not equal D / N. Parameters: fused `qkv` (kernel `[D, (N + 2K) H]`,
     columns `[Q | K | V]` like nanoGPT's `c_attn`) or separate `query`, `key`,
     `value`; output projection `out` (`[N H, D]`). Positions: RoPE when
@@ -165,18 +168,19 @@ class Attention(nn.Module):
     """
 
     config: ModelConfig
+    kernels: Kernels = Kernels()
 
     def setup(self):
-        c = self.config
-        _check_standard(c)
-        N, K, H = c.num_heads, c.kv_heads, c.dim_per_head
+        c, k = self.config, self.kernels
+        check_config(c, k)
+        N, K, H = c.num_heads, c.num_kv_heads, c.head_dim
         if c.fused_qkv:
-            self.qkv = make_linear(c, (N + 2 * K) * H)
+            self.qkv = make_linear(c, k, (N + 2 * K) * H)
         else:
-            self.query = make_linear(c, N * H)
-            self.key = make_linear(c, K * H)
-            self.value = make_linear(c, K * H)
-        self.out = make_linear(c, c.d_model, residual=True)
+            self.query = make_linear(c, k, N * H)
+            self.key = make_linear(c, k, K * H)
+            self.value = make_linear(c, k, K * H)
+        self.out = make_linear(c, k, c.d_model, residual=True)
         self.resid_dropout = nn.Dropout(c.dropout)
         self.use_rope = c.positions == "rope"
         if self.use_rope:
@@ -192,7 +196,7 @@ class Attention(nn.Module):
         Returns q `[B, T, N, H]`, k `[B, S, K, H]`, v `[B, S, K, H]`.
         """
         c = self.config
-        N, K, H = c.num_heads, c.kv_heads, c.dim_per_head
+        N, K, H = c.num_heads, c.num_kv_heads, c.head_dim
         B, T = x.shape[:2]
         if c.fused_qkv and context is None:
             q, k, v = jnp.split(self.qkv(x), [N * H, (N + K) * H], axis=-1)  # one matmul
@@ -214,9 +218,10 @@ class Attention(nn.Module):
 
     def update_cache(self, cache: KVCache, k, v, starts) -> KVCache:
         """Writes the new k, v `[B, T, K, H]` of row b at slots `starts[b] + arange(T)` of the `[B, K, L, H]` cache."""
+        write = dict(axis=2, implementation=self.kernels.decode)
         heads_major = lambda x: jnp.swapaxes(x, 1, 2)  # [B, T, K, H] -> [B, K, T, H]  # noqa: E731
-        return KVCache(k=write_rows(cache.k, heads_major(k), starts, axis=2),
-                       v=write_rows(cache.v, heads_major(v), starts, axis=2))
+        return KVCache(k=write_rows(cache.k, heads_major(k), starts, **write),
+                       v=write_rows(cache.v, heads_major(v), starts, **write))
 
     def attend(self, q, k, v, *, mask=None, is_causal=False, deterministic=True,
                return_weights=False):
@@ -226,7 +231,7 @@ class Attention(nn.Module):
         return scaled_dot_product_attention(
             q, k, v, mask=mask, is_causal=is_causal, scale=self.scale,
             dropout_rate=rate, dropout_rng=rng, return_weights=return_weights,
-            implementation=self.config.attention_impl)
+            implementation=self.kernels.attention)
 
     def project_out(self, out: jnp.ndarray, *, deterministic: bool = True) -> jnp.ndarray:
         """Merges heads `[B, T, N, H] -> [B, T, N*H]` (a free reshape) and applies W_O -> `[B, T, D]`."""
@@ -284,7 +289,8 @@ class Attention(nn.Module):
         q, k, v = self.project(x)
         q, k = self.rotate(q, k, positions, positions)
         cache = self.update_cache(cache, k, v, starts)
-        out = cached_attention(q, cache.k, cache.v, positions, scale=self.scale)  # [B, T, N, H]
+        out = cached_attention(q, cache.k, cache.v, positions, scale=self.scale,
+                               implementation=self.kernels.decode)  # [B, T, N, H]
         return self.project_out(out), cache
 
     def _check_inputs(self, x, context):
@@ -302,7 +308,7 @@ class Attention(nn.Module):
 
 def fused_to_separate_qkv(params: dict, config: ModelConfig) -> dict:
     """Attention params with `qkv` -> with `query`, `key`, `value` (same maths)."""
-    N, K, H = config.num_heads, config.kv_heads, config.dim_per_head
+    N, K, H = config.num_heads, config.num_kv_heads, config.head_dim
     params = dict(params)
     fused = params.pop("qkv")
     cuts = [N * H, (N + K) * H]

@@ -1,4 +1,4 @@
-"""Multi-head Latent Attention (DeepSeek-V2/V3): attention through a low-rank latent.
+"""Multi-head Latent Attention (DeepSeek-V2/V3): attention through a low-rank latent (docs/theory.md §6).
 
 Letters (beyond B, T, S, N, D): R = kv_lora_rank (the latent), P =
 qk_nope_head_dim (per-head key/query dims without position), E =
@@ -21,17 +21,17 @@ from __future__ import annotations
 import math
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 
+from jaxattn import kernels as kernels_lib
 from jaxattn.attention import scaled_dot_product_attention
-from jaxattn.cache import LatentCache, visible_mask, write_rows
+from jaxattn.cache import LatentCache, write_rows
 from jaxattn.config import ModelConfig
-from jaxattn.layers import RMSNorm, make_linear
-from jaxattn.masks import causal_mask, combine_masks
+from jaxattn.kernels import Kernels
+from jaxattn.layers import RMSNorm, check_config, make_linear
+from jaxattn.masks import causal_mask, combine_masks, visible_cache_slots
 from jaxattn.rope import apply_rope, rope_attention_factor, rope_frequencies
-
-_MASKED_LOGIT = float(jnp.finfo(jnp.float32).min)
+from jaxattn.softmax import dropout_weights, masked_softmax
 
 
 def latent_attention(q_latent, q_rope, c_kv, k_rope, *, scale, mask=None, is_causal=False,
@@ -57,25 +57,9 @@ def latent_attention(q_latent, q_rope, c_kv, k_rope, *, scale, mask=None, is_cau
               + jnp.einsum("BTNE,BSE->BNTS", q_rope, k_rope, preferred_element_type=f32)) * scale
     T, S = logits.shape[-2:]
     allowed = combine_masks(mask, causal_mask(T, S) if is_causal else None)
-    if allowed is not None:
-        logits = jnp.where(allowed, logits, _MASKED_LOGIT)
-    weights = jax.nn.softmax(logits, axis=-1)
-    if allowed is not None:
-        weights = jnp.where(allowed, weights, 0.0)
-    if dropout_rate > 0.0 and dropout_rng is not None:
-        keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, weights.shape)
-        weights = jnp.where(keep, weights / (1.0 - dropout_rate), 0.0)
+    weights = dropout_weights(masked_softmax(logits, allowed), dropout_rate, dropout_rng)  # [B, N, T, S]
     o_latent = jnp.einsum("BNTS,BSR->BTNR", weights.astype(c_kv.dtype), c_kv)
     return o_latent, weights
-
-
-def _check_mla(config: ModelConfig) -> None:
-    if not isinstance(config, ModelConfig):
-        raise TypeError(f"config must be a jaxattn.ModelConfig, got {type(config).__name__}")
-    if config.q_lora_rank is not None and (not isinstance(config.q_lora_rank, int)
-                                           or config.q_lora_rank <= 0):
-        raise ValueError(f"ModelConfig.q_lora_rank must be None or a positive integer, "
-                         f"got {config.q_lora_rank!r}")
 
 
 class MultiHeadLatentAttention(nn.Module):
@@ -87,30 +71,34 @@ class MultiHeadLatentAttention(nn.Module):
 
     RoPE rotates only the E decoupled dims and only when `config.positions ==
     "rope"` (other schemes add positions to the embeddings instead). Softmax
-    scale `1/sqrt(P+E)` times YaRN's attention factor squared.
+    scale `1/sqrt(P+E)` times YaRN's attention factor squared. Full sequences
+    run `kernels.mla` ("naive" or "absorb", equal in the tests); cached
+    decoding always absorbs.
     """
 
     config: ModelConfig
+    kernels: Kernels = Kernels()
 
     def setup(self):
-        c = self.config
-        _check_mla(c)
-        N, P, E, V, R = (c.num_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim,
-                         c.kv_lora_rank)
+        c, k, m = self.config, self.kernels, self.config.mla
+        check_config(c, k)
+        if m is None:
+            raise ValueError("MultiHeadLatentAttention needs ModelConfig.mla (a jaxattn.MLAConfig)")
+        N, P, E, V, R = c.num_heads, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.kv_lora_rank
         dtypes = dict(dtype=jnp.dtype(c.dtype), param_dtype=jnp.dtype(c.param_dtype))
-        if c.q_lora_rank is None:
-            self.wq = make_linear(c, N * (P + E), use_bias=False)
+        if m.q_lora_rank is None:
+            self.wq = make_linear(c, k, N * (P + E), use_bias=False)
         else:
-            self.wq_a = make_linear(c, c.q_lora_rank, use_bias=False)
+            self.wq_a = make_linear(c, k, m.q_lora_rank, use_bias=False)
             self.q_norm = RMSNorm(eps=c.norm_eps, **dtypes)
-            self.wq_b = make_linear(c, N * (P + E), use_bias=False)
-        self.wkv_a = make_linear(c, R + E, use_bias=False)
+            self.wq_b = make_linear(c, k, N * (P + E), use_bias=False)
+        self.wkv_a = make_linear(c, k, R + E, use_bias=False)
         self.kv_norm = RMSNorm(eps=c.norm_eps, **dtypes)
         # A 3-D parameter because both paths use it: as one [R, N(P+V)] matmul
         # (naive) and split per head into W_UK, W_UV (absorb).
         self.wkv_b = self.param("wkv_b", nn.initializers.normal(c.init_std), (R, N, P + V),
                                 jnp.dtype(c.param_dtype))
-        self.wo = make_linear(c, c.d_model, residual=True, use_bias=False)
+        self.wo = make_linear(c, k, c.d_model, residual=True, use_bias=False)
         self.resid_dropout = nn.Dropout(c.dropout)
         self.use_rope = c.positions == "rope"
         if self.use_rope:
@@ -122,16 +110,16 @@ class MultiHeadLatentAttention(nn.Module):
 
     def project_query(self, x):
         """x `[B, T, D]` -> q_nope `[B, T, N, P]`, q_rope `[B, T, N, E]` (not yet rotated)."""
-        c = self.config
+        m = self.config.mla
         B, T = x.shape[:2]
-        q = self.wq(x) if c.q_lora_rank is None else self.wq_b(self.q_norm(self.wq_a(x)))
-        q = q.reshape(B, T, c.num_heads, c.qk_nope_head_dim + c.qk_rope_head_dim)
-        return q[..., :c.qk_nope_head_dim], q[..., c.qk_nope_head_dim:]
+        q = self.wq(x) if m.q_lora_rank is None else self.wq_b(self.q_norm(self.wq_a(x)))
+        q = q.reshape(B, T, self.config.num_heads, m.qk_nope_head_dim + m.qk_rope_head_dim)
+        return q[..., :m.qk_nope_head_dim], q[..., m.qk_nope_head_dim:]
 
     def compress_kv(self, x):
         """x `[B, S, D]` -> c_kv `[B, S, R]` (normalised), k_rope `[B, S, E]` (not yet rotated)."""
         kv = self.wkv_a(x)  # [B, S, R + E]
-        R = self.config.kv_lora_rank
+        R = self.config.mla.kv_lora_rank
         return self.kv_norm(kv[..., :R]), kv[..., R:]
 
     def rotate(self, q_rope, k_rope, positions):
@@ -144,15 +132,16 @@ class MultiHeadLatentAttention(nn.Module):
 
     def update_cache(self, cache: LatentCache, c_kv, k_rope, starts) -> LatentCache:
         """Writes row b's new latents and rotary keys at slots `starts[b] + arange(T)`."""
-        return LatentCache(c_kv=write_rows(cache.c_kv, c_kv, starts),
-                           k_rope=write_rows(cache.k_rope, k_rope, starts))
+        write = dict(axis=1, implementation=self.kernels.decode)
+        return LatentCache(c_kv=write_rows(cache.c_kv, c_kv, starts, **write),
+                           k_rope=write_rows(cache.k_rope, k_rope, starts, **write))
 
     def attend_naive(self, q_nope, q_rope, c_kv, k_rope, *, mask=None, is_causal=False,
                      deterministic=True, return_weights=False):
         """Decompresses per-head keys and values, then `scaled_dot_product_attention` (K = N)."""
         c = self.config
         B, S, R = c_kv.shape
-        N, P = c.num_heads, c.qk_nope_head_dim
+        N, P = c.num_heads, c.mla.qk_nope_head_dim
         wkv_b = self.wkv_b.astype(c_kv.dtype).reshape(R, -1)
         kv = (c_kv.reshape(B * S, R) @ wkv_b).reshape(B, S, N, -1)  # [B, S, N, P + V]
         k_nope, v = kv[..., :P], kv[..., P:]
@@ -163,12 +152,12 @@ class MultiHeadLatentAttention(nn.Module):
         return scaled_dot_product_attention(q, k, v, mask=mask, is_causal=is_causal,
                                             scale=self.scale, dropout_rate=rate, dropout_rng=rng,
                                             return_weights=return_weights,
-                                            implementation=c.attention_impl)
+                                            implementation=self.kernels.attention)
 
     def attend_absorbed(self, q_nope, q_rope, c_kv, k_rope, *, mask=None, is_causal=False,
                         deterministic=True, return_weights=False):
         """W_UK folded into the query, attention on the latent, W_UV applied after: `[B, T, N, V]`."""
-        P = self.config.qk_nope_head_dim
+        P = self.config.mla.qk_nope_head_dim
         w_uk = self.wkv_b[..., :P].astype(q_nope.dtype)  # [R, N, P]
         w_uv = self.wkv_b[..., P:].astype(q_nope.dtype)  # [R, N, V]
         q_latent = jnp.einsum("BTNP,RNP->BTNR", q_nope, w_uk)
@@ -191,14 +180,12 @@ class MultiHeadLatentAttention(nn.Module):
                  return_weights=False, path=None):
         """Self-attention over x `[B, T, D]`; same arguments as `Attention.__call__`.
 
-        `path` ("naive" or "absorb") overrides `config.mla_path`.
+        `path` ("naive" or "absorb") overrides `kernels.mla`.
         Returns `[B, T, D]`, or `(out, weights [B, N, T, T])`.
         """
         if not hasattr(x, "ndim") or x.ndim != 3:
             raise ValueError(f"x must be [B, T, D], got shape {getattr(x, 'shape', type(x))}")
-        path = self.config.mla_path if path is None else path
-        if path not in ("naive", "absorb"):
-            raise ValueError(f"path must be 'naive' or 'absorb', got {path!r}")
+        path = kernels_lib.check_mla_path(self.kernels.mla if path is None else path)
         positions = jnp.arange(x.shape[1]) if positions is None else positions
         q_nope, q_rope = self.project_query(x)
         c_kv, k_rope = self.compress_kv(x)
@@ -226,7 +213,7 @@ class MultiHeadLatentAttention(nn.Module):
         c_kv, k_rope = self.compress_kv(x)
         q_rope, k_rope = self.rotate(q_rope, k_rope, positions)
         cache = self.update_cache(cache, c_kv, k_rope, starts)
-        mask = visible_mask(positions, cache.c_kv.shape[1])  # [B, 1, T, L]
+        mask = visible_cache_slots(positions, cache.c_kv.shape[1])  # [B, 1, T, L]
         out = self.attend_absorbed(q_nope, q_rope, cache.c_kv, cache.k_rope, mask=mask)
         return self.project_out(out), cache
 

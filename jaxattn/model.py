@@ -6,6 +6,8 @@ tokens `[B, T]` -> embeddings (+ learned or sinusoidal positions) `[B, T, D]`
 `__call__` runs whole sequences (training, scoring). `extend` appends tokens
 to a `DecodeCache` (prefill and one-token decode steps) and returns the new
 cache; the cache goes in and comes out, the module keeps no state.
+`DecoderLM(config, kernels)`: the config is the maths, the optional
+`jaxattn.kernels.Kernels` says which implementations run it.
 """
 
 from __future__ import annotations
@@ -14,18 +16,13 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jaxattn import kernels as kernels_lib
 from jaxattn.cache import DecodeCache, KVCache, LatentCache
 from jaxattn.config import ModelConfig
-from jaxattn.layers import MLP, Attention, make_linear, make_norm
-from jaxattn.matmul import matmul, resolve_operand_dtype
+from jaxattn.kernels import Kernels
+from jaxattn.layers import MLP, Attention, check_config, make_linear, make_norm
+from jaxattn.mla import MultiHeadLatentAttention
 from jaxattn.positions import sinusoidal_positions
-
-
-def _attention_module(config: ModelConfig) -> type[nn.Module]:
-    if config.attention == "mla":
-        from jaxattn.mla import MultiHeadLatentAttention
-        return MultiHeadLatentAttention
-    return Attention
 
 
 class Block(nn.Module):
@@ -35,12 +32,14 @@ class Block(nn.Module):
     """
 
     config: ModelConfig
+    kernels: Kernels = Kernels()
 
     def setup(self):
-        self.attn_norm = make_norm(self.config)
-        self.attn = _attention_module(self.config)(self.config)
-        self.mlp_norm = make_norm(self.config)
-        self.mlp = MLP(self.config)
+        c, k = self.config, self.kernels
+        self.attn_norm = make_norm(c)
+        self.attn = Attention(c, k) if c.mla is None else MultiHeadLatentAttention(c, k)
+        self.mlp_norm = make_norm(c)
+        self.mlp = MLP(c, k)
 
     def __call__(self, x, *, positions, mask=None, deterministic=True, return_weights=False):
         """`[B, T, D] -> ([B, T, D], weights [B, N, T, T] or None)`, causal."""
@@ -58,9 +57,8 @@ class Block(nn.Module):
         return x + self.mlp(self.mlp_norm(x)), cache
 
 
-def _check_model_config(config: ModelConfig) -> None:
-    if not isinstance(config, ModelConfig):
-        raise TypeError(f"config must be a jaxattn.ModelConfig, got {type(config).__name__}")
+def _check_model_config(config: ModelConfig, kernels: Kernels) -> None:
+    check_config(config, kernels)
     if config.positions == "sinusoidal" and config.d_model % 2:
         raise ValueError(f"sinusoidal positions need an even d_model, got {config.d_model}")
 
@@ -76,10 +74,11 @@ class DecoderLM(nn.Module):
     """Token embedding `wte`, optional position table `wpe`, blocks `blocks_i`, `final_norm`, lm_head."""
 
     config: ModelConfig
+    kernels: Kernels = Kernels()
 
     def setup(self):
-        c = self.config
-        _check_model_config(c)
+        c, k = self.config, self.kernels
+        _check_model_config(c, k)
         embed = dict(embedding_init=nn.initializers.normal(c.init_std),
                      dtype=jnp.dtype(c.dtype), param_dtype=jnp.dtype(c.param_dtype))
         self.wte = nn.Embed(c.vocab_size, c.d_model, **embed)
@@ -88,10 +87,10 @@ class DecoderLM(nn.Module):
         elif c.positions == "sinusoidal":
             self.sinusoid = sinusoidal_positions(c.max_seq_len, c.d_model)  # [P, D], not a param
         self.embed_dropout = nn.Dropout(c.dropout)
-        self.blocks = [Block(c) for _ in range(c.num_layers)]
+        self.blocks = [Block(c, k) for _ in range(c.num_layers)]
         self.final_norm = make_norm(c)
         if not c.tie_embeddings:
-            self.lm_head = make_linear(c, c.vocab_size, use_bias=False)
+            self.lm_head = make_linear(c, k, c.vocab_size, use_bias=False)
 
     # -- the named steps -------------------------------------------------------------------
 
@@ -115,11 +114,8 @@ class DecoderLM(nn.Module):
         if not self.config.tie_embeddings:
             return self.lm_head(x).astype(jnp.float32)
         B, T, D = x.shape
-        head = self.wte.embedding.T  # [D, V], shared with wte
-        if resolve_operand_dtype(self.config.matmul_dtype) == "bfloat16":
-            logits = matmul(x.reshape(B * T, D), head, operand_dtype=jnp.bfloat16)
-        else:
-            logits = jnp.dot(x.reshape(B * T, D), head.astype(x.dtype), preferred_element_type=jnp.float32)
+        head = self.wte.embedding.T.astype(x.dtype)  # [D, V], shared with wte
+        logits = kernels_lib.matmul_kernel(self.kernels.matmul)(x.reshape(B * T, D), head)  # [B*T, V] float32
         return logits.reshape(B, T, -1)
 
     # -- whole sequences -------------------------------------------------------------------
@@ -198,7 +194,7 @@ class DecoderLM(nn.Module):
         if not isinstance(cache, DecodeCache):
             raise TypeError(f"cache must be a DecodeCache (see init_cache), got {type(cache).__name__}")
         c = self.config
-        expected = LatentCache if c.attention == "mla" else KVCache
+        expected = KVCache if c.mla is None else LatentCache
         if len(cache.layers) != c.num_layers or not all(isinstance(l, expected) for l in cache.layers):
             raise ValueError(f"cache must hold {c.num_layers} {expected.__name__} layers for "
                              f"attention={c.attention!r}, got "

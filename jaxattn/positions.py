@@ -1,6 +1,6 @@
 """Absolute position encodings that are not learned (Vaswani et al., 2017).
 
-Learned absolute positions (GPT-2's `wpe`, seed 001) are an `nn.Embed` in the
+Learned absolute positions (GPT-2's `wpe`, docs/theory.md §7) are an `nn.Embed` in the
 model; RoPE lives in `jaxattn.rope`.
 """
 

@@ -1,9 +1,9 @@
 """Rotary position embeddings (RoPE), with context-extension scalings.
 
 Pair p of a head vector is rotated by the angle `position * inv_freq[p]`,
-`inv_freq[p] = theta^(-2p/H)` (seed 000 §3). Two pairings exist in the wild:
+`inv_freq[p] = theta^(-2p/H)` (docs/theory.md §8). Two pairings exist in the wild:
 
-* interleaved: pairs `(x[2p], x[2p+1])`, as in seed 000 and Meta's Llama;
+* interleaved: pairs `(x[2p], x[2p+1])`, as in Meta's Llama;
 * half-split: pairs `(x[p], x[p + H/2])`, as in GPT-NeoX and Hugging Face Llama.
 
 They are the same rotation up to a fixed permutation of the head dimensions.
@@ -135,7 +135,7 @@ def apply_rope(x, positions, *, theta: float = 10000.0, interleaved: bool,
       x: `[B, T, N, H]` queries or keys, H even.
       positions: `[B, T]` or `[T]` integer positions.
       theta: the RoPE base.
-      interleaved: True pairs `(x[2p], x[2p+1])` (Meta Llama, seed 000);
+      interleaved: True pairs `(x[2p], x[2p+1])` (Meta Llama);
         False pairs `(x[p], x[p + H/2])` (GPT-NeoX, Hugging Face Llama).
       scaling: optional context-extension scaling of the frequencies.
       inv_freq: precomputed `rope_frequencies(H, theta=..., scaling=...)`;

@@ -8,25 +8,20 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxattn.cache import (
-    DecodeCache,
-    KVCache,
-    LatentCache,
-    cache_bytes_per_token,
-    init_cache,
-    visible_mask,
-    write_rows,
-)
+from jaxattn.cache import DecodeCache, LatentCache, cache_bytes_per_token, init_cache, write_rows
+from jaxattn.kernels import Kernels, choices
+from jaxattn.masks import visible_cache_slots
 from jaxattn.model import DecoderLM
-from tiny_models import KINDS, MAX_LEN, POSITIONS, T, VOCAB, params_for, tiny_config
-
-def full(config, params, tokens):
-    return DecoderLM(config).apply({"params": params}, tokens)
+from tiny_models import FAST_KERNELS, KINDS, MAX_LEN, POSITIONS, T, VOCAB, params_for, tiny_config, tiny_kernels
 
 
-def extend(config, params, tokens, cache, num_new=None):
-    return DecoderLM(config).apply({"params": params}, tokens, cache, num_new=num_new,
-                                   method=DecoderLM.extend)
+def full(config, params, tokens, kernels=Kernels()):
+    return DecoderLM(config, kernels).apply({"params": params}, tokens)
+
+
+def extend(config, params, tokens, cache, num_new=None, kernels=Kernels()):
+    return DecoderLM(config, kernels).apply({"params": params}, tokens, cache, num_new=num_new,
+                                            method=DecoderLM.extend)
 
 
 def random_tokens(shape, seed=0):
@@ -36,15 +31,18 @@ def random_tokens(shape, seed=0):
 @pytest.mark.parametrize("positions", POSITIONS)
 @pytest.mark.parametrize("kind", KINDS)
 def test_prefill_then_steps_equal_the_full_forward(kind, positions):
+    """Every kind and position scheme; the decode kernels alternate between the reference and XLA:CPU's."""
     config = tiny_config(kind, positions)
+    decode = choices("decode")[(list(KINDS).index(kind) + POSITIONS.index(positions)) % 2]
+    kernels = tiny_kernels(kind).replace(decode=decode)
     params = params_for(config)
     tokens = random_tokens((2, T))
-    expected = full(config, params, tokens)  # causal: position t only sees tokens <= t
+    expected = full(config, params, tokens, kernels)  # causal: position t only sees tokens <= t
     prefill = 5
-    logits, cache = extend(config, params, tokens[:, :prefill], init_cache(config, 2, MAX_LEN))
+    logits, cache = extend(config, params, tokens[:, :prefill], init_cache(config, 2, MAX_LEN), kernels=kernels)
     np.testing.assert_allclose(logits, expected[:, :prefill], atol=2e-5, rtol=1e-5)
     for t in range(prefill, T):
-        logits, cache = extend(config, params, tokens[:, t:t + 1], cache)
+        logits, cache = extend(config, params, tokens[:, t:t + 1], cache, kernels=kernels)
         chex.assert_shape(logits, (2, 1, VOCAB))
         np.testing.assert_allclose(logits[:, 0], expected[:, t], atol=2e-5, rtol=1e-5)
     np.testing.assert_array_equal(cache.lengths, [T, T])
@@ -55,14 +53,15 @@ def test_cached_steps_equal_the_full_forward_with_bfloat16_matmuls(kind, batch):
     """Same bf16-rounded products on both paths; only float32 summation order differs,
     which can flip a bf16 rounding of an activation: hence 1e-2 rather than 2e-5.
     Batch 1 decode steps are matrix-vector products (XLA's own dot, not YNNPACK)."""
-    config = tiny_config(kind, "rope", matmul_dtype="bfloat16", attention_impl="custom_vjp")
+    config = tiny_config(kind, "rope")
+    kernels = FAST_KERNELS.replace(mla=tiny_kernels(kind).mla)
     params = params_for(config)
     tokens = random_tokens((batch, T))
-    expected = full(config, params, tokens)
-    logits, cache = extend(config, params, tokens[:, :3], init_cache(config, batch, MAX_LEN))
+    expected = full(config, params, tokens, kernels)
+    logits, cache = extend(config, params, tokens[:, :3], init_cache(config, batch, MAX_LEN), kernels=kernels)
     np.testing.assert_allclose(logits, expected[:, :3], atol=1e-2, rtol=0)
     for t in range(3, T):
-        logits, cache = extend(config, params, tokens[:, t:t + 1], cache)
+        logits, cache = extend(config, params, tokens[:, t:t + 1], cache, kernels=kernels)
         np.testing.assert_allclose(logits[:, 0], expected[:, t], atol=1e-2, rtol=0)
 
 
@@ -70,22 +69,23 @@ def test_cached_steps_equal_the_full_forward_with_bfloat16_matmuls(kind, batch):
 @pytest.mark.parametrize("kind", KINDS)
 def test_right_padded_rows_match_their_unpadded_single_row_runs(kind, positions):
     config = tiny_config(kind, positions)
+    kernels = tiny_kernels(kind).replace(decode=choices("decode")[POSITIONS.index(positions) % 2])
     params = params_for(config)
     sequences = random_tokens((2, T), seed=1)
     lengths = np.array([6, 3])  # prompt lengths; row 1 is right-padded with junk
     prompts = jnp.where(jnp.arange(6)[None, :] < lengths[:, None], sequences[:, :6], VOCAB - 1)
     logits, cache = extend(config, params, prompts, init_cache(config, 2, MAX_LEN),
-                           num_new=jnp.asarray(lengths))
+                           num_new=jnp.asarray(lengths), kernels=kernels)
     np.testing.assert_array_equal(cache.lengths, lengths)
     # decode two more tokens of each row's own sequence, rows at different positions
     step_logits = []
     for step in range(2):
         next_tokens = sequences[jnp.arange(2), jnp.asarray(lengths) + step][:, None]
-        out, cache = extend(config, params, next_tokens, cache)
+        out, cache = extend(config, params, next_tokens, cache, kernels=kernels)
         step_logits.append(out[:, 0])
     for row in range(2):
         n = int(lengths[row])
-        alone = full(config, params, sequences[row:row + 1, :n + 2])[0]
+        alone = full(config, params, sequences[row:row + 1, :n + 2], kernels)[0]
         np.testing.assert_allclose(logits[row, :n], alone[:n], atol=2e-5, rtol=1e-5)
         for step in range(2):
             np.testing.assert_allclose(step_logits[step][row], alone[n + step], atol=2e-5, rtol=1e-5)
@@ -103,9 +103,9 @@ def test_cache_bytes_per_token_match_the_arrays(kind):
         assert size["numbers"] == sum(x.size for x in arrays) // (B * L)
         assert size["bytes_per_layer"] * config.num_layers == size["bytes"]
         if config.attention == "mla":
-            assert size["numbers_per_layer"] == config.kv_lora_rank + config.qk_rope_head_dim
+            assert size["numbers_per_layer"] == config.mla.kv_lora_rank + config.mla.qk_rope_head_dim
         else:
-            assert size["numbers_per_layer"] == 2 * config.kv_heads * config.dim_per_head
+            assert size["numbers_per_layer"] == 2 * config.num_kv_heads * config.head_dim
 
 
 def test_init_cache_shapes_and_pytree():
@@ -122,23 +122,25 @@ def test_init_cache_shapes_and_pytree():
     assert mla.layers[0].c_kv.dtype == jnp.bfloat16
 
 
-def test_write_rows_writes_each_row_at_its_own_start():
+@pytest.mark.parametrize("implementation", choices("decode"))
+def test_write_rows_writes_each_row_at_its_own_start(implementation):
     buffer = jnp.zeros((2, 6, 1))
     update = jnp.ones((2, 2, 1)) * jnp.array([1.0, 2.0])[:, None, None]
-    out = write_rows(buffer, update, jnp.array([0, 3]))
+    out = write_rows(buffer, update, jnp.array([0, 3]), implementation=implementation)
     np.testing.assert_array_equal(out[..., 0], [[1, 1, 0, 0, 0, 0], [0, 0, 0, 2, 2, 0]])
 
 
-def test_write_rows_along_the_slot_axis_of_a_heads_major_buffer():
+@pytest.mark.parametrize("implementation", choices("decode"))
+def test_write_rows_along_the_slot_axis_of_a_heads_major_buffer(implementation):
     buffer = jnp.zeros((2, 3, 6, 1))  # [B, K, L, H]
     update = jnp.ones((2, 3, 2, 1)) * jnp.array([1.0, 2.0])[:, None, None, None]
-    out = write_rows(buffer, update, jnp.array([1, 4]), axis=2)
+    out = write_rows(buffer, update, jnp.array([1, 4]), axis=2, implementation=implementation)
     for head in range(3):
         np.testing.assert_array_equal(out[:, head, :, 0], [[0, 1, 1, 0, 0, 0], [0, 0, 0, 0, 2, 2]])
 
 
-def test_visible_mask_is_by_absolute_position():
-    mask = visible_mask(jnp.array([[2], [4]]), 6)
+def test_visible_cache_slots_are_by_absolute_position():
+    mask = visible_cache_slots(jnp.array([[2], [4]]), 6)
     chex.assert_shape(mask, (2, 1, 1, 6))
     np.testing.assert_array_equal(mask[:, 0, 0], [[1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 0]])
 

@@ -2,9 +2,7 @@ import hashlib
 import http.server
 import os
 import threading
-from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

@@ -9,14 +9,15 @@ import numpy as np
 import pytest
 
 from jaxattn import decoding
-from jaxattn.config import ModelConfig
+from jaxattn.config import MLAConfig, ModelConfig
+from jaxattn.kernels import Kernels
 from jaxattn.model import DecoderLM
 
 ATTENTION = {
     "mha": dict(),
     "gqa": dict(num_kv_heads=2),
     "mqa": dict(num_kv_heads=1),
-    "mla": dict(attention="mla", kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8),
+    "mla": dict(mla=MLAConfig(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8)),
 }
 POSITIONS = ("learned", "sinusoidal", "rope", "none")
 # Two rows of different lengths, right-padded: per-row offsets and padding are exercised everywhere.
@@ -59,8 +60,10 @@ def full_sequences(prompts, lengths, generated):
 @pytest.mark.parametrize("positions", POSITIONS)
 @pytest.mark.parametrize("attention", list(ATTENTION))
 def test_cached_logits_equal_full_forward_at_every_step(attention, positions):
+    """Every kind and position scheme; the decode kernels alternate between the reference and XLA:CPU's."""
     config = tiny_config(attention, positions)
-    out = greedy(config, return_logits=True)
+    decode = ("xla", "xla_cpu")[(list(ATTENTION).index(attention) + POSITIONS.index(positions)) % 2]
+    out = greedy(config, return_logits=True, kernels=Kernels(decode=decode))
     chex.assert_shape(out.tokens, (2, NEW))
     chex.assert_shape(out.logits, (2, NEW, config.vocab_size))
     # One causal forward pass over prompt + generated tokens: position t's logits are those of the
@@ -106,19 +109,33 @@ def test_a_row_does_not_depend_on_the_rest_of_the_batch():
         np.testing.assert_array_equal(together.tokens[b], alone.tokens[0])
 
 
-def test_no_retrace_for_a_new_prompt_in_the_same_bucket_or_new_knobs():
-    config = tiny_config("mha", "rope")
+@pytest.fixture
+def traces(monkeypatch):
+    """Counts how often the decoding loop is traced: `_decode` runs only while a jitted
+    generation program is being traced, never when a compiled one is called."""
+    count = {"n": 0}
+    traced = decoding._decode
+
+    def counting(*args, **kwargs):
+        count["n"] += 1
+        return traced(*args, **kwargs)
+    monkeypatch.setattr(decoding, "_decode", counting)
+    return count
+
+
+def test_no_retrace_for_a_new_prompt_in_the_same_bucket_or_new_knobs(traces):
+    config = tiny_config("mha", "rope", num_layers=1)  # a config no other test compiles
     params = tiny_params(config)
     run = functools.partial(decoding.generate, params, config, max_new_tokens=5)
     run(PROMPTS[:, :5], np.array([5, 3]), rng=jax.random.PRNGKey(0), temperature=0.7)
-    traces = decoding.TRACE_COUNT["generate"]
+    assert traces["n"] == 1
     # Lengths 7 and 6 share bucket 8 with 5 and 3; every knob and the seed change.
     run(PROMPTS, np.array([7, 6]), rng=jax.random.PRNGKey(1), temperature=0.0, top_k=3, top_p=0.5, stop_token=4)
     run(PROMPTS[:, :6], np.array([2, 6]), rng=jax.random.PRNGKey(2), temperature=1.5, top_p=0.9, pad_token=1)
-    assert decoding.TRACE_COUNT["generate"] == traces
+    assert traces["n"] == 1
     # The counter does see a new bucket (length 9 -> 16).
     run(np.ones((2, 9), np.int32), np.array([9, 9]), rng=jax.random.PRNGKey(0))
-    assert decoding.TRACE_COUNT["generate"] == traces + 1
+    assert traces["n"] == 2
 
 
 def test_stop_token_freezes_the_row_and_pads_the_rest():
@@ -184,11 +201,53 @@ def test_prompt_bucket(length, bucket):
     (dict(temperature=-1.0), "temperature"),
     (dict(top_p=1.5), "top_p"),
 ])
-def test_bad_arguments_raise_before_tracing(kwargs, message):
+def test_bad_arguments_raise_before_tracing(kwargs, message, traces):
     config = tiny_config()
     args = dict(prompt_tokens=PROMPTS, prompt_lengths=LENGTHS, max_new_tokens=4, rng=jax.random.PRNGKey(0))
     args.update(kwargs)
-    traces = decoding.TRACE_COUNT["generate"]
     with pytest.raises(ValueError, match=message):
         decoding.generate(tiny_params(config), config, **args)
-    assert decoding.TRACE_COUNT["generate"] == traces
+    assert traces["n"] == 0
+    with pytest.raises(TypeError, match="kernels must be a jaxattn.Kernels"):
+        decoding.generate(tiny_params(config), config, PROMPTS, LENGTHS, max_new_tokens=2, rng=jax.random.PRNGKey(0),
+                          kernels="xla")
+
+
+# --------------------------------------------------------------------------------------------
+# Past the context: generate_windowed
+
+
+def test_windowed_generation_is_generate_within_the_first_window():
+    config = tiny_config("gqa", "rope")
+    params, prompt = tiny_params(config), PROMPTS[0, :5]
+    for temperature in (0.0, 1.2):  # the same draws for the same rng, greedy or not
+        windowed = decoding.generate_windowed(params, config, prompt, max_new_tokens=11, num_samples=2,
+                                              rng=jax.random.PRNGKey(4), temperature=temperature)
+        direct = decoding.generate(params, config, np.tile(prompt, (2, 1)), np.array([5, 5]), max_new_tokens=11,
+                                   rng=jax.random.PRNGKey(4), temperature=temperature)
+        np.testing.assert_array_equal(windowed, direct.tokens)
+
+
+def test_windowed_generation_goes_past_the_context_with_half_a_context_of_history():
+    config = tiny_config("mha", "learned", max_seq_len=8)  # a learned table: positions cannot exceed 8
+    params = tiny_params(config)
+    ids = decoding.generate_windowed(params, config, [3, 1, 4], max_new_tokens=20, rng=jax.random.PRNGKey(0),
+                                     temperature=0.0)
+    assert ids.shape == (1, 20)
+    history = [3, 1, 4] + list(ids[0])
+    first = 8 - 3  # the first window fills the context
+    for n in range(first, 20):  # every later token continues the last half context (4 tokens) before it
+        window = history[3 + n - 4 - (n - first) % 4:3 + n]
+        logits = forward(config, [window])[0, -1]
+        assert int(jnp.argmax(logits)) == history[3 + n]
+
+
+def test_windowed_generation_crops_a_prompt_longer_than_the_context():
+    config = tiny_config("mqa", "none", max_seq_len=8)
+    params = tiny_params(config)
+    long_prompt = np.arange(12) % config.vocab_size
+    kwargs = dict(max_new_tokens=3, rng=jax.random.PRNGKey(1), temperature=0.0)
+    np.testing.assert_array_equal(decoding.generate_windowed(params, config, long_prompt, **kwargs),
+                                  decoding.generate_windowed(params, config, long_prompt[-7:], **kwargs))
+    with pytest.raises(ValueError, match="non-empty prompt"):
+        decoding.generate_windowed(params, config, [], **kwargs)

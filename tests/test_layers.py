@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from jaxattn.config import ModelConfig
+from jaxattn.kernels import Kernels
 from jaxattn.layers import (
     MLP,
     Attention,
@@ -35,7 +36,7 @@ def inputs(*shape, seed=0):
     return jax.random.normal(jax.random.PRNGKey(seed), shape)
 
 
-def test_seed_000_dimension_walk():
+def test_dimension_walk_through_the_named_steps():
     config = ModelConfig(d_model=512, num_heads=8, num_layers=1, positions="rope")
     x = inputs(1, 50, 512)  # [B, T, D]
     attn = Attention(config)
@@ -54,8 +55,8 @@ def test_seed_000_dimension_walk():
     np.testing.assert_allclose(y, attn.apply({"params": params}, x, is_causal=True), atol=1e-5)
 
 
-def seed_004_forward(q, k, v, wq, wk, wv, wo, n_heads, is_causal):
-    """Seed 004's MultiHeadAttention.forward in numpy (nn.Linear(x) = x @ W here; no dropout)."""
+def textbook_forward(q, k, v, wq, wk, wv, wo, n_heads, is_causal):
+    """The textbook PyTorch MultiHeadAttention.forward, in numpy (nn.Linear(x) = x @ W here; no dropout)."""
     bsz, seqlen, _ = q.shape
     head_dim = wq.shape[1] // n_heads
     xq, xk, xv = q @ wq, k @ wk, v @ wv
@@ -72,22 +73,22 @@ def seed_004_forward(q, k, v, wq, wk, wv, wo, n_heads, is_causal):
 
 
 @pytest.mark.parametrize("is_causal", [False, True])
-def test_mha_equals_a_numpy_transcription_of_seed_004(is_causal):
+def test_mha_equals_a_numpy_transcription_of_the_textbook_module(is_causal):
     config = attention_config()
     x = inputs(2, 6, 32)
     params = init(config, x)
     weights = [np.asarray(params[name]["kernel"], np.float64) for name in ("query", "key", "value", "out")]
-    expected = seed_004_forward(*(np.asarray(x, np.float64),) * 3, *weights, 4, is_causal)
+    expected = textbook_forward(*(np.asarray(x, np.float64),) * 3, *weights, 4, is_causal)
     np.testing.assert_allclose(run(config, params, x, is_causal=is_causal), expected, atol=2e-5)
 
 
-def test_cross_attention_equals_seed_004_with_keys_and_values_from_the_context():
+def test_cross_attention_equals_the_textbook_module_with_keys_and_values_from_the_context():
     config = attention_config()
     x, context = inputs(2, 6, 32), inputs(2, 9, 32, seed=1)
     params = init(config, x, context)
     weights = [np.asarray(params[name]["kernel"], np.float64) for name in ("query", "key", "value", "out")]
     c = np.asarray(context, np.float64)
-    expected = seed_004_forward(np.asarray(x, np.float64), c, c, *weights, 4, False)
+    expected = textbook_forward(np.asarray(x, np.float64), c, c, *weights, 4, False)
     np.testing.assert_allclose(run(config, params, x, context), expected, atol=2e-5)
 
 
@@ -109,7 +110,7 @@ def test_fused_and_separate_qkv_agree_for_the_same_weights(changes):
     params = init(separate, x)
     fused_params = separate_to_fused_qkv(params)
     chex.assert_shape(fused_params["qkv"]["kernel"],
-                      (32, (separate.num_heads + 2 * separate.kv_heads) * separate.dim_per_head))
+                      (32, (separate.num_heads + 2 * separate.num_kv_heads) * separate.head_dim))
     for causal in (False, True):
         np.testing.assert_allclose(run(fused, fused_params, x, is_causal=causal),
                                    run(separate, params, x, is_causal=causal), atol=1e-6)
@@ -197,3 +198,7 @@ def test_bad_inputs_raise_clear_errors():
         init(config, x, inputs(3, 4, 32))
     with pytest.raises(TypeError, match="ModelConfig"):
         Attention({"d_model": 32}).init(jax.random.PRNGKey(0), x)
+    with pytest.raises(TypeError, match="kernels must be a jaxattn.Kernels"):
+        Attention(config, "custom_vjp").init(jax.random.PRNGKey(0), x)
+    with pytest.raises(ValueError, match=r"Kernels.attention is \"auto\""):
+        Attention(config, Kernels(attention="auto")).init(jax.random.PRNGKey(0), x)

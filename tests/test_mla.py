@@ -10,16 +10,17 @@ import pytest
 
 from jaxattn.attention import scaled_dot_product_attention
 from jaxattn.cache import LatentCache, init_cache
-from jaxattn.config import ModelConfig
+from jaxattn.config import MLAConfig, ModelConfig
+from jaxattn.kernels import Kernels
 from jaxattn.mla import MultiHeadLatentAttention, latent_attention
 from jaxattn.rope import RopeScaling, rope_attention_factor
 
 B, T, D = 2, 7, 32
 
 
-def mla_config(**changes):
-    base = dict(d_model=D, num_heads=4, num_layers=2, attention="mla", positions="rope",
-                kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6)
+def mla_config(q_lora_rank=None, **changes):
+    mla = MLAConfig(kv_lora_rank=16, q_lora_rank=q_lora_rank, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6)
+    base = dict(d_model=D, num_heads=4, num_layers=2, positions="rope", mla=mla)
     return ModelConfig(**{**base, **changes})
 
 
@@ -105,8 +106,12 @@ def test_extend_stores_only_the_latent_and_the_rotary_key():
     assert float(jnp.abs(cache.c_kv[:, T:]).max()) == 0.0  # nothing written past the tokens
 
 
-def test_bad_path_raises():
+def test_the_kernels_choose_the_path_and_a_bad_path_raises():
     config = mla_config()
     x, params = setup_mla(config)
-    with pytest.raises(ValueError, match="path must be"):
+    absorbed = MultiHeadLatentAttention(config, Kernels(mla="absorb")).apply({"params": params}, x, is_causal=True)
+    np.testing.assert_allclose(absorbed, run(config, params, x, path="absorb", is_causal=True), atol=0, rtol=0)
+    with pytest.raises(ValueError, match=r"mla implementation must be one of \('naive', 'absorb'\), got 'fast'"):
         run(config, params, x, path="fast")
+    with pytest.raises(ValueError, match="needs ModelConfig.mla"):
+        MultiHeadLatentAttention(config.replace(mla=None)).init(jax.random.PRNGKey(0), x)

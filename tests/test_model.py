@@ -8,9 +8,11 @@ import numpy as np
 import optax
 import pytest
 
-from jaxattn.config import ModelConfig
+from jaxattn.config import MLAConfig, ModelConfig
+from jaxattn.kernels import Kernels
 from jaxattn.model import DecoderLM, count_params
-from tiny_models import KINDS, POSITIONS, T, VOCAB, learned_params, params_for, tiny_config
+from tiny_models import (FAST_KERNELS, KINDS, POSITIONS, T, VOCAB, learned_params, params_for, tiny_config,
+                         tiny_kernels)
 
 def init(config, batch=2, length=T, seed=0):
     """Params (shared across position schemes, see `params_for`) and random tokens."""
@@ -18,10 +20,10 @@ def init(config, batch=2, length=T, seed=0):
     return params_for(config), tokens
 
 
-def forward(config, **kwargs):
-    """`(params, tokens) -> DecoderLM(config).apply(...)`, run eagerly (tiny shapes
+def forward(config, kernels=Kernels(), **kwargs):
+    """`(params, tokens) -> DecoderLM(config, kernels).apply(...)`, run eagerly (tiny shapes
     compile faster op by op than as one program)."""
-    return lambda p, tok: DecoderLM(config).apply({"params": p}, tok, **kwargs)
+    return lambda p, tok: DecoderLM(config, kernels).apply({"params": p}, tok, **kwargs)
 
 
 @pytest.mark.parametrize("positions", POSITIONS)
@@ -31,7 +33,7 @@ def test_changing_token_t_never_changes_earlier_logits(kind, positions):
     params, tokens = init(config)
     t = 5
     changed = tokens.at[:, t].set((tokens[:, t] + 1) % VOCAB)
-    both = forward(config)(params, jnp.concatenate([tokens, changed]))
+    both = forward(config, tiny_kernels(kind))(params, jnp.concatenate([tokens, changed]))
     before, after = both[:2], both[2:]
     chex.assert_shape(before, (2, T, VOCAB))
     assert before.dtype == jnp.float32
@@ -43,7 +45,7 @@ def test_changing_token_t_never_changes_earlier_logits(kind, positions):
 def test_a_few_gradient_steps_decrease_the_loss(kind):
     config = tiny_config(kind, "rope" if kind.startswith("mla") else "learned")
     params, tokens = init(config, batch=4, length=T + 1)
-    model = DecoderLM(config)
+    model = DecoderLM(config, tiny_kernels(kind))
 
     def loss_fn(p):
         logits = model.apply({"params": p}, tokens[:, :-1])
@@ -65,20 +67,20 @@ def test_a_few_gradient_steps_decrease_the_loss(kind):
 
 
 @pytest.mark.parametrize("kind", ["gqa", "mla_naive", "mla_absorb"])
-def test_training_speed_options_keep_the_float32_model_within_bfloat16_rounding(kind):
-    """matmul_dtype=bfloat16 + attention_impl=custom_vjp (the baby training config) change
-    speed, not the model: same params, logits and gradients within bf16 rounding."""
+def test_training_kernels_keep_the_float32_model_within_bfloat16_rounding(kind):
+    """The kernels a CPU with AMX-BF16 trains with (bfloat16 matmuls, the custom attention
+    backward) change speed, not the model: same params, logits and gradients within bf16 rounding."""
     config = tiny_config(kind, "rope")
-    fast = config.replace(matmul_dtype="bfloat16", attention_impl="custom_vjp")
+    reference, fast = tiny_kernels(kind), FAST_KERNELS.replace(mla=tiny_kernels(kind).mla)
     params, tokens = init(config, batch=4, length=T + 1)
 
-    def loss_fn(config):
+    def loss_fn(kernels):
         def loss(p):
-            logits = DecoderLM(config).apply({"params": p}, tokens[:, :-1])
+            logits = DecoderLM(config, kernels).apply({"params": p}, tokens[:, :-1])
             return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
         return jax.jit(jax.value_and_grad(loss))
 
-    (loss32, g32), (loss16, g16) = loss_fn(config)(params), loss_fn(fast)(params)
+    (loss32, g32), (loss16, g16) = loss_fn(reference)(params), loss_fn(fast)(params)
     np.testing.assert_allclose(loss16, loss32, rtol=1e-2)
     for a, b in zip(jax.tree_util.tree_leaves(g16), jax.tree_util.tree_leaves(g32)):
         scale = float(jnp.abs(b).max())
@@ -94,12 +96,25 @@ def test_training_speed_options_keep_the_float32_model_within_bfloat16_rounding(
     assert losses[-1] < losses[0] - 0.1, losses
 
 
-def test_auto_matmul_dtype_builds_the_model_of_the_dtype_it_resolves_to():
-    from jaxattn.matmul import resolve_operand_dtype
-    auto = tiny_config("gqa", "rope", matmul_dtype="auto")
-    resolved = auto.replace(matmul_dtype=resolve_operand_dtype("auto"))
-    params, tokens = init(auto)
-    np.testing.assert_array_equal(forward(auto)(params, tokens), forward(resolved)(params, tokens))
+def test_building_and_running_a_model_never_looks_at_the_hardware(monkeypatch):
+    """Kernels are chosen when a program resolves its run, never while a model is built:
+    with the detection made to fail, a model (default kernels) still builds, runs and decodes,
+    and "auto" kernels say they need resolving."""
+    from jaxattn import decoding
+    from jaxattn.kernels import select
+
+    def no_detection(*args, **kwargs):
+        raise AssertionError("hardware detection while building or running a model")
+    monkeypatch.setattr(select.Platform, "detect", classmethod(no_detection))
+    monkeypatch.setattr(select, "read_cpu_flags", no_detection)
+    config = tiny_config("gqa", "rope")
+    params, tokens = init(config)
+    chex.assert_shape(forward(config)(params, tokens), (2, T, VOCAB))
+    out = decoding.generate(params, config, np.asarray(tokens[:, :3]), np.array([3, 3]), max_new_tokens=2,
+                            rng=jax.random.PRNGKey(0))
+    chex.assert_shape(out.tokens, (2, 2))
+    with pytest.raises(ValueError, match=r'Kernels.matmul is "auto": resolve it .*resolve_kernels'):
+        forward(config, Kernels.auto())(params, tokens)
 
 
 @pytest.mark.parametrize("kind", ["gqa", "mla_absorb"])
@@ -108,10 +123,11 @@ def test_right_padding_does_not_change_the_real_tokens(kind):
     params, tokens = init(config)
     length = 5
     pad = jnp.arange(T)[None, :] < jnp.array([[T], [length]])  # row 1 has 5 real tokens
-    padded = forward(config, padding_mask=pad)(params, tokens)
-    alone = forward(config)(params, tokens[1:, :length])
+    kernels = tiny_kernels(kind)
+    padded = forward(config, kernels, padding_mask=pad)(params, tokens)
+    alone = forward(config, kernels)(params, tokens[1:, :length])
     np.testing.assert_allclose(padded[1, :length], alone[0], atol=1e-5, rtol=1e-5)
-    full = forward(config)(params, tokens[:1])
+    full = forward(config, kernels)(params, tokens[:1])
     np.testing.assert_allclose(padded[0], full[0], atol=1e-5, rtol=1e-5)
 
 
@@ -119,7 +135,7 @@ def test_right_padding_does_not_change_the_real_tokens(kind):
 def test_return_weights_is_one_causal_distribution_per_layer(kind):
     config = tiny_config(kind)
     params, tokens = init(config)
-    logits, weights = forward(config, return_weights=True)(params, tokens)
+    logits, weights = forward(config, tiny_kernels(kind), return_weights=True)(params, tokens)
     assert len(weights) == config.num_layers
     for w in weights:
         chex.assert_shape(w, (2, config.num_heads, T, T))
@@ -132,7 +148,7 @@ def test_dropout_only_when_not_deterministic():
     params, tokens = init(config)
     a = forward(config)(params, tokens)
     b = forward(config)(params, tokens)
-    c = forward(config, deterministic=False, rngs={"dropout": jax.random.PRNGKey(3)})(params, tokens)
+    c = forward(config, Kernels(), deterministic=False, rngs={"dropout": jax.random.PRNGKey(3)})(params, tokens)
     np.testing.assert_array_equal(a, b)
     assert np.abs(a - c).max() > 1e-4
 
@@ -141,7 +157,7 @@ def test_bfloat16_compute_and_params_give_float32_logits():
     config = tiny_config("mla_absorb", "rope", dtype="bfloat16", param_dtype="bfloat16")
     params, tokens = init(config)
     assert all(x.dtype == jnp.bfloat16 for x in jax.tree_util.tree_leaves(params))
-    logits = forward(config)(params, tokens)
+    logits = forward(config, tiny_kernels("mla_absorb"))(params, tokens)
     assert logits.dtype == jnp.float32 and bool(jnp.isfinite(logits).all())
 
 
@@ -187,6 +203,20 @@ def test_gqa_and_mla_parameter_counts_match_their_formulas():
     assert count_params(params) == V * D + P * D + L * per_layer + D
 
 
+def test_one_name_per_concept_and_derived_sizes_follow_replace():
+    config = ModelConfig(d_model=128, num_heads=4)
+    assert (config.num_kv_heads, config.head_dim, config.mlp_hidden) == (4, 32, 512)
+    wider = config.replace(d_model=256, num_heads=8)
+    assert (wider.num_kv_heads, wider.head_dim, wider.mlp_hidden) == (8, 32, 1024)  # derived again
+    gqa = ModelConfig(num_heads=4, num_kv_heads=2, head_dim=16)
+    assert gqa.replace(num_heads=8).num_kv_heads == 2 and gqa.replace(d_model=64).head_dim == 16  # as given
+    assert ModelConfig(num_kv_heads=None) == ModelConfig(num_kv_heads=4)
+    assert ModelConfig.from_dict(gqa.to_dict()) == gqa
+    mla = ModelConfig(mla=MLAConfig(kv_lora_rank=16))
+    assert mla.attention == "mla" and config.attention == "standard"
+    assert ModelConfig.from_dict(mla.to_dict()) == mla
+
+
 def test_init_follows_nanogpt():
     config = ModelConfig(vocab_size=64, d_model=128, num_layers=8, num_heads=4, mlp_hidden=512)
     params = DecoderLM(config).init(jax.random.PRNGKey(0), jnp.zeros((1, 2), jnp.int32))["params"]
@@ -202,16 +232,22 @@ def test_bad_configs_and_inputs_raise_clear_errors():
         tiny_config("mha", num_kv_heads=3)
     with pytest.raises(ValueError, match="not divisible by num_heads"):
         ModelConfig(d_model=30, num_heads=4)
-    with pytest.raises(ValueError, match="attention must be one of"):
-        ModelConfig(attention="linear")
-    with pytest.raises(ValueError, match=r"matmul_dtype must be one of \('float32', 'bfloat16', 'auto'\)"):
-        ModelConfig(matmul_dtype="float16")
-    with pytest.raises(ValueError, match=r"attention_impl must be one of \('xla', 'custom_vjp'\)"):
-        ModelConfig(attention_impl="flash")
+    with pytest.raises(TypeError, match="ModelConfig.mla must be a jaxattn.MLAConfig"):
+        ModelConfig(mla={"kv_lora_rank": 8})
+    with pytest.raises(ValueError, match=r"Kernels.matmul must be one of \('xla', 'bfloat16', 'bfloat16_cpu', 'auto'\)"):
+        Kernels(matmul="float16")
+    with pytest.raises(ValueError, match=r"Kernels.attention must be one of \('xla', 'custom_vjp', 'auto'\)"):
+        Kernels(attention="flash")
+    with pytest.raises(ValueError, match="ModelConfig.head_dim must be a positive integer"):
+        ModelConfig(head_dim=0)
     with pytest.raises(ValueError, match="even d_model"):
         learned_params(tiny_config("mha", "sinusoidal", d_model=15, num_heads=3, head_dim=5))
-    with pytest.raises(ValueError, match="q_lora_rank"):
-        learned_params(tiny_config("mla_naive", q_lora_rank=0))
+    with pytest.raises(ValueError, match="MLAConfig.q_lora_rank must be a positive integer"):
+        MLAConfig(q_lora_rank=0)
+    with pytest.raises(ValueError, match="qk_rope_head_dim must be even"):
+        MLAConfig(qk_rope_head_dim=3)
+    with pytest.raises(TypeError, match="kernels must be a jaxattn.Kernels"):
+        DecoderLM(tiny_config("mha"), {"attention": "xla"}).init(jax.random.PRNGKey(0), jnp.zeros((1, 2), jnp.int32))
     config = tiny_config("mha")
     params, tokens = init(config)
     model = DecoderLM(config)

@@ -25,7 +25,7 @@ def rand(*shape, seed=0):
 
 
 def numpy_rope_interleaved(x, positions, theta=10000.0):
-    """Seed 000: pair (x[2i], x[2i+1]) as a complex number times e^(i pos theta^(-2i/H))."""
+    """docs/theory.md §8: pair (x[2i], x[2i+1]) as a complex number times e^(i pos theta^(-2i/H))."""
     H = x.shape[-1]
     freqs = theta ** (-np.arange(0, H, 2) / H)  # [H/2]
     angles = np.asarray(positions, np.float64)[..., None] * freqs  # [T, H/2]
@@ -59,7 +59,7 @@ class RopeShapeTest(chex.TestCase):
                     chex.assert_type(out, dtype)
 
 
-def test_interleaved_matches_seed_formula():
+def test_interleaved_matches_the_complex_rotation_formula():
     x, pos = rand(1, 6, 2, 8), np.array([0, 1, 2, 5, 17, 100])
     out = rope(x, pos, interleaved=True)
     np.testing.assert_allclose(out[0], numpy_rope_interleaved(x[0], pos), rtol=1e-5, atol=1e-5)

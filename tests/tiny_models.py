@@ -5,25 +5,35 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxattn.config import ModelConfig
+from jaxattn.config import MLAConfig, ModelConfig
+from jaxattn.kernels import Kernels
 from jaxattn.model import DecoderLM
 
 VOCAB, T, MAX_LEN = 13, 8, 12
+TINY_MLA = MLAConfig(kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=4)
 KINDS = {
     "mha": dict(),
     "gqa": dict(num_kv_heads=2),
     "mqa": dict(num_kv_heads=1),
-    "mla_naive": dict(attention="mla", mla_path="naive"),
-    "mla_absorb": dict(attention="mla", mla_path="absorb", q_lora_rank=8),
+    "mla_naive": dict(mla=TINY_MLA),
+    "mla_absorb": dict(mla=TINY_MLA.replace(q_lora_rank=8)),
 }
 POSITIONS = ("learned", "sinusoidal", "rope", "none")
+# The kernels that make each kind run the path its name says; every other kind runs the reference.
+KIND_KERNELS = {"mla_absorb": Kernels(mla="absorb")}
+# Every non-reference implementation at once: what a CPU training run resolves to (bfloat16
+# matmuls as on a CPU with AMX-BF16).
+FAST_KERNELS = Kernels(attention="custom_vjp", decode="xla_cpu", matmul="bfloat16_cpu")
 
 
 def tiny_config(kind="mha", positions="learned", **changes):
     base = dict(vocab_size=VOCAB, d_model=16, num_layers=2, num_heads=4, max_seq_len=MAX_LEN,
-                positions=positions, kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4,
-                v_head_dim=4, mlp_hidden=32)
+                positions=positions, mlp_hidden=32)
     return ModelConfig(**{**base, **KINDS[kind], **changes})
+
+
+def tiny_kernels(kind="mha"):
+    return KIND_KERNELS.get(kind, Kernels())
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,0 +1,125 @@
+"""The one seam between the maths and its implementations (docs/theory.md §15).
+
+A `Kernels` value names, for each operation, which formulation runs. Every
+formulation meets the contract of the function that dispatches to it and
+equals the reference ("xla", the maths differentiated by JAX) in
+tests/test_kernels.py:
+
+| field | dispatched by | implementations (reference first) |
+| --- | --- | --- |
+| attention | `scaled_dot_product_attention` | "xla", "custom_vjp" |
+| decode | `cached_attention`, `cache.write_rows` | "xla", "xla_cpu" |
+| matmul | `Linear`, the tied lm_head | "xla", "bfloat16", "bfloat16_cpu" |
+| mla | `MultiHeadLatentAttention.__call__` | "naive", "absorb" |
+
+The choice is made once, when a program resolves a run for its platform
+(`resolve_kernels`, which also says why); building or applying a model never
+looks at the hardware, and a field left at "auto" raises until resolved.
+
+Adding an implementation is a new module in this package and one entry in
+`IMPLEMENTATIONS` (plus, if it should be picked automatically, a rule in
+`jaxattn.kernels.select`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+from jaxattn.kernels import bf16_matmul, custom_vjp, xla, xla_cpu
+
+AUTO = "auto"
+
+# field -> implementation name -> what runs (None: handled inside the module that dispatches).
+IMPLEMENTATIONS: dict[str, dict[str, object]] = {
+    "attention": {"xla": xla.attention, "custom_vjp": custom_vjp.attention},
+    "decode": {"xla": (xla.cached_attention, xla.write_rows),
+               "xla_cpu": (xla_cpu.cached_attention, xla_cpu.write_rows)},
+    "matmul": {"xla": xla.matmul, "bfloat16": bf16_matmul.matmul, "bfloat16_cpu": bf16_matmul.matmul_cpu},
+    "mla": {"naive": None, "absorb": None},
+}
+
+
+def choices(field: str) -> tuple[str, ...]:
+    """The implementation names of `field`, reference first."""
+    return tuple(IMPLEMENTATIONS[field])
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernels:
+    """Which implementation runs each operation (the maths is the same; see the module docstring).
+
+    Attributes:
+      attention: "xla" (reference) or "custom_vjp" (hand-written backward, reverse mode only).
+      decode: "xla" (reference) or "xla_cpu" (cached attention and cache writes in XLA:CPU's fast forms).
+      matmul: "xla" (reference: the compute dtype), "bfloat16" or "bfloat16_cpu" (bfloat16
+        operands, float32 sums, reverse mode only; the latter in XLA:CPU's fast forms).
+      mla: "naive" (decompress keys and values) or "absorb" (attend in the latent space), for
+        full-sequence passes; cached decoding always absorbs.
+
+    Any field may be "auto" in a request; `resolve_kernels` replaces it for a platform.
+    """
+
+    attention: str = "xla"
+    decode: str = "xla"
+    matmul: str = "xla"
+    mla: str = "naive"
+
+    def __post_init__(self):
+        for field in IMPLEMENTATIONS:
+            value = getattr(self, field)
+            if value != AUTO and value not in IMPLEMENTATIONS[field]:
+                raise ValueError(f"Kernels.{field} must be one of {choices(field) + (AUTO,)}, got {value!r}")
+
+    @classmethod
+    def auto(cls) -> "Kernels":
+        """Every field "auto": a request for `resolve_kernels`."""
+        return cls(**{field: AUTO for field in IMPLEMENTATIONS})
+
+    def replace(self, **changes) -> "Kernels":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, str]:
+        return dataclasses.asdict(self)
+
+
+def _lookup(field: str, name: str):
+    if name == AUTO:
+        raise ValueError(f'Kernels.{field} is "auto": resolve it for a platform first '
+                         "(jaxattn.kernels.resolve_kernels), building a model never detects hardware")
+    table = IMPLEMENTATIONS[field]
+    if name not in table:
+        raise ValueError(f"{field} implementation must be one of {choices(field)}, got {name!r}")
+    return table[name]
+
+
+def attention_kernel(name: str) -> Callable:
+    """The scaled dot-product attention of implementation `name`."""
+    return _lookup("attention", name)
+
+
+def cached_attention_kernel(name: str) -> Callable:
+    """The attention against a KV cache of decode implementation `name`."""
+    return _lookup("decode", name)[0]
+
+
+def cache_writer(name: str) -> Callable:
+    """The per-row cache write of decode implementation `name`."""
+    return _lookup("decode", name)[1]
+
+
+def matmul_kernel(name: str) -> Callable:
+    """The dense `[M, K] @ [K, N] -> float32` matmul of implementation `name`."""
+    return _lookup("matmul", name)
+
+
+def check_mla_path(name: str) -> str:
+    """`name` if it is an MLA path ("naive" or "absorb"), else a ValueError."""
+    _lookup("mla", name)
+    return name
+
+
+from jaxattn.kernels.select import Platform, resolve_kernels  # noqa: E402  (select uses Kernels)
+
+__all__ = ["AUTO", "IMPLEMENTATIONS", "Kernels", "Platform", "attention_kernel", "cache_writer",
+           "cached_attention_kernel", "check_mla_path", "choices", "matmul_kernel", "resolve_kernels"]

@@ -1,0 +1,34 @@
+"""Shapes shared by the attention kernels: masks and biases grouped like the queries (docs/theory.md §5)."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from jaxattn.masks import causal_mask
+
+
+def group_heads(x: jnp.ndarray, num_kv_heads: int) -> jnp.ndarray:
+    """Mask or bias broadcastable to `[B, N, T, S]` -> broadcastable to `[B, K, G, T, S]`.
+
+    Query head n = k * G + g belongs to key/value head k = n // G.
+    """
+    x = x.reshape((1,) * (4 - x.ndim) + x.shape)
+    b, n, t, s = x.shape
+    if n == 1:
+        return x[:, :, None]
+    return x.reshape(b, num_kv_heads, n // num_kv_heads, t, s)
+
+
+def allowed_keys(mask, is_causal: bool, T: int, S: int, K: int):
+    """The boolean mask to apply, broadcastable to `[B, K, G, T, S]`, or None (every key allowed)."""
+    grouped = None if mask is None else group_heads(mask, K)
+    if is_causal:
+        causal = causal_mask(T, S)  # [T, S], aligned to the end of the keys
+        grouped = causal if grouped is None else jnp.logical_and(grouped, causal)
+    return grouped
+
+
+def merge_heads(out: jnp.ndarray, dtype) -> jnp.ndarray:
+    """`[B, T, K, G, Hv]` -> `[B, T, N, Hv]` in `dtype` (a free reshape: N = K * G)."""
+    B, T, K, G, Hv = out.shape
+    return out.reshape(B, T, K * G, Hv).astype(dtype)

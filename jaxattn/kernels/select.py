@@ -1,0 +1,114 @@
+"""Which implementation "auto" means on a platform: the rules, and the one place that reads the hardware.
+
+`resolve_kernels(requested, platform)` is a pure function of a `Platform`
+(backend name and CPU feature flags), so every rule is testable on any
+machine; only `Platform.detect()` looks at the real one, and only programs
+call it (`python -m train.tiny_lm` prints the result and the reasons). Each
+rule follows a side-by-side measurement (docs/performance.md,
+`bench/kernels.py`); a platform nobody has measured gets the reference.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Callable
+
+from jaxattn.kernels import AUTO, IMPLEMENTATIONS, Kernels
+
+ACCELERATORS = ("gpu", "cuda", "rocm", "tpu")
+
+
+@dataclasses.dataclass(frozen=True)
+class Platform:
+    """What the kernel rules look at.
+
+    Attributes:
+      backend: JAX's default backend, e.g. "cpu", "gpu", "tpu".
+      cpu_flags: the host CPU's feature flags (`/proc/cpuinfo`), e.g. {"avx2", "amx_bf16"}.
+    """
+
+    backend: str
+    cpu_flags: frozenset[str] = frozenset()
+
+    @classmethod
+    def detect(cls, cpuinfo: str = "/proc/cpuinfo") -> "Platform":
+        """This process's platform. Starts JAX's backends: set device counts and XLA flags first."""
+        import jax
+        return cls(backend=jax.default_backend(), cpu_flags=read_cpu_flags(cpuinfo))
+
+    @property
+    def is_cpu(self) -> bool:
+        return self.backend not in ACCELERATORS
+
+    def describe(self) -> str:
+        if not self.is_cpu:
+            return f"{self.backend} backend"
+        simd = [f for f in ("amx_bf16", "avx512_bf16", "avx512f", "avx2") if f in self.cpu_flags]
+        return f"cpu backend ({', '.join(simd) or 'no AVX2'})"
+
+
+def read_cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str]:
+    """The feature flags of the first CPU in `cpuinfo` (empty where there is no such file)."""
+    try:
+        text = Path(cpuinfo).read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.partition(":")[2].split())
+    return frozenset()
+
+
+def _attention(platform: Platform) -> tuple[str, str]:
+    if platform.is_cpu:
+        return "custom_vjp", "the hand-written backward trains faster on XLA:CPU"
+    return "xla", f"{platform.backend}: the custom backward has not been measured there"
+
+
+def _decode(platform: Platform) -> tuple[str, str]:
+    if platform.is_cpu:
+        return "xla_cpu", "XLA:CPU reads the cache in place in these operand orders"
+    return "xla", f"{platform.backend}: the CPU operand orders do not apply"
+
+
+def _matmul(platform: Platform) -> tuple[str, str]:
+    if not platform.is_cpu:
+        return "bfloat16", f"{platform.backend}: bfloat16 matrix units, as torch.autocast"
+    if "amx_bf16" in platform.cpu_flags:
+        return "bfloat16_cpu", "this CPU has AMX-BF16: bfloat16 dots run several times faster"
+    return "xla", "this CPU has no AMX-BF16: bfloat16 matmuls are slower than float32 here"
+
+
+def _mla(platform: Platform) -> tuple[str, str]:
+    return "naive", "one decompression matmul per layer suits full sequences; decoding always absorbs"
+
+
+RULES: dict[str, Callable[[Platform], tuple[str, str]]] = {
+    "attention": _attention, "decode": _decode, "matmul": _matmul, "mla": _mla}
+assert set(RULES) == set(IMPLEMENTATIONS)
+
+
+def resolve_kernels(requested: Kernels | None = None,
+                    platform: Platform | None = None) -> tuple[Kernels, dict[str, str]]:
+    """`requested` with every "auto" field replaced by its rule's choice for `platform`.
+
+    Args:
+      requested: the kernels asked for (default: all "auto").
+      platform: where they run (default: `Platform.detect()`, which starts JAX).
+
+    Returns:
+      `(kernels, reasons)`: concrete kernels, and for each field a short reason
+      ("asked for" when it was not "auto").
+    """
+    requested = Kernels.auto() if requested is None else requested
+    platform = Platform.detect() if platform is None else platform
+    chosen, reasons = {}, {}
+    for field, rule in RULES.items():
+        value = getattr(requested, field)
+        if value == AUTO:
+            value, reason = rule(platform)
+        else:
+            reason = "asked for"
+        chosen[field], reasons[field] = value, reason
+    return Kernels(**chosen), reasons

@@ -1,0 +1,60 @@
+"""The reference formulations ("xla"): the maths as einsums, differentiated by JAX.
+
+Every other implementation in `jaxattn.kernels` is tested equal to these. They
+keep the library's layout (`[B, T, N, H]`, caches `[B, K, L, H]`), group query
+heads as `[B, T, K, G, H]` instead of repeating keys and values, and leave every
+layout decision to XLA. Any order of differentiation, forward or reverse mode.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxattn.kernels._grouping import allowed_keys, group_heads, merge_heads
+from jaxattn.masks import visible_cache_slots
+from jaxattn.softmax import dropout_weights, masked_softmax, softmax_dtype
+
+
+def attention(query, key, value, *, mask, bias, is_causal, scale, dropout_rate, dropout_rng,
+              return_weights):
+    """Scaled dot-product attention (contract: `jaxattn.scaled_dot_product_attention`).
+
+    Returns `(out [B, T, N, Hv], weights [B, N, T, S] float32 or None)`.
+    """
+    B, T, N, H = query.shape
+    S, K = key.shape[1:3]
+    q = query.reshape(B, T, K, N // K, H)  # [B, T, K, G, H]: G query heads per kv head
+    logits = jnp.einsum("BTKGH,BSKH->BKGTS", q, key,
+                        preferred_element_type=softmax_dtype(query.dtype)) * scale
+    if bias is not None:
+        logits = logits + group_heads(bias, K).astype(logits.dtype)
+    weights = masked_softmax(logits, allowed_keys(mask, is_causal, T, S, K))  # [B, K, G, T, S]
+    weights = dropout_weights(weights, dropout_rate, dropout_rng)
+    out = jnp.einsum("BKGTS,BSKH->BTKGH", weights.astype(value.dtype), value)
+    return merge_heads(out, query.dtype), (weights.reshape(B, N, T, S) if return_weights else None)
+
+
+def cached_attention(query, key_cache, value_cache, query_positions, *, scale):
+    """Attention of new queries against a heads-major cache (contract: `jaxattn.attention.cached_attention`)."""
+    B, T, N, H = query.shape
+    K, L = key_cache.shape[1:3]
+    q = query.reshape(B, T, K, N // K, H)  # [B, T, K, G, H]
+    logits = jnp.einsum("BTKGH,BKSH->BKGTS", q, key_cache,
+                        preferred_element_type=softmax_dtype(query.dtype)) * scale
+    visible = visible_cache_slots(query_positions, L)[:, :, None]  # [B, 1, 1, T, L]
+    weights = masked_softmax(logits, visible)  # [B, K, G, T, L]
+    out = jnp.einsum("BKGTS,BKSH->BTKGH", weights.astype(value_cache.dtype), value_cache)
+    return merge_heads(out, query.dtype)
+
+
+def write_rows(buffer, update, starts, *, axis):
+    """Row b of `update` written into row b of `buffer` at slots `starts[b] + arange(T)` along `axis`."""
+    def one_row(row, new, start):  # the batch axis is gone: the slot axis is axis - 1
+        return jax.lax.dynamic_update_slice_in_dim(row, new, start, axis - 1)
+    return jax.vmap(one_row)(buffer, update.astype(buffer.dtype), starts)
+
+
+def matmul(x, w):
+    """`x [M, K] @ w [K, N]` in the operands' dtype, summed and returned in float32."""
+    return jnp.dot(x, w, preferred_element_type=jnp.float32)

@@ -1,0 +1,212 @@
+"""Every implementation behind the seam equals the reference, and "auto" follows the rules (docs/theory.md §15).
+
+The tests iterate `jaxattn.kernels.IMPLEMENTATIONS`, so an implementation added
+there is checked against the reference without a new test.
+"""
+
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxattn import kernels
+from jaxattn.attention import cached_attention, reference_attention, scaled_dot_product_attention
+from jaxattn.cache import write_rows
+from jaxattn.kernels import Kernels, Platform, choices, resolve_kernels
+from jaxattn.kernels.select import read_cpu_flags
+from jaxattn.masks import padding_mask, sliding_window_mask, visible_cache_slots
+
+ATTENTION = [name for name in choices("attention") if name != "xla"]
+HEADS = {"mha": (4, 4), "gqa": (4, 2), "mqa": (4, 1)}
+
+
+def qkv(B=2, T=5, S=6, N=4, K=2, H=8, Hv=4, seed=0):
+    rng = np.random.default_rng(seed)
+    return tuple(jnp.asarray(rng.standard_normal(s, np.float32)) for s in ((B, T, N, H), (B, S, K, H), (B, S, K, Hv)))
+
+
+MASKS = {
+    "none": dict(),
+    "causal": dict(is_causal=True),
+    "padding_bias": dict(mask=padding_mask(jnp.array([6, 2]), 6), bias=True),
+    "window": dict(mask=sliding_window_mask(5, 6, 3)),
+    "empty_rows": dict(mask=padding_mask(jnp.array([6, 0]), 6), is_causal=True),  # row 1: no key at all
+}
+
+
+def _value_and_grads(implementation, q, k, v, case):
+    kw = dict(MASKS[case])
+    bias = jnp.asarray(np.random.default_rng(2).standard_normal((1, q.shape[2], q.shape[1], k.shape[1]), np.float32))
+    bias = bias if kw.pop("bias", False) else jnp.zeros_like(bias)
+    weights = jnp.asarray(np.random.default_rng(5).standard_normal(q.shape[:3] + v.shape[-1:], np.float32))
+
+    def loss(q, k, v, bias):
+        out = scaled_dot_product_attention(q, k, v, bias=bias, implementation=implementation, **kw)
+        return jnp.vdot(out, weights)
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))(q, k, v, bias)
+
+
+@pytest.mark.parametrize("implementation", ATTENTION)
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("case", MASKS)
+def test_attention_kernels_equal_the_reference(implementation, heads, case):
+    """Values and gradients (q, k, v, bias) equal to float32 summation order, every mask kind.
+
+    The implementations contract in different orders (heads-major batched matmuls against the
+    grouped einsum), so float32 rounding differs by a few ulp per sum: 1e-5 relative on the
+    loss, a weighted sum of 160 outputs."""
+    N, K = HEADS[heads]
+    q, k, v = qkv(N=N, K=K)
+    loss, grads = _value_and_grads("xla", q, k, v, case)
+    loss_i, grads_i = _value_and_grads(implementation, q, k, v, case)
+    np.testing.assert_allclose(loss_i, loss, rtol=1e-5)
+    for name, g, g_i in zip("qkvb", grads, grads_i):
+        assert np.all(np.isfinite(g_i)), name
+        np.testing.assert_allclose(g_i, g, rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+@pytest.mark.parametrize("implementation", choices("attention"))
+def test_every_attention_kernel_equals_the_textbook_reference(implementation):
+    q, k, v = qkv(N=4, K=1)
+    mask = padding_mask(jnp.array([6, 4]), 6)
+    out = scaled_dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation=implementation)
+    np.testing.assert_allclose(out, reference_attention(q, k, v, mask=mask, is_causal=True), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("implementation", choices("decode"))
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("num_queries", [1, 3])
+def test_cached_attention_kernels_equal_the_reference(implementation, heads, num_queries):
+    """Against the reference decode kernel, and against attention on the transposed cache with the
+    visibility rule as its mask; rows at different positions, batch 1 and 2."""
+    N, K = HEADS[heads]
+    for B in (1, 2):
+        keys = jax.random.split(jax.random.PRNGKey(3), 3)
+        query = jax.random.normal(keys[0], (B, num_queries, N, 8))
+        key_cache, value_cache = (jax.random.normal(kk, (B, K, 9, 8)) for kk in keys[1:])
+        positions = (jnp.array([[2], [6]]) + jnp.arange(num_queries))[:B]
+        out = cached_attention(query, key_cache, value_cache, positions, scale=0.3, implementation=implementation)
+        reference = cached_attention(query, key_cache, value_cache, positions, scale=0.3)
+        np.testing.assert_allclose(out, reference, rtol=1e-6, atol=1e-6)
+        general = scaled_dot_product_attention(query, key_cache.transpose(0, 2, 1, 3), value_cache.transpose(0, 2, 1, 3),
+                                               mask=visible_cache_slots(positions, 9), scale=0.3)
+        np.testing.assert_allclose(out, general, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("implementation", choices("decode"))
+def test_cache_writers_equal_the_reference(implementation):
+    buffer = jax.random.normal(jax.random.PRNGKey(0), (3, 2, 7, 4))  # [B, K, L, H]
+    update = jax.random.normal(jax.random.PRNGKey(1), (3, 2, 2, 4)).astype(jnp.bfloat16)  # cast to the buffer's
+    starts = jnp.array([0, 5, 2])
+    expected = np.asarray(buffer).copy()
+    for b, s in enumerate([0, 5, 2]):
+        expected[b, :, s:s + 2] = np.asarray(update[b].astype(jnp.float32))
+    out = write_rows(buffer, update, starts, axis=2, implementation=implementation)
+    assert out.dtype == buffer.dtype
+    np.testing.assert_array_equal(out, expected)
+
+
+# --------------------------------------------------------------------------------------------
+# Dense matmuls. Oracle: float64 numpy on the bfloat16-rounded operands.
+
+
+def _rounded(x):
+    return np.asarray(jnp.asarray(x).astype(jnp.bfloat16).astype(jnp.float32)).astype(np.float64)
+
+
+def _data(M, K, N, seed=0):
+    rng = np.random.default_rng(seed)
+    return tuple(jnp.asarray(rng.standard_normal(s, np.float32)) for s in ((M, K), (K, N), (M, N)))
+
+
+def _grads(name, x, w, dy):
+    return jax.jit(jax.grad(lambda x, w: jnp.vdot(kernels.matmul_kernel(name)(x, w), dy), argnums=(0, 1)))(x, w)
+
+
+@pytest.mark.parametrize("M,K,N", [(24, 8, 32), (24, 32, 8)], ids=["x-narrower-than-dy", "x-wider-than-dy"])
+@pytest.mark.parametrize("name", ["bfloat16", "bfloat16_cpu"])
+def test_bfloat16_matmuls_are_rounded_operands_summed_in_float32(name, M, K, N):
+    """Values and gradients are the oracle to float32 summation order; both branches of the CPU
+    backward (which operand gets transposed) are covered."""
+    x, w, dy = _data(M, K, N)
+    y = jax.jit(kernels.matmul_kernel(name))(x, w)
+    assert y.dtype == jnp.float32
+    np.testing.assert_allclose(y, _rounded(x) @ _rounded(w), rtol=1e-5, atol=1e-5)
+    dx, dw = _grads(name, x, w, dy)
+    assert dx.dtype == dw.dtype == jnp.float32
+    np.testing.assert_allclose(dx, _rounded(dy) @ _rounded(w).T, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(dw, _rounded(x).T @ _rounded(dy), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", choices("matmul"))
+def test_matmul_kernels_equal_the_reference(name):
+    """Every matmul equals float32 within bfloat16 rounding (8 mantissa bits: each product is off by
+    ~2^-8 relative, sums of K=64 terms of random sign by about that times sqrt(K))."""
+    x, w, dy = _data(16, 64, 32, seed=1)
+    np.testing.assert_allclose(kernels.matmul_kernel(name)(x, w), x @ w, rtol=0, atol=0.2)
+    for a, b in zip(_grads(name, x, w, dy), _grads("xla", x, w, dy)):
+        np.testing.assert_allclose(a, b, rtol=0, atol=0.2)
+    np.testing.assert_array_equal(kernels.matmul_kernel("xla")(x, w), jnp.dot(x, w))
+
+
+def test_gradients_keep_the_input_dtypes_and_bfloat16_backwards_are_reverse_mode_only():
+    x, w, dy = _data(8, 4, 4)
+    for name in ("bfloat16", "bfloat16_cpu"):
+        dx, dw = jax.grad(lambda x, w: jnp.vdot(kernels.matmul_kernel(name)(x, w), dy), argnums=(0, 1))(
+            x.astype(jnp.bfloat16), w)
+        assert dx.dtype == jnp.bfloat16 and dw.dtype == jnp.float32
+        with pytest.raises(TypeError, match="custom_vjp"):
+            jax.jvp(lambda x: kernels.matmul_kernel(name)(x, w), (x,), (x,))
+    jax.jvp(lambda x: kernels.matmul_kernel("xla")(x, w), (x,), (x,))  # the reference: any mode
+
+
+# --------------------------------------------------------------------------------------------
+# The registry and the rules of "auto".
+
+
+def test_names_are_checked_and_auto_must_be_resolved():
+    with pytest.raises(ValueError, match=r"Kernels.decode must be one of \('xla', 'xla_cpu', 'auto'\), got 'gpu'"):
+        Kernels(decode="gpu")
+    with pytest.raises(ValueError, match=r'Kernels.attention is "auto": resolve it for a platform first'):
+        kernels.attention_kernel("auto")
+    with pytest.raises(ValueError, match=r"matmul implementation must be one of"):
+        kernels.matmul_kernel("float16")
+    assert Kernels() == Kernels(attention="xla", decode="xla", matmul="xla", mla="naive")  # the references
+    assert all(choices(field)[0] == getattr(Kernels(), field) for field in kernels.IMPLEMENTATIONS)
+
+
+AMX = frozenset({"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"})
+AVX512 = frozenset({"avx2", "avx512f", "avx512_bf16"})
+AVX2 = frozenset({"avx2", "fma"})
+
+
+@pytest.mark.parametrize("platform, expected", [
+    (Platform("cpu", AMX), Kernels(attention="custom_vjp", decode="xla_cpu", matmul="bfloat16_cpu")),
+    (Platform("cpu", AVX512), Kernels(attention="custom_vjp", decode="xla_cpu", matmul="xla")),
+    (Platform("cpu", AVX2), Kernels(attention="custom_vjp", decode="xla_cpu", matmul="xla")),
+    (Platform("cpu"), Kernels(attention="custom_vjp", decode="xla_cpu", matmul="xla")),
+    (Platform("gpu", AMX), Kernels(matmul="bfloat16")),  # the host's AMX does not matter on a GPU
+    (Platform("tpu"), Kernels(matmul="bfloat16")),
+], ids=["cpu-amx", "cpu-avx512-no-amx", "cpu-amd-avx2", "cpu-unknown", "gpu", "tpu"])
+def test_auto_follows_the_rules_for_each_platform(platform, expected):
+    chosen, reasons = resolve_kernels(Kernels.auto(), platform)
+    assert chosen == expected
+    assert set(reasons) == set(kernels.IMPLEMENTATIONS) and all(reasons.values())
+    assert ("AMX-BF16" in reasons["matmul"]) == platform.is_cpu
+
+
+def test_only_auto_fields_are_replaced():
+    chosen, reasons = resolve_kernels(Kernels.auto().replace(matmul="bfloat16", mla="absorb"), Platform("cpu", AVX2))
+    assert (chosen.matmul, chosen.mla, chosen.attention) == ("bfloat16", "absorb", "custom_vjp")
+    assert reasons["matmul"] == reasons["mla"] == "asked for"
+
+
+def test_cpu_flags_are_read_from_the_flags_line(tmp_path):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nmodel name\t: Some Xeon\nflags\t\t: fpu avx512f amx_bf16\n\n"
+                       "processor\t: 1\nflags\t\t: fpu avx512f amx_bf16\n")
+    assert read_cpu_flags(str(cpuinfo)) == {"fpu", "avx512f", "amx_bf16"}
+    assert read_cpu_flags(str(tmp_path / "missing")) == frozenset()
+    assert Platform("cpu", frozenset({"avx2"})).describe() == "cpu backend (avx2)"
+    assert Platform("gpu").describe() == "gpu backend"
