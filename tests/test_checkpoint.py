@@ -12,17 +12,23 @@ import numpy as np
 import optax
 import pytest
 
-from train.checkpoint import CheckpointError, Checkpointer, check_compatible, load_for_sampling
+from jaxattn.model import DecoderLM
+from train.checkpoint import CheckpointError, Checkpointer, check_compatible, load_for_sampling, upgrade_format_1
 from train.config import load_config
 from train.tokenizer import CharTokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
+TINY = ["model.vocab_size=5", "model.d_model=8", "model.num_layers=1", "model.num_heads=2", "model.max_seq_len=8",
+        "train.block_size=8"]  # vocabulary: CharTokenizer("abcde")
+
+
+def _config(*overrides):
+    return load_config(overrides=[*TINY, *overrides])
 
 
 def _state(seed=0):
-    k1, k2 = jax.random.split(jax.random.PRNGKey(seed))
-    params = {"embed": {"embedding": jax.random.normal(k1, (5, 4))},
-              "block": {"kernel": jax.random.normal(k2, (4, 4)), "scale": jnp.ones(4)}}
+    """A real train state of the tiny model (the loader checks the arrays against the model)."""
+    params = DecoderLM(_config().model).init(jax.random.PRNGKey(seed), jnp.zeros((1, 2), jnp.int32))["params"]
     opt = optax.adamw(1e-3)
     opt_state = opt.init(params)
     grads = jax.tree.map(jnp.ones_like, params)
@@ -38,7 +44,7 @@ def _assert_trees_equal(a, b):
 
 
 def test_round_trip_latest_and_best(tmp_path):
-    cfg, tok, state = load_config(), CharTokenizer("abcde"), _state()
+    cfg, tok, state = _config(), CharTokenizer("abcde"), _state()
     ckpt = Checkpointer(tmp_path)
     ckpt.save("latest", 7, state, config=cfg, tokenizer=tok, val_loss=1.5, best_val_loss=1.5)
     ckpt.save("best", 7, state, config=cfg, tokenizer=tok, val_loss=1.5, best_val_loss=1.5)
@@ -55,13 +61,22 @@ def test_round_trip_latest_and_best(tmp_path):
     assert model_config == cfg.model and tokenizer == tok
 
 
+def test_arrays_that_do_not_fit_the_saved_model_are_refused(tmp_path):
+    ckpt = Checkpointer(tmp_path)
+    ckpt.save("best", 1, _state(), config=_config("model.d_model=16"), tokenizer=CharTokenizer("abcde"),
+              val_loss=1.0, best_val_loss=1.0)
+    ckpt.close()
+    with pytest.raises(CheckpointError, match=r"incompatible with its model config: .*wrong shapes"):
+        load_for_sampling(tmp_path)
+
+
 def test_missing_and_incompatible(tmp_path):
     with pytest.raises(CheckpointError, match="does not exist"):
         load_for_sampling(tmp_path / "nothing")
     (tmp_path / "empty").mkdir()
     with pytest.raises(CheckpointError, match="no checkpoint found"):
         load_for_sampling(tmp_path / "empty")
-    cfg, state = load_config(), _state()
+    cfg, state = _config(), _state()
     ckpt = Checkpointer(tmp_path / "run")
     ckpt.save("latest", 1, state, config=cfg, tokenizer=CharTokenizer("abcde"), val_loss=None,
               best_val_loss=None)
@@ -70,21 +85,49 @@ def test_missing_and_incompatible(tmp_path):
         ckpt.restore("latest", jax.eval_shape(lambda: wrong))
     _, meta = ckpt.restore("latest", jax.eval_shape(lambda: state))
     with pytest.raises(CheckpointError, match="d_model"):
-        check_compatible(meta, load_config(overrides=["model.d_model=64"]))
-    assert check_compatible(meta, load_config(overrides=["train.max_iters=10"])) == []
-    assert "train.seed" in check_compatible(meta, load_config(overrides=["train.seed=1"]))[0]
+        check_compatible(meta, _config("model.d_model=64"))
+    assert check_compatible(meta, _config("train.max_iters=10")) == []
+    assert "train.seed" in check_compatible(meta, _config("train.seed=1"))[0]
+    assert check_compatible(meta, _config("runtime.decode=xla")) == []  # no effect on training
+    assert check_compatible(meta, _config("runtime.matmul=bfloat16")) == [
+        "runtime.matmul was 'auto', now 'bfloat16'"]
+
+
+# The meta.json config of a format-1 checkpoint (an MLA run with the speed options), as written before
+# the model config and the runtime were separate.
+FORMAT_1_CONFIG = {
+    "name": "shakespeare_char_baby_mla",
+    "model": {"vocab_size": 65, "d_model": 128, "num_layers": 4, "num_heads": 4, "num_kv_heads": None,
+              "head_dim": None, "attention": "mla", "kv_lora_rank": 32, "q_lora_rank": None,
+              "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "v_head_dim": 32, "mla_path": "naive",
+              "positions": "rope", "rope_theta": 10000.0, "rope_interleaved": False, "rope_scaling": None,
+              "norm": "layernorm", "norm_eps": 1e-05, "mlp": "gelu", "mlp_hidden": None, "use_bias": False,
+              "fused_qkv": True, "dropout": 0.0, "max_seq_len": 64, "tie_embeddings": True, "dtype": "float32",
+              "param_dtype": "float32", "matmul_dtype": "bfloat16", "attention_impl": "custom_vjp",
+              "init_std": 0.02},
+    "train": {**load_config().to_dict()["train"], "data_parallel": 2, "xla_flags": ""},
+}
+
+
+def test_a_format_1_checkpoint_config_is_upgraded():
+    meta = upgrade_format_1({"format": 1, "step": 5, "config": FORMAT_1_CONFIG, "tokenizer": {"kind": "byte"}})
+    assert meta["format"] == 2 and meta["step"] == 5
+    from train.config import ExperimentConfig
+    config = ExperimentConfig.from_dict(meta["config"])
+    assert config.model == load_config("shakespeare_char_baby_mla").model
+    assert (config.runtime.attention, config.runtime.matmul, config.runtime.mla, config.runtime.data_parallel) == (
+        "custom_vjp", "bfloat16_cpu", "naive", 2)
 
 
 KILLED_SAVE = textwrap.dedent("""
     import asyncio, sys, time, pathlib
     sys.path.insert(0, {root!r}); sys.path.insert(0, {tests!r})
     from orbax.checkpoint._src.path import atomicity
-    from test_checkpoint import _state
+    from test_checkpoint import _config, _state
     from train.checkpoint import Checkpointer
-    from train.config import load_config
     from train.tokenizer import CharTokenizer
     ckpt = Checkpointer({out!r})
-    kw = dict(config=load_config(), tokenizer=CharTokenizer("abc"), val_loss=1.0, best_val_loss=1.0)
+    kw = dict(config=_config(), tokenizer=CharTokenizer("abcde"), val_loss=1.0, best_val_loss=1.0)
     ckpt.save("latest", 1, _state(0), **kw)
 
     async def hang(self, *args, **kwargs):  # every file of step 2 is written; the commit never comes

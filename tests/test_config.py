@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from train.config import CONFIG_DIR, ExperimentConfig, TrainConfig, load_config, parse_override
+from train.config import CONFIG_DIR, ExperimentConfig, RuntimeConfig, TrainConfig, load_config, parse_override
 
 BABY_VARIANTS = ["gqa", "mqa", "mla", "learned", "sinusoidal", "rope"]
 
@@ -26,12 +26,13 @@ def test_gpu_config_and_every_file_loads():
 def test_baby_variants_inherit_and_change_one_thing():
     baby = load_config()
     got = {v: load_config(f"shakespeare_char_baby_{v}") for v in BABY_VARIANTS}
-    assert got["gqa"].model.kv_heads == 2 and got["mqa"].model.kv_heads == 1
-    assert got["mla"].model.attention == "mla"
+    assert got["gqa"].model.num_kv_heads == 2 and got["mqa"].model.num_kv_heads == 1
+    assert got["mla"].model.attention == "mla" and got["mla"].model.mla.kv_lora_rank == 32
     for p in ("learned", "sinusoidal", "rope"):
         assert got[p].model.positions == p
         assert got[p].model.replace(positions=baby.model.positions) == baby.model
     assert got["gqa"].train.replace(out_dir=baby.train.out_dir) == baby.train
+    assert all(g.runtime == baby.runtime for g in got.values())
 
 
 def test_overrides_coerce_types():
@@ -41,7 +42,7 @@ def test_overrides_coerce_types():
                                  'model.rope_scaling={kind = "linear", factor = 2}'])
     assert cfg.model.d_model == 256 and cfg.train.lr == 3e-4
     assert isinstance(cfg.train.min_lr, float) and cfg.train.min_lr == 0.0
-    assert cfg.model.num_kv_heads is None and cfg.train.data_path == "/tmp/x.txt"
+    assert cfg.model.num_kv_heads == cfg.model.num_heads and cfg.train.data_path == "/tmp/x.txt"
     assert cfg.train.tokenizer == "byte" and cfg.train.checkpoint is False
     assert cfg.model.rope_scaling.kind == "linear" and cfg.model.rope_scaling.factor == 2.0
 
@@ -58,8 +59,15 @@ def test_overrides_coerce_types():
     ("train.beta2=1.5", ValueError, r"beta2 must be in \(0, 1\)"),
     ("train.batch_size=0", ValueError, "batch_size must be positive"),
     ("model.num_kv_heads=3", ValueError, "multiple of"),
-    ("d_model=3", ValueError, "model.FIELD=VALUE"),
-    ("optim.lr=3", ValueError, "model.FIELD=VALUE"),
+    ("d_model=3", ValueError, "TABLE.FIELD=VALUE"),
+    ("optim.lr=3", ValueError, "TABLE.FIELD=VALUE"),
+    ("model.attention=mla", ValueError, r"unknown model keys \['attention'\]"),
+    ("model.mla={kv_lora_rank = 0}", ValueError, "MLAConfig.kv_lora_rank must be a positive integer"),
+    ("model.mla={rank = 8}", ValueError, r"unknown model.mla keys \['rank'\]"),
+    ("runtime.matmul=bf16", ValueError, r"RuntimeConfig.matmul must be one of \('xla', 'bfloat16', 'bfloat16_cpu', 'auto'\)"),
+    ("runtime.data_parallel=0", ValueError, "data_parallel must be a positive integer or 'auto'"),
+    ("runtime.data_parallel=many", TypeError, "runtime.data_parallel must be one of"),
+    ("train.block_size=128", ValueError, r"model.max_seq_len=64 is shorter than train.block_size=128"),
 ])
 def test_validation_errors(override, error, match):
     with pytest.raises(error, match=match):
@@ -82,6 +90,21 @@ def test_json_round_trip():
     cfg = load_config("shakespeare_char_baby_gqa", ["model.rope_scaling={kind='ntk', factor=4.0}"])
     again = ExperimentConfig.from_dict(json.loads(cfg.to_json()))
     assert again == cfg
+
+
+def test_runtime_table_and_overrides():
+    cfg = load_config(overrides=["runtime.matmul=bfloat16", "runtime.data_parallel=3", "runtime.attention=xla",
+                                 'runtime.xla_flags="--xla_cpu_enable_fast_math=false"'])
+    assert cfg.runtime == RuntimeConfig(matmul="bfloat16", data_parallel=3, attention="xla",
+                                        xla_flags="--xla_cpu_enable_fast_math=false")
+    assert cfg.runtime.requested_kernels().decode == "auto"
+    assert load_config().runtime == RuntimeConfig()  # the default config asks for "auto" everywhere
+    assert load_config("shakespeare_char").runtime.data_parallel == "auto"  # no CPU devices asked for on a GPU
+
+
+def test_mla_as_an_inline_table():
+    cfg = load_config(overrides=["model.mla={kv_lora_rank = 16, q_lora_rank = 8}"])
+    assert cfg.model.mla.kv_lora_rank == 16 and cfg.model.mla.q_lora_rank == 8 and cfg.model.mla.v_head_dim == 32
 
 
 def test_parse_override_values():

@@ -25,6 +25,9 @@ num_layers = 1
 num_heads = 2
 max_seq_len = 16
 init_std = 0.2
+
+[train]
+block_size = 16
 """
 
 
@@ -63,16 +66,6 @@ def test_generation_continues_past_the_context_in_windows(tiny, capsys):
     assert out.startswith("KING:") and len(out) == len("KING:") + 40 + 1  # print's newline
 
 
-def test_greedy_windowed_generation_matches_generate_within_the_first_window(tiny):
-    params, config, tokenizer = sample.random_init(tiny, seed=0)
-    ids = tokenizer.encode("To be")
-    windowed = sample.generate_ids(params, config, ids, num_samples=1, max_new_tokens=11, seed=0,
-                                   temperature=0.0, top_k=0, top_p=1.0)
-    direct = decoding.generate(params, config, ids[None], np.array([len(ids)]), max_new_tokens=11,
-                               rng=jax.random.PRNGKey(0), temperature=0.0)
-    np.testing.assert_array_equal(windowed, direct.tokens)
-
-
 def test_prompt_from_stdin(tiny, capsys, monkeypatch):
     monkeypatch.setattr(sys, "stdin", io.StringIO("JULIET:\n"))
     code, out, err = run(capsys, "--random-init", tiny, "--max-new-tokens", "3")
@@ -80,12 +73,29 @@ def test_prompt_from_stdin(tiny, capsys, monkeypatch):
     assert out.startswith("JULIET:\n")
 
 
+def test_a_prompt_longer_than_the_context_is_cropped_with_a_note(tiny, capsys):
+    code, out, err = run(capsys, "--random-init", tiny, "--prompt", "AB" * 12, "--max-new-tokens", "5",
+                         "--temperature", "0")
+    assert code == 0, err
+    assert "note: the prompt is 24 tokens and the model's context 16: it sees the last 15" in err
+    assert out.startswith("AB" * 12) and len(out) == 24 + 5 + 1
+    _, cropped, _ = run(capsys, "--random-init", tiny, "--prompt", ("AB" * 12)[-15:], "--max-new-tokens", "5",
+                        "--temperature", "0")
+    assert out[24:] == cropped[15:]  # the same continuation as the last 15 characters alone
+
+
+def test_the_kernels_are_reported(tiny, capsys):
+    from jaxattn import resolve_kernels
+    code, _, err = run(capsys, "--random-init", tiny, "--prompt", "A", "--max-new-tokens", "2")
+    assert code == 0 and f"kernels: decode {resolve_kernels()[0].decode!r}" in err
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--prompt", "héllo"], "cannot be encoded"),
-    (["--prompt", "A" * 16], "context is max_seq_len=16"),
     (["--prompt", ""], "prompt is empty"),
     (["--prompt", "A", "--temperature", "-1"], "--temperature"),
     (["--prompt", "A", "--top-p", "0"], "--top-p"),
+    (["--prompt", "A", "--temperature", "nan"], "--temperature"),
 ])
 def test_bad_prompts_and_knobs_give_clear_errors(tiny, capsys, argv, message):
     code, out, err = run(capsys, "--random-init", tiny, *argv)
@@ -110,7 +120,7 @@ def test_directory_without_a_checkpoint(tmp_path, capsys):
 
 def _save(run_dir, config: ModelConfig, params):
     checkpointer = Checkpointer(run_dir)
-    experiment = ExperimentConfig(name="tiny", model=config, train=TrainConfig())
+    experiment = ExperimentConfig(name="tiny", model=config, train=TrainConfig(block_size=config.max_seq_len))
     checkpointer.save("best", 1, {"params": params, "step": jnp.int32(1)}, config=experiment,
                       tokenizer=CharTokenizer(CHARS), val_loss=2.0, best_val_loss=2.0)
     checkpointer.close()

@@ -9,14 +9,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from train import tiny_lm
+from train import optim, tiny_lm
 from train.checkpoint import load_for_sampling
 from train.config import load_config
+from train.loop import train
 
 TINY_MODEL = ["model.d_model=32", "model.num_layers=2", "model.num_heads=2", "model.max_seq_len=16"]
 TINY_TRAIN = ["train.batch_size=4", "train.block_size=16", "train.eval_iters=8", "train.eval_interval=10",
               "train.log_interval=5", "train.warmup_iters=5", "train.lr=3e-3", "train.sample_tokens=20",
-              "train.lr_decay_iters=40", "train.data_parallel=1"]
+              "train.lr_decay_iters=40", "runtime.data_parallel=1"]
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +48,7 @@ def full_run(text_file, tmp_path_factory):
     out = tmp_path_factory.mktemp("full")
     config = _config(text_file, out, "train.max_iters=30", "train.steps_per_dispatch=5")
     hooked = []
-    result = tiny_lm.train(config, quiet=True, after_eval=hooked.append)
+    result = train(config, quiet=True, after_eval=hooked.append)
     return out, result, hooked
 
 
@@ -69,22 +70,23 @@ def result_vocab(out):
     return json.loads((Path(out) / "config.json").read_text())["model"]["vocab_size"]
 
 
-def test_auto_matmul_dtype_is_resolved_in_the_printed_and_saved_config(full_run):
-    from jaxattn.matmul import resolve_operand_dtype
+def test_the_runtime_is_resolved_in_the_saved_config(full_run):
+    from jaxattn.kernels import resolve_kernels
     out, result, _ = full_run
-    assert load_config().model.matmul_dtype == "auto"  # the default config asks for "auto"
-    assert result.config.model.matmul_dtype == resolve_operand_dtype("auto")
+    assert load_config().runtime.matmul == "auto"  # the default config asks for "auto"
+    kernels, _ = resolve_kernels()  # what "auto" means on this machine
+    assert result.config.runtime.requested_kernels() == kernels
     saved = json.loads((Path(out) / "config.json").read_text())
-    assert saved["model"]["matmul_dtype"] == result.config.model.matmul_dtype
+    assert saved["runtime"] == {**kernels.to_dict(), "data_parallel": 1, "xla_flags": ""}
 
 
 def test_resume_equals_uninterrupted(full_run, text_file, tmp_path):
     full_out, _, _ = full_run
-    first = tiny_lm.train(_config(text_file, tmp_path, "train.max_iters=20", "train.steps_per_dispatch=5"),
-                          quiet=True, sample=False)
+    first = train(_config(text_file, tmp_path, "train.max_iters=20", "train.steps_per_dispatch=5"),
+                  quiet=True, sample=False)
     assert first.steps == 20
-    tiny_lm.train(_config(text_file, tmp_path, "train.max_iters=30", "train.steps_per_dispatch=5"),
-                  resume=True, quiet=True, sample=False)
+    train(_config(text_file, tmp_path, "train.max_iters=30", "train.steps_per_dispatch=5"),
+          resume=True, quiet=True, sample=False)
     full, resumed = _metrics(full_out), _metrics(tmp_path)
     full_losses = {r["step"]: r["loss"] for r in full if "loss" in r}
     resumed_losses = {r["step"]: r["loss"] for r in resumed if "loss" in r}
@@ -99,8 +101,8 @@ def test_resume_equals_uninterrupted(full_run, text_file, tmp_path):
 
 def test_steps_per_dispatch_does_not_change_the_maths(full_run, text_file, tmp_path):
     full_out, _, _ = full_run
-    tiny_lm.train(_config(text_file, tmp_path, "train.max_iters=10", "train.steps_per_dispatch=1",
-                          "train.checkpoint=false", "train.plot=false"), quiet=True, sample=False)
+    train(_config(text_file, tmp_path, "train.max_iters=10", "train.steps_per_dispatch=1",
+                  "train.checkpoint=false", "train.plot=false"), quiet=True, sample=False)
     one = [r["loss"] for r in _metrics(tmp_path) if "loss" in r]
     five = [r["loss"] for r in _metrics(full_out) if "loss" in r][:len(one)]
     np.testing.assert_allclose(one, five, rtol=1e-5)
@@ -108,7 +110,7 @@ def test_steps_per_dispatch_does_not_change_the_maths(full_run, text_file, tmp_p
 
 def test_lr_schedule_is_nanogpts():
     tc = load_config().train
-    schedule = tiny_lm.lr_schedule(tc)
+    schedule = optim.lr_schedule(tc)
 
     def get_lr(it):  # nanoGPT train.py
         if it < tc.warmup_iters:
@@ -126,8 +128,8 @@ def test_weight_decay_mask():
     params = {"token_embed": {"embedding": jnp.zeros((5, 4))}, "pos_embed": jnp.zeros((8, 4)),
               "block_0": {"attn": {"kernel": jnp.zeros((4, 12)), "bias": jnp.zeros(12)},
                           "norm": {"scale": jnp.zeros(4)}}}
-    with_embed = tiny_lm.decay_mask(params, decay_embeddings=True)
-    without = tiny_lm.decay_mask(params, decay_embeddings=False)
+    with_embed = optim.decay_mask(params, decay_embeddings=True)
+    without = optim.decay_mask(params, decay_embeddings=False)
     assert with_embed["token_embed"]["embedding"] and with_embed["pos_embed"]
     assert not without["token_embed"]["embedding"] and not without["pos_embed"]
     for mask in (with_embed, without):
@@ -135,20 +137,40 @@ def test_weight_decay_mask():
         assert not mask["block_0"]["attn"]["bias"] and not mask["block_0"]["norm"]["scale"]
 
 
-def test_cli_errors_are_clear(tmp_path, capsys):
-    with pytest.raises(SystemExit, match="does not exist"):
-        tiny_lm.main(["--data", str(tmp_path / "missing.txt"), "--out-dir", str(tmp_path), "--quiet"])
-    with pytest.raises(SystemExit):
-        tiny_lm.main(["--set", "train.max_itres=3"])
-    assert "unknown train keys ['max_itres']" in capsys.readouterr().err
-    empty = tmp_path / "empty.txt"
-    empty.write_text("")
-    with pytest.raises(SystemExit, match="is empty"):
-        tiny_lm.main(["--data", str(empty), "--out-dir", str(tmp_path), "--quiet"])
+def _cli_error(capsys, argv) -> tuple[int, str]:
+    with pytest.raises(SystemExit) as exit_info:
+        tiny_lm.main(argv)
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return exit_info.value.code, err
+
+
+def test_cli_errors_are_one_line_with_usage_and_runtime_exit_codes(tmp_path, capsys):
     text = tmp_path / "text.txt"
     text.write_text("abcdefgh" * 100)
-    with pytest.raises(SystemExit, match="no checkpoint"):
-        tiny_lm.main(["--data", str(text), "--out-dir", str(tmp_path / "fresh"), "--resume", "--quiet"])
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    run = ["--set", *TINY_MODEL, *TINY_TRAIN, "--quiet"]
+    for argv, code, message in [
+        (["--set", "train.max_itres=3"], 2, "unknown train keys ['max_itres']"),
+        (["--set", "runtime.data_parallel=5"], 2, "train.batch_size=12 must be divisible by runtime.data_parallel=5"),
+        (["--set", "train.block_size=128"], 2, "model.max_seq_len=64 is shorter than train.block_size=128"),
+        ([*run, "--data", str(tmp_path / "missing.txt"), "--out-dir", str(tmp_path)], 1, "does not exist"),
+        ([*run, "--data", str(empty), "--out-dir", str(tmp_path)], 1, "is empty"),
+        ([*run, "--data", str(text), "--out-dir", str(tmp_path / "fresh"), "--resume"], 1, "no checkpoint"),
+    ]:
+        got_code, err = _cli_error(capsys, argv)
+        assert got_code == code and message in err, (argv, got_code, err)
+        last = err.strip().splitlines()[-1]  # usage errors: argparse's usage line, then the error line
+        assert last.startswith("error: " if code == 1 else "usage: python -m train.tiny_lm") or (
+            code == 2 and last.startswith("python -m train.tiny_lm: error: ")), err
+        assert message in last
+
+
+def test_repeated_set_flags_all_apply():
+    args = tiny_lm.build_parser().parse_args(["--set", "train.max_iters=3", "--set", "train.lr=0.5", "model.d_model=64"])
+    config = load_config(overrides=tiny_lm.overrides(args))
+    assert (config.train.max_iters, config.train.lr, config.model.d_model) == (3, 0.5, 64)
 
 
 def test_attention_maps_from_a_checkpoint(text_file, full_run, tmp_path):
@@ -179,12 +201,13 @@ def test_data_parallel_equals_one_device(text_file, tmp_path):
     losses = {}
     for devices in (1, 2):
         out = tmp_path / f"dp{devices}"
-        args = [f"--set", *TINY_MODEL, *TINY_TRAIN, "train.max_iters=10", f"train.data_parallel={devices}",
+        args = ["--set", *TINY_MODEL, *TINY_TRAIN, "train.max_iters=10", f"runtime.data_parallel={devices}",
                 f"train.checkpoint={'true' if devices == 2 else 'false'}", "train.plot=false", "train.sample_tokens=0",
                 "--data", str(text_file), "--out-dir", str(out), "--quiet"]
         env = {**os.environ, "PYTHONPATH": str(root)}
         subprocess.run([sys.executable, "-m", "train.tiny_lm", *args], check=True, env=env, cwd=root,
                        capture_output=True)
+        assert json.loads((out / "config.json").read_text())["runtime"]["data_parallel"] == devices
         losses[devices] = [r["loss"] for r in _metrics(out) if "loss" in r]
     assert len(losses[1]) == 2
     np.testing.assert_allclose(losses[2], losses[1], rtol=1e-5)

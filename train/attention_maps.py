@@ -12,48 +12,16 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 
+from jaxattn.model import DecoderLM
 from train.checkpoint import CheckpointError, load_for_sampling
-
-VISIBLE = {"\n": "⏎", " ": "␣", "\t": "⇥"}
+from train.plots import plot_attention_maps
 
 
 def attention_weights(params, model_config, token_ids: np.ndarray) -> np.ndarray:
-    """Weights of every layer and head for one sequence: [L, N, T, T] float32."""
-    from jaxattn.model import DecoderLM
-
+    """Weights of every layer and head for one sequence: [L, N, T, T] float32 (docs/theory.md §14)."""
     _, weights = DecoderLM(model_config).apply({"params": params}, jnp.asarray(token_ids)[None],
                                                return_weights=True)
     return np.stack([np.asarray(w[0], np.float32) for w in weights])  # [L, N, T, T]
-
-
-def draw(weights: np.ndarray, chars: list[str], png: Path, *, title: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    num_layers, num_heads, T, _ = weights.shape
-    cell = max(1.6, 0.13 * T)
-    fig, axes = plt.subplots(num_layers, num_heads, figsize=(cell * num_heads + 1, cell * num_layers + 0.6),
-                             dpi=80, squeeze=False)
-    labels = [VISIBLE.get(c, c) for c in chars]
-    fontsize = max(3.5, min(8.0, 260 / T))
-    for layer in range(num_layers):
-        for head in range(num_heads):
-            ax = axes[layer, head]
-            ax.imshow(weights[layer, head], cmap="viridis", vmin=0.0, vmax=1.0, interpolation="nearest")
-            ax.set_xticks(range(T), labels, fontsize=fontsize)
-            ax.set_yticks(range(T), labels, fontsize=fontsize)
-            ax.tick_params(length=0, pad=1)
-            ax.set_title(f"layer {layer} head {head}", fontsize=8)
-            if head == 0:
-                ax.set_ylabel("query", fontsize=7)
-            if layer == num_layers - 1:
-                ax.set_xlabel("key", fontsize=7)
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png)
-    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> Path:
@@ -77,9 +45,9 @@ def main(argv: list[str] | None = None) -> Path:
         ids = ids[:model_config.max_seq_len]
     weights = attention_weights(params, model_config, ids)
     chars = [tokenizer.decode([i]) for i in ids]
-    kind = "MLA" if model_config.attention == "mla" else f"{model_config.num_heads}q/{model_config.kv_heads}kv heads"
-    draw(weights, chars, Path(args.out),
-         title=f"attention weights ({kind}, {model_config.positions} positions) from {args.checkpoint}")
+    kind = "MLA" if model_config.mla else f"{model_config.num_heads}q/{model_config.num_kv_heads}kv heads"
+    plot_attention_maps(weights, chars, Path(args.out),
+                        title=f"attention weights ({kind}, {model_config.positions} positions) from {args.checkpoint}")
     print(f"wrote {args.out}")
     return Path(args.out)
 

@@ -4,6 +4,10 @@ Layout under a run's out_dir:
   checkpoints/latest/<step>/   params, optimizer state, step, rng + meta.json (config, tokenizer)
   checkpoints/best/<step>/     the same, for the lowest val loss seen so far
 
+`load_for_sampling` is the one loader of a trained model (sampling, attention maps).
+Checkpoints of format 1 (before the model config and the runtime were separate)
+are upgraded when read.
+
 Each is an orbax CheckpointManager keeping one step. Orbax writes a step into
 `<step>.orbax-checkpoint-tmp-*` and renames it to `<step>` only once every file is on
 disk; readers only see renamed steps, so a process killed mid-save leaves the previous
@@ -22,11 +26,13 @@ import orbax.checkpoint as ocp
 from orbax.checkpoint.checkpoint_managers import LatestN
 
 from jaxattn.config import ModelConfig
+from jaxattn.model import DecoderLM
 from train.config import ExperimentConfig
 from train.tokenizer import Tokenizer, from_dict as tokenizer_from_dict
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 KINDS = ("latest", "best")
+_MLA_FIELDS = ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
 
 class CheckpointError(ValueError):
@@ -85,9 +91,26 @@ def _restore(manager: ocp.CheckpointManager, directory: Path, abstract_state: An
             f"checkpoint {directory / str(step)} does not match this model/optimizer "
             f"(different config?): {err}") from err
     meta = restored["meta"]
+    if isinstance(meta, dict) and meta.get("format") == 1:
+        meta = upgrade_format_1(meta)
     if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION:
         raise CheckpointError(f"checkpoint {directory / str(step)} has an unknown format: {meta!r:.200}")
     return restored["state"], meta
+
+
+def upgrade_format_1(meta: dict) -> dict:
+    """A format-1 meta with its config in today's form: MLA's sizes in `model.mla`, the
+    implementation choices (matmul_dtype, attention_impl, mla_path, data_parallel, xla_flags)
+    in `runtime`. The arrays did not change."""
+    model, train = dict(meta["config"]["model"]), dict(meta["config"]["train"])
+    mla = {name: model.pop(name) for name in _MLA_FIELDS if name in model}
+    model["mla"] = mla if model.pop("attention", "standard") == "mla" else None
+    matmul = {"float32": "xla", "bfloat16": "bfloat16_cpu"}.get(model.pop("matmul_dtype", "float32"), "auto")
+    runtime = {"attention": model.pop("attention_impl", "xla"), "mla": model.pop("mla_path", "naive"),
+               "matmul": matmul, "data_parallel": train.pop("data_parallel", 1),
+               "xla_flags": train.pop("xla_flags", "")}
+    config = {**meta["config"], "model": model, "train": train, "runtime": runtime}
+    return {**meta, "format": FORMAT_VERSION, "config": config}
 
 
 def check_compatible(meta: dict, config: ExperimentConfig) -> list[str]:
@@ -101,8 +124,11 @@ def check_compatible(meta: dict, config: ExperimentConfig) -> list[str]:
                               f"{{field: (checkpoint, now)}} = {diff or 'rope_scaling'}")
     exact = ("seed", "batch_size", "block_size", "lr", "min_lr", "warmup_iters",
              "lr_decay_iters", "beta1", "beta2", "weight_decay", "grad_clip", "data_path")
-    return [f"train.{k} was {getattr(saved.train, k)!r}, now {getattr(config.train, k)!r}"
-            for k in exact if getattr(saved.train, k) != getattr(config.train, k)]
+    warnings = [f"train.{k} was {getattr(saved.train, k)!r}, now {getattr(config.train, k)!r}"
+                for k in exact if getattr(saved.train, k) != getattr(config.train, k)]
+    kernels = ("attention", "matmul")  # the ones whose rounding reaches the training losses
+    return warnings + [f"runtime.{k} was {getattr(saved.runtime, k)!r}, now {getattr(config.runtime, k)!r}"
+                       for k in kernels if getattr(saved.runtime, k) != getattr(config.runtime, k)]
 
 
 def _find_manager_dir(path: Path) -> Path:
@@ -128,7 +154,12 @@ def _on_one_device(state_dir: Path) -> Any:
 
 
 def load_for_sampling(directory: str | Path) -> tuple[Any, ModelConfig, Tokenizer]:
-    """(params, model config, tokenizer) of a run's best checkpoint (else its latest)."""
+    """(params, model config, tokenizer) of a run's best checkpoint (else its latest).
+
+    Accepts a run directory, its checkpoints/ directory or checkpoints/{best,latest}.
+    Raises CheckpointError when there is none, or when the arrays do not have the
+    shapes `DecoderLM(config)` expects.
+    """
     path = Path(directory)
     if not path.exists():
         raise CheckpointError(f"checkpoint directory {str(path)!r} does not exist")
@@ -142,4 +173,24 @@ def load_for_sampling(directory: str | Path) -> tuple[Any, ModelConfig, Tokenize
         manager.close()
     config = ExperimentConfig.from_dict(meta["config"])
     params = jax.tree.map(np.asarray, state["params"])
+    _check_params_match(params, config.model)
     return params, config.model, tokenizer_from_dict(meta["tokenizer"])
+
+
+def _check_params_match(params, config: ModelConfig) -> None:
+    """CheckpointError unless the arrays have the shapes `DecoderLM(config)` expects."""
+    expected = jax.eval_shape(lambda: DecoderLM(config).init(jax.random.PRNGKey(0),
+                                                             np.zeros((1, 1), np.int32))["params"])
+    got = _shapes_by_path(params)
+    want = _shapes_by_path(expected)
+    if got != want:
+        missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
+        wrong = sorted(k for k in set(got) & set(want) if got[k] != want[k])
+        raise CheckpointError(
+            "checkpoint is incompatible with its model config: "
+            f"missing {missing[:5]}, unexpected {extra[:5]}, "
+            f"wrong shapes {[(k, got[k], want[k]) for k in wrong[:5]]}")
+
+
+def _shapes_by_path(tree) -> dict[str, tuple]:
+    return {jax.tree_util.keystr(path): tuple(np.shape(x)) for path, x in jax.tree_util.tree_leaves_with_path(tree)}

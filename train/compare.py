@@ -18,30 +18,31 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxattn.cache import cache_bytes_per_token
+from jaxattn.decoding import generate
+from train import runtime as runtime_lib
 from train.config import DEFAULT_CONFIG, ExperimentConfig, load_config
-from train.tiny_lm import apply_xla_flags, run_flags, train
+from train.loop import train
+from train.plots import plot_comparison
 
 KINDS = {
     "MHA": [],
     "GQA": ["model.num_kv_heads=2"],
     "MQA": ["model.num_kv_heads=1"],
-    "MLA": ["model.attention='mla'", "model.kv_lora_rank=32", "model.qk_nope_head_dim=32",
-            "model.qk_rope_head_dim=16", "model.v_head_dim=32"],
+    "MLA": ["model.mla={kv_lora_rank = 32, qk_nope_head_dim = 32, qk_rope_head_dim = 16, v_head_dim = 32}"],
 }
 POSITIONS = ("learned", "rope")
 
 
-def decode_tokens_per_s(config: ExperimentConfig, params, *, batch_size: int = 1, repeats: int = 5) -> float:
-    """Median tokens/s of jaxattn.decoding.generate (KV cache) filling the context after a 1-token prompt."""
-    from jaxattn.decoding import generate
-
+def decode_tokens_per_s(config: ExperimentConfig, params, kernels, *, batch_size: int = 1, repeats: int = 5) -> float:
+    """Median tokens/s of jaxattn.generate (KV cache) filling the context after a 1-token prompt."""
     new_tokens = config.model.max_seq_len - 1
     prompt = jnp.zeros((batch_size, 1), jnp.int32)
     lengths = jnp.ones((batch_size,), jnp.int32)
 
     def run(seed):
         out = generate(params, config.model, prompt, lengths, max_new_tokens=new_tokens,
-                       rng=jax.random.PRNGKey(seed), temperature=1.0)
+                       rng=jax.random.PRNGKey(seed), temperature=1.0, kernels=kernels)
         return np.asarray(out.tokens)  # waits for the result
 
     run(0)  # compile
@@ -55,20 +56,19 @@ def decode_tokens_per_s(config: ExperimentConfig, params, *, batch_size: int = 1
 
 def kv_bytes_per_token(config: ExperimentConfig) -> int:
     """Bytes one token adds to the decode cache, summed over layers."""
-    from jaxattn.cache import cache_bytes_per_token
     return int(cache_bytes_per_token(config.model)["bytes"])
 
 
-def run_one(kind: str, positions: str, args) -> dict:
+def run_one(kind: str, positions: str, args, runtime: runtime_lib.Runtime) -> dict:
     overrides = KINDS[kind] + [f"model.positions='{positions}'", f"train.max_iters={args.iters}",
                                f"train.lr_decay_iters={args.iters}",
                                f"train.eval_interval={min(250, args.iters)}",
                                f"train.out_dir='{args.runs}/{kind.lower()}_{positions}'",
                                "train.plot=false", "train.checkpoint=false", *args.set]
-    result = train(load_config(args.config, overrides), quiet=True, sample=False)
+    result = train(load_config(args.config, overrides), runtime=runtime, quiet=True, sample=False)
     row = {"attention": kind, "positions": positions, "val_loss": result.final_val_loss,
            "train_tokens_per_s": result.median_tokens_per_s, "ms_per_iter": result.median_ms_per_iter,
-           "decode_tokens_per_s": decode_tokens_per_s(result.config, result.params),
+           "decode_tokens_per_s": decode_tokens_per_s(result.config, result.params, runtime.kernels),
            "kv_bytes_per_token": kv_bytes_per_token(result.config), "params": result.num_params,
            "compile_s": result.compile_s, "iters": args.iters}
     print(json.dumps(row), flush=True)
@@ -88,35 +88,6 @@ def markdown(rows: list[dict], command: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(rows: list[dict], png: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    panels = [("val_loss", "val loss (lower is better)"), ("train_tokens_per_s", "train tokens/s"),
-              ("decode_tokens_per_s", "decode tokens/s, batch 1"), ("kv_bytes_per_token", "KV-cache bytes/token")]
-    kinds = list(dict.fromkeys(r["attention"] for r in rows))
-    positions = list(dict.fromkeys(r["positions"] for r in rows))
-    fig, axes = plt.subplots(1, 4, figsize=(15, 3.6), dpi=90)
-    width = 0.8 / len(positions)
-    for ax, (key, title) in zip(axes, panels):
-        for j, pos in enumerate(positions):
-            values = [next((r[key] for r in rows if r["attention"] == k and r["positions"] == pos), np.nan)
-                      for k in kinds]
-            ax.bar(np.arange(len(kinds)) + (j - (len(positions) - 1) / 2) * width, values, width, label=pos)
-        ax.set_xticks(np.arange(len(kinds)), kinds)
-        ax.set_title(title, fontsize=10)
-        ax.grid(axis="y", alpha=0.3)
-        if key == "val_loss":
-            finite = [r[key] for r in rows]
-            ax.set_ylim(min(finite) - 0.05, max(finite) + 0.05)
-    axes[0].legend(title="positions", fontsize=8)
-    fig.tight_layout()
-    png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png)
-    plt.close(fig)
-
-
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--iters", type=int, default=2000, help="training steps per run")
@@ -125,20 +96,22 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--config", default=DEFAULT_CONFIG)
     parser.add_argument("--kinds", default=",".join(KINDS), help="subset of " + ",".join(KINDS))
     parser.add_argument("--positions", default=",".join(POSITIONS))
-    parser.add_argument("--set", nargs="*", default=[], help="extra overrides for every run")
+    parser.add_argument("--set", nargs="+", action="extend", default=[], help="extra overrides for every run")
     args = parser.parse_args(argv)
     kinds = [k.strip().upper() for k in args.kinds.split(",")]
     unknown = sorted(set(kinds) - set(KINDS))
     if unknown:
         parser.error(f"unknown --kinds {unknown}; choose from {list(KINDS)}")
-    apply_xla_flags(run_flags(load_config(args.config, args.set).train))
-    rows = [run_one(kind, pos, args) for kind in kinds for pos in args.positions.split(",")]
+    base = load_config(args.config, args.set)
+    runtime = runtime_lib.start(base.runtime, base.train.batch_size)  # before anything starts JAX
+    print("\n".join(runtime.describe()), flush=True)
+    rows = [run_one(kind, pos, args, runtime) for kind in kinds for pos in args.positions.split(",")]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     command = "python -m train.compare" + (f" --iters {args.iters}" if args.iters != 2000 else "")
     (out / "compare.md").write_text(markdown(rows, command))
     (out / "compare.json").write_text(json.dumps(rows, indent=2))
-    plot(rows, out / "compare.png")
+    plot_comparison(rows, out / "compare.png")
     print(markdown(rows, command))
     return rows
 

@@ -1,10 +1,17 @@
-"""Experiment configs: a typed TrainConfig, configs/NAME.toml files and `--set` overrides.
+"""Experiment configs: typed tables, configs/NAME.toml files and `--set` overrides.
 
-A config file has a `[model]` table (jaxattn.config.ModelConfig fields) and a `[train]`
-table (TrainConfig fields); `base = "other_name"` at the top inherits another file and
-overrides some of its values. Unknown keys, wrong types and bad choices are errors.
-Overrides use the same value syntax as TOML: `--set model.d_model=256 train.lr=3e-4
-train.data_path=/x.txt model.num_kv_heads=none`.
+A config file has up to three tables:
+
+* `[model]`: the maths, `jaxattn.ModelConfig` fields (`mla = {kv_lora_rank = 32, ...}`
+  for Multi-head Latent Attention);
+* `[train]`: how to train, `TrainConfig`;
+* `[runtime]`: how this machine runs it, `RuntimeConfig` (kernels, devices, XLA
+  flags); every field defaults to "auto", resolved when the run starts.
+
+`base = "other_name"` at the top inherits another file and overrides some of its
+values. Unknown keys, wrong types and bad choices are errors. Overrides use TOML's
+value syntax: `--set model.d_model=256 train.lr=3e-4 model.num_kv_heads=none
+runtime.matmul=xla`.
 """
 
 from __future__ import annotations
@@ -17,11 +24,12 @@ import typing
 from pathlib import Path
 from typing import Any, Literal, Mapping, Sequence
 
+from jaxattn import kernels
 from jaxattn.config import ModelConfig
-from jaxattn.rope import RopeScaling
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 DEFAULT_CONFIG = "shakespeare_char_baby"
+TABLES = ("model", "train", "runtime")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,10 +56,6 @@ class TrainConfig:
       val_fraction: the last fraction of the corpus held out.
       sample_tokens, sample_temperature, sample_prompt: the sample printed at the end.
       plot: write the loss curve PNG at the end.
-      data_parallel: split each batch over this many CPU "devices" (one per core) and average
-        the gradients; >1 makes the command-line programs start JAX with that many host devices.
-      xla_flags: extra XLA_FLAGS for the CPU compiler; applied by the command-line programs
-        before JAX starts (a process that already used JAX keeps its flags).
     """
 
     batch_size: int = 12
@@ -80,12 +84,10 @@ class TrainConfig:
     sample_temperature: float = 0.8
     sample_prompt: str = "\n"
     plot: bool = True
-    data_parallel: int = 1
-    xla_flags: str = ""
 
     def __post_init__(self):
         for name in ("batch_size", "block_size", "max_iters", "eval_interval", "eval_iters",
-                     "log_interval", "steps_per_dispatch", "lr_decay_iters", "data_parallel"):
+                     "log_interval", "steps_per_dispatch", "lr_decay_iters"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"TrainConfig.{name} must be positive, got {getattr(self, name)}")
         for name in ("warmup_iters", "sample_tokens", "weight_decay", "grad_clip", "min_lr"):
@@ -93,9 +95,6 @@ class TrainConfig:
                 raise ValueError(f"TrainConfig.{name} must be >= 0, got {getattr(self, name)}")
         if not 0 < self.lr:
             raise ValueError(f"TrainConfig.lr must be positive, got {self.lr}")
-        if self.batch_size % self.data_parallel:
-            raise ValueError(f"TrainConfig.batch_size={self.batch_size} must be divisible by "
-                             f"data_parallel={self.data_parallel}")
         if self.min_lr > self.lr:
             raise ValueError(f"TrainConfig.min_lr={self.min_lr} exceeds lr={self.lr}")
         for name in ("beta1", "beta2", "val_fraction"):
@@ -111,16 +110,60 @@ class TrainConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class RuntimeConfig:
+    """How this machine runs an experiment; never the model's maths (docs/theory.md §15).
+
+    Attributes:
+      attention, decode, matmul, mla: `jaxattn.Kernels` implementation names, or "auto":
+        chosen for the platform when the run starts (`train.runtime`), printed with the
+        reason and saved resolved.
+      data_parallel: split each batch over this many devices and average the gradients
+        (one host device per CPU core on a CPU); "auto": as many CPU cores as divide the
+        batch, one device on a GPU or TPU.
+      xla_flags: extra XLA_FLAGS, applied before JAX starts.
+    """
+
+    attention: str = "auto"
+    decode: str = "auto"
+    matmul: str = "auto"
+    mla: str = "auto"
+    data_parallel: int | Literal["auto"] = "auto"
+    xla_flags: str = ""
+
+    def __post_init__(self):
+        for field in kernels.IMPLEMENTATIONS:
+            allowed = kernels.choices(field) + (kernels.AUTO,)
+            if getattr(self, field) not in allowed:
+                raise ValueError(f"RuntimeConfig.{field} must be one of {allowed}, got {getattr(self, field)!r}")
+        dp = self.data_parallel
+        if dp != "auto" and (isinstance(dp, bool) or not isinstance(dp, int) or dp <= 0):
+            raise ValueError(f"RuntimeConfig.data_parallel must be a positive integer or 'auto', got {dp!r}")
+
+    def requested_kernels(self) -> kernels.Kernels:
+        """The kernels asked for (fields may be "auto")."""
+        return kernels.Kernels(**{field: getattr(self, field) for field in kernels.IMPLEMENTATIONS})
+
+    def replace(self, **changes) -> "RuntimeConfig":
+        return dataclasses.replace(self, **changes)
+
+
+@dataclasses.dataclass(frozen=True)
 class ExperimentConfig:
-    """A named experiment: the model and how to train it."""
+    """A named experiment: the model, how to train it, and how this machine runs it."""
 
     name: str
     model: ModelConfig
     train: TrainConfig
+    runtime: RuntimeConfig = RuntimeConfig()
+
+    def __post_init__(self):
+        if self.model.max_seq_len < self.train.block_size:
+            raise ValueError(f"model.max_seq_len={self.model.max_seq_len} is shorter than "
+                             f"train.block_size={self.train.block_size}")
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "model": self.model.to_dict(),
-                "train": dataclasses.asdict(self.train)}
+                "train": dataclasses.asdict(self.train), "runtime": dataclasses.asdict(self.runtime)}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True, ensure_ascii=False)
@@ -128,10 +171,11 @@ class ExperimentConfig:
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> "ExperimentConfig":
         """Inverse of to_dict, with the same checks as a config file."""
-        _reject_unknown("experiment", values, {"name", "model", "train"})
+        _reject_unknown("experiment", values, {"name", *TABLES})
         return cls(name=str(values.get("name", "unnamed")),
                    model=_build(ModelConfig, values.get("model", {}), "model"),
-                   train=_build(TrainConfig, values.get("train", {}), "train"))
+                   train=_build(TrainConfig, values.get("train", {}), "train"),
+                   runtime=_build(RuntimeConfig, values.get("runtime", {}), "runtime"))
 
     def replace(self, **changes) -> "ExperimentConfig":
         return dataclasses.replace(self, **changes)
@@ -151,6 +195,9 @@ def _coerce(name: str, value: Any, hint: Any) -> Any:
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
+        options = [a for a in args if a is not type(None)]
+        if len(options) == 1:  # `X | None`: X's own error says best what is wrong
+            return _coerce(name, value, options[0])
         errors = []
         for arg in (a for a in args if a is not type(None)):
             try:
@@ -178,12 +225,13 @@ def _coerce(name: str, value: Any, hint: Any) -> Any:
         if not isinstance(value, str):
             raise TypeError(f"{name} must be a string, got {value!r}")
         return value
-    if hint is RopeScaling:
-        if isinstance(value, RopeScaling):
+    if dataclasses.is_dataclass(hint):  # RopeScaling, MLAConfig: a TOML table
+        if isinstance(value, hint):
             return value
         if not isinstance(value, Mapping):
-            raise TypeError(f"{name} must be a table like {{kind = \"linear\", factor = 2.0}}, got {value!r}")
-        return _build(RopeScaling, value, name)
+            raise TypeError(f"{name} must be a table like {{field = value, ...}} of {hint.__name__}, "
+                            f"got {value!r}")
+        return _build(hint, value, name)
     raise TypeError(f"{name}: unsupported annotation {hint!r}")
 
 
@@ -217,9 +265,9 @@ def _read_tables(name_or_path: str | Path, seen: tuple[str, ...] = ()) -> dict[s
         raise ValueError(f"config inheritance cycle: {' -> '.join(seen + (str(path),))}")
     with open(path, "rb") as f:
         raw = tomllib.load(f)
-    _reject_unknown(f"config file {path.name}", raw, {"base", "model", "train"})
-    tables = _read_tables(raw["base"], seen + (str(path),)) if "base" in raw else {"model": {}, "train": {}}
-    for table in ("model", "train"):
+    _reject_unknown(f"config file {path.name}", raw, {"base", *TABLES})
+    tables = _read_tables(raw["base"], seen + (str(path),)) if "base" in raw else {t: {} for t in TABLES}
+    for table in TABLES:
         tables[table] = {**tables[table], **raw.get(table, {})}
     return tables
 
@@ -228,8 +276,8 @@ def parse_override(item: str) -> tuple[str, str, Any]:
     """'model.d_model=256' -> ('model', 'd_model', 256); values use TOML syntax, bare words are strings."""
     key, sep, text = item.partition("=")
     table, dot, field = key.strip().partition(".")
-    if not sep or not dot or table not in ("model", "train") or not field:
-        raise ValueError(f"override {item!r} must look like model.FIELD=VALUE or train.FIELD=VALUE")
+    if not sep or not dot or table not in TABLES or not field:
+        raise ValueError(f"override {item!r} must look like TABLE.FIELD=VALUE with TABLE one of {TABLES}")
     text = text.strip()
     if text.lower() in ("none", "null"):
         return table, field, None
@@ -247,6 +295,6 @@ def load_config(name_or_path: str | Path = DEFAULT_CONFIG,
     for item in overrides:
         table, field, value = parse_override(item)
         tables[table][field] = value
-    model = _build(ModelConfig, tables["model"], "model")
-    train = _build(TrainConfig, tables["train"], "train")
-    return ExperimentConfig(name=Path(name_or_path).stem, model=model, train=train)
+    return ExperimentConfig(name=Path(name_or_path).stem, model=_build(ModelConfig, tables["model"], "model"),
+                            train=_build(TrainConfig, tables["train"], "train"),
+                            runtime=_build(RuntimeConfig, tables["runtime"], "runtime"))

@@ -22,7 +22,6 @@ import urllib.request
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from train.tokenizer import Tokenizer, build_tokenizer
@@ -45,14 +44,6 @@ def cache_dir() -> Path:
     """$XDG_CACHE_HOME/jaxattn, or ~/.cache/jaxattn."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "jaxattn"
-
-
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def download(url: str, dest: Path, sha256: str | None = SHAKESPEARE_SHA256,
