@@ -1,6 +1,6 @@
 """Decode tokens/s: KV-cached `generate` vs full recomputation vs Hugging Face, per attention kind.
 
-    PYTHONPATH=$PWD python bench/decode.py [--hf-python /work/scratch/hf/.venv/bin/python] [--models baby,small --kinds MHA,GQA\ kv=2,MQA,MLA --lengths 256,1000]
+    PYTHONPATH=$PWD python bench/decode.py [--hf-python /path/to/python-with-torch-and-transformers] [--models baby,small --kinds MHA,GQA\ kv=2,MQA,MLA --lengths 256,1000]
 
 Random-init models (speed does not depend on the weights), greedy, prompt of
 16 tokens, batch 1 and 8, 256 and 1000 new tokens. Medians of --repeats runs;
@@ -10,28 +10,34 @@ compile time (first call minus a steady call) reported separately. Models:
 1000 new tokens fit (the trained 10.7M model has block 256). With --hf-python,
 Hugging Face's `generate` runs each (model, batch, length) case right before
 ours, so that both are timed in the same minutes of a machine whose speed
-drifts. Writes bench/results/decode.json and bench/results/decode.md.
+drifts. Our side runs with the kernels "auto" resolves to on this machine
+(`jaxattn.resolve_kernels`, recorded with the results). Writes
+bench/results/decode.json and bench/results/decode.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
-import os
-import platform
 import statistics
 import subprocess
+import sys
 import time
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
-import numpy as np
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from jaxattn.cache import cache_bytes_per_token
-from jaxattn.config import ModelConfig
-from jaxattn.decoding import generate, generate_without_cache
-from jaxattn.model import DecoderLM, count_params
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from bench.machine import describe_machine  # noqa: E402
+from jaxattn.cache import cache_bytes_per_token  # noqa: E402
+from jaxattn.config import MLAConfig, ModelConfig  # noqa: E402
+from jaxattn.decoding import generate, generate_without_cache  # noqa: E402
+from jaxattn.kernels import resolve_kernels  # noqa: E402
+from jaxattn.model import DecoderLM, count_params  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PROMPT_LEN = 16
@@ -40,11 +46,12 @@ KINDS = {
     "MHA": lambda m: dict(),
     "GQA kv=2": lambda m: dict(num_kv_heads=2),
     "MQA": lambda m: dict(num_kv_heads=1),
-    "MLA": lambda m: dict(attention="mla", positions="rope", kv_lora_rank=m["d_model"] // 4,
-                          qk_nope_head_dim=m["d_model"] // m["num_heads"] // 2 * 2,
-                          qk_rope_head_dim=16, v_head_dim=m["d_model"] // m["num_heads"]),
+    "MLA": lambda m: dict(positions="rope", mla=MLAConfig(
+        kv_lora_rank=m["d_model"] // 4, qk_nope_head_dim=m["d_model"] // m["num_heads"] // 2 * 2,
+        qk_rope_head_dim=16, v_head_dim=m["d_model"] // m["num_heads"])),
 }
-# Figures of /work/shared/perf/README.md (HF generate, KV cache, greedy, prompt 16, 256 new tokens).
+# The peers' figures for this CPU type (HF generate, KV cache, greedy, prompt 16, 256 new tokens),
+# measured outside this repository: quoted when --hf-python is not given.
 HF_QUOTED = {("baby", 1): 499, ("baby", 8): 3021, ("small", 1): 167, ("small", 8): 598}
 
 
@@ -80,13 +87,14 @@ def run_hf(hf_python: str, cases: list[tuple[str, int, int]], threads: int, repe
     return {(r["model"], r["batch"], r["new_tokens"]): r["tokens_per_s"] for r in data["results"]}, data["torch"]
 
 
-def measure_row(model, kind, config, params, batch, new, hf_tokens_per_s, repeats) -> dict:
+def measure_row(model, kind, config, params, kernels, batch, new, hf_tokens_per_s, repeats) -> dict:
     """One table row: our cached (and for one case recomputed) decoding, and the ratio to HF."""
+    cached, recomputed = (functools.partial(fn, kernels=kernels) for fn in (generate, generate_without_cache))
     row = dict(model=model, kind=kind, params=count_params(params), batch=batch, new_tokens=new,
                cache_bytes_per_token=cache_bytes_per_token(config)["bytes"],
-               cached=time_generation(generate, params, config, batch, new, repeats))
+               cached=time_generation(cached, params, config, batch, new, repeats))
     if kind == "MHA" and batch == 1 and new == 256:  # recompute is O(L) per step: one point
-        row["recompute"] = time_generation(generate_without_cache, params, config, batch, new, repeats)
+        row["recompute"] = time_generation(recomputed, params, config, batch, new, repeats)
     row["hf_tokens_per_s"] = hf_tokens_per_s or HF_QUOTED.get((model, batch))
     row["vs_hf"] = row["cached"]["tokens_per_s"] / row["hf_tokens_per_s"]
     print(json.dumps(row), flush=True)
@@ -106,8 +114,10 @@ def main() -> None:
     models = args.models.split(",")
     lengths = [int(n) for n in args.lengths.split(",")]
     rows = []
-    hf_source = "quoted from /work/shared/perf/README.md (256 new tokens, not measured in this run)"
+    hf_source = "quoted, not measured in this run: the peers' figures for this CPU type (256 new tokens)"
     torch_version = None
+    kernels, reasons = resolve_kernels()
+    print(f"kernels: {kernels} ({reasons['decode']}; {reasons['matmul']})", flush=True)
     for model in models:
         kinds = ((args.small_kinds or args.kinds) if model == "small" else args.kinds).split(",")
         configs = {kind: make_config(model, kind) for kind in kinds}
@@ -122,20 +132,23 @@ def main() -> None:
                                                      args.repeats)
                     hf = measured[(model, batch, new)]
                 for kind in kinds:
-                    rows.append(measure_row(model, kind, configs[kind], params[kind], batch, new, hf, args.repeats))
+                    rows.append(measure_row(model, kind, configs[kind], params[kind], kernels, batch, new, hf,
+                                            args.repeats))
     if torch_version:
         hf_source = (f"measured in this run, each case right before ours: torch {torch_version}, "
                      f"{args.hf_threads} thread(s), GPT-2 shape (MHA)")
-    write(rows, hf_source, args)
+    write(rows, hf_source, kernels, args)
 
 
-def write(rows, hf_source, args) -> None:
+def write(rows, hf_source, kernels, args) -> None:
     RESULTS.mkdir(exist_ok=True)
-    meta = dict(jax=jax.__version__, machine=platform.machine(), cpus=os.cpu_count(), prompt_len=PROMPT_LEN,
-                repeats=args.repeats, hf_source=hf_source, xla_flags=os.environ.get("XLA_FLAGS", ""))
+    machine = describe_machine()
+    meta = dict(machine=machine, prompt_len=PROMPT_LEN, repeats=args.repeats, hf_source=hf_source,
+                kernels=kernels.to_dict())
     (RESULTS / "decode.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=2))
-    lines = [f"Decode throughput (greedy, prompt {PROMPT_LEN}, median of {args.repeats}; jax {jax.__version__}, "
-             f"{os.cpu_count()} CPUs). HF: {hf_source}.", "",
+    lines = [f"Decode throughput (greedy, prompt {PROMPT_LEN}, median of {args.repeats}) on {machine['cpu']} "
+             f"({machine['platform']}, {machine['cpus']} CPUs), jax {machine['jax']}, decode kernels "
+             f"{kernels.decode!r}, matmul {kernels.matmul!r}. HF: {hf_source}.", "",
              "| model | attention | batch | new tokens | cached tok/s | recompute tok/s | HF tok/s | cached / HF "
              "| compile s | cache bytes/token |", "|" + " --- |" * 10]
     for r in rows:

@@ -3,7 +3,7 @@
 Run with an interpreter that has torch and transformers (bench/decode.py passes
 --hf-python); prints one JSON list of results on stdout:
 
-    /work/scratch/hf/.venv/bin/python bench/hf_decode.py --cases baby:1:256,small:8:1000
+    /path/to/python-with-torch-and-transformers bench/hf_decode.py --cases baby:1:256,small:8:1000
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """nanoGPT's CPU baby run, ported into one file so that bench/train.py can time it side by side.
 
-    /work/scratch/hf/.venv/bin/python bench/nanogpt_baseline.py [--data PATH] [--max-iters N] [--json OUT]
+    /path/to/python-with-torch bench/nanogpt_baseline.py --data PATH [--max-iters N] [--json OUT]
 
 Source: github.com/karpathy/nanoGPT, `model.py` (GPT, CausalSelfAttention, MLP, LayerNorm,
 _init_weights, configure_optimizers) and `train.py` (get_batch, estimate_loss, get_lr, the loop),
@@ -35,7 +35,7 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-DEFAULT_DATA = os.environ.get("JAXATTN_SHAKESPEARE", "/work/shared/data/tinyshakespeare.txt")
+DEFAULT_DATA = os.environ.get("JAXATTN_SHAKESPEARE")  # else --data is required
 LOCKSTEP_PREFIX = "LOCKSTEP at iter"
 WARMUP_ITERS_EXCLUDED = 10  # first iterations left out of the median (allocator and thread-pool warm-up)
 
@@ -278,14 +278,15 @@ def run(data_path: str, a: TrainArgs, threads: int = 2, log=print, lockstep: boo
         "fastest_ms_per_iter": 1e3 * min(timed), "final_val_loss": evals[-1]["val"],
         "final_train_loss": evals[-1]["train"], "evals": evals, "train_s": sum(iter_s),
         "wall_s": time.perf_counter() - wall_start - waited,
-        "params": sum(p.numel() for p in model.parameters()), "data": data_path, "args": asdict(a),
+        "params": sum(p.numel() for p in model.parameters()), "data": os.path.basename(data_path), "args": asdict(a),
         "env": {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpus": os.cpu_count()},
     }
 
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--data", default=DEFAULT_DATA, help="Tiny Shakespeare text file")
+    parser.add_argument("--data", default=DEFAULT_DATA, required=DEFAULT_DATA is None,
+                        help="Tiny Shakespeare text file (default $JAXATTN_SHAKESPEARE)")
     parser.add_argument("--max-iters", type=int, default=TrainArgs.max_iters)
     parser.add_argument("--lr-decay-iters", type=int, default=TrainArgs.lr_decay_iters)
     parser.add_argument("--threads", type=int, default=2)

@@ -1,26 +1,23 @@
 """Benchmark of the default training run against nanoGPT on this machine, side by side.
 
     PYTHONPATH=$PWD python bench/train.py [--set train.max_iters=500 ...] \
-        [--nanogpt-python /work/scratch/hf/.venv/bin/python [--nanogpt-max-iters N]] [--float32-too]
+        [--nanogpt-python /path/to/python-with-torch [--nanogpt-max-iters N]] [--float32-too]
 
 Runs configs/shakespeare_char_baby.toml (2000 iters) and writes bench/results/train.json and
-train.md: median tokens/s and ms/iter (excluding compile), compile time, final val loss, wall time
-and the ratio to nanoGPT. With --nanogpt-python (an interpreter that has torch), nanoGPT's baby run
-(bench/nanogpt_baseline.py, a port of its model.py and train.py) trains on the same data file and
-iters in turns with ours (one eval interval each, alternating), and the table shows both as
-measured in this run. Without it, nanoGPT's figures
-are quoted from /work/shared/perf/README.md and the column says so. --float32-too also trains
-the same config with float32 matmuls and autodiff attention (`model.matmul_dtype=float32
-model.attention_impl=xla`), to show what the two speed options give.
+train.md: median tokens/s and ms/iter (excluding compile), compile time, final val loss, wall time,
+the kernels the runtime chose, the CPU, and the ratio to nanoGPT. With --nanogpt-python (an
+interpreter that has torch), nanoGPT's baby run (bench/nanogpt_baseline.py, a port of its model.py
+and train.py) trains on the same data file and iters in turns with ours (one eval interval each,
+alternating), and the table shows both as measured in this run. Without it, nanoGPT's figures are
+quoted from measurements of the same 2-core CPU type made outside this repository, and the column
+says so. --float32-too also trains the same config with the reference kernels
+(`runtime.matmul=xla runtime.attention=xla`), to show what the chosen kernels give.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
-import shlex
 import shutil
 import subprocess
 import sys
@@ -30,20 +27,20 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import jax  # noqa: E402
-
-from jaxattn.matmul import cpu_flags  # noqa: E402
+from bench.machine import describe_machine, portable_command  # noqa: E402
+from train import runtime as runtime_lib  # noqa: E402
 from train.config import DEFAULT_CONFIG, load_config  # noqa: E402
 from train.data import resolve_data_path  # noqa: E402
-from train.tiny_lm import apply_xla_flags, run_flags, train  # noqa: E402
+from train.loop import train  # noqa: E402
 
 NANOGPT_QUOTED = {"measured": False, "iters": 2000, "ms_per_iter_range": [45.6, 48.7],
                   "median_ms_per_iter": (45.6 + 48.7) / 2, "median_tokens_per_s": 16_000,
                   "final_val_loss": 1.8857, "wall_s": 132.0,
-                  "source": "quoted from /work/shared/perf/README.md (torch eager, 2 threads, same 2-core CPU)"}
+                  "source": "quoted, not measured in this run: the peers' figures for the same 2-core CPU type, "
+                            "torch eager, 2 threads (measured outside this repository)"}
 NANOGPT_SCRIPT = Path(__file__).resolve().parent / "nanogpt_baseline.py"
 RESULTS = Path(__file__).resolve().parent / "results"
-FLOAT32_OVERRIDES = ["model.matmul_dtype=float32", "model.attention_impl=xla"]
+FLOAT32_OVERRIDES = ["runtime.matmul=xla", "runtime.attention=xla"]
 
 
 LOCKSTEP_PREFIX = "LOCKSTEP at iter"  # what nanogpt_baseline.py --lockstep prints at each eval point
@@ -60,7 +57,7 @@ class NanoGPTInTurns:
 
     def __init__(self, python: str, data: Path, iters: int, lr_decay_iters: int, threads: int):
         self.json_path = Path(tempfile.mkdtemp()) / "nanogpt.json"
-        self.python, self.threads = python, threads
+        self.threads = threads
         self.seconds = 0.0  # spent in the port's turns (not part of our wall time)
         self.proc = subprocess.Popen(
             [python, str(NANOGPT_SCRIPT), "--data", str(data), "--max-iters", str(iters), "--lockstep",
@@ -102,13 +99,13 @@ class NanoGPTInTurns:
         shutil.rmtree(self.json_path.parent, ignore_errors=True)
         return {**record, "measured": True, "interleaved": True,
                 "source": f"measured in this run, in turns of one eval interval with ours: "
-                          f"{NANOGPT_SCRIPT.name} under {self.python} (torch eager, {self.threads} threads)"}
+                          f"{NANOGPT_SCRIPT.name} (torch eager, {self.threads} threads)"}
 
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=DEFAULT_CONFIG)
-    parser.add_argument("--set", nargs="*", default=[])
+    parser.add_argument("--set", nargs="+", action="extend", default=[])
     parser.add_argument("--out", default=str(RESULTS))
     parser.add_argument("--nanogpt-python", help="a Python with torch: also run nanoGPT's baby run side by side")
     parser.add_argument("--nanogpt-max-iters", type=int, help="nanoGPT's iters (default: the same as ours)")
@@ -116,21 +113,22 @@ def main(argv=None) -> dict:
     parser.add_argument("--float32-too", action="store_true",
                         help="also train with float32 matmuls and autodiff attention")
     args = parser.parse_args(argv)
-    command = "PYTHONPATH=$PWD python bench/train.py " + shlex.join(sys.argv[1:] if argv is None else argv)
+    command = "PYTHONPATH=$PWD python bench/train.py " + portable_command(
+        sys.argv[1:] if argv is None else argv, ("--nanogpt-python",))
     config = load_config(args.config, ["train.out_dir='runs/bench_train'", *args.set])
-    apply_xla_flags(run_flags(config.train))
+    runtime = runtime_lib.start(config.runtime, config.train.batch_size)  # before anything starts JAX
     tc = config.train
     nanogpt_run = None
     if args.nanogpt_python:
         nanogpt_run = NanoGPTInTurns(args.nanogpt_python, resolve_data_path(tc.data_path, download_if_missing=False),
                                      args.nanogpt_max_iters or tc.max_iters, tc.lr_decay_iters, args.nanogpt_threads)
-    result = train(config, quiet=False, after_eval=nanogpt_run.turn if nanogpt_run else None)
+    result = train(config, runtime=runtime, quiet=False, after_eval=nanogpt_run.turn if nanogpt_run else None)
     nanogpt = nanogpt_run.finish() if nanogpt_run else NANOGPT_QUOTED
     float32 = None
     if args.float32_too:
         plain = load_config(args.config, ["train.out_dir='runs/bench_train_float32'", *args.set,
                                           *FLOAT32_OVERRIDES])
-        r32 = train(plain, quiet=False)
+        r32 = train(plain, runtime=runtime_lib.resolve(plain.runtime, tc.batch_size), quiet=False)
         float32 = {"overrides": FLOAT32_OVERRIDES, "final_val_loss": r32.final_val_loss,
                    "median_tokens_per_s": r32.median_tokens_per_s, "median_ms_per_iter": r32.median_ms_per_iter,
                    "fastest_ms_per_iter": r32.fastest_ms_per_iter, "compile_s": r32.compile_s, "wall_s": r32.wall_s}
@@ -140,14 +138,13 @@ def main(argv=None) -> dict:
         "median_ms_per_iter": result.median_ms_per_iter, "fastest_ms_per_iter": result.fastest_ms_per_iter,
         "compile_s": result.compile_s,
         "wall_s": result.wall_s - (nanogpt_run.seconds if nanogpt_run else 0.0),  # without the port's turns
-        "steps_per_dispatch": tc.steps_per_dispatch, "data_parallel": tc.data_parallel,
+        "steps_per_dispatch": tc.steps_per_dispatch, "data_parallel": runtime.data_parallel,
         "params": result.num_params, "nanogpt": nanogpt, "float32": float32,
         "speedup_vs_nanogpt_tokens_per_s": result.median_tokens_per_s / nanogpt["median_tokens_per_s"],
         "speedup_vs_nanogpt_ms_per_iter": nanogpt["median_ms_per_iter"] / result.median_ms_per_iter,
         "tokens_per_step": tc.batch_size * tc.block_size,
-        "matmul_dtype": result.config.model.matmul_dtype,  # what "auto" resolved to here
-        "env": {"jax": jax.__version__, "python": platform.python_version(), "cpus": os.cpu_count(),
-                "amx_bf16": "amx_bf16" in cpu_flags(), "XLA_FLAGS": os.environ.get("XLA_FLAGS", "")},
+        "kernels": runtime.kernels.to_dict(), "kernel_reasons": runtime.reasons,  # what "auto" resolved to here
+        "env": describe_machine(),
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -196,9 +193,10 @@ def markdown(r: dict) -> str:
         f"| wall time (s) | {r['wall_s']:.1f} |{f_cell('wall_s', '.1f')} {approx}{n['wall_s']:.0f} | |",
         "",
         f"{r['steps_per_dispatch']} optimizer steps per jitted dispatch (lax.scan), batch split over "
-        f"{r['data_parallel']} host devices; dense matmuls with {r['matmul_dtype']} operands "
-        f"(this CPU {'has' if r['env'].get('amx_bf16') else 'has no'} AMX-BF16); {r['params']:,} parameters; "
-        f"jax {r['env']['jax']}, {r['env']['cpus']} CPUs. nanoGPT figures: {n['source']}. The machine is shared, "
+        f"{r['data_parallel']} host devices; kernels: attention {r['kernels']['attention']!r}, dense matmuls "
+        f"{r['kernels']['matmul']!r} ({r['kernel_reasons']['matmul']}); {r['params']:,} parameters; "
+        f"{r['env']['cpu']} ({r['env']['platform']}, {r['env']['cpus']} CPUs), jax {r['env']['jax']}. "
+        f"nanoGPT figures: {n['source']}. The machine is shared, "
         "so timings drift (up to ~2x over minutes); only a measured column gives a same-run ratio"
         + (", and the two runs take turns every eval interval so that both see the same minutes."
            if n.get("interleaved") else "."),

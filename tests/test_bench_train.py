@@ -80,19 +80,31 @@ def test_a_port_that_fails_is_reported(bench_train, tmp_path):
         run.finish()
 
 
-def test_markdown_says_the_runs_took_turns(bench_train):
+def _record():
+    """The last results file, in the form bench/train.py writes now."""
     record = json.loads((ROOT / "bench" / "results" / "train.json").read_text())
+    record.update(kernels={"attention": "custom_vjp", "decode": "xla_cpu", "matmul": "xla", "mla": "naive"},
+                  kernel_reasons={"matmul": "this CPU has no AMX-BF16: bfloat16 matmuls are slower than float32 here"})
+    record["env"] = {"cpu": "AMD EPYC", "platform": "cpu backend (avx2)", "cpus": 2, "jax": "0.10.2"}
+    return record
+
+
+def test_markdown_says_the_runs_took_turns(bench_train):
+    record = _record()
     record["nanogpt"].update(measured=True, interleaved=True, fastest_ms_per_iter=25.0,
                              source="measured in this run, in turns")
     text = bench_train.markdown(record)
     assert "nanoGPT (measured, this run)" in text and "take turns" in text
 
 
-def test_markdown_names_the_matmul_dtype_and_whether_the_cpu_has_amx(bench_train):
-    record = json.loads((ROOT / "bench" / "results" / "train.json").read_text())
-    for dtype, amx, phrase in (("bfloat16", True, "this CPU has AMX-BF16"),
-                               ("float32", False, "this CPU has no AMX-BF16")):
-        record.update(matmul_dtype=dtype)
-        record["env"]["amx_bf16"] = amx
-        text = bench_train.markdown(record)
-        assert f"dense matmuls with {dtype} operands ({phrase})" in text
+def test_markdown_names_the_kernels_why_and_the_cpu(bench_train):
+    text = bench_train.markdown(_record())
+    assert ("kernels: attention 'custom_vjp', dense matmuls 'xla' (this CPU has no AMX-BF16: bfloat16 matmuls "
+            "are slower than float32 here)") in text
+    assert "AMD EPYC (cpu backend (avx2), 2 CPUs)" in text
+
+
+def test_the_recorded_command_names_no_interpreter_of_this_machine(bench_train):
+    command = bench_train.portable_command(["--nanogpt-python", "/usr/x/bin/python", "--float32-too"],
+                                           ("--nanogpt-python",))
+    assert command == "--nanogpt-python /path/to/nanogpt_python --float32-too"

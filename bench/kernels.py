@@ -1,0 +1,149 @@
+"""Each kernel choice against the reference on this machine, side by side: the evidence behind "auto".
+
+    PYTHONPATH=$PWD python bench/kernels.py [--rounds 8] [--decode-tokens 256]
+
+Training: the default config's jitted step (50 optimizer steps per dispatch, the
+batch split over the CPU cores as the runtime resolves it) compiled once per
+kernel variant in this process, then timed round-robin, so every variant sees the
+same minutes of a machine whose speed drifts. Decoding: `generate` (greedy,
+prompt 16) of the baby MHA and GQA models at batch 1 and 8 with each decode and
+matmul kernel, round-robin likewise. Writes bench/results/kernels.json and
+kernels.md with the CPU, the kernels "auto" picks here, and each variant's median
+and ratio to the reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from train import runtime as runtime_lib  # noqa: E402
+from train.config import load_config  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def round_robin(calls: dict, rounds: int) -> dict[str, float]:
+    """Median seconds of each zero-argument call, timed in alternating order (after one warm-up)."""
+    times = {name: [] for name in calls}
+    for name, call in calls.items():
+        call()
+    for r in range(rounds):
+        for name in (list(calls) if r % 2 == 0 else list(calls)[::-1]):
+            start = time.perf_counter()
+            calls[name]()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def training_variants(runtime) -> dict:
+    from jaxattn.kernels import Kernels
+    chosen = runtime.kernels
+    return {"reference": Kernels(), "attention custom_vjp": Kernels(attention="custom_vjp"),
+            "matmul bfloat16": Kernels(matmul="bfloat16"), "matmul bfloat16_cpu": Kernels(matmul="bfloat16_cpu"),
+            f"auto ({chosen.attention}, {chosen.matmul})": chosen}
+
+
+def time_training(runtime, rounds: int) -> list[dict]:
+    import dataclasses
+
+    import jax.numpy as jnp
+    import numpy as np
+
+    from train import data as data_lib
+    from train.loop import with_vocabulary
+    from train.steps import build_programs
+
+    config = load_config()
+    corpus = data_lib.load_corpus(config.train.data_path)
+    config = with_vocabulary(config, corpus.tokenizer)
+    steps = config.train.steps_per_dispatch
+    calls = {}
+    for name, kernels in training_variants(runtime).items():
+        programs = build_programs(config, dataclasses.replace(runtime, kernels=kernels))
+        data = programs.place(jnp.asarray(corpus.train))
+        state = {"s": programs.place(programs.init(config.train.seed))}
+        compiled = programs.train_steps.lower(state["s"], data, steps).compile()
+
+        def call(compiled=compiled, state=state, data=data):
+            state["s"], (losses, _) = compiled(state["s"], data)
+            np.asarray(losses)
+        calls[name] = call
+    medians = round_robin(calls, rounds)
+    reference = medians["reference"]
+    return [{"variant": name, "ms_per_step": 1e3 * s / steps, "vs_reference": reference / s}
+            for name, s in medians.items()]
+
+
+def time_decoding(rounds: int, new_tokens: int) -> list[dict]:
+    import functools
+
+    import jax
+    import numpy as np
+
+    from jaxattn import Kernels, ModelConfig, generate
+    from jaxattn.model import DecoderLM
+
+    rows = []
+    for kind, kv in (("MHA", None), ("GQA kv=2", 2)):
+        config = ModelConfig(vocab_size=65, max_seq_len=1024, num_kv_heads=kv)
+        params = jax.jit(DecoderLM(config).init)(jax.random.PRNGKey(0), np.zeros((1, 1), np.int32))["params"]
+        for batch in (1, 8):
+            prompt = np.asarray(jax.random.randint(jax.random.PRNGKey(0), (batch, 16), 1, 65), np.int32)
+            variants = {"reference": Kernels(), "decode xla_cpu": Kernels(decode="xla_cpu"),
+                        "decode xla_cpu, matmul bfloat16_cpu": Kernels(decode="xla_cpu", matmul="bfloat16_cpu")}
+            calls = {name: functools.partial(
+                lambda k: generate(params, config, prompt, np.full(batch, 16), max_new_tokens=new_tokens,
+                                   rng=jax.random.PRNGKey(0), temperature=0.0, kernels=k).tokens.block_until_ready(),
+                kernels) for name, kernels in variants.items()}
+            medians = round_robin(calls, rounds)
+            rows += [{"model": f"baby {kind}", "batch": batch, "variant": name,
+                      "tokens_per_s": batch * new_tokens / s, "vs_reference": medians["reference"] / s}
+                     for name, s in medians.items()]
+    return rows
+
+
+def markdown(record: dict) -> str:
+    m = record["machine"]
+    lines = [f"# Kernel choices on {m['cpu']} ({m['platform']}, {m['cpus']} CPUs), jax {m['jax']}", "",
+             f"`auto` picks here: {record['auto']}.", "",
+             "## Training step (default config, 50 steps per dispatch, medians of round-robin rounds)", "",
+             "| variant | ms/step | speed vs reference |", "| --- | ---: | ---: |"]
+    lines += [f"| {r['variant']} | {r['ms_per_step']:.1f} | {r['vs_reference']:.2f}x |" for r in record["training"]]
+    lines += ["", f"## Decoding (greedy, prompt 16, {record['decode_tokens']} new tokens)", "",
+              "| model | batch | variant | tokens/s | speed vs reference |", "| --- | ---: | --- | ---: | ---: |"]
+    lines += [f"| {r['model']} | {r['batch']} | {r['variant']} | {r['tokens_per_s']:,.0f} | {r['vs_reference']:.2f}x |"
+              for r in record["decoding"]]
+    lines += ["", f"Made by: `{record['command']}`", ""]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--decode-tokens", type=int, default=256)
+    args = parser.parse_args(argv)
+    config = load_config()
+    runtime = runtime_lib.start(config.runtime, config.train.batch_size)  # before anything starts JAX
+    from bench.machine import describe_machine
+    print("\n".join(runtime.describe()), flush=True)
+    record = {"command": "PYTHONPATH=$PWD python bench/kernels.py " + " ".join(sys.argv[1:] if argv is None else argv),
+              "machine": describe_machine(), "auto": str(runtime.kernels), "reasons": runtime.reasons,
+              "data_parallel": runtime.data_parallel, "decode_tokens": args.decode_tokens,
+              "training": time_training(runtime, args.rounds),
+              "decoding": time_decoding(args.rounds, args.decode_tokens)}
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "kernels.json").write_text(json.dumps(record, indent=2))
+    (RESULTS / "kernels.md").write_text(markdown(record))
+    print(markdown(record))
+    return record
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,39 @@
+"""What a benchmark ran on: the CPU by name, its relevant features, the JAX backend and versions."""
+
+from __future__ import annotations
+
+import os
+import platform
+from pathlib import Path
+
+import jax
+
+from jaxattn.kernels import Platform
+
+
+def cpu_model(cpuinfo: str = "/proc/cpuinfo") -> str:
+    """The CPU's model name as `lscpu` shows it ("unknown" where /proc/cpuinfo is missing)."""
+    try:
+        for line in Path(cpuinfo).read_text().splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def describe_machine() -> dict:
+    """A JSON-able record of the machine (starts JAX's backends)."""
+    detected = Platform.detect()
+    return {"cpu": cpu_model(), "cpus": os.cpu_count(), "platform": detected.describe(),
+            "amx_bf16": "amx_bf16" in detected.cpu_flags, "jax": jax.__version__,
+            "python": platform.python_version(), "XLA_FLAGS": os.environ.get("XLA_FLAGS", "")}
+
+
+def portable_command(argv: list[str], path_flags: tuple[str, ...]) -> str:
+    """The command line with the values of `path_flags` (interpreters on this machine) made generic."""
+    words = []
+    for i, word in enumerate(argv):
+        flag = argv[i - 1] if i else ""
+        words.append("/path/to/" + flag.lstrip("-").replace("-", "_") if flag in path_flags else word)
+    return " ".join(words)
