@@ -3,9 +3,11 @@
 `resolve_kernels(requested, platform)` is a pure function of a `Platform`
 (backend name and CPU feature flags), so every rule is testable on any
 machine; only `Platform.detect()` looks at the real one, and only programs
-call it (`python -m train.tiny_lm` prints the result and the reasons). Each
-rule follows a side-by-side measurement (docs/performance.md,
-`bench/kernels.py`); a platform nobody has measured gets the reference.
+call it (`python -m train.tiny_lm` prints the result and the reasons). The CPU
+rules follow side-by-side measurements on the CPUs this project has run on
+(docs/performance.md; `bench/kernel_choices.py` repeats them on any machine).
+On a GPU or TPU, which nobody here has measured, "auto" is the reference except
+for bfloat16 matmul operands, the usual practice there (torch.autocast).
 """
 
 from __future__ import annotations

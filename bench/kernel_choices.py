@@ -1,14 +1,14 @@
 """Each kernel choice against the reference on this machine, side by side: the evidence behind "auto".
 
-    PYTHONPATH=$PWD python bench/kernels.py [--rounds 8] [--decode-tokens 256]
+    PYTHONPATH=$PWD python bench/kernel_choices.py [--rounds 8] [--decode-tokens 256]
 
 Training: the default config's jitted step (50 optimizer steps per dispatch, the
 batch split over the CPU cores as the runtime resolves it) compiled once per
 kernel variant in this process, then timed round-robin, so every variant sees the
 same minutes of a machine whose speed drifts. Decoding: `generate` (greedy,
 prompt 16) of the baby MHA and GQA models at batch 1 and 8 with each decode and
-matmul kernel, round-robin likewise. Writes bench/results/kernels.json and
-kernels.md with the CPU, the kernels "auto" picks here, and each variant's median
+matmul kernel, round-robin likewise. Writes bench/results/kernel_choices.json and
+kernel_choices.md with the CPU, the kernels "auto" picks here, and each variant's median
 and ratio to the reference.
 """
 
@@ -133,14 +133,14 @@ def main(argv=None) -> dict:
     runtime = runtime_lib.start(config.runtime, config.train.batch_size)  # before anything starts JAX
     from bench.machine import describe_machine
     print("\n".join(runtime.describe()), flush=True)
-    record = {"command": "PYTHONPATH=$PWD python bench/kernels.py " + " ".join(sys.argv[1:] if argv is None else argv),
+    record = {"command": "PYTHONPATH=$PWD python bench/kernel_choices.py " + " ".join(sys.argv[1:] if argv is None else argv),
               "machine": describe_machine(), "auto": str(runtime.kernels), "reasons": runtime.reasons,
               "data_parallel": runtime.data_parallel, "decode_tokens": args.decode_tokens,
               "training": time_training(runtime, args.rounds),
               "decoding": time_decoding(args.rounds, args.decode_tokens)}
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "kernels.json").write_text(json.dumps(record, indent=2))
-    (RESULTS / "kernels.md").write_text(markdown(record))
+    (RESULTS / "kernel_choices.json").write_text(json.dumps(record, indent=2))
+    (RESULTS / "kernel_choices.md").write_text(markdown(record))
     print(markdown(record))
     return record
 
