@@ -1,11 +1,19 @@
-"""Training programs for jaxattn's tiny character-level LM (Tiny Shakespeare).
+"""The programs of jaxattn's tiny character-level LM (Tiny Shakespeare) and the modules behind them.
 
-Modules:
-  data: find, download and split the corpus; deterministic batches.
-  tokenizer: character- and byte-level tokenizers, saved with checkpoints.
-  config: TrainConfig, ExperimentConfig, configs/*.toml and --set overrides.
-  checkpoint: orbax checkpoints (latest and best) and load_for_sampling.
-  tiny_lm: the main program, `python -m train.tiny_lm`.
+Programs (thin command-line interfaces):
+  tiny_lm: train, `python -m train.tiny_lm`.
+  sample: generate text from a run's checkpoint or a random init.
   compare: attention kinds x position schemes side by side.
   attention_maps: heatmaps of a trained model's attention weights.
+
+Modules:
+  config: ExperimentConfig = [model] (the maths) + [train] + [runtime]; TOML files and --set overrides.
+  runtime: devices, XLA flags and kernels, resolved once before JAX starts, with reasons.
+  data: find, download and split the corpus; deterministic batches.
+  tokenizer: character- and byte-level tokenizers, saved with checkpoints.
+  optim: nanoGPT's AdamW, schedule and weight-decay mask.
+  steps: the jitted programs (init, train steps, evaluation) and data parallelism.
+  loop: a run: metrics, progress bar, checkpoints, the end-of-run sample and result.
+  checkpoint: orbax checkpoints (latest and best) and the one loader for sampling.
+  plots: loss curves, the comparison chart, attention maps.
 """
