@@ -42,6 +42,20 @@ def require_bool(name: str, x) -> None:
         )
 
 
+def require_float(name: str, x) -> None:
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"{name} must be a floating-point array, got dtype {x.dtype}")
+
+
+def concrete_or_none(x):
+    """`x` as a numpy array when its value is known now (not a tracer under `jit`), else None."""
+    import jax
+    try:
+        return np.asarray(x)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return None
+
+
 def require_integer(name: str, x) -> None:
     if not jnp.issubdtype(x.dtype, jnp.integer):
         raise TypeError(f"{name} must be an integer array, got dtype {x.dtype}")

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxattn import kernels
-from jaxattn._validate import require_bool, require_broadcastable, require_integer, require_rank
+from jaxattn._validate import require_bool, require_broadcastable, require_float, require_integer, require_rank
 from jaxattn.masks import causal_mask
 from jaxattn.softmax import softmax_dtype
 
@@ -47,6 +47,8 @@ def _validate(query, key, value, mask, bias, dropout_rate):
     require_rank("query", query, 4, "[B, T, N, H]")
     require_rank("key", key, 4, "[B, S, K, H]")
     require_rank("value", value, 4, "[B, S, K, Hv]")
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        require_float(name, x)
     (B, T, N, H), (Bk, S, K, Hk) = query.shape, key.shape
     if Bk != B or value.shape[0] != B:
         raise ValueError(
@@ -100,7 +102,12 @@ def scaled_dot_product_attention(query, key, value, *, mask=None, bias=None,
       `[B, T, N, Hv]` in the query's dtype, or `(out, weights [B, N, T, S])`
       (float32, after dropout, as used for the output). Logits and softmax are
       float32 whatever the input dtype (float64 inputs stay float64). A query
-      row with no key to attend to gives zeros, never NaN.
+      row with no key to attend to (masked, or biased to -inf) gives zeros,
+      never NaN.
+
+    Inputs must be finite, masked keys' values included: a masked key gets
+    weight exactly 0, but 0 times NaN is NaN (padding and unwritten cache slots
+    that this library writes are always finite).
     """
     mask = None if mask is None else jnp.asarray(mask)
     bias = None if bias is None else jnp.asarray(bias)
@@ -174,6 +181,8 @@ def reference_attention(query, key, value, *, mask=None, bias=None,
     allowed = jnp.ones((T, S), bool) if mask is None else mask
     if is_causal:
         allowed = jnp.logical_and(allowed, causal_mask(T, S))
+    if bias is not None:  # a key biased to -inf cannot be attended to
+        allowed = jnp.logical_and(allowed, bias != -jnp.inf)
     allowed = jnp.broadcast_to(allowed, (B, N, T, S))
     scores = jnp.where(allowed, scores, -jnp.inf)
     # A row with every key masked is defined as zeros rather than 0/0.

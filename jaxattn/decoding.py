@@ -25,6 +25,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import checkify
 
 from jaxattn import sampling
 from jaxattn.cache import DecodeCache, init_cache
@@ -201,6 +202,14 @@ def _generate_recomputed(params, prompt, lengths, rng, knobs, *, config, kernels
 # ---------------------------------------------------------------- public API
 
 
+def _validate_tokens(config, top_k, stop_token, pad_token) -> None:
+    if not np.all(np.asarray(top_k) >= 0):
+        raise ValueError(f"top_k must be >= 0 (0 = off), got {top_k}")
+    for name, token in (("stop_token", stop_token), ("pad_token", pad_token)):
+        if token is not None and not 0 <= int(token) < config.vocab_size:
+            raise ValueError(f"{name} must be a token id in [0, vocab_size={config.vocab_size}), got {token}")
+
+
 def _validate(config, kernels, prompt_tokens, prompt_lengths, max_new_tokens, temperature, top_p):
     """Checks on host values before anything is traced; returns numpy `(tokens [B,Tp], lengths [B])`."""
     if not isinstance(config, ModelConfig):
@@ -234,6 +243,7 @@ def _prepare(config, kernels, prompt_tokens, prompt_lengths, max_new_tokens, tem
              stop_token, pad_token):
     """Validates, pads the prompt to its bucket and packs the traced knobs."""
     tokens, lengths = _validate(config, kernels, prompt_tokens, prompt_lengths, max_new_tokens, temperature, top_p)
+    _validate_tokens(config, top_k, stop_token, pad_token)
     bucket = prompt_bucket(int(lengths.max()), config.max_seq_len)
     padded = np.full((tokens.shape[0], bucket), pad_token, np.int32)
     width = min(bucket, tokens.shape[1])
@@ -325,3 +335,20 @@ def generate_windowed(params, config: ModelConfig, prompt_ids, *, max_new_tokens
         history = np.concatenate([history, np.asarray(out.tokens)], axis=1)
         window += 1
     return history[:, prompt.size:prompt.size + max_new_tokens]
+
+
+def checked_extend(model: DecoderLM, params, tokens, cache: DecodeCache, *, num_new=None):
+    """`DecoderLM.extend` under `jit` with its preconditions checked on the device.
+
+    Cache capacity, `num_new` and token ids are checked by `checkify`; a failed
+    check raises a ValueError with its message instead of returning wrong logits.
+    Slower than `extend` (the checks and a host round trip), for tests and debugging.
+    """
+    def extend(params, tokens, cache, num_new):
+        return model.apply({"params": params}, tokens, cache, num_new=num_new, check=True,
+                           method=DecoderLM.extend)
+    error, out = jax.jit(checkify.checkify(extend))(params, tokens, cache, num_new)
+    message = error.get()
+    if message:
+        raise ValueError(message.split(" (`check` failed)")[0])
+    return out

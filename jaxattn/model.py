@@ -15,8 +15,10 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.experimental import checkify
 
 from jaxattn import kernels as kernels_lib
+from jaxattn._validate import concrete_or_none
 from jaxattn.cache import DecodeCache, KVCache, LatentCache
 from jaxattn.config import ModelConfig
 from jaxattn.kernels import Kernels
@@ -121,7 +123,7 @@ class DecoderLM(nn.Module):
     # -- whole sequences -------------------------------------------------------------------
 
     def __call__(self, tokens, *, positions=None, padding_mask=None, deterministic=True,
-                 return_weights=False):
+                 return_weights=False, check=False):
         """Causal forward pass.
 
         Args:
@@ -133,8 +135,13 @@ class DecoderLM(nn.Module):
 
         Returns:
           logits `[B, T, V]` float32, or `(logits, weights)`.
+
+        Token ids must be in `[0, vocab_size)`: checked here when their values are
+        known (outside `jit`); under `jit` an id outside gives NaN logits unless
+        `check=True` inside `checkify.checkify` (see `extend`).
         """
         _check_tokens(tokens)
+        self._check_token_range(tokens, check)
         B, T = tokens.shape
         if positions is None:
             self._check_length(T)
@@ -156,7 +163,7 @@ class DecoderLM(nn.Module):
 
     # -- cached extension ------------------------------------------------------------------
 
-    def extend(self, tokens, cache: DecodeCache, *, num_new=None):
+    def extend(self, tokens, cache: DecodeCache, *, num_new=None, check=False):
         """Appends tokens to the cache: prefill (T > 1, right-padded) or decode (T = 1).
 
         Args:
@@ -169,10 +176,22 @@ class DecoderLM(nn.Module):
 
         Returns:
           `(logits [B, T, V] float32, new_cache)`, `new_cache.lengths = lengths + num_new`.
+
+        Preconditions: `lengths[b] + T <= max_len` (past it the write would be
+        clamped and the logits wrong), `0 <= num_new[b] <= T`, token ids in
+        `[0, vocab_size)`. They raise a ValueError here when the values are known
+        (outside `jit`). Under `jit` they cannot be checked for free: pass
+        `check=True` inside `jax.experimental.checkify.checkify` (as
+        `jaxattn.decoding.checked_extend` does) to have them checked on the device.
         """
         _check_tokens(tokens)
         self._check_cache(tokens, cache)
+        self._check_token_range(tokens, check)
         B, T = tokens.shape
+        num_new = jnp.full((B,), T, jnp.int32) if num_new is None else jnp.asarray(num_new, jnp.int32)
+        if num_new.shape != (B,):
+            raise ValueError(f"num_new must be [B] = {(B,)}, got {num_new.shape}")
+        self._check_capacity(T, cache, num_new, check)
         starts = cache.lengths
         positions = starts[:, None] + jnp.arange(T)  # [B, T] absolute
         x = self.embed(tokens, positions)
@@ -180,10 +199,30 @@ class DecoderLM(nn.Module):
         for block, layer_cache in zip(self.blocks, cache.layers):
             x, layer_cache = block.extend(x, layer_cache, starts)
             layers.append(layer_cache)
-        num_new = jnp.full((B,), T, jnp.int32) if num_new is None else jnp.asarray(num_new, jnp.int32)
-        if num_new.shape != (B,):
-            raise ValueError(f"num_new must be [B] = {(B,)}, got {num_new.shape}")
         return self.logits(x), DecodeCache(layers=tuple(layers), lengths=starts + num_new)
+
+    def _check_token_range(self, tokens, check: bool) -> None:
+        V = self.config.vocab_size
+        values = concrete_or_none(tokens)
+        if values is not None and values.size and (values.min() < 0 or values.max() >= V):
+            raise ValueError(f"token ids must be in [0, vocab_size={V}), got range [{values.min()}, {values.max()}]")
+        if check:
+            checkify.check(jnp.all((tokens >= 0) & (tokens < V)),
+                           f"token ids must be in [0, vocab_size={V}), got range [{{}}, {{}}]", tokens.min(), tokens.max())
+
+    def _check_capacity(self, T: int, cache: DecodeCache, num_new, check: bool) -> None:
+        lengths, new = concrete_or_none(cache.lengths), concrete_or_none(num_new)
+        if lengths is not None and (lengths + T > cache.max_len).any():
+            raise ValueError(f"the cache holds max_len={cache.max_len} tokens per row; rows of lengths "
+                             f"{lengths.tolist()} cannot take {T} more")
+        if new is not None and ((new < 0) | (new > T)).any():
+            raise ValueError(f"num_new must be in [0, T={T}], got {new.tolist()}")
+        if check:
+            checkify.check(jnp.all(cache.lengths + T <= cache.max_len),
+                           f"the cache holds max_len={cache.max_len} tokens per row; a row of length {{}} "
+                           f"cannot take {T} more", cache.lengths.max())
+            checkify.check(jnp.all((num_new >= 0) & (num_new <= T)), f"num_new must be in [0, T={T}], got {{}}",
+                           num_new)
 
     def _check_length(self, T: int) -> None:
         if self.config.positions in ("learned", "sinusoidal") and T > self.config.max_seq_len:

@@ -537,3 +537,32 @@ def test_cached_attention_errors():
         cached_attention(q, cache[:, :2], cache[:, :2], jnp.zeros((2, 1)))
     with pytest.raises(ValueError, match=r"decode implementation must be one of \('xla', 'xla_cpu'\)"):
         cached_attention(q, cache[:, :2], cache[:, :2], jnp.zeros((2, 1), jnp.int32), implementation="cuda")
+
+
+# --------------------------------------------------------------------------
+# Inputs that used to give silent wrong results (issue 12).
+
+
+@pytest.mark.parametrize("fn", ["xla", "custom_vjp", "reference"])
+def test_a_row_biased_to_minus_infinity_everywhere_gives_zeros_with_finite_gradients(fn):
+    """A bias of -inf hides a key like a mask does: a row with nothing left gives zeros, not NaN."""
+    q, k, v = qkv(B=1, T=3, S=4, N=2, K=1)
+    bias = np.zeros((1, 2, 3, 4), np.float32)
+    bias[0, 1, 2, :] = -np.inf  # head 1, query 2: every key at -inf
+    bias[0, 0, 0, 1:] = -np.inf  # head 0, query 0: only key 0 left
+    bias = jnp.asarray(bias)
+    attend = (functools.partial(reference_attention) if fn == "reference" else
+              functools.partial(scaled_dot_product_attention, implementation=fn))
+    out = attend(q, k, v, bias=bias)
+    np.testing.assert_array_equal(out[0, 2, 1], 0.0)
+    np.testing.assert_allclose(out[0, 0, 0], v[0, 0, 0], rtol=1e-6)  # all weight on key 0
+    assert np.all(np.isfinite(out))
+    grads = jax.grad(lambda q, k, v: attend(q, k, v, bias=bias).sum(), argnums=(0, 1, 2))(q, k, v)
+    assert all(np.all(np.isfinite(g)) for g in grads)
+
+
+def test_integer_inputs_are_refused():
+    q, k, v = qkv(B=1, T=2, S=2, N=2, K=2)
+    for name, args in (("query", (q.astype(jnp.int32), k, v)), ("value", (q, k, v.astype(jnp.int32)))):
+        with pytest.raises(TypeError, match=f"{name} must be a floating-point array, got dtype int32"):
+            scaled_dot_product_attention(*args)

@@ -172,3 +172,36 @@ def test_extend_rejects_mismatched_caches():
         extend(config, params, tokens, init_cache(config, 2, MAX_LEN), num_new=jnp.array([1]))
     with pytest.raises(ValueError, match="max_len must be a positive integer"):
         init_cache(config, 2, 0)
+
+
+# --------------------------------------------------------------------------
+# Preconditions of extend: checked when values are known, and under jit in checked mode.
+
+
+def test_extend_refuses_what_would_give_wrong_logits():
+    from jaxattn.decoding import checked_extend
+    config = tiny_config("gqa", "rope")
+    params = params_for(config)
+    full_cache = extend(config, params, random_tokens((2, 10)), init_cache(config, 2, MAX_LEN))[1]  # 10 of 12 slots
+    cases = [
+        (dict(tokens=random_tokens((2, 3)), cache=full_cache), "cannot take 3 more"),  # 10 + 3 > 12
+        (dict(tokens=random_tokens((2, 2)), cache=init_cache(config, 2, MAX_LEN), num_new=jnp.array([3, 1])),
+         r"num_new must be in \[0, T=2\]"),
+        (dict(tokens=random_tokens((2, 2)), cache=init_cache(config, 2, MAX_LEN), num_new=jnp.array([1, -1])),
+         r"num_new must be in \[0, T=2\]"),
+        (dict(tokens=jnp.full((2, 2), VOCAB), cache=init_cache(config, 2, MAX_LEN)),
+         r"token ids must be in \[0, vocab_size=13\)"),
+    ]
+    model = DecoderLM(config)
+    for kwargs, message in cases:
+        with pytest.raises(ValueError, match=message):  # eager: the values are known
+            extend(config, params, kwargs["tokens"], kwargs["cache"], kwargs.get("num_new"))
+        with pytest.raises(ValueError, match=message):  # under jit, checked on the device
+            checked_extend(model, params, kwargs["tokens"], kwargs["cache"], num_new=kwargs.get("num_new"))
+    tokens = random_tokens((2, 2))  # valid input: the checked mode returns extend's results
+    logits, cache = checked_extend(model, params, tokens, full_cache)
+    expected, expected_cache = extend(config, params, tokens, full_cache)
+    np.testing.assert_allclose(logits, expected, atol=1e-6)
+    np.testing.assert_array_equal(cache.lengths, [12, 12])
+    with pytest.raises(ValueError, match=r"token ids must be in \[0, vocab_size=13\)"):
+        full(config, params, jnp.full((1, 3), -1))

@@ -200,6 +200,9 @@ def test_prompt_bucket(length, bucket):
     (dict(prompt_tokens=PROMPTS[0]), "prompt_tokens"),
     (dict(temperature=-1.0), "temperature"),
     (dict(top_p=1.5), "top_p"),
+    (dict(top_k=-1), r"top_k must be >= 0 \(0 = off\), got -1"),
+    (dict(stop_token=17), r"stop_token must be a token id in \[0, vocab_size=17\), got 17"),
+    (dict(pad_token=-1), r"pad_token must be a token id in \[0, vocab_size=17\), got -1"),
 ])
 def test_bad_arguments_raise_before_tracing(kwargs, message, traces):
     config = tiny_config()

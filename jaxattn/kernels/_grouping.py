@@ -19,12 +19,19 @@ def group_heads(x: jnp.ndarray, num_kv_heads: int) -> jnp.ndarray:
     return x.reshape(b, num_kv_heads, n // num_kv_heads, t, s)
 
 
-def allowed_keys(mask, is_causal: bool, T: int, S: int, K: int):
-    """The boolean mask to apply, broadcastable to `[B, K, G, T, S]`, or None (every key allowed)."""
+def allowed_keys(mask, is_causal: bool, T: int, S: int, K: int, grouped_bias=None):
+    """The boolean mask to apply, broadcastable to `[B, K, G, T, S]`, or None (every key allowed).
+
+    A key whose bias is -inf is masked too, so that a row biased to -inf everywhere has
+    nothing to attend to (zeros) rather than 0/0 (NaN).
+    """
     grouped = None if mask is None else group_heads(mask, K)
     if is_causal:
         causal = causal_mask(T, S)  # [T, S], aligned to the end of the keys
         grouped = causal if grouped is None else jnp.logical_and(grouped, causal)
+    if grouped_bias is not None:
+        finite = grouped_bias != -jnp.inf  # NaN stays visible: it is not -inf
+        grouped = finite if grouped is None else jnp.logical_and(grouped, finite)
     return grouped
 
 

@@ -35,7 +35,7 @@ def attention(query, key, value, *, mask, bias, is_causal, scale, dropout_rate, 
     S, K = key.shape[1:3]
     q, k, v = _heads_major(query, key, value)  # [B,K,G,T,H], [B,K,S,H], [B,K,S,Hv]
     bias = None if bias is None else group_heads(bias, K)
-    out = _attention(q, k, v, bias, allowed_keys(mask, is_causal, T, S, K), scale)  # [B,K,G,T,Hv]
+    out = _attention(q, k, v, bias, allowed_keys(mask, is_causal, T, S, K, bias), scale)  # [B,K,G,T,Hv]
     out = out.transpose(0, 3, 1, 2, 4).reshape(B, T, N, value.shape[-1])  # [B,T,K,G,Hv] -> [B,T,N,Hv]
     return out.astype(query.dtype), None
 
@@ -83,7 +83,7 @@ def _backward(scale, residuals, d_out):
     d_logits = weights * (d_weights - delta)  # masked keys and empty rows have weight 0: 0 here
     d_q = jnp.einsum("BKGTS,BKSH->BKGTH", d_logits, k, preferred_element_type=f32) * scale
     d_k = jnp.einsum("BKGTS,BKGTH->BKSH", d_logits, q, preferred_element_type=f32) * scale
-    d_bias = None if bias is None else _sum_to_shape(d_logits, bias.shape).astype(bias.dtype)
+    d_bias = None if bias is None else _sum_to_shape(d_logits, bias.shape).astype(bias.dtype)  # 0 where masked
     return d_q.astype(q.dtype), d_k.astype(k.dtype), d_v.astype(v.dtype), d_bias, None
 
 

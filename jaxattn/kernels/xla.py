@@ -27,9 +27,10 @@ def attention(query, key, value, *, mask, bias, is_causal, scale, dropout_rate, 
     q = query.reshape(B, T, K, N // K, H)  # [B, T, K, G, H]: G query heads per kv head
     logits = jnp.einsum("BTKGH,BSKH->BKGTS", q, key,
                         preferred_element_type=softmax_dtype(query.dtype)) * scale
+    bias = None if bias is None else group_heads(bias, K)
     if bias is not None:
-        logits = logits + group_heads(bias, K).astype(logits.dtype)
-    weights = masked_softmax(logits, allowed_keys(mask, is_causal, T, S, K))  # [B, K, G, T, S]
+        logits = logits + bias.astype(logits.dtype)
+    weights = masked_softmax(logits, allowed_keys(mask, is_causal, T, S, K, bias))  # [B, K, G, T, S]
     weights = dropout_weights(weights, dropout_rate, dropout_rng)
     out = jnp.einsum("BKGTS,BSKH->BTKGH", weights.astype(value.dtype), value)
     return merge_heads(out, query.dtype), (weights.reshape(B, N, T, S) if return_weights else None)
