@@ -53,7 +53,7 @@ def test_round_trip_latest_and_best(tmp_path):
     _assert_trees_equal(restored, _state(1))
     assert type(restored["opt_state"]) is type(state["opt_state"])
     assert meta["step"] == 9 and meta["best_val_loss"] == 1.5
-    assert sorted(os.listdir(tmp_path / "checkpoints" / "latest")) == ["9"]  # only the newest kept
+    assert sorted(os.listdir(tmp_path / "checkpoints" / "latest")) == ["7", "9"]  # the two newest kept
     ckpt.close()
 
     params, model_config, tokenizer = load_for_sampling(tmp_path)  # prefers best
@@ -160,3 +160,81 @@ def test_killed_save_never_leaves_a_half_valid_checkpoint(tmp_path):
     assert os.listdir(out / "checkpoints" / "latest") == ["1"]
     params, _, _ = load_for_sampling(out / "checkpoints" / "latest")
     _assert_trees_equal(params, _state(0)["params"])
+
+
+# --------------------------------------------------------------------------------------------
+# Integrity: a damaged step is refused with one line naming it, and resume falls back a step.
+
+
+def _data_file(step_dir: Path) -> Path:
+    """The largest array-data file of a saved step."""
+    return max((p for p in (step_dir / "state").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+
+
+def _flip_bytes(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    data[middle:middle + 64] = bytes(b ^ 0xFF for b in data[middle:middle + 64])
+    path.write_bytes(bytes(data))
+
+
+def _saved(tmp_path, steps=(1,)):
+    ckpt = Checkpointer(tmp_path)
+    for i, step in enumerate(steps):
+        ckpt.save("latest", step, _state(i), config=_config(), tokenizer=CharTokenizer("abcde"), val_loss=1.0,
+                  best_val_loss=1.0)
+    ckpt.close()
+    return tmp_path / "checkpoints" / "latest"
+
+
+@pytest.mark.parametrize("damage", ["flipped bytes", "truncated data", "no meta.json"])
+def test_a_damaged_checkpoint_is_refused_with_one_line_naming_it(tmp_path, damage):
+    latest = _saved(tmp_path)
+    if damage == "flipped bytes":
+        _flip_bytes(_data_file(latest / "1"))
+    elif damage == "truncated data":
+        data = _data_file(latest / "1")
+        data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    else:
+        import shutil
+        shutil.rmtree(latest / "1" / "meta")
+    with pytest.raises(CheckpointError) as error:
+        load_for_sampling(tmp_path)
+    message = str(error.value)
+    assert str(latest / "1") in message and "\n" not in message and len(message) < 600
+
+
+def test_resume_falls_back_to_the_previous_valid_step_with_a_warning(tmp_path):
+    latest = _saved(tmp_path, steps=(1, 2))
+    _flip_bytes(_data_file(latest / "2"))
+    warnings = []
+    ckpt = Checkpointer(tmp_path)
+    restored, meta = ckpt.restore("latest", jax.eval_shape(lambda: _state(0)), on_skip=warnings.append)
+    ckpt.close()
+    assert meta["step"] == 1 and len(warnings) == 1
+    assert f"checkpoint {latest / '2'}" in warnings[0] and "using step 1 instead" in warnings[0]
+    _assert_trees_equal(restored, _state(0))
+    ckpt = Checkpointer(tmp_path)
+    with pytest.raises(CheckpointError, match=f"{latest / '2'}"):  # without a fallback: refused
+        ckpt.restore("latest", jax.eval_shape(lambda: _state(0)))
+    ckpt.close()
+
+
+def test_an_array_that_changed_on_disk_fails_its_checksum(tmp_path, monkeypatch):
+    """The checksum, not only the storage layer, catches a change: here the restored numbers are altered."""
+    import orbax.checkpoint as ocp
+    _saved(tmp_path)
+    restore = ocp.CheckpointManager.restore
+
+    def altered(self, step, args=None):
+        out = restore(self, step, args=args)
+        if "state" in out:
+            state = dict(out["state"])
+            state["step"] = state["step"] + 1
+            out = {**out, "state": state}
+        return out
+    monkeypatch.setattr(ocp.CheckpointManager, "restore", altered)
+    ckpt = Checkpointer(tmp_path)
+    with pytest.raises(CheckpointError, match=r"array step does not match its saved sha256"):
+        ckpt.restore("latest", jax.eval_shape(lambda: _state(0)))
+    ckpt.close()

@@ -1,24 +1,29 @@
-"""Checkpoints with orbax: the latest state and the best state by val loss.
+"""Checkpoints with orbax: the latest states and the best state by val loss.
 
 Layout under a run's out_dir:
-  checkpoints/latest/<step>/   params, optimizer state, step, rng + meta.json (config, tokenizer)
+  checkpoints/latest/<step>/   params, optimizer state, step, rng + meta.json (config, tokenizer,
+                               a sha256 of every array); the two newest steps are kept
   checkpoints/best/<step>/     the same, for the lowest val loss seen so far
+
+Orbax writes a step into `<step>.orbax-checkpoint-tmp-*` and renames it to `<step>` only
+once every file is on disk; readers only see renamed steps, so a process killed mid-save
+leaves the previous checkpoint as the latest valid one (tests/test_checkpoint.py kills a
+real save). A restore recomputes every array's sha256 and compares it with the one saved:
+a corrupted or truncated step gives a CheckpointError naming it and, where the caller
+allows, the previous valid step is used instead, with a warning.
 
 `load_for_sampling` is the one loader of a trained model (sampling, attention maps).
 Checkpoints of format 1 (before the model config and the runtime were separate)
 are upgraded when read.
-
-Each is an orbax CheckpointManager keeping one step. Orbax writes a step into
-`<step>.orbax-checkpoint-tmp-*` and renames it to `<step>` only once every file is on
-disk; readers only see renamed steps, so a process killed mid-save leaves the previous
-checkpoint as the latest valid one (tests/test_checkpoint.py kills a real save).
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
+import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -32,70 +37,156 @@ from train.tokenizer import Tokenizer, from_dict as tokenizer_from_dict
 
 FORMAT_VERSION = 2
 KINDS = ("latest", "best")
+KEEP = {"latest": 2, "best": 1}  # latest keeps a previous step to fall back to
 _MLA_FIELDS = ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
 
 class CheckpointError(ValueError):
-    """A checkpoint is missing, unreadable or does not match the run."""
+    """A checkpoint is missing, unreadable, corrupted or does not match the run."""
 
 
-def _manager(directory: Path, *, create: bool) -> ocp.CheckpointManager:
+def _manager(directory: Path, keep: int, *, create: bool) -> ocp.CheckpointManager:
     options = ocp.CheckpointManagerOptions(
-        preservation_policy=LatestN(n=1), create=create, enable_async_checkpointing=False,
+        preservation_policy=LatestN(n=keep), create=create, enable_async_checkpointing=False,
         cleanup_tmp_directories=create)
     return ocp.CheckpointManager(directory.absolute(), options=options, item_names=("state", "meta"))
 
 
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0][:300] if text else ''}"
+
+
+def _path_name(path) -> str:
+    """'opt_state/0/count' for a key path, whatever the containers (a restore may give dicts
+    where the saved state had named tuples)."""
+    parts = (getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))) for k in path)
+    return "/".join(str(part) for part in parts)
+
+
+def checksums(state: Any) -> dict[str, str]:
+    """sha256 of every array of a pytree, by its path."""
+    return {_path_name(path): hashlib.sha256(np.ascontiguousarray(np.asarray(leaf)).tobytes()).hexdigest()
+            for path, leaf in jax.tree_util.tree_leaves_with_path(state)}
+
+
 class Checkpointer:
-    """Saves and restores a run's train state: {'params', 'opt_state', 'step', 'rng'}."""
+    """Saves and restores a run's train state: {'params', 'opt_state', 'step', 'rng'}.
+
+    Each kind's directory is created by its first save, so opening a run to resume it
+    writes nothing.
+    """
 
     def __init__(self, out_dir: str | Path):
         self.root = Path(out_dir) / "checkpoints"
-        self._managers = {kind: _manager(self.root / kind, create=True) for kind in KINDS}
+        self._managers: dict[str, ocp.CheckpointManager] = {}
 
-    def save(self, kind: str, step: int, state: Any, *, config: ExperimentConfig,
-             tokenizer: Tokenizer, val_loss: float | None, best_val_loss: float | None) -> None:
+    def _get(self, kind: str, *, create: bool) -> ocp.CheckpointManager | None:
+        """The manager of `kind`; None when its directory does not exist and `create` is False.
+
+        An existing directory is opened for writing, which also removes a save that a killed
+        process left unfinished (safe: the run directory is locked by this run).
+        """
+        if kind not in self._managers:
+            if not create and not (self.root / kind).is_dir():
+                return None
+            self._managers[kind] = _manager(self.root / kind, KEEP[kind], create=True)
+        return self._managers[kind]
+
+    def save(self, kind: str, step: int, state: Any, *, config: ExperimentConfig, tokenizer: Tokenizer,
+             val_loss: float | None, best_val_loss: float | None, extra: dict | None = None) -> None:
+        """Writes `state` as step `step` of `kind`; `extra` goes into its meta.json."""
         meta = {"format": FORMAT_VERSION, "step": int(step), "val_loss": _finite_or_none(val_loss),
                 "best_val_loss": _finite_or_none(best_val_loss), "config": config.to_dict(),
-                "tokenizer": tokenizer.to_dict()}
-        self._managers[kind].save(step, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
+                "tokenizer": tokenizer.to_dict(), "checksums": checksums(state), **(extra or {})}
+        try:
+            self._get(kind, create=True).save(step, args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
+        except Exception as err:  # a full disk, a read-only folder: one line, not orbax's traceback
+            raise CheckpointError(f"saving {self.root / kind / str(step)} failed: {_first_line(err)}") from err
 
     def latest_step(self, kind: str = "latest") -> int | None:
-        return self._managers[kind].latest_step()
+        manager = self._get(kind, create=False)
+        return None if manager is None else manager.latest_step()
 
-    def restore(self, kind: str, abstract_state: Any) -> tuple[Any, dict]:
-        """(state shaped like `abstract_state`, meta) of the newest `kind` checkpoint."""
-        return _restore(self._managers[kind], self.root / kind, abstract_state)
+    def read_meta(self, kind: str = "latest") -> dict:
+        """The meta.json of the newest `kind` step (no arrays read): to check a run against it first."""
+        manager = self._get(kind, create=False)
+        step = None if manager is None else manager.latest_step()
+        if step is None:
+            raise CheckpointError(f"no finished checkpoint in {self.root / kind}")
+        try:
+            meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        except Exception as err:
+            raise CheckpointError(f"checkpoint {self.root / kind / str(step)} has no readable meta.json: "
+                                  f"{_first_line(err)}") from err
+        return upgrade_format_1(meta) if isinstance(meta, dict) and meta.get("format") == 1 else meta
+
+    def restore(self, kind: str, abstract_state: Any, *,
+                on_skip: Callable[[str], None] | None = None) -> tuple[Any, dict]:
+        """(state shaped like `abstract_state`, meta) of the newest valid `kind` checkpoint.
+
+        A step that cannot be read or fails its checksums raises CheckpointError, or, given
+        `on_skip`, is reported to it and the next older step is tried.
+        """
+        manager = self._get(kind, create=False)
+        if manager is None or manager.latest_step() is None:
+            raise CheckpointError(f"no finished checkpoint in {self.root / kind}")
+        return _restore_newest_valid(manager, self.root / kind, abstract_state, on_skip)
 
     def close(self) -> None:
         for manager in self._managers.values():
             manager.close()
+        self._managers.clear()
 
 
 def _finite_or_none(x: float | None) -> float | None:
     return None if x is None or not math.isfinite(float(x)) else float(x)
 
 
-def _restore(manager: ocp.CheckpointManager, directory: Path, abstract_state: Any | None):
-    step = manager.latest_step()
-    if step is None:
-        raise CheckpointError(f"no finished checkpoint in {directory}")
+def _restore_newest_valid(manager, directory: Path, abstract_state, on_skip):
+    steps = sorted(manager.all_steps(), reverse=True)
+    for i, step in enumerate(steps):
+        try:
+            return _restore_step(manager, directory, step, abstract_state)
+        except CheckpointError as err:
+            if on_skip is None or i == len(steps) - 1:
+                raise
+            on_skip(f"{err}; using step {steps[i + 1]} instead")
+    raise CheckpointError(f"no finished checkpoint in {directory}")
+
+
+def _restore_step(manager, directory: Path, step: int, abstract_state):
+    where = directory / str(step)
     state_args = ocp.args.StandardRestore(abstract_state) if abstract_state is not None \
         else ocp.args.StandardRestore()
     try:
-        restored = manager.restore(step, args=ocp.args.Composite(
-            state=state_args, meta=ocp.args.JsonRestore()))
+        restored = manager.restore(step, args=ocp.args.Composite(state=state_args, meta=ocp.args.JsonRestore()))
     except (ValueError, KeyError, TypeError) as err:
-        raise CheckpointError(
-            f"checkpoint {directory / str(step)} does not match this model/optimizer "
-            f"(different config?): {err}") from err
+        if "checksum" in str(err).lower() or "corrupt" in str(err).lower():
+            raise CheckpointError(f"checkpoint {where} is corrupted: {_first_line(err)}") from err
+        raise CheckpointError(f"checkpoint {where} cannot be read or does not match this model/optimizer "
+                              f"(different config?): {_first_line(err)}") from err
+    except Exception as err:  # truncated or missing files surface from tensorstore as assorted errors
+        raise CheckpointError(f"checkpoint {where} cannot be read: {_first_line(err)}") from err
     meta = restored["meta"]
     if isinstance(meta, dict) and meta.get("format") == 1:
         meta = upgrade_format_1(meta)
     if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION:
-        raise CheckpointError(f"checkpoint {directory / str(step)} has an unknown format: {meta!r:.200}")
+        raise CheckpointError(f"checkpoint {where} has an unknown format: {meta!r:.200}")
+    _verify(restored["state"], meta, where)
     return restored["state"], meta
+
+
+def _verify(state, meta: dict, where: Path) -> None:
+    """CheckpointError naming the first array whose sha256 differs from the saved one."""
+    saved = meta.get("checksums")
+    if saved is None:  # written before checksums existed
+        return
+    for key, digest in checksums(state).items():
+        if saved.get(key) != digest:
+            raise CheckpointError(f"checkpoint {where} is corrupted: array {key} does not match its saved "
+                                  "sha256")
 
 
 def upgrade_format_1(meta: dict) -> dict:
@@ -147,28 +238,40 @@ def _on_one_device(state_dir: Path) -> Any:
     of a data-parallel run (replicated over N host devices) then loads in a one-device process."""
     try:
         saved = ocp.StandardCheckpointHandler().metadata(state_dir.absolute())
-    except (OSError, ValueError) as err:
-        raise CheckpointError(f"cannot read the checkpoint metadata in {state_dir}: {err}") from err
+    except Exception as err:  # a missing or truncated metadata file
+        raise CheckpointError(f"cannot read the checkpoint metadata in {state_dir}: {_first_line(err)}") from err
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     return jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), saved)
 
 
-def load_for_sampling(directory: str | Path) -> tuple[Any, ModelConfig, Tokenizer]:
+def _warn(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr)
+
+
+def load_for_sampling(directory: str | Path, *, on_skip: Callable[[str], None] = _warn
+                      ) -> tuple[Any, ModelConfig, Tokenizer]:
     """(params, model config, tokenizer) of a run's best checkpoint (else its latest).
 
     Accepts a run directory, its checkpoints/ directory or checkpoints/{best,latest}.
-    Raises CheckpointError when there is none, or when the arrays do not have the
-    shapes `DecoderLM(config)` expects.
+    A step that fails to read or its checksums is reported to `on_skip` (a warning on
+    stderr) and an older one of the same kind is used; CheckpointError when none is
+    valid, or when the arrays do not have the shapes `DecoderLM(config)` expects.
     """
     path = Path(directory)
     if not path.exists():
         raise CheckpointError(f"checkpoint directory {str(path)!r} does not exist")
     found = _find_manager_dir(path)
-    manager = _manager(found, create=False)
+    manager = _manager(found, 1, create=False)
     try:
-        step = manager.latest_step()
-        target = None if step is None else _on_one_device(found / str(step) / "state")
-        state, meta = _restore(manager, found, target)
+        steps = sorted(manager.all_steps(), reverse=True)
+        for i, step in enumerate(steps):
+            try:
+                state, meta = _restore_step(manager, found, step, _on_one_device(found / str(step) / "state"))
+                break
+            except CheckpointError as err:
+                if i == len(steps) - 1:
+                    raise
+                on_skip(f"{err}; using step {steps[i + 1]} instead")
     finally:
         manager.close()
     config = ExperimentConfig.from_dict(meta["config"])
