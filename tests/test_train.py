@@ -147,7 +147,7 @@ def _cli_error(capsys, argv) -> tuple[int, str]:
 
 def test_cli_errors_are_one_line_with_usage_and_runtime_exit_codes(tmp_path, capsys):
     text = tmp_path / "text.txt"
-    text.write_text("abcdefgh" * 100)
+    text.write_text("abcdefgh\n" * 100)
     empty = tmp_path / "empty.txt"
     empty.write_text("")
     run = ["--set", *TINY_MODEL, *TINY_TRAIN, "--quiet"]

@@ -14,7 +14,7 @@ import numpy as np
 
 from jaxattn.model import DecoderLM
 from train.checkpoint import CheckpointError, load_for_sampling
-from train.plots import plot_attention_maps
+from train.plots import can_write, image_types, plot_attention_maps
 
 
 def attention_weights(params, model_config, token_ids: np.ndarray) -> np.ndarray:
@@ -30,6 +30,8 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--text", default="ROMEO:\nBut soft, what light", help="the characters to look at")
     parser.add_argument("--out", default="maps.png")
     args = parser.parse_args(argv)
+    if not can_write(args.out):  # before any work: matplotlib decides by the file's extension
+        parser.error(f"--out {args.out}: not an image type matplotlib writes ({', '.join(image_types())})")
     try:
         params, model_config, tokenizer = load_for_sampling(args.checkpoint)
     except CheckpointError as err:

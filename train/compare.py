@@ -1,8 +1,10 @@
-"""Attention kinds side by side: `python -m train.compare [--iters N] [--out docs]`.
+"""Attention kinds side by side: `python -m train.compare [--iters N] [--out DIR]`.
 
 Trains the baby config once per attention kind (MHA, GQA with 2 kv heads, MQA, MLA) and
 position scheme (learned, RoPE), then measures each trained model's cached decoding speed
-and KV-cache size. Writes compare.md (table), compare.json and compare.png under --out.
+and KV-cache size. Writes compare.md (table), compare.json and compare.png under --out (default runs/compare;
+`--out docs` refreshes the figures the README shows). Its training runs go to --runs, which
+it replaces on each invocation.
 Runs are sequential and the machine may be shared: compare speeds within one table only.
 """
 
@@ -24,6 +26,7 @@ from train import runtime as runtime_lib
 from train.config import DEFAULT_CONFIG, ExperimentConfig, load_config
 from train.loop import train
 from train.plots import plot_comparison
+from train.tiny_lm import RUNTIME_ERRORS
 
 KINDS = {
     "MHA": [],
@@ -65,7 +68,7 @@ def run_one(kind: str, positions: str, args, runtime: runtime_lib.Runtime) -> di
                                f"train.eval_interval={min(250, args.iters)}",
                                f"train.out_dir='{args.runs}/{kind.lower()}_{positions}'",
                                "train.plot=false", "train.checkpoint=false", *args.set]
-    result = train(load_config(args.config, overrides), runtime=runtime, quiet=True, sample=False)
+    result = train(load_config(args.config, overrides), runtime=runtime, overwrite=True, quiet=True, sample=False)
     row = {"attention": kind, "positions": positions, "val_loss": result.final_val_loss,
            "train_tokens_per_s": result.median_tokens_per_s, "ms_per_iter": result.median_ms_per_iter,
            "decode_tokens_per_s": decode_tokens_per_s(result.config, result.params, runtime.kernels),
@@ -91,21 +94,30 @@ def markdown(rows: list[dict], command: str) -> str:
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--iters", type=int, default=2000, help="training steps per run")
-    parser.add_argument("--out", default="docs", help="where compare.{md,json,png} go")
-    parser.add_argument("--runs", default="runs/compare", help="run directories (metrics)")
+    parser.add_argument("--out", default="runs/compare", help="where compare.{md,json,png} go (docs: the README's)")
+    parser.add_argument("--runs", default="runs/compare/runs", help="run directories, replaced on each invocation")
     parser.add_argument("--config", default=DEFAULT_CONFIG)
     parser.add_argument("--kinds", default=",".join(KINDS), help="subset of " + ",".join(KINDS))
     parser.add_argument("--positions", default=",".join(POSITIONS))
     parser.add_argument("--set", nargs="+", action="extend", default=[], help="extra overrides for every run")
     args = parser.parse_args(argv)
     kinds = [k.strip().upper() for k in args.kinds.split(",")]
-    unknown = sorted(set(kinds) - set(KINDS))
-    if unknown:
-        parser.error(f"unknown --kinds {unknown}; choose from {list(KINDS)}")
-    base = load_config(args.config, args.set)
-    runtime = runtime_lib.start(base.runtime, base.train.batch_size)  # before anything starts JAX
+    positions = [p.strip() for p in args.positions.split(",")]
+    for name, asked, known in (("--kinds", kinds, KINDS), ("--positions", positions, POSITIONS)):
+        if sorted(set(asked) - set(known)):
+            parser.error(f"unknown {name} {sorted(set(asked) - set(known))}; choose from {list(known)}")
+    if args.iters < 1:
+        parser.error(f"--iters must be >= 1, got {args.iters}")
+    try:
+        base = load_config(args.config, args.set)
+        runtime = runtime_lib.start(base.runtime, base.train.batch_size)  # before anything starts JAX
+    except (ValueError, TypeError, FileNotFoundError) as err:
+        parser.error(str(err))
     print("\n".join(runtime.describe()), flush=True)
-    rows = [run_one(kind, pos, args, runtime) for kind in kinds for pos in args.positions.split(",")]
+    try:
+        rows = [run_one(kind, pos, args, runtime) for kind in kinds for pos in positions]
+    except RUNTIME_ERRORS as err:
+        parser.exit(1, f"error: {err}\n")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     command = "python -m train.compare" + (f" --iters {args.iters}" if args.iters != 2000 else "")

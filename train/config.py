@@ -100,8 +100,10 @@ class TrainConfig:
         for name in ("beta1", "beta2", "val_fraction"):
             if not 0.0 < getattr(self, name) < 1.0:
                 raise ValueError(f"TrainConfig.{name} must be in (0, 1), got {getattr(self, name)}")
-        if self.sample_temperature < 0:
+        if not self.sample_temperature >= 0:
             raise ValueError(f"TrainConfig.sample_temperature must be >= 0, got {self.sample_temperature}")
+        if not 0 <= self.seed < 2 ** 63:
+            raise ValueError(f"TrainConfig.seed must be in [0, 2**63), got {self.seed}")
         if self.tokenizer not in ("char", "byte"):
             raise ValueError(f"TrainConfig.tokenizer must be one of ('char', 'byte'), got {self.tokenizer!r}")
 
@@ -264,7 +266,10 @@ def _read_tables(name_or_path: str | Path, seen: tuple[str, ...] = ()) -> dict[s
     if str(path) in seen:
         raise ValueError(f"config inheritance cycle: {' -> '.join(seen + (str(path),))}")
     with open(path, "rb") as f:
-        raw = tomllib.load(f)
+        try:
+            raw = tomllib.load(f)
+        except tomllib.TOMLDecodeError as err:
+            raise ValueError(f"config file {path} is not valid TOML: {err}") from None
     _reject_unknown(f"config file {path.name}", raw, {"base", *TABLES})
     tables = _read_tables(raw["base"], seen + (str(path),)) if "base" in raw else {t: {} for t in TABLES}
     for table in TABLES:

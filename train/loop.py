@@ -6,6 +6,12 @@ of `steps_per_dispatch` optimizer steps, reading each chunk's losses while the
 next one runs, and evaluates (and checkpoints) every `eval_interval` steps.
 At the end it samples through the KV cache, plots the losses and writes
 `result.json` beside `metrics.jsonl`, `config.json` and `checkpoints/`.
+
+Nothing is lost and nothing is silent: the run directory is claimed and locked
+before anything is written (`train.rundir`); a non-finite loss stops the run
+before it is logged or saved (`TrainingDiverged`); SIGINT and SIGTERM stop it at
+the next dispatch boundary with a checkpoint that `--resume` continues exactly
+(`Interrupted`).
 """
 
 from __future__ import annotations
@@ -13,8 +19,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import signal
 import statistics
 import sys
+import threading
 import time
 from functools import partial
 from pathlib import Path
@@ -30,7 +38,9 @@ from train import data as data_lib
 from train import runtime as runtime_lib
 from train.checkpoint import Checkpointer, CheckpointError, check_compatible
 from train.config import ExperimentConfig, TrainConfig
+from train.metrics import MetricsLog, Throughput
 from train.plots import plot_losses
+from train.rundir import claim, repair_metrics
 from train.steps import build_programs
 from train.tokenizer import Tokenizer
 
@@ -56,6 +66,41 @@ class RunResult:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("config", "params")}
 
 
+class TrainingDiverged(RuntimeError):
+    """The loss became NaN or infinite; nothing from that point was logged or saved."""
+
+
+class Interrupted(RuntimeError):
+    """SIGINT or SIGTERM stopped the run; `step` is where `--resume` continues."""
+
+    def __init__(self, message: str, step: int):
+        super().__init__(message)
+        self.step = step
+
+
+class StopSignals:
+    """While active, SIGINT and SIGTERM only ask the run to stop at its next dispatch boundary
+    (only possible in the main thread; elsewhere signals keep their handlers)."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self):
+        self.requested = None  # the signal's name once one arrived
+
+    def __enter__(self) -> "StopSignals":
+        self._previous = {}
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        self.requested = signal.Signals(signum).name
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
 def with_vocabulary(config: ExperimentConfig, tokenizer: Tokenizer) -> ExperimentConfig:
     """The config with the model's vocabulary set from the tokenizer."""
     return config.replace(model=config.model.replace(vocab_size=tokenizer.vocab_size))
@@ -68,54 +113,6 @@ def chunks(start: int, stop: int, tc: TrainConfig):
         end = min(step + tc.steps_per_dispatch, (step // tc.eval_interval + 1) * tc.eval_interval, stop)
         yield step, end
         step = end
-
-
-class MetricsLog:
-    """`metrics.jsonl`: the mean loss of each log interval, and each evaluation."""
-
-    def __init__(self, path: Path, log_interval: int, *, fresh: bool):
-        self.path, self.log_interval, self._interval = path, log_interval, []
-        if fresh and path.exists():
-            path.unlink()
-
-    def _append(self, record: dict) -> None:
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
-
-    def add_steps(self, first_step: int, losses: np.ndarray, lrs: np.ndarray, last_step: int) -> None:
-        for i, loss in enumerate(losses):  # step first_step + i + 1 has just finished
-            step = first_step + i + 1
-            self._interval.append(float(loss))
-            if step % self.log_interval == 0 or step == last_step:
-                self._append({"step": step, "loss": float(np.mean(self._interval)), "lr": float(lrs[i])})
-                self._interval.clear()
-
-    def add_eval(self, step: int, losses: dict) -> None:
-        self._append({"step": step, "train_loss": losses["train"], "val_loss": losses["val"]})
-
-    def records(self) -> list[dict]:
-        return [json.loads(line) for line in self.path.read_text().splitlines()]
-
-
-class Throughput:
-    """Seconds per optimizer step of each dispatch; evaluation and checkpoint time left out."""
-
-    def __init__(self, tokens_per_step: int):
-        self.tokens_per_step, self.laps, self.tick = tokens_per_step, [], time.perf_counter()
-
-    def restart(self) -> None:
-        self.tick = time.perf_counter()
-
-    def lap(self, steps: int) -> None:
-        now = time.perf_counter()
-        self.laps.append((now - self.tick) / steps)
-        self.tick = now
-
-    def step_seconds(self) -> list[float]:
-        return self.laps[1:] or self.laps  # the first dispatch warms up
-
-    def recent_tokens_per_s(self) -> float:
-        return self.tokens_per_step / statistics.median(self.laps[-20:])
 
 
 class Run:
@@ -131,22 +128,31 @@ class Run:
         self.train_data, self.val_data = self.programs.place((jnp.asarray(corpus.train), jnp.asarray(corpus.val)))
         self.state = self.programs.place(self.programs.init(tc.seed))
         self.checkpoints = Checkpointer(self.out) if tc.checkpoint or resume else None
-        self.best_val, self.last_eval = math.inf, None
+        self.best_val, self.last_eval, interval = math.inf, None, []
         if resume:
-            self._resume()
+            interval = self._resume()
         self.start_step = int(self.state["step"])
-        self.metrics = MetricsLog(self.out / "metrics.jsonl", tc.log_interval, fresh=not resume)
+        self.metrics = MetricsLog(self.out / "metrics.jsonl", tc.log_interval, interval)
         self.throughput = Throughput(tc.batch_size * tc.block_size)
-        self.bar = _progress_bar(tc.max_iters, self.start_step, quiet)
+        self.signals = StopSignals()
 
-    def _resume(self) -> None:
+    def _resume(self) -> list[float]:
+        """Restores the newest valid checkpoint; returns the losses of its unfinished log interval."""
         if self.checkpoints.latest_step() is None:
-            raise CheckpointError(f"--resume: no checkpoint in {self.checkpoints.root / 'latest'}")
-        self.state, meta = self.checkpoints.restore("latest", jax.eval_shape(lambda: self.state))
-        for warning in check_compatible(meta, self.config):
+            raise CheckpointError(f"--resume: no checkpoint in {self.checkpoints.root / 'latest'} (the run "
+                                  "stopped before its first save): --overwrite starts it again")
+        for warning in check_compatible(self.checkpoints.read_meta("latest"), self.config):  # before any array
             self.log(f"warning: resumed run differs from the checkpoint ({warning}); it will not replay exactly")
+        warn = partial(print, file=sys.stderr)
+        self.state, meta = self.checkpoints.restore("latest", jax.eval_shape(lambda: self.state),
+                                                    on_skip=lambda message: warn(f"warning: {message}"))
+        if meta["step"] >= self.config.train.max_iters:
+            raise CheckpointError(f"--resume: the checkpoint is at step {meta['step']} and train.max_iters="
+                                  f"{self.config.train.max_iters}: nothing to train (raise train.max_iters)")
         self.log(f"resumed from step {meta['step']} (val loss {meta['val_loss']})")
         self.best_val = math.inf if meta.get("best_val_loss") is None else meta["best_val_loss"]
+        repair_metrics(self.out / "metrics.jsonl", meta["step"], evaluates_again=self._due_for_eval(meta["step"]))
+        return meta.get("interval_losses", [])
 
     def compile(self) -> float:
         """Compiles every train-steps program the run needs, and the evaluation; returns seconds."""
@@ -164,51 +170,81 @@ class Run:
     def train(self) -> None:
         """Dispatches every chunk, reading a chunk's losses while the next one runs."""
         tc = self.config.train
-        if self._due_for_eval(self.start_step):
-            self.evaluate(self.start_step)
-        pending = None  # (first step, outputs) of the chunk in flight
-        for first, last in chunks(self.start_step, tc.max_iters, tc):
-            self.state, outputs = self.compiled[last - first](self.state, self.train_data)
+        self.bar = _progress_bar(tc.max_iters, self.start_step, self.quiet)
+        with self.signals:
+            if self._due_for_eval(self.start_step):
+                self.evaluate(self.start_step)
+            pending = None  # (first step, outputs) of the chunk in flight
+            for first, last in chunks(self.start_step, tc.max_iters, tc):
+                self.state, outputs = self.compiled[last - first](self.state, self.train_data)
+                if pending is not None:
+                    self.record(*pending)
+                pending = (first, outputs)
+                if self._due_for_eval(last) or self.signals.requested:
+                    self.record(*pending)
+                    pending = None
+                    if self._due_for_eval(last):
+                        self.evaluate(last)
+                    if self.signals.requested:
+                        self.stop(last)
             if pending is not None:
                 self.record(*pending)
-            pending = (first, outputs)
-            if self._due_for_eval(last):
-                self.record(*pending)
-                pending = None
-                self.evaluate(last)
-        if pending is not None:
-            self.record(*pending)
         self.bar.close()
-        if self.checkpoints is not None:
-            self.checkpoints.close()
 
     def record(self, first_step: int, outputs) -> None:
         """Waits for a chunk's (losses, lrs), then logs them and advances the bar."""
         losses, lrs = (np.asarray(x) for x in outputs)
         self.throughput.lap(len(losses))
+        if not np.all(np.isfinite(losses)):
+            bad = int(np.flatnonzero(~np.isfinite(losses))[0])
+            self.diverged(f"the training loss is {losses[bad]} at step {first_step + bad + 1}")
         self.metrics.add_steps(first_step, losses, lrs, self.config.train.max_iters)
         self.bar.set_postfix(loss=f"{losses[-1]:.4f}", tok_s=f"{self.throughput.recent_tokens_per_s():,.0f}")
         self.bar.update(len(losses))
+
+    def diverged(self, what: str) -> None:
+        last = None if self.checkpoints is None else self.checkpoints.latest_step()
+        good = "no checkpoint was saved" if last is None else \
+            f"the last good checkpoint is {self.checkpoints.root / 'latest' / str(last)}"
+        raise TrainingDiverged(f"{what}: training stopped before logging or saving it; {good} "
+                               "(a lower train.lr, or train.grad_clip, may help)")
 
     def evaluate(self, step: int) -> None:
         """Losses on the fixed eval batches; checkpoints (latest, and best by val loss) after the first."""
         losses = {k: float(v) for k, v in self.evaluate_program(self.state["params"], self.train_data,
                                                                 self.val_data).items()}
+        if not all(math.isfinite(v) for v in losses.values()):
+            self.diverged(f"the evaluated losses are {losses} at step {step}")
         self.metrics.add_eval(step, losses)
         if not self.quiet:
             self.bar.write(f"step {step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
         improved = losses["val"] < self.best_val
         self.best_val = min(self.best_val, losses["val"])
         if self.checkpoints is not None and step > self.start_step:
-            saved = dict(config=self.config, tokenizer=self.corpus.tokenizer, val_loss=losses["val"],
-                         best_val_loss=self.best_val)
-            self.checkpoints.save("latest", step, self.state, **saved)
+            self.save("latest", step, losses["val"])
             if improved:
-                self.checkpoints.save("best", step, self.state, **saved)
+                self.save("best", step, losses["val"])
         self.last_eval = losses
         if self.after_eval is not None:
             self.after_eval(step)
         self.throughput.restart()  # evaluation and checkpoints stay out of the rate
+
+    def save(self, kind: str, step: int, val_loss: float | None) -> None:
+        self.checkpoints.save(kind, step, self.state, config=self.config, tokenizer=self.corpus.tokenizer,
+                              val_loss=val_loss, best_val_loss=self.best_val,
+                              extra={"interval_losses": self.metrics.pending()})
+
+    def stop(self, step: int) -> None:
+        """After a stop signal: a checkpoint at `step` (unless one exists), then `Interrupted`."""
+        self.bar.close()
+        if self.checkpoints is None:
+            raise Interrupted(f"{self.signals.requested} at step {step}: train.checkpoint is off, nothing was "
+                              "saved", step)
+        if step > self.start_step and self.checkpoints.latest_step() != step:
+            self.save("latest", step, None)
+        where = self.checkpoints.root / "latest" / str(self.checkpoints.latest_step())
+        raise Interrupted(f"{self.signals.requested} at step {step}: saved {where}; --resume continues from "
+                          "there", step)
 
     def sample(self) -> tuple[str, str]:
         """(text, how) of the end-of-run sample: the prompt continued through the KV cache."""
@@ -219,6 +255,10 @@ class Run:
                                 kernels=self.runtime.kernels)
         return tokenizer.decode(np.concatenate([prompt, ids[0]])), "jaxattn.generate_windowed, KV cache"
 
+    def close(self) -> None:
+        if self.checkpoints is not None:
+            self.checkpoints.close()
+
 
 def _progress_bar(total: int, initial: int, quiet: bool):
     from tqdm import tqdm
@@ -226,20 +266,35 @@ def _progress_bar(total: int, initial: int, quiet: bool):
                 file=sys.stdout)
 
 
+def _check_sample_prompt(config: ExperimentConfig, tokenizer: Tokenizer) -> None:
+    """DataError now, rather than after the whole run, when the sample prompt cannot be encoded."""
+    if config.train.sample_tokens > 0:
+        try:
+            tokenizer.encode(config.train.sample_prompt)
+        except ValueError as err:
+            raise data_lib.DataError(f"train.sample_prompt cannot be encoded: {err}") from None
+
+
 def train(config: ExperimentConfig, *, runtime: runtime_lib.Runtime | None = None, resume: bool = False,
-          quiet: bool = False, loss_plot: str | None = None, sample: bool = True,
+          overwrite: bool = False, quiet: bool = False, loss_plot: str | None = None, sample: bool = True,
           after_eval: Callable[[int], None] | None = None) -> RunResult:
     """Runs an experiment end to end and returns its figures.
 
     Args:
       runtime: the resolved runtime (default: `train.runtime.start(config.runtime, ...)` now).
+      resume: continue the run in `train.out_dir` from its newest valid checkpoint.
+      overwrite: replace a run already in `train.out_dir` (else that is refused).
       after_eval: called with the step after each evaluation, outside the timed steps
         (bench/train.py runs a baseline in turns with this run).
+
+    Raises:
+      RunDirectoryError, DataError, CheckpointError, TrainingDiverged, Interrupted.
     """
     wall_start = time.perf_counter()
     tc = config.train
     corpus = data_lib.load_corpus(tc.data_path, tokenizer=tc.tokenizer, val_fraction=tc.val_fraction)
     data_lib.check_block_size(corpus, tc.block_size)
+    _check_sample_prompt(config, corpus.tokenizer)
     runtime = runtime or runtime_lib.start(config.runtime, tc.batch_size)
     config = with_vocabulary(config, corpus.tokenizer).replace(runtime=runtime.config)
     log = (lambda *a: None) if quiet else partial(print, flush=True)
@@ -248,13 +303,24 @@ def train(config: ExperimentConfig, *, runtime: runtime_lib.Runtime | None = Non
     log(f"config {config.name} (data {corpus.path}, {len(corpus.train):,} train / {len(corpus.val):,} val tokens):")
     log(config.to_json())
     log("\n".join(runtime.describe()))
-    run = Run(config, runtime, corpus, resume=resume, quiet=quiet, after_eval=after_eval)
-    run.out.mkdir(parents=True, exist_ok=True)
-    (run.out / "config.json").write_text(config.to_json())
-    num_params = count_params(run.state["params"])
-    log(f"parameters: {num_params:,}")
-    compile_s = run.compile()
-    run.train()
+    lock = claim(Path(tc.out_dir), resume=resume, overwrite=overwrite)
+    run = None
+    try:
+        run = Run(config, runtime, corpus, resume=resume, quiet=quiet, after_eval=after_eval)
+        (run.out / "config.json").write_text(config.to_json())  # only once the checkpoint has been accepted
+        log(f"parameters: {count_params(run.state['params']):,}")
+        compile_s = run.compile()
+        run.train()
+        return _finish(run, compile_s, wall_start, sample=sample, loss_plot=loss_plot, log=log)
+    finally:
+        if run is not None:
+            run.close()
+        lock.release()
+
+
+def _finish(run: Run, compile_s: float, wall_start: float, *, sample: bool, loss_plot, log) -> RunResult:
+    """The end-of-run sample, loss plot and result.json."""
+    config, tc = run.config, run.config.train
     text, how = run.sample() if sample and tc.sample_tokens > 0 else ("", "")
     if text:
         log(f"--- sample ({how}, temperature {tc.sample_temperature}) ---\n{text}\n---")
@@ -267,7 +333,8 @@ def train(config: ExperimentConfig, *, runtime: runtime_lib.Runtime | None = Non
         final_val_loss=last["val"], final_train_loss=last["train"], best_val_loss=run.best_val,
         steps=tc.max_iters, median_tokens_per_s=tc.batch_size * tc.block_size / median,
         median_ms_per_iter=1e3 * median, fastest_ms_per_iter=1e3 * min(step_seconds, default=math.nan),
-        compile_s=compile_s, wall_s=time.perf_counter() - wall_start, num_params=num_params, sample=text,
-        out_dir=str(run.out), config=config, params=run.state["params"])
+        compile_s=compile_s, wall_s=time.perf_counter() - wall_start,
+        num_params=count_params(run.state["params"]), sample=text, out_dir=str(run.out), config=config,
+        params=run.state["params"])
     (run.out / "result.json").write_text(json.dumps(result.figures(), indent=2))
     return result

@@ -20,6 +20,17 @@ def _pyplot():
     return plt
 
 
+def image_types() -> list[str]:
+    """The file extensions matplotlib can write."""
+    from matplotlib.figure import Figure
+    return sorted(Figure().canvas.get_supported_filetypes())
+
+
+def can_write(path) -> bool:
+    """Whether matplotlib can write an image to `path` (judged by its extension)."""
+    return Path(path).suffix.lstrip(".").lower() in image_types()
+
+
 def _save(fig, png: Path) -> None:
     png = Path(png)
     png.parent.mkdir(parents=True, exist_ok=True)

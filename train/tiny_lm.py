@@ -1,7 +1,8 @@
 """Train the tiny character-level LM: `python -m train.tiny_lm [--config NAME] [--set TABLE.FIELD=VALUE ...]`.
 
 The default is nanoGPT's CPU "baby" Shakespeare run (configs/shakespeare_char_baby.toml).
-The run prints its resolved config and runtime (kernels and devices, with the reason for
+A directory that already holds a run is never replaced without --overwrite (--resume
+continues it); Ctrl-C or SIGTERM saves a checkpoint and exits 130. The run prints its resolved config and runtime (kernels and devices, with the reason for
 each "auto"), a progress bar with loss and tokens/s, the evaluations, and at the end the
 final val loss, speed and a sample; it writes config.json, metrics.jsonl, loss.png,
 result.json and checkpoints (latest and best) under train.out_dir.
@@ -20,7 +21,10 @@ from train import data as data_lib
 from train import runtime as runtime_lib
 from train.checkpoint import CheckpointError
 from train.config import DEFAULT_CONFIG, load_config
-from train.loop import RunResult, train
+from train.loop import Interrupted, RunResult, TrainingDiverged, train
+from train.rundir import RunDirectoryError
+
+RUNTIME_ERRORS = (data_lib.DataError, CheckpointError, RunDirectoryError, TrainingDiverged, OSError)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--data", help="the text file to train on (= train.data_path)")
     parser.add_argument("--out-dir", help="= train.out_dir")
     parser.add_argument("--resume", action="store_true", help="continue from out_dir's latest checkpoint")
+    parser.add_argument("--overwrite", action="store_true", help="replace the run already in out_dir")
     parser.add_argument("--loss-plot", help="where to write the loss curve PNG (default out_dir/loss.png)")
     parser.add_argument("--quiet", action="store_true")
     return parser
@@ -54,8 +59,12 @@ def main(argv: list[str] | None = None) -> RunResult:
     except (ValueError, TypeError, FileNotFoundError) as err:
         parser.error(str(err))
     try:
-        result = train(config, runtime=runtime, resume=args.resume, quiet=args.quiet, loss_plot=args.loss_plot)
-    except (data_lib.DataError, CheckpointError) as err:
+        result = train(config, runtime=runtime, resume=args.resume, overwrite=args.overwrite, quiet=args.quiet,
+                       loss_plot=args.loss_plot)
+    except Interrupted as stop:
+        print(f"stopped: {stop}", file=sys.stderr)
+        sys.exit(130)
+    except RUNTIME_ERRORS as err:  # one line each: a full disk, a corrupted checkpoint, a diverged run
         print(f"error: {err}", file=sys.stderr)
         sys.exit(1)
     print(f"final: val loss {result.final_val_loss:.4f} at iter {result.steps} | "

@@ -1,0 +1,278 @@
+"""Nothing lost, nothing silent: run directories, divergence, interrupts and crashes (issue 12).
+
+Training runs here are tiny (a 2-layer, d 32 model on a slice of the corpus) so that each
+takes seconds; the crash tests start real `python -m train.tiny_lm` processes and kill them.
+"""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from train import tiny_lm
+from train.checkpoint import CheckpointError, load_for_sampling
+from train.config import load_config
+from train.loop import TrainingDiverged, train
+from train.rundir import RunDirectoryError, RunLock, claim, repair_metrics
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ["model.d_model=32", "model.num_layers=2", "model.num_heads=2", "model.max_seq_len=16",
+        "train.batch_size=4", "train.block_size=16", "train.eval_iters=4", "train.eval_interval=10",
+        "train.log_interval=5", "train.warmup_iters=5", "train.lr=3e-3", "train.lr_decay_iters=40",
+        "train.sample_tokens=0", "train.plot=false", "runtime.data_parallel=1"]
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory):
+    from train.data import ENV_PATH
+    path = tmp_path_factory.mktemp("data") / "slice.txt"
+    source = os.environ.get(ENV_PATH)
+    text = Path(source).read_text(encoding="utf-8")[:20_000] if source and Path(source).is_file() else \
+        "To be, or not to be, that is the question.\n" * 500
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def config(text_file, out_dir, *extra):
+    return load_config(overrides=[*TINY, f"train.data_path='{text_file}'", f"train.out_dir='{out_dir}'", *extra])
+
+
+def metrics(out_dir):
+    return [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def cli(capsys, *argv):
+    """`python -m train.tiny_lm` in this process: (exit code, stderr)."""
+    with pytest.raises(SystemExit) as exit_info:
+        tiny_lm.main(list(argv))
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return exit_info.value.code, err
+
+
+# --------------------------------------------------------------------------------------------
+# 1-3: a run's directory is never replaced silently, never shared, never written before it is checked
+
+
+def test_a_new_run_refuses_a_directory_that_holds_a_run(text_file, tmp_path, capsys):
+    train(config(text_file, tmp_path, "train.max_iters=10"), quiet=True)
+    before = (tmp_path / "metrics.jsonl").read_text()
+    with pytest.raises(RunDirectoryError, match="already holds a run .*--resume continues it, --overwrite "
+                                                "replaces it, or choose another --out-dir"):
+        train(config(text_file, tmp_path, "train.max_iters=10", "model.positions='learned'"), quiet=True)
+    assert (tmp_path / "metrics.jsonl").read_text() == before and (tmp_path / "checkpoints" / "latest").is_dir()
+    code, err = cli(capsys, "--set", *TINY, "train.max_iters=10", "--data", str(text_file), "--out-dir", str(tmp_path),
+                    "--quiet")
+    assert code == 1 and err.startswith("error: ") and "already holds a run" in err
+    train(config(text_file, tmp_path, "train.max_iters=5", "train.eval_interval=5"), quiet=True, overwrite=True)
+    assert [r["step"] for r in metrics(tmp_path) if "val_loss" in r] == [0, 5]  # replaced, as asked
+
+
+def test_a_second_run_into_a_locked_directory_fails_at_once(tmp_path):
+    lock = RunLock(tmp_path)
+    with pytest.raises(RunDirectoryError, match=f"in use by another run \\(pid {os.getpid()}\\)"):
+        claim(tmp_path, resume=False, overwrite=False)
+    lock.release()
+    claim(tmp_path, resume=False, overwrite=False).release()  # free again
+    # A process that dies holding the lock releases it (the OS closes its file).
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; sys.path.insert(0, sys.argv[1]);"
+                               "from train.rundir import RunLock; RunLock(__import__('pathlib').Path(sys.argv[2]));"
+                               "print('locked', flush=True); time.sleep(600)", str(ROOT), str(tmp_path)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(RunDirectoryError, match="in use by another run"):
+            claim(tmp_path, resume=False, overwrite=False)
+    finally:
+        holder.kill()
+        holder.wait()
+    claim(tmp_path, resume=False, overwrite=False).release()
+
+
+def test_a_failed_resume_writes_nothing(text_file, tmp_path, capsys):
+    run = tmp_path / "run"
+    train(config(text_file, run, "train.max_iters=10"), quiet=True)
+    saved_config = (run / "config.json").read_text()
+    with pytest.raises(CheckpointError, match="d_model"):
+        train(config(text_file, run, "train.max_iters=20", "model.d_model=64"), quiet=True, resume=True)
+    assert (run / "config.json").read_text() == saved_config  # not replaced by the rejected config
+    fresh = tmp_path / "fresh"
+    code, err = cli(capsys, "--set", *TINY, "--data", str(text_file), "--out-dir", str(fresh), "--resume", "--quiet")
+    assert code == 1 and "no checkpoint" in err
+    assert not (fresh / "checkpoints").exists() and not (fresh / "config.json").exists()
+
+
+def test_compare_writes_under_runs_and_checks_its_arguments_first(text_file, tmp_path, monkeypatch, capsys):
+    from train import compare
+    monkeypatch.chdir(tmp_path)
+    for argv, message in ((["--positions", "bogus"], "unknown --positions ['bogus']"),
+                          (["--iters", "0"], "--iters must be >= 1")):
+        with pytest.raises(SystemExit) as exit_info:
+            compare.main(argv)
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err
+    compare.main(["--kinds", "MHA", "--positions", "rope", "--iters", "2", "--set", *TINY,
+                  f"train.data_path='{text_file}'"])
+    assert (tmp_path / "runs" / "compare" / "compare.md").is_file() and not (tmp_path / "docs").exists()
+
+
+# --------------------------------------------------------------------------------------------
+# 7-8: divergence and a resume with nothing to do stop with one clear line
+
+
+def test_a_diverging_run_stops_before_logging_or_saving_a_non_finite_loss(text_file, tmp_path, capsys):
+    with pytest.raises(TrainingDiverged, match=r"the training loss is (nan|inf) at step \d+: training stopped"):
+        train(config(text_file, tmp_path / "a", "train.max_iters=40", "train.lr=1e6", "train.min_lr=0",
+                     "train.steps_per_dispatch=5"), quiet=True)
+    assert all(np.isfinite(v) for r in metrics(tmp_path / "a") for k, v in r.items() if k != "step")
+    code, err = cli(capsys, "--set", *TINY, "train.max_iters=40", "train.lr=1e6", "train.min_lr=0",
+                    "--data", str(text_file), "--out-dir", str(tmp_path / "b"), "--quiet")
+    assert code == 1 and err.startswith("error: the training loss is") and len(err.strip().splitlines()) == 1
+
+
+def test_resume_past_max_iters_says_there_is_nothing_to_train(text_file, tmp_path, capsys):
+    train(config(text_file, tmp_path, "train.max_iters=20"), quiet=True)
+    code, err = cli(capsys, "--set", *TINY, "train.max_iters=10", "--data", str(text_file), "--out-dir",
+                    str(tmp_path), "--resume", "--quiet")
+    assert code == 1 and "checkpoint is at step 20 and train.max_iters=10: nothing to train" in err
+
+
+# --------------------------------------------------------------------------------------------
+# 11: one clear line instead of a traceback
+
+
+def test_bad_input_gives_one_line(text_file, tmp_path, capsys):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    def run(out, *overrides, flags=()):
+        return ["--set", *TINY, *overrides, "--data", str(text_file), "--quiet", "--out-dir", str(out), *flags]
+    for argv, code, message in [
+        (run(a_file), 1, "is a file, not a directory"),
+        (run(a_file / "sub"), 1, "cannot use"),
+        (run(tmp_path / "s", "train.seed=18446744073709551616"), 2, "seed must be in [0, 2**63)"),
+        (run(tmp_path / "p", "train.sample_prompt='€'", "train.sample_tokens=5"), 1,
+         "train.sample_prompt cannot be encoded"),
+        (run(tmp_path / "t", "train.sample_temperature=nan"), 2, "sample_temperature"),
+        (run(tmp_path / "r", flags=("--resume", "--overwrite")), 1, "pick one"),
+    ]:
+        got, err = cli(capsys, *argv)
+        assert got == code and message in err, (argv, got, err)
+    assert not (tmp_path / "p").exists()  # the prompt is checked before anything is written
+    bad_toml = tmp_path / "bad.toml"
+    bad_toml.write_text("[model\nd_model = 3\n")
+    got, err = cli(capsys, "--config", str(bad_toml))
+    assert got == 2 and f"config file {bad_toml} is not valid TOML" in err
+
+
+def test_attention_maps_checks_the_output_type_before_any_work(capsys):
+    from train import attention_maps
+    with pytest.raises(SystemExit) as exit_info:
+        attention_maps.main(["--checkpoint", "does-not-matter", "--out", "maps.xyz"])
+    assert exit_info.value.code == 2 and "not an image type matplotlib writes" in capsys.readouterr().err
+
+
+def test_a_full_disk_gives_one_line(text_file, tmp_path, capsys, monkeypatch):
+    import errno
+    import orbax.checkpoint as ocp
+
+    def no_space(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(ocp.CheckpointManager, "save", no_space)
+    code, err = cli(capsys, "--set", *TINY, "train.max_iters=10", "--data", str(text_file), "--out-dir",
+                    str(tmp_path), "--quiet")
+    assert code == 1 and err.startswith("error: saving ") and "No space left on device" in err
+    assert len(err.strip().splitlines()) == 1
+
+
+# --------------------------------------------------------------------------------------------
+# Interrupts and crashes: the resumed run ends exactly where an uninterrupted one does
+
+
+CRASH_RUN = [*TINY, "train.max_iters=40", "train.eval_interval=5", "train.steps_per_dispatch=5",
+             "train.log_interval=3"]  # log intervals straddle dispatches: the interval in progress is saved too
+
+
+@pytest.fixture(scope="module")
+def compile_cache(tmp_path_factory):
+    """JAX's persistent compilation cache, shared by this module's processes: each compiles the same
+    tiny programs, so all but the first load them (the same executables, the same numbers)."""
+    return {"JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("jax_cache")),
+            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+
+
+def start(text_file, out_dir, *extra, cache):
+    args = [sys.executable, "-m", "train.tiny_lm", "--set", *CRASH_RUN, "--data", str(text_file),
+            "--out-dir", str(out_dir), "--quiet", *extra]
+    return subprocess.Popen(args, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), **cache},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(text_file, tmp_path_factory, compile_cache):
+    out = tmp_path_factory.mktemp("uninterrupted")
+    proc = start(text_file, out, cache=compile_cache)
+    assert proc.wait(timeout=300) == 0, proc.stderr.read()
+    return (out / "metrics.jsonl").read_text(), load_for_sampling(out / "checkpoints" / "latest")[0]
+
+
+def assert_same_run(out, uninterrupted):
+    expected_metrics, expected_params = uninterrupted
+    assert (Path(out) / "metrics.jsonl").read_text() == expected_metrics  # each step once, the same numbers
+    params = load_for_sampling(Path(out) / "checkpoints" / "latest")[0]
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(expected_params)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_sigint_saves_exits_130_and_resume_continues_exactly(text_file, tmp_path, uninterrupted, compile_cache):
+    proc = start(text_file, tmp_path, cache=compile_cache)
+    deadline = time.time() + 240
+    latest = tmp_path / "checkpoints" / "latest"
+    while not (latest.is_dir() and any(p.name.isdigit() for p in latest.iterdir())):  # after the first save
+        assert proc.poll() is None and time.time() < deadline, proc.stderr.read() if proc.poll() else "timeout"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=120) == 130
+    err = proc.stderr.read()
+    assert "Traceback" not in err and "stopped: SIGINT at step" in err and "--resume continues" in err
+    resumed = start(text_file, tmp_path, "--resume", cache=compile_cache)
+    assert resumed.wait(timeout=300) == 0, resumed.stderr.read()
+    assert_same_run(tmp_path, uninterrupted)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_killed_at_a_random_moment_then_resumed_ends_like_an_uninterrupted_run(text_file, tmp_path, seed,
+                                                                               uninterrupted, compile_cache):
+    """SIGKILL mid-step, mid-eval or mid-save (the moment is random): the newest valid checkpoint
+    resumes, `metrics.jsonl` is repaired (each step once, a torn last line dropped)."""
+    proc = start(text_file, tmp_path, cache=compile_cache)
+    started = time.time()
+    while not (tmp_path / "metrics.jsonl").exists():  # training has begun (compilation is done)
+        assert proc.poll() is None and time.time() - started < 240
+        time.sleep(0.02)
+    time.sleep(random.Random(seed).uniform(0.0, 2.0))
+    proc.kill()
+    if proc.wait() == 0:  # it finished before the kill: nothing to resume
+        assert_same_run(tmp_path, uninterrupted)
+        return
+    latest = tmp_path / "checkpoints" / "latest"
+    has_checkpoint = latest.is_dir() and any(p.name.isdigit() for p in latest.iterdir())
+    again = start(text_file, tmp_path, "--resume" if has_checkpoint else "--overwrite", cache=compile_cache)
+    assert again.wait(timeout=300) == 0, again.stderr.read()
+    assert_same_run(tmp_path, uninterrupted)
+
+
+def test_repair_metrics_keeps_each_step_once_and_drops_a_torn_line(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    lines = [{"step": 0, "train_loss": 4.0, "val_loss": 4.1}, {"step": 3, "loss": 3.5, "lr": 0.1},
+             {"step": 5, "loss": 3.0, "lr": 0.1}, {"step": 5, "train_loss": 3.1, "val_loss": 3.2},
+             {"step": 8, "loss": 2.9, "lr": 0.1}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines) + '{"step": 10, "lo')
+    repair_metrics(path, 5, evaluates_again=True)
+    assert [json.loads(line) for line in path.read_text().splitlines()] == lines[:3]

@@ -1,0 +1,61 @@
+"""What a run records: `metrics.jsonl` (losses by step) and the speed of each dispatch."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+class MetricsLog:
+    """`metrics.jsonl`: the mean loss of each log interval, and each evaluation."""
+
+    def __init__(self, path: Path, log_interval: int, interval: list[float] = ()):
+        """`interval`: the losses of the log interval in progress (a resumed run's, from its checkpoint)."""
+        self.path, self.log_interval, self._interval = path, log_interval, list(interval)
+
+    def pending(self) -> list[float]:
+        """The losses of the log interval in progress (saved with a checkpoint taken mid-interval)."""
+        return list(self._interval)
+
+    def _append(self, record: dict) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def add_steps(self, first_step: int, losses: np.ndarray, lrs: np.ndarray, last_step: int) -> None:
+        for i, loss in enumerate(losses):  # step first_step + i + 1 has just finished
+            step = first_step + i + 1
+            self._interval.append(float(loss))
+            if step % self.log_interval == 0 or step == last_step:
+                self._append({"step": step, "loss": float(np.mean(self._interval)), "lr": float(lrs[i])})
+                self._interval.clear()
+
+    def add_eval(self, step: int, losses: dict) -> None:
+        self._append({"step": step, "train_loss": losses["train"], "val_loss": losses["val"]})
+
+    def records(self) -> list[dict]:
+        return [json.loads(line) for line in self.path.read_text().splitlines()]
+
+
+class Throughput:
+    """Seconds per optimizer step of each dispatch; evaluation and checkpoint time left out."""
+
+    def __init__(self, tokens_per_step: int):
+        self.tokens_per_step, self.laps, self.tick = tokens_per_step, [], time.perf_counter()
+
+    def restart(self) -> None:
+        self.tick = time.perf_counter()
+
+    def lap(self, steps: int) -> None:
+        now = time.perf_counter()
+        self.laps.append((now - self.tick) / steps)
+        self.tick = now
+
+    def step_seconds(self) -> list[float]:
+        return self.laps[1:] or self.laps  # the first dispatch warms up
+
+    def recent_tokens_per_s(self) -> float:
+        return self.tokens_per_step / statistics.median(self.laps[-20:])
