@@ -110,6 +110,21 @@ def test_a_failed_resume_writes_nothing(text_file, tmp_path, capsys):
     assert not (fresh / "checkpoints").exists() and not (fresh / "config.json").exists()
 
 
+def test_resume_without_a_checkpoint_in_a_real_process_is_one_line(text_file, tmp_path):
+    """No orbax thread left behind to print a traceback at exit."""
+    done = subprocess.run([sys.executable, "-m", "train.tiny_lm", "--set", *TINY, "--data", str(text_file),
+                           "--out-dir", str(tmp_path), "--resume", "--quiet"], cwd=ROOT, capture_output=True,
+                          text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
+    assert done.returncode == 1 and done.stderr.startswith("error: --resume: no checkpoint")
+    assert len(done.stderr.strip().splitlines()) == 1 and "--overwrite starts it again" in done.stderr
+
+
+def test_repeated_set_flags_all_apply_in_compare():
+    from train import compare
+    args = compare.build_parser().parse_args(["--set", "train.max_iters=3", "--set", "model.d_model=64"])
+    assert args.set == ["train.max_iters=3", "model.d_model=64"]
+
+
 def test_compare_writes_under_runs_and_checks_its_arguments_first(text_file, tmp_path, monkeypatch, capsys):
     from train import compare
     monkeypatch.chdir(tmp_path)

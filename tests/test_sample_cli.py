@@ -96,6 +96,8 @@ def test_the_kernels_are_reported(tiny, capsys):
     (["--prompt", "A", "--temperature", "-1"], "--temperature"),
     (["--prompt", "A", "--top-p", "0"], "--top-p"),
     (["--prompt", "A", "--temperature", "nan"], "--temperature"),
+    (["--prompt", "A", "--top-k", "-1"], "--top-k must be >= 0"),
+    (["--prompt", "A", "--seed", str(2 ** 64)], "--seed must be in [0, 2**63)"),
 ])
 def test_bad_prompts_and_knobs_give_clear_errors(tiny, capsys, argv, message):
     code, out, err = run(capsys, "--random-init", tiny, *argv)

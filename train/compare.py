@@ -91,8 +91,9 @@ def markdown(rows: list[dict], command: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> list[dict]:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m train.compare", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--iters", type=int, default=2000, help="training steps per run")
     parser.add_argument("--out", default="runs/compare", help="where compare.{md,json,png} go (docs: the README's)")
     parser.add_argument("--runs", default="runs/compare/runs", help="run directories, replaced on each invocation")
@@ -100,6 +101,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--kinds", default=",".join(KINDS), help="subset of " + ",".join(KINDS))
     parser.add_argument("--positions", default=",".join(POSITIONS))
     parser.add_argument("--set", nargs="+", action="extend", default=[], help="extra overrides for every run")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = build_parser()
     args = parser.parse_args(argv)
     kinds = [k.strip().upper() for k in args.kinds.split(",")]
     positions = [p.strip() for p in args.positions.split(",")]

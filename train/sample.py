@@ -86,6 +86,8 @@ def _check_knobs(args) -> None:
         raise SampleError("--max-new-tokens and --num-samples must be >= 1")
     if not args.temperature >= 0:
         raise SampleError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
+    if not 0 <= args.seed < 2 ** 63:
+        raise SampleError(f"--seed must be in [0, 2**63), got {args.seed}")
     if args.top_k < 0:
         raise SampleError(f"--top-k must be >= 0 (0 = off), got {args.top_k}")
     if not 0.0 < args.top_p <= 1.0:
