@@ -205,3 +205,12 @@ def test_extend_refuses_what_would_give_wrong_logits():
     np.testing.assert_array_equal(cache.lengths, [12, 12])
     with pytest.raises(ValueError, match=r"token ids must be in \[0, vocab_size=13\)"):
         full(config, params, jnp.full((1, 3), -1))
+
+
+def test_what_the_library_writes_into_a_cache_is_finite():
+    """Attention needs masked values to be finite (0 * NaN is NaN): padding written by a padded
+    prefill and slots never written must hold finite numbers."""
+    config = tiny_config("gqa", "rope")
+    prompts = jnp.where(jnp.arange(6)[None, :] < jnp.array([[6], [2]]), random_tokens((2, 6)), VOCAB - 1)
+    _, cache = extend(config, params_for(config), prompts, init_cache(config, 2, MAX_LEN), num_new=jnp.array([6, 2]))
+    assert all(bool(jnp.isfinite(x).all()) for x in jax.tree_util.tree_leaves(cache))

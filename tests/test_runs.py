@@ -186,6 +186,17 @@ def test_bad_input_gives_one_line(text_file, tmp_path, capsys):
     assert got == 2 and f"config file {bad_toml} is not valid TOML" in err
 
 
+def test_a_read_only_run_directory_gives_one_line(text_file, tmp_path, capsys, monkeypatch):
+    """(Simulated: the tests may run as root, who can write anywhere.)"""
+    import errno
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system")
+    monkeypatch.setattr(Path, "mkdir", read_only)
+    code, err = cli(capsys, "--set", *TINY, "--data", str(text_file), "--out-dir", str(tmp_path / "ro"), "--quiet")
+    assert code == 1 and err == f"error: cannot use {tmp_path / 'ro'} as the run directory: Read-only file system\n"
+
+
 def test_attention_maps_checks_the_output_type_before_any_work(capsys):
     from train import attention_maps
     with pytest.raises(SystemExit) as exit_info:
