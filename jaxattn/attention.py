@@ -25,7 +25,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxattn import kernels
-from jaxattn._validate import require_bool, require_broadcastable, require_float, require_integer, require_rank
+from jaxattn._validate import (require_bool, require_broadcastable, require_float, require_integer,
+                               require_positive_int, require_rank)
 from jaxattn.masks import causal_mask
 from jaxattn.softmax import softmax_dtype
 
@@ -119,7 +120,8 @@ def scaled_dot_product_attention(query, key, value, *, mask=None, bias=None,
     return (out, weights) if return_weights else out
 
 
-def cached_attention(query, key_cache, value_cache, query_positions, *, scale=None, implementation="xla"):
+def cached_attention(query, key_cache, value_cache, query_positions, *, scale=None, window=None,
+                     implementation="xla"):
     """Attention of T new queries against a KV cache (prefill and decode steps, docs/theory.md §9).
 
     The cache is heads-major (`jaxattn.cache`): each (row, kv head) is one
@@ -134,6 +136,7 @@ def cached_attention(query, key_cache, value_cache, query_positions, *, scale=No
       value_cache: `[B, K, L, Hv]` values.
       query_positions: `[B, T]` integer absolute positions of the queries.
       scale: multiplies the logits; defaults to `1 / sqrt(H)`.
+      window: None, or a sliding window W: slot j is also hidden when `p - j >= W`.
       implementation: a name of `jaxattn.kernels.choices("decode")`.
 
     Returns:
@@ -153,7 +156,9 @@ def cached_attention(query, key_cache, value_cache, query_positions, *, scale=No
     require_integer("query_positions", query_positions)
     attend = kernels.cached_attention_kernel(implementation)
     scale = 1.0 / math.sqrt(H) if scale is None else scale
-    return attend(query, key_cache, value_cache, query_positions, scale=scale)
+    if window is not None:
+        require_positive_int("window", window)
+    return attend(query, key_cache, value_cache, query_positions, scale=scale, window=window)
 
 
 def reference_attention(query, key, value, *, mask=None, bias=None,

@@ -14,18 +14,19 @@ from jaxattn.rope import RopeScaling
 
 PositionKind = Literal["learned", "sinusoidal", "rope", "none"]
 NormKind = Literal["layernorm", "rmsnorm"]
-MlpKind = Literal["gelu", "swiglu"]
+MlpKind = Literal["gelu", "swiglu", "geglu"]
 DType = Literal["float32", "bfloat16"]
 
 _CHOICES = {
     "positions": ("learned", "sinusoidal", "rope", "none"),
     "norm": ("layernorm", "rmsnorm"),
-    "mlp": ("gelu", "swiglu"),
+    "mlp": ("gelu", "swiglu", "geglu"),
     "dtype": ("float32", "bfloat16"),
     "param_dtype": ("float32", "bfloat16"),
 }
 # Fields that None derives from others; `replace` derives them again unless they are given.
-_DERIVED = ("num_kv_heads", "head_dim", "mlp_hidden")
+_DERIVED = ("num_kv_heads", "head_dim", "mlp_hidden", "qkv_bias", "out_bias", "mlp_bias")
+_BIASES = ("qkv_bias", "out_bias", "mlp_bias")
 
 
 def _require_positive_int(owner: str, name: str, value) -> None:
@@ -82,9 +83,19 @@ class ModelConfig:
       rope_scaling: optional context extension of RoPE.
       norm: "layernorm" or "rmsnorm" (pre-norm blocks).
       norm_eps: epsilon of the norms.
-      mlp: "gelu" (Linear-GELU-Linear) or "swiglu".
+      mlp: "gelu" (Linear-GELU-Linear), "swiglu" (silu(x W_gate) * x W_up, then W_down)
+        or "geglu" (the same gated MLP with GELU).
+      gelu_approximate: every GELU in the tanh form (GPT-2's "gelu_new") when True,
+        the exact erf form (Hugging Face's "gelu") when False.
       mlp_hidden: MLP hidden width (None = 4 * d_model).
-      use_bias: biases in the linear layers and LayerNorm.
+      use_bias: biases in the linear layers and LayerNorm; `qkv_bias`, `out_bias`
+        and `mlp_bias` (None = follow `use_bias`) override it per projection group:
+        queries/keys/values (MLA: the down-projections `wq_a`, `wkv_a`), the
+        attention output, the MLP (Qwen2: q/k/v biases only).
+      qk_norm: RMSNorm (own scale per head dim) on every query and key head after
+        projection, before RoPE (Qwen3); standard attention only.
+      sliding_window: None, or W: each query sees itself and the W - 1 tokens
+        before it (Mistral), in whole sequences and in cached decoding.
       fused_qkv: one QKV projection matrix instead of three (same maths).
       dropout: attention-weight and residual dropout rate (training only).
       max_seq_len: longest sequence (learned position table, cache length).
@@ -93,9 +104,10 @@ class ModelConfig:
       param_dtype: parameter storage dtype.
       init_std: standard deviation of the weight initialisation.
 
-    `num_kv_heads`, `head_dim` and `mlp_hidden` given as None are derived when
-    the config is built, so they always read as integers; `replace` derives
-    them again from the new values unless they are given explicitly.
+    `num_kv_heads`, `head_dim`, `mlp_hidden` and the three bias switches given as
+    None are derived when the config is built, so they always read as integers
+    and booleans; `replace` derives them again from the new values unless they
+    are given explicitly.
     """
 
     vocab_size: int = 65
@@ -112,8 +124,14 @@ class ModelConfig:
     norm: NormKind = "layernorm"
     norm_eps: float = 1e-5
     mlp: MlpKind = "gelu"
+    gelu_approximate: bool = True
     mlp_hidden: int | None = None
     use_bias: bool = False
+    qkv_bias: bool | None = None
+    out_bias: bool | None = None
+    mlp_bias: bool | None = None
+    qk_norm: bool = False
+    sliding_window: int | None = None
     fused_qkv: bool = True
     dropout: float = 0.0
     max_seq_len: int = 64
@@ -136,6 +154,10 @@ class ModelConfig:
                              f"num_kv_heads={self.num_kv_heads}")
         if self.positions == "rope" and self.mla is None and self.head_dim % 2:
             raise ValueError(f"RoPE needs an even head_dim, got {self.head_dim}")
+        if self.sliding_window is not None:
+            _require_positive_int("ModelConfig", "sliding_window", self.sliding_window)
+        if self.qk_norm and self.mla is not None:
+            raise ValueError("ModelConfig.qk_norm applies to standard attention; MLA normalises its latents instead")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"ModelConfig.dropout must be in [0, 1), got {self.dropout}")
 
@@ -152,8 +174,14 @@ class ModelConfig:
             object.__setattr__(self, "head_dim", self.d_model // self.num_heads)
         if self.mlp_hidden is None:
             object.__setattr__(self, "mlp_hidden", 4 * self.d_model)
-        for name in _DERIVED:
+        for name in _BIASES:
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, self.use_bias)
+        for name in ("num_kv_heads", "head_dim", "mlp_hidden"):
             _require_positive_int("ModelConfig", name, getattr(self, name))
+        for name in ("use_bias", "gelu_approximate", "qk_norm", *_BIASES):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"ModelConfig.{name} must be true or false, got {getattr(self, name)!r}")
 
     @property
     def attention(self) -> Literal["standard", "mla"]:

@@ -20,6 +20,7 @@ from jaxattn.attention import cached_attention, scaled_dot_product_attention
 from jaxattn.cache import KVCache, write_rows
 from jaxattn.config import ModelConfig
 from jaxattn.kernels import Kernels
+from jaxattn.masks import combine_masks, sliding_window_mask
 from jaxattn.rope import apply_rope, rope_attention_factor, rope_frequencies
 
 
@@ -117,30 +118,52 @@ def make_linear(config: ModelConfig, kernels: Kernels, features: int, *, residua
 
 
 class MLP(nn.Module):
-    """GELU MLP (`c_fc`, GELU, `c_proj`) or SwiGLU (`gate_up`, silu(gate) * up, `down`), then dropout."""
+    """Plain (`c_fc`, GELU, `c_proj`) or gated (`gate_up`, act(gate) * up, `down`) MLP, then dropout.
+
+    `config.mlp`: "gelu" plain, "swiglu" gated with SiLU, "geglu" gated with GELU;
+    GELU is the tanh form when `config.gelu_approximate`, else the exact erf form.
+    Biases when `config.mlp_bias`.
+    """
 
     config: ModelConfig
     kernels: Kernels = Kernels()
 
     def setup(self):
         c, k = self.config, self.kernels
-        if c.mlp == "swiglu":
-            self.gate_up = make_linear(c, k, 2 * c.mlp_hidden)  # one matmul for both
-            self.down = make_linear(c, k, c.d_model, residual=True)
+        bias = dict(use_bias=c.mlp_bias)
+        if self.gated:
+            self.gate_up = make_linear(c, k, 2 * c.mlp_hidden, **bias)  # one matmul for both
+            self.down = make_linear(c, k, c.d_model, residual=True, **bias)
         else:
-            self.c_fc = make_linear(c, k, c.mlp_hidden)
-            self.c_proj = make_linear(c, k, c.d_model, residual=True)
+            self.c_fc = make_linear(c, k, c.mlp_hidden, **bias)
+            self.c_proj = make_linear(c, k, c.d_model, residual=True, **bias)
         self.dropout = nn.Dropout(c.dropout)
+
+    @property
+    def gated(self) -> bool:
+        return self.config.mlp in ("swiglu", "geglu")
+
+    def activation(self, x: jnp.ndarray) -> jnp.ndarray:
+        if self.config.mlp == "swiglu":
+            return nn.silu(x)
+        # GPT-2's tanh form by default; nanoGPT and transformers' "gelu" use erf (differ by < 1e-3).
+        return nn.gelu(x, approximate=self.config.gelu_approximate)
 
     def __call__(self, x: jnp.ndarray, *, deterministic: bool = True) -> jnp.ndarray:
         """`[B, T, D] -> [B, T, D]`."""
-        if self.config.mlp == "swiglu":
+        if self.gated:
             gate, up = jnp.split(self.gate_up(x), 2, axis=-1)  # [B, T, F] each
-            y = self.down(nn.silu(gate) * up)
+            y = self.down(self.activation(gate) * up)
         else:
-            # tanh GELU as in GPT-2 (nanoGPT uses the erf form; they differ by < 1e-3).
-            y = self.c_proj(nn.gelu(self.c_fc(x), approximate=True))
+            y = self.c_proj(self.activation(self.c_fc(x)))
         return self.dropout(y, deterministic=deterministic)
+
+
+def window_mask(config: ModelConfig, q_len: int, kv_len: int) -> jnp.ndarray | None:
+    """`[T, S]` sliding-window mask of causal self-attention, or None without `config.sliding_window`."""
+    if config.sliding_window is None:
+        return None
+    return sliding_window_mask(q_len, kv_len, config.sliding_window)
 
 
 def check_config(config, kernels) -> None:
@@ -157,9 +180,12 @@ class Attention(nn.Module):
     K = N is MHA, K = 1 MQA, anything between GQA; H = `config.head_dim`
     need not equal D / N. Parameters: fused `qkv` (kernel `[D, (N + 2K) H]`,
     columns `[Q | K | V]` like nanoGPT's `c_attn`) or separate `query`, `key`,
-    `value`; output projection `out` (`[N H, D]`). Positions: RoPE when
-    `config.positions == "rope"`, else none here (absolute positions are
-    added to the embeddings by the model).
+    `value` (biases when `config.qkv_bias`); output projection `out`
+    (`[N H, D]`, bias when `config.out_bias`); `q_norm`, `k_norm` (RMSNorm
+    over H) when `config.qk_norm`. Positions: RoPE when `config.positions ==
+    "rope"`, else none here (absolute positions are added to the embeddings
+    by the model). With `config.sliding_window` W, causal self-attention and
+    the cache show each query only itself and the W - 1 tokens before it.
 
     `__call__` processes whole sequences (self- or cross-attention);
     `extend` appends tokens to a `KVCache` and attends to everything cached.
@@ -175,12 +201,16 @@ class Attention(nn.Module):
         check_config(c, k)
         N, K, H = c.num_heads, c.num_kv_heads, c.head_dim
         if c.fused_qkv:
-            self.qkv = make_linear(c, k, (N + 2 * K) * H)
+            self.qkv = make_linear(c, k, (N + 2 * K) * H, use_bias=c.qkv_bias)
         else:
-            self.query = make_linear(c, k, N * H)
-            self.key = make_linear(c, k, K * H)
-            self.value = make_linear(c, k, K * H)
-        self.out = make_linear(c, k, c.d_model, residual=True)
+            self.query = make_linear(c, k, N * H, use_bias=c.qkv_bias)
+            self.key = make_linear(c, k, K * H, use_bias=c.qkv_bias)
+            self.value = make_linear(c, k, K * H, use_bias=c.qkv_bias)
+        if c.qk_norm:
+            dtypes = dict(dtype=jnp.dtype(c.dtype), param_dtype=jnp.dtype(c.param_dtype))
+            self.q_norm = RMSNorm(eps=c.norm_eps, **dtypes)
+            self.k_norm = RMSNorm(eps=c.norm_eps, **dtypes)
+        self.out = make_linear(c, k, c.d_model, residual=True, use_bias=c.out_bias)
         self.resid_dropout = nn.Dropout(c.dropout)
         self.use_rope = c.positions == "rope"
         if self.use_rope:
@@ -207,7 +237,14 @@ class Attention(nn.Module):
             source = x if context is None else context
             q, k, v = self.query(x), self.key(source), self.value(source)
         S = k.shape[1]
-        return q.reshape(B, T, N, H), k.reshape(B, S, K, H), v.reshape(B, S, K, H)
+        q, k = self.normalize(q.reshape(B, T, N, H), k.reshape(B, S, K, H))
+        return q, k, v.reshape(B, S, K, H)
+
+    def normalize(self, q, k):
+        """Qwen3's per-head RMSNorm of queries and keys (before RoPE); identity without `qk_norm`."""
+        if not self.config.qk_norm:
+            return q, k
+        return self.q_norm(q), self.k_norm(k)
 
     def rotate(self, q, k, q_positions, k_positions):
         """RoPE on queries and keys (never values); identity without RoPE."""
@@ -267,6 +304,8 @@ class Attention(nn.Module):
             context_positions = positions if context is None else jnp.arange(context.shape[1])
         q, k, v = self.project(x, context)
         q, k = self.rotate(q, k, positions, context_positions)
+        if is_causal and context is None:
+            mask = combine_masks(mask, window_mask(self.config, T, T))
         result = self.attend(q, k, v, mask=mask, is_causal=is_causal,
                              deterministic=deterministic, return_weights=return_weights)
         out, weights = result if return_weights else (result, None)
@@ -290,6 +329,7 @@ class Attention(nn.Module):
         q, k = self.rotate(q, k, positions, positions)
         cache = self.update_cache(cache, k, v, starts)
         out = cached_attention(q, cache.k, cache.v, positions, scale=self.scale,
+                               window=self.config.sliding_window,
                                implementation=self.kernels.decode)  # [B, T, N, H]
         return self.project_out(out), cache
 

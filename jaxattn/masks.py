@@ -64,8 +64,9 @@ def padding_mask(lengths, max_len: int) -> jnp.ndarray:
     return valid[:, None, None, :]
 
 
-def visible_cache_slots(query_positions, num_slots: int) -> jnp.ndarray:
-    """`[B, 1, T, L]` mask of a KV cache: slot j is visible to a query at absolute position p iff j <= p.
+def visible_cache_slots(query_positions, num_slots: int, window: int | None = None) -> jnp.ndarray:
+    """`[B, 1, T, L]` mask of a KV cache: slot j is visible to a query at absolute position p iff j <= p
+    (and, with a sliding `window` W, p - j < W: `sliding_window_mask`'s rule).
 
     The one visibility rule of cached attention (slot = absolute position,
     docs/theory.md §9): slots a row has not written yet, and padding written
@@ -74,13 +75,18 @@ def visible_cache_slots(query_positions, num_slots: int) -> jnp.ndarray:
     Args:
       query_positions: `[B, T]` integer absolute positions of the queries.
       num_slots: L, the cache slots per row.
+      window: None (no window) or a positive int.
     """
     query_positions = jnp.asarray(query_positions)
     require_rank("query_positions", query_positions, 2, "[B, T]")
     require_integer("query_positions", query_positions)
     require_positive_int("num_slots", num_slots)
-    slots = jnp.arange(num_slots)
-    return (slots[None, None, :] <= query_positions[:, :, None])[:, None]  # [B, 1, T, L]
+    offsets = query_positions[:, :, None] - jnp.arange(num_slots)[None, None, :]  # [B, T, L]: p - j
+    visible = offsets >= 0
+    if window is not None:
+        require_positive_int("window", window)
+        visible = visible & (offsets < window)
+    return visible[:, None]  # [B, 1, T, L]
 
 
 def combine_masks(*masks) -> jnp.ndarray | None:

@@ -28,9 +28,9 @@ from jaxattn.attention import scaled_dot_product_attention
 from jaxattn.cache import LatentCache, write_rows
 from jaxattn.config import ModelConfig
 from jaxattn.kernels import Kernels
-from jaxattn.layers import RMSNorm, check_config, make_linear
+from jaxattn.layers import RMSNorm, check_config, make_linear, window_mask
 from jaxattn.masks import causal_mask, combine_masks, visible_cache_slots
-from jaxattn.rope import apply_rope, rope_attention_factor, rope_frequencies
+from jaxattn.rope import apply_rope, rope_attention_factor, rope_frequencies, yarn_softmax_mscale
 from jaxattn.softmax import dropout_weights, masked_softmax
 
 
@@ -63,15 +63,18 @@ def latent_attention(q_latent, q_rope, c_kv, k_rope, *, scale, mask=None, is_cau
 
 
 class MultiHeadLatentAttention(nn.Module):
-    """MLA with N heads. Parameters (bias-free, as DeepSeek's):
+    """MLA with N heads. Parameters (biases only where `qkv_bias`/`out_bias` ask, on `wq_a`, `wkv_a`, `wo`, as DeepSeek's `attention_bias`):
 
     `wq` `[D, N(P+E)]`, or with query compression `wq_a` `[D, Q]`, `q_norm`,
     `wq_b` `[Q, N(P+E)]`; `wkv_a` `[D, R+E]`; `kv_norm`; `wkv_b` `[R, N, P+V]`
     (W_UK and W_UV side by side); `wo` `[N V, D]`.
 
     RoPE rotates only the E decoupled dims and only when `config.positions ==
-    "rope"` (other schemes add positions to the embeddings instead). Softmax
-    scale `1/sqrt(P+E)` times YaRN's attention factor squared. Full sequences
+    "rope"` (other schemes add positions to the embeddings instead). Under
+    YaRN, as DeepSeek's reference code and transformers: the rotated dims are
+    multiplied by the attention factor (on queries and keys, so their logits by
+    its square) and the softmax scale `1/sqrt(P+E)` by
+    `mscale(factor, mscale_all_dim)^2` (docs/theory.md §8). Full sequences
     run `kernels.mla` ("naive" or "absorb", equal in the tests); cached
     decoding always absorbs.
     """
@@ -89,22 +92,23 @@ class MultiHeadLatentAttention(nn.Module):
         if m.q_lora_rank is None:
             self.wq = make_linear(c, k, N * (P + E), use_bias=False)
         else:
-            self.wq_a = make_linear(c, k, m.q_lora_rank, use_bias=False)
+            self.wq_a = make_linear(c, k, m.q_lora_rank, use_bias=c.qkv_bias)
             self.q_norm = RMSNorm(eps=c.norm_eps, **dtypes)
             self.wq_b = make_linear(c, k, N * (P + E), use_bias=False)
-        self.wkv_a = make_linear(c, k, R + E, use_bias=False)
+        self.wkv_a = make_linear(c, k, R + E, use_bias=c.qkv_bias)
         self.kv_norm = RMSNorm(eps=c.norm_eps, **dtypes)
         # A 3-D parameter because both paths use it: as one [R, N(P+V)] matmul
         # (naive) and split per head into W_UK, W_UV (absorb).
         self.wkv_b = self.param("wkv_b", nn.initializers.normal(c.init_std), (R, N, P + V),
                                 jnp.dtype(c.param_dtype))
-        self.wo = make_linear(c, k, c.d_model, residual=True, use_bias=False)
+        self.wo = make_linear(c, k, c.d_model, residual=True, use_bias=c.out_bias)
         self.resid_dropout = nn.Dropout(c.dropout)
         self.use_rope = c.positions == "rope"
         if self.use_rope:
             self.inv_freq = rope_frequencies(E, theta=c.rope_theta, scaling=c.rope_scaling)
-        factor = rope_attention_factor(c.rope_scaling if self.use_rope else None)
-        self.scale = factor ** 2 / math.sqrt(P + E)
+        scaling = c.rope_scaling if self.use_rope else None
+        self.rope_factor = rope_attention_factor(scaling)  # on the rotary dims only
+        self.scale = yarn_softmax_mscale(scaling) ** 2 / math.sqrt(P + E)
 
     # -- the named steps -------------------------------------------------------------------
 
@@ -128,7 +132,10 @@ class MultiHeadLatentAttention(nn.Module):
             return q_rope, k_rope
         rope = dict(interleaved=self.config.rope_interleaved, inv_freq=self.inv_freq)
         k_rope = apply_rope(k_rope[:, :, None, :], positions, **rope)[:, :, 0, :]
-        return apply_rope(q_rope, positions, **rope), k_rope
+        q_rope = apply_rope(q_rope, positions, **rope)
+        if self.rope_factor != 1.0:  # YaRN's temperature, applied where transformers applies it
+            q_rope, k_rope = q_rope * self.rope_factor, k_rope * self.rope_factor
+        return q_rope, k_rope
 
     def update_cache(self, cache: LatentCache, c_kv, k_rope, starts) -> LatentCache:
         """Writes row b's new latents and rotary keys at slots `starts[b] + arange(T)`."""
@@ -190,6 +197,8 @@ class MultiHeadLatentAttention(nn.Module):
         q_nope, q_rope = self.project_query(x)
         c_kv, k_rope = self.compress_kv(x)
         q_rope, k_rope = self.rotate(q_rope, k_rope, positions)
+        if is_causal:
+            mask = combine_masks(mask, window_mask(self.config, x.shape[1], x.shape[1]))
         attend = self.attend_naive if path == "naive" else self.attend_absorbed
         result = attend(q_nope, q_rope, c_kv, k_rope, mask=mask, is_causal=is_causal,
                         deterministic=deterministic, return_weights=return_weights)
@@ -213,7 +222,7 @@ class MultiHeadLatentAttention(nn.Module):
         c_kv, k_rope = self.compress_kv(x)
         q_rope, k_rope = self.rotate(q_rope, k_rope, positions)
         cache = self.update_cache(cache, c_kv, k_rope, starts)
-        mask = visible_cache_slots(positions, cache.c_kv.shape[1])  # [B, 1, T, L]
+        mask = visible_cache_slots(positions, cache.c_kv.shape[1], self.config.sliding_window)  # [B, 1, T, L]
         out = self.attend_absorbed(q_nope, q_rope, cache.c_kv, cache.k_rope, mask=mask)
         return self.project_out(out), cache
 

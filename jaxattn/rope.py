@@ -39,6 +39,10 @@ class RopeScaling:
       low_freq_factor, high_freq_factor: llama3's wavelength thresholds.
       beta_fast, beta_slow: yarn's ramp bounds in rotations.
       mscale, mscale_all_dim: yarn's temperature coefficients (DeepSeek-V2/V3).
+      attention_factor: yarn's attention factor given outright (None = derived
+        from factor, mscale and mscale_all_dim, see `rope_attention_factor`).
+      truncate: yarn rounds its ramp bounds to whole dims (the paper's and
+        Hugging Face's default); False keeps them fractional.
     """
 
     kind: ScalingKind
@@ -50,6 +54,8 @@ class RopeScaling:
     beta_slow: float = 1.0
     mscale: float = 1.0
     mscale_all_dim: float = 0.0
+    attention_factor: float | None = None
+    truncate: bool = True
 
     def __post_init__(self):
         if self.kind not in ("linear", "ntk", "llama3", "yarn"):
@@ -58,6 +64,8 @@ class RopeScaling:
             )
         if not self.factor > 0:
             raise ValueError(f"RopeScaling.factor must be positive, got {self.factor}")
+        if self.attention_factor is not None and not self.attention_factor > 0:
+            raise ValueError(f"RopeScaling.attention_factor must be positive or None, got {self.attention_factor}")
 
 
 def _check_head_dim(head_dim: int) -> None:
@@ -82,8 +90,10 @@ def _yarn(inv_freq: np.ndarray, head_dim: int, theta: float, s: RopeScaling) -> 
         return (head_dim * math.log(s.original_max_position / (num_rotations * 2 * math.pi))
                 ) / (2 * math.log(theta))
 
-    low = max(math.floor(correction_dim(s.beta_fast)), 0)
-    high = min(math.ceil(correction_dim(s.beta_slow)), head_dim - 1)
+    low, high = correction_dim(s.beta_fast), correction_dim(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
     high = high + 0.001 if low == high else high
     ramp = np.clip((np.arange(head_dim // 2) - low) / (high - low), 0.0, 1.0)
     extrapolate = 1.0 - ramp  # 1 keeps the original (high) frequency
@@ -114,14 +124,19 @@ def _yarn_mscale(factor: float, mscale: float) -> float:
 
 
 def rope_attention_factor(scaling: RopeScaling | None) -> float:
-    """YaRN's attention temperature: multiply the softmax scale by its square.
+    """YaRN's attention temperature, which multiplies the rotated queries and keys.
 
-    (Hugging Face multiplies cos and sin by it, which scales the logits by its
-    square too.) 1.0 for every other scaling.
+    Hugging Face multiplies cos and sin by it, so the logits of the rotary dims
+    scale by its square; with every dim rotated (standard attention) that is
+    the softmax scale times its square. `attention_factor` when given, else
+    `mscale(factor, mscale) / mscale(factor, mscale_all_dim)` when both are
+    non-zero (DeepSeek), else `mscale(factor, 1)`. 1.0 for every other scaling.
     """
     if scaling is None or scaling.kind != "yarn":
         return 1.0
-    if scaling.mscale_all_dim:
+    if scaling.attention_factor is not None:
+        return float(scaling.attention_factor)
+    if scaling.mscale and scaling.mscale_all_dim:
         return _yarn_mscale(scaling.factor, scaling.mscale) / _yarn_mscale(
             scaling.factor, scaling.mscale_all_dim)
     return _yarn_mscale(scaling.factor, 1.0)
@@ -172,3 +187,15 @@ def apply_rope(x, positions, *, theta: float = 10000.0, interleaved: bool,
         x1, x2 = xf[..., : H // 2], xf[..., H // 2:]
         out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x.dtype)
+
+
+def yarn_softmax_mscale(scaling: RopeScaling | None) -> float:
+    """DeepSeek's softmax temperature under YaRN: `mscale(factor, mscale_all_dim)`.
+
+    MLA multiplies its softmax scale `1/sqrt(P+E)` by its square, on every dim
+    (the rotary dims get `rope_attention_factor` squared on top). 1.0 without
+    YaRN or without `mscale_all_dim`.
+    """
+    if scaling is None or scaling.kind != "yarn" or not scaling.mscale_all_dim:
+        return 1.0
+    return _yarn_mscale(scaling.factor, scaling.mscale_all_dim)

@@ -82,14 +82,43 @@ def test_latent_attention_is_mqa_with_one_latent_kv_head():
     np.testing.assert_allclose(weights, expected_w, atol=1e-6)
 
 
-def test_softmax_scale_includes_the_yarn_factor_squared():
-    yarn = RopeScaling("yarn", 40.0, original_max_position=64, mscale=1.0, mscale_all_dim=0.0)
+def test_yarn_scales_the_rotary_dims_and_the_softmax_as_deepseek():
+    # DeepSeek-V3's own rope settings: factor 40, mscale = mscale_all_dim = 1.
+    deepseek = RopeScaling("yarn", 40.0, original_max_position=64, mscale=1.0, mscale_all_dim=1.0)
+    plain = RopeScaling("yarn", 40.0, original_max_position=64)
     _, params = setup_mla(mla_config())
-    for scaling, factor in ((None, 1.0), (yarn, rope_attention_factor(yarn))):
+    for scaling, softmax_mscale, rope_factor in ((None, 1.0, 1.0), (deepseek, 1 + 0.1 * math.log(40), 1.0),
+                                                 (plain, 1.0, 1 + 0.1 * math.log(40))):
         config = mla_config(rope_scaling=scaling)
-        scale = MultiHeadLatentAttention(config).apply({"params": params}, method=lambda m: m.scale)
-        assert math.isclose(scale, factor ** 2 / math.sqrt(8 + 4))
-    assert rope_attention_factor(yarn) > 1.3
+        scale, factor = MultiHeadLatentAttention(config).apply(
+            {"params": params}, method=lambda m: (m.scale, m.rope_factor))
+        assert math.isclose(scale, softmax_mscale ** 2 / math.sqrt(8 + 4))
+        assert math.isclose(factor, rope_factor)
+    assert rope_attention_factor(deepseek) == 1.0
+
+
+def test_yarn_attention_factor_reaches_only_the_rotary_logits():
+    # With a factor on the rotary dims only, the logits are q_nope.k_nope + f^2 q_rope.k_rope;
+    # the old bug scaled both terms by f^2.
+    plain = RopeScaling("yarn", 40.0, original_max_position=64)
+    config = mla_config(rope_scaling=plain)
+    x, params = setup_mla(config)
+    positions = jnp.arange(x.shape[1])
+
+    def logits(m):
+        q_nope, q_rope = m.project_query(x)
+        c_kv, k_rope = m.compress_kv(x)
+        q_rope, k_rope = m.rotate(q_rope, k_rope, positions)
+        w_uk = m.wkv_b[..., :config.mla.qk_nope_head_dim]
+        k_nope = jnp.einsum("BSR,RNP->BSNP", c_kv, w_uk)
+        return (jnp.einsum("BTNP,BSNP->BNTS", q_nope, k_nope), jnp.einsum("BTNE,BSE->BNTS", q_rope, k_rope))
+
+    nope, rope = MultiHeadLatentAttention(config).apply({"params": params}, method=logits)
+    nope0, rope0 = MultiHeadLatentAttention(config.replace(rope_scaling=plain.__class__(
+        "yarn", 40.0, original_max_position=64, attention_factor=1.0))).apply({"params": params}, method=logits)
+    f = rope_attention_factor(plain)
+    np.testing.assert_allclose(nope, nope0, rtol=1e-6)
+    np.testing.assert_allclose(rope, f ** 2 * rope0, rtol=1e-5, atol=1e-6)
 
 
 def test_extend_stores_only_the_latent_and_the_rotary_key():

@@ -36,14 +36,14 @@ def attention(query, key, value, *, mask, bias, is_causal, scale, dropout_rate, 
     return merge_heads(out, query.dtype), (weights.reshape(B, N, T, S) if return_weights else None)
 
 
-def cached_attention(query, key_cache, value_cache, query_positions, *, scale):
+def cached_attention(query, key_cache, value_cache, query_positions, *, scale, window=None):
     """Attention of new queries against a heads-major cache (contract: `jaxattn.attention.cached_attention`)."""
     B, T, N, H = query.shape
     K, L = key_cache.shape[1:3]
     q = query.reshape(B, T, K, N // K, H)  # [B, T, K, G, H]
     logits = jnp.einsum("BTKGH,BKSH->BKGTS", q, key_cache,
                         preferred_element_type=softmax_dtype(query.dtype)) * scale
-    visible = visible_cache_slots(query_positions, L)[:, :, None]  # [B, 1, 1, T, L]
+    visible = visible_cache_slots(query_positions, L, window)[:, :, None]  # [B, 1, 1, T, L]
     weights = masked_softmax(logits, visible)  # [B, K, G, T, L]
     out = jnp.einsum("BKGTS,BKSH->BTKGH", weights.astype(value_cache.dtype), value_cache)
     return merge_heads(out, query.dtype)

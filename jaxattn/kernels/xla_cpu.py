@@ -24,14 +24,14 @@ from jaxattn.masks import visible_cache_slots
 from jaxattn.softmax import masked_softmax, softmax_dtype
 
 
-def cached_attention(query, key_cache, value_cache, query_positions, *, scale):
+def cached_attention(query, key_cache, value_cache, query_positions, *, scale, window=None):
     """Same arguments and result as `jaxattn.kernels.xla.cached_attention`."""
     B, T, N, H = query.shape
     K, L = key_cache.shape[1:3]
     q = query.reshape(B, T, K, N // K, H)
     logits = jnp.einsum("BKSH,BTKGH->BKGTS", key_cache, q,
                         preferred_element_type=softmax_dtype(query.dtype)) * scale
-    weights = masked_softmax(logits, visible_cache_slots(query_positions, L)[:, :, None])  # [B,K,G,T,L]
+    weights = masked_softmax(logits, visible_cache_slots(query_positions, L, window)[:, :, None])  # [B,K,G,T,L]
     return merge_heads(_weighted_values(weights.astype(value_cache.dtype), value_cache), query.dtype)
 
 
