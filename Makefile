@@ -4,6 +4,9 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+# `make test` also needs the `test` extra (torch, transformers for tests/test_hf.py);
+# `make train` installs only `.[dev]`.
+TEST_STAMP := $(VENV)/.installed-test
 
 # The Tiny Shakespeare corpus of this workplace, when present, so that no
 # download is needed; users elsewhere get it downloaded and cached.
@@ -22,7 +25,11 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
-test: $(STAMP)
+$(TEST_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet -e '.[dev,test]'
+	touch $(TEST_STAMP)
+
+test: $(TEST_STAMP)
 	$(PY) -m pytest -n 2 tests
 
 train: $(STAMP)

@@ -1,0 +1,116 @@
+"""A checkpoint's tokenizer.json (the `tokenizers` library, no transformers) and its end-of-sequence id.
+
+The end-of-sequence id is what generation stops on (`jaxattn.generate`'s
+`stop_token`). It is looked up where transformers keeps it, first found wins:
+generation_config.json, config.json, tokenizer_config.json's `eos_token`,
+then the tokenizer's special tokens with a conventional end-of-text name. A
+list of ids (several stop tokens) gives its first.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+from tokenizers import Tokenizer
+
+# Conventional end-of-text special tokens (GPT-2, Llama 1/2, Llama 3, Gemma, Qwen, DeepSeek).
+EOS_NAMES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|im_end|>", "<｜end▁of▁sentence｜>")
+
+
+class HFTokenizer:
+    """Text <-> token ids through a `tokenizers.Tokenizer`, with the checkpoint's end-of-sequence id.
+
+    Attributes:
+      tokenizer: the wrapped `tokenizers.Tokenizer`.
+      eos_token_id: the end-of-sequence id, or None when the checkpoint names none.
+      vocab_size: ids the tokenizer can produce (added tokens included).
+    """
+
+    def __init__(self, tokenizer: Tokenizer, eos_token_id: int | None = None):
+        self.tokenizer = tokenizer
+        self.eos_token_id = eos_token_id
+        self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text` (with the tokenizer's own special tokens, e.g. a BOS, unless asked not to).
+
+        ValueError (naming the characters the vocabulary lacks) where the tokenizer cannot encode it.
+        """
+        if not isinstance(text, str):
+            raise TypeError(f"text must be a str, got {type(text).__name__}")
+        try:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        except Exception as err:  # `tokenizers` raises a bare Exception (e.g. "Missing [UNK] token")
+            vocab = self.tokenizer.get_vocab(with_added_tokens=True)
+            unknown = sorted({c for c in text if c not in vocab})
+            known = f"characters {unknown!r} are not in its vocabulary; " if unknown else ""
+            raise ValueError(f"the tokenizer cannot encode the text: {known}{err}") from None
+
+    def decode(self, ids: Sequence[int] | np.ndarray, skip_special_tokens: bool = True) -> str:
+        """Text of a 1-D sequence of ids (a list, numpy or JAX array)."""
+        ids = np.asarray(ids)
+        if ids.ndim != 1:
+            raise ValueError(f"ids must be 1-D, got shape {ids.shape}")
+        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def __repr__(self) -> str:
+        return f"HFTokenizer(vocab_size={self.vocab_size}, eos_token_id={self.eos_token_id})"
+
+
+def _json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _first_id(value) -> int | None:
+    if isinstance(value, list):
+        return int(value[0]) if value else None
+    return None if value is None else int(value)
+
+
+def _eos_from_tokenizer(directory: Path, tokenizer: Tokenizer) -> int | None:
+    token = _json(directory / "tokenizer_config.json").get("eos_token")
+    token = token.get("content") if isinstance(token, dict) else token
+    if isinstance(token, str) and tokenizer.token_to_id(token) is not None:
+        return tokenizer.token_to_id(token)
+    special = {t.content: i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
+    return next((special[name] for name in EOS_NAMES if name in special), None)
+
+
+def find_eos(directory: Path, tokenizer: Tokenizer) -> int | None:
+    """The end-of-sequence id of a checkpoint directory (see the module docstring for the order)."""
+    for name in ("generation_config.json", "config.json"):
+        found = _first_id(_json(directory / name).get("eos_token_id"))
+        if found is not None:
+            return found
+    return _eos_from_tokenizer(directory, tokenizer)
+
+
+def load_tokenizer(path) -> HFTokenizer:
+    """The tokenizer of a checkpoint directory (its tokenizer.json), or of a tokenizer.json file."""
+    path = Path(path)
+    file = path if path.is_file() else path / "tokenizer.json"
+    if not file.is_file():
+        raise FileNotFoundError(f"no tokenizer.json at {path} (only the `tokenizers` format is read)")
+    tokenizer = Tokenizer.from_file(str(file))
+    return HFTokenizer(tokenizer, find_eos(file.parent, tokenizer))
+
+
+def as_tokenizer(tokenizer) -> Tokenizer:
+    """The `tokenizers.Tokenizer` of a Tokenizer or an `HFTokenizer` (TypeError for anything else)."""
+    tokenizer = tokenizer.tokenizer if isinstance(tokenizer, HFTokenizer) else tokenizer
+    if not isinstance(tokenizer, Tokenizer):
+        raise TypeError(f"tokenizer must be a tokenizers.Tokenizer or HFTokenizer, got {type(tokenizer).__name__}")
+    return tokenizer
+
+
+def save_tokenizer(directory: Path, tokenizer, eos_token_id: int | None = None) -> None:
+    """Writes tokenizer.json and a tokenizer_config.json that transformers' AutoTokenizer reads."""
+    tokenizer = as_tokenizer(tokenizer)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    settings: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast"}
+    if eos_token_id is not None and tokenizer.id_to_token(eos_token_id) is not None:
+        settings["eos_token"] = tokenizer.id_to_token(eos_token_id)
+    (directory / "tokenizer_config.json").write_text(json.dumps(settings, indent=2) + "\n")
