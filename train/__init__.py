@@ -2,15 +2,16 @@
 
 Programs (thin command-line interfaces):
   tiny_lm: train, `python -m train.tiny_lm`.
-  sample: generate text from a run's checkpoint or a random init.
+  sample: generate text from a run's checkpoint, a transformers directory (--hf) or a random init.
+  export: write a run as a transformers directory with its tokenizer (and load_hf, its reader).
   compare: attention kinds x position schemes side by side.
-  attention_maps: heatmaps of a trained model's attention weights.
+  attention_maps: heatmaps of a trained model's attention weights (a run or --hf).
 
 Modules:
   config: ExperimentConfig = [model] (the maths) + [train] + [runtime]; TOML files and --set overrides.
   runtime: devices, XLA flags and kernels, resolved once before JAX starts, with reasons.
   data: find, download and split the corpus; deterministic batches.
-  tokenizer: character- and byte-level tokenizers, saved with checkpoints.
+  tokenizer: character- and byte-level tokenizers, saved with checkpoints; as `tokenizers` ones.
   optim: nanoGPT's AdamW, schedule and weight-decay mask.
   steps: the jitted programs (init, train steps, evaluation) and data parallelism.
   loop: a run: metrics, progress bar, checkpoints, the end-of-run sample and result.

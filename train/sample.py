@@ -3,11 +3,14 @@
     python -m train.sample --checkpoint runs/shakespeare_char_baby --prompt "ROMEO:" --max-new-tokens 500
     echo "JULIET:" | python -m train.sample --checkpoint DIR --num-samples 3 --temperature 0.8 --top-k 40
     python -m train.sample --random-init shakespeare_char_baby_mla --prompt "ROMEO:"
+    python -m train.sample --hf exports/baby --prompt "ROMEO:"   # a transformers directory with tokenizer.json
 
 The text goes to stdout; the kernels, compile time and steady-state tokens/s go to
 stderr. Generation is `jaxattn.generate_windowed`: the KV-cached `generate`, continued
 in windows past the model's context (`max_seq_len`), as nanoGPT crops its context; a
-prompt longer than the context is cropped to its last `max_seq_len - 1` tokens.
+prompt longer than the context is cropped to its last `max_seq_len - 1` tokens. With --hf
+(what `python -m train.export` writes, or any supported transformers save with a
+tokenizer.json) a sample ends at the tokenizer's end-of-sequence token, when it has one.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from jaxattn.model import DecoderLM
 from train import checkpoint as checkpoint_lib
 from train import config as config_lib
 from train import data as data_lib
+from train import export as export_lib
 from train.tokenizer import CharTokenizer, Tokenizer
 
 
@@ -48,13 +52,21 @@ def random_init(name: str, seed: int = 0) -> tuple[dict, ModelConfig, Tokenizer]
 
 
 def load(args: argparse.Namespace) -> tuple[dict, ModelConfig, Tokenizer]:
-    """The model of `--checkpoint` or `--random-init`."""
+    """The model of `--checkpoint`, `--hf` or `--random-init`."""
     if args.random_init is not None:
         return random_init(args.random_init, args.seed)
     try:
+        if args.hf is not None:
+            return export_lib.load_hf(args.hf)
         return checkpoint_lib.load_for_sampling(args.checkpoint)
     except checkpoint_lib.CheckpointError as err:
         raise SampleError(str(err)) from err
+
+
+def until_eos(ids: np.ndarray, eos_token_id: int | None) -> np.ndarray:
+    """`ids` up to (without) the first `eos_token_id`; all of them when it is None or absent."""
+    ends = np.flatnonzero(ids == eos_token_id) if eos_token_id is not None else []
+    return ids[:ends[0]] if len(ends) else ids
 
 
 def read_prompt(prompt: str | None, stdin=None) -> str:
@@ -73,7 +85,7 @@ def encode_prompt(tokenizer: Tokenizer, prompt: str, config: ModelConfig) -> np.
     """Prompt ids `[P]`; SampleError for characters the tokenizer does not know."""
     try:
         ids = tokenizer.encode(prompt)
-    except ValueError as err:
+    except ValueError as err:  # unknown characters (both tokenizer kinds raise ValueError)
         raise SampleError(f"the prompt cannot be encoded: {err}") from err
     if len(ids) >= config.max_seq_len:
         print(f"note: the prompt is {len(ids)} tokens and the model's context {config.max_seq_len}: "
@@ -98,6 +110,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m train.sample", description=__doc__.split("\n\n")[0])
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--checkpoint", metavar="DIR", help="a training run directory (or its checkpoints/...)")
+    source.add_argument("--hf", metavar="DIR", help="a transformers directory with a tokenizer.json "
+                        "(e.g. written by python -m train.export)")
     source.add_argument("--random-init", metavar="CONFIG", help="a config name from configs/, randomly initialised")
     parser.add_argument("--prompt", help="prompt text; '-' or absent (with piped stdin) reads stdin")
     parser.add_argument("--max-new-tokens", type=int, default=500)
@@ -133,7 +147,8 @@ def run(args: argparse.Namespace) -> list[str]:
     print(f"compile: {max(first - steady, 0.0):.2f} s (first call {first:.2f} s minus steady call); "
           f"decode: {ids.size} tokens ({args.num_samples} x {args.max_new_tokens}) in {steady:.3f} s "
           f"= {ids.size / steady:,.0f} tokens/s", file=sys.stderr)
-    return [prompt + tokenizer.decode(row) for row in ids]
+    eos = getattr(tokenizer, "eos_token_id", None)
+    return [prompt + tokenizer.decode(until_eos(row, eos)) for row in ids]
 
 
 def main(argv=None) -> int:

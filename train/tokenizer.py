@@ -1,4 +1,8 @@
-"""Character- and byte-level tokenizers; both serialise to JSON for checkpoints."""
+"""Character- and byte-level tokenizers; both serialise to JSON for checkpoints.
+
+`to_hf_tokenizer` gives either one as a Hugging Face `tokenizers.Tokenizer` with the same
+ids, encoding and decoding (what `python -m train.export` writes as tokenizer.json).
+"""
 
 from __future__ import annotations
 
@@ -102,3 +106,37 @@ def from_dict(values: dict[str, Any]) -> Tokenizer:
 
 def from_json(text: str) -> Tokenizer:
     return from_dict(json.loads(text))
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table: the alphabet of `tokenizers`' ByteLevel."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{b: chr(b) for b in printable}, **{b: chr(256 + n) for n, b in enumerate(others)}}
+
+
+def to_hf_tokenizer(tokenizer: Tokenizer):
+    """A `tokenizers.Tokenizer` with exactly the ids, encoding and decoding of `tokenizer`.
+
+    char: a word-level vocabulary of single characters, the text split into characters
+    (newlines and spaces included) and a decoder that concatenates them; an unknown character
+    is an encoding error, as with `CharTokenizer`. byte: GPT-2's byte-level alphabet with
+    id = byte value and no merges; decoding replaces broken UTF-8 as `ByteTokenizer` does.
+    No special tokens (neither tokenizer has an end of sequence). ImportError without
+    the `tokenizers` package; ValueError for any other tokenizer.
+    """
+    from tokenizers import Regex, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as HFTokenizer
+
+    if isinstance(tokenizer, CharTokenizer):
+        hf = HFTokenizer(models.WordLevel({c: i for i, c in enumerate(tokenizer.chars)}, unk_token=None))
+        hf.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # one piece per character
+        hf.decoder = decoders.Fuse()  # join without spaces
+        return hf
+    if isinstance(tokenizer, ByteTokenizer):
+        hf = HFTokenizer(models.BPE({c: b for b, c in _bytes_to_unicode().items()}, [], unk_token=None))
+        hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        hf.decoder = decoders.ByteLevel()
+        return hf
+    kind = getattr(tokenizer, "kind", type(tokenizer).__name__)
+    raise ValueError(f"no Hugging Face tokenizer for a tokenizer of kind {kind!r}")

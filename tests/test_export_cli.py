@@ -1,0 +1,214 @@
+"""`python -m train.export` and the `--hf` inputs of train.sample and train.attention_maps (issue 13, "Use").
+
+A run is a checkpoint saved in-process (as training saves it) of the default model, scaled
+down, with random weights throughout, no scale 1 and no bias 0 (a swapped or transposed
+tensor would show); it is exported once and reloaded by transformers and here.
+"""
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxattn.config import ModelConfig
+from jaxattn.model import DecoderLM
+from train import attention_maps, export, sample
+from train.checkpoint import Checkpointer
+from train.config import ExperimentConfig, TrainConfig, load_config
+from train.tokenizer import ByteTokenizer, CharTokenizer, to_hf_tokenizer
+
+ROOT = Path(__file__).resolve().parent.parent
+CHARS = "\n !$&',-.3:;?ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"  # Tiny Shakespeare's 65
+TEXT = "ROMEO:\nBut soft, what light through yonder window breaks?\n\nJULIET:  Ay me! 'Tis 3 o'clock; -$&.\n"
+TINY = ["model.d_model=32", "model.num_layers=2", "model.num_heads=2", "model.max_seq_len=16",
+        "train.block_size=16"]
+
+
+def random_params(config: ModelConfig, seed: int = 0) -> dict:
+    """Params of `DecoderLM(config)` drawn around 0 (norm scales around 1), in numpy: nothing compiles."""
+    shapes = jax.eval_shape(lambda: DecoderLM(config).init(jax.random.PRNGKey(0), jnp.zeros((1, 2), jnp.int32)))
+    rng = np.random.default_rng(seed)
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: (rng.normal(0.0, 0.3, x.shape) + (path[-1].key == "scale")).astype(np.float32),
+        shapes["params"])
+
+
+def save_run(run_dir: Path, config: ExperimentConfig, tokenizer) -> dict:
+    """A checkpoint of `random_params`, saved as training saves it; returns the params."""
+    params = random_params(config.model)
+    checkpointer = Checkpointer(run_dir)
+    checkpointer.save("best", 1, {"params": params, "step": jnp.int32(1)}, config=config, tokenizer=tokenizer,
+                      val_loss=2.0, best_val_loss=2.0)
+    checkpointer.close()
+    return params
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """(run dir, model config, params) of the default model (RoPE, LayerNorm, GELU, tied), scaled down."""
+    run_dir = tmp_path_factory.mktemp("run")
+    config = load_config(overrides=TINY)
+    return run_dir, config.model, save_run(run_dir, config, CharTokenizer(CHARS))
+
+
+@pytest.fixture(scope="module")
+def exported(run, tmp_path_factory):
+    out = tmp_path_factory.mktemp("export") / "hf"
+    assert export.main(["--checkpoint", str(run[0]), "--out", str(out)]) == 0
+    return out
+
+
+def call(capsys, main, *argv):
+    """(exit code, stdout, stderr) of a CLI's `main` run in this process."""
+    try:
+        code = main(list(argv))
+    except SystemExit as stop:
+        code = stop.code
+    out, err = capsys.readouterr()
+    assert "Traceback" not in err
+    return code, out, err
+
+
+def test_the_char_tokenizer_round_trips_through_tokenizers():
+    ours = CharTokenizer(CHARS)
+    theirs = to_hf_tokenizer(ours)
+    text = CHARS + TEXT + "  \n\n "
+    assert theirs.encode(text).ids == ours.encode(text).tolist()
+    assert theirs.decode(ours.encode(text).tolist()) == text
+    with pytest.raises(Exception, match="UNK"):  # an unknown character is an error, as with CharTokenizer
+        theirs.encode("héllo")
+
+
+def test_the_byte_tokenizer_round_trips_through_tokenizers():
+    ours, text = ByteTokenizer(), TEXT + "héllo wörld 日本 🙂\t"
+    theirs = to_hf_tokenizer(ours)
+    assert theirs.encode(text).ids == ours.encode(text).tolist() == list(text.encode())
+    assert theirs.decode(list(text.encode())) == text
+    assert theirs.decode(list(range(256))) == ours.decode(np.arange(256))  # broken UTF-8 replaced alike
+
+
+def test_export_reports_what_it_wrote(run, tmp_path, capsys):
+    code, out, err = call(capsys, export.main, "--checkpoint", str(run[0]), "--out", str(tmp_path / "hf"))
+    assert code == 0, err
+    assert f"wrote {tmp_path / 'hf'} as GPTNeoXForCausalLM:" in out
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        assert f"  {name}  (" in out
+    assert "AutoModelForCausalLM.from_pretrained(" in out and "python -m train.sample --hf" in out
+
+
+def test_transformers_loads_the_export_with_the_same_logits_and_ids(run, exported):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+
+    _, config, params = run
+    ids = CharTokenizer(CHARS).encode(TEXT[:config.max_seq_len])
+    ours = np.asarray(jax.jit(DecoderLM(config).apply)({"params": params}, jnp.asarray(ids)[None]))
+    model = AutoModelForCausalLM.from_pretrained(exported).eval()
+    with torch.no_grad():
+        theirs = model(torch.tensor(ids[None].astype(np.int64))).logits.numpy()
+    assert np.abs(theirs - ours).max() <= 1e-4
+    for tokenizer in (PreTrainedTokenizerFast(tokenizer_file=str(exported / "tokenizer.json")),
+                      AutoTokenizer.from_pretrained(exported)):
+        assert tokenizer(TEXT)["input_ids"] == CharTokenizer(CHARS).encode(TEXT).tolist()
+        assert tokenizer.decode(CharTokenizer(CHARS).encode(TEXT)) == TEXT
+
+
+@pytest.mark.parametrize("knobs", [["--temperature", "0"], ["--temperature", "0.8", "--top-k", "20", "--seed", "7"]])
+def test_sampling_the_export_gives_the_text_of_the_run(run, exported, capsys, knobs):
+    argv = ["--prompt", "ROMEO:", "--max-new-tokens", "9", "--num-samples", "2", *knobs]  # one window: one compile
+    code, from_run, err = call(capsys, sample.main, "--checkpoint", str(run[0]), *argv)
+    assert code == 0, err
+    code, from_hf, err = call(capsys, sample.main, "--hf", str(exported), *argv)
+    assert code == 0, err
+    assert from_hf == from_run and from_hf.startswith("ROMEO:")
+
+
+def test_sampling_stops_at_the_end_of_sequence_token(exported, tmp_path, capsys):
+    assert sample.until_eos(np.array([5, 3, 0, 3, 0]), 0).tolist() == [5, 3]
+    assert sample.until_eos(np.array([5, 3]), 0).tolist() == [5, 3]
+    assert sample.until_eos(np.array([5, 0]), None).tolist() == [5, 0]
+    argv = ["--prompt", "ROMEO:", "--max-new-tokens", "9", "--num-samples", "2", "--temperature", "0"]
+    _, full, _ = call(capsys, sample.main, "--hf", str(exported), *argv)
+    continuation = full.split("\n---------------\n")[0][len("ROMEO:"):]
+    eos = continuation[2]  # a character the greedy continuation draws third: made the end of sequence
+    stopping = tmp_path / "eos"
+    shutil.copytree(exported, stopping)
+    (stopping / "generation_config.json").write_text(f'{{"eos_token_id": {CHARS.index(eos)}}}')
+    code, out, err = call(capsys, sample.main, "--hf", str(stopping), *argv)
+    assert code == 0, err
+    assert out.split("\n---------------\n")[0] == "ROMEO:" + continuation[:continuation.index(eos)]
+
+
+def test_attention_maps_of_the_export(exported, tmp_path, capsys):
+    png = tmp_path / "maps.png"
+    code, out, err = call(capsys, attention_maps.main, "--hf", str(exported), "--text", "ROMEO:", "--out", str(png))
+    assert code == png, err
+    assert png.stat().st_size > 0 and f"wrote {png}" in out
+
+
+def test_a_byte_level_run_exports_with_byte_ids(tmp_path):
+    from transformers import AutoTokenizer
+    config = ModelConfig(vocab_size=256, d_model=16, num_layers=1, num_heads=2, max_seq_len=16, positions="learned")
+    save_run(tmp_path / "run", ExperimentConfig(name="bytes", model=config, train=TrainConfig(block_size=16)),
+             ByteTokenizer())
+    architecture, _ = export.export(tmp_path / "run", tmp_path / "hf")
+    assert architecture == "GPT2LMHeadModel"
+    text = "héllo 日本\n"
+    assert AutoTokenizer.from_pretrained(tmp_path / "hf")(text)["input_ids"] == list(text.encode())
+
+
+def test_export_never_replaces_a_directory_without_overwrite(run, tmp_path, capsys):
+    out = tmp_path / "taken"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    code, stdout, err = call(capsys, export.main, "--checkpoint", str(run[0]), "--out", str(out))
+    assert code == 1 and stdout == "" and err.startswith("error: ") and err.count("\n") == 1
+    assert "--overwrite" in err and [p.name for p in out.iterdir()] == ["notes.txt"]
+    code, _, err = call(capsys, export.main, "--checkpoint", str(run[0]), "--out", str(out), "--overwrite")
+    assert code == 0, err
+    assert (out / "model.safetensors").is_file()
+    code, _, err = call(capsys, export.main, "--checkpoint", str(run[0]), "--out", str(run[0]), "--overwrite")
+    assert code == 1 and "holds the checkpoint being exported" in err
+
+
+def test_a_model_with_no_transformers_counterpart_is_refused_before_writing(tmp_path, capsys):
+    config = ModelConfig(vocab_size=65, d_model=16, num_layers=1, num_heads=2, max_seq_len=16, positions="sinusoidal")
+    save_run(tmp_path / "run", ExperimentConfig(name="sin", model=config, train=TrainConfig(block_size=16)),
+             CharTokenizer(CHARS))
+    code, _, err = call(capsys, export.main, "--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "hf"))
+    assert code == 1 and err.startswith("error: cannot export") and err.count("\n") == 1
+    assert "positions='sinusoidal' has no transformers counterpart" in err
+    assert not (tmp_path / "hf").exists() or not any((tmp_path / "hf").iterdir())
+
+
+def test_errors_of_the_hf_inputs(exported, tmp_path, capsys):
+    code, _, err = call(capsys, export.main, "--checkpoint", str(tmp_path / "nowhere"), "--out", str(tmp_path / "x"))
+    assert code == 1 and "does not exist" in err and not (tmp_path / "x").exists()
+    bare = tmp_path / "bare"
+    shutil.copytree(exported, bare)
+    (bare / "tokenizer.json").unlink()
+    code, out, err = call(capsys, sample.main, "--hf", str(bare), "--prompt", "A")
+    assert code == 2 and out == "" and err.startswith("error: ") and "has no tokenizer.json" in err
+    code, _, err = call(capsys, attention_maps.main, "--hf", str(bare), "--out", str(tmp_path / "m.png"))
+    assert code == 1 and "has no tokenizer.json" in err
+    code, _, err = call(capsys, sample.main, "--hf", str(exported), "--prompt", "héllo")
+    assert code == 2 and "cannot be encoded" in err
+    for main in (sample.main, attention_maps.main):
+        code, _, err = call(capsys, main, "--hf", str(exported), "--checkpoint", str(tmp_path), "--prompt", "A")
+        assert code == 2 and "not allowed with argument" in err
+
+
+def test_the_real_programs_exit_with_one_line_and_no_traceback(tmp_path):
+    def python(*argv):
+        done = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert "Traceback" not in done.stderr
+        return done.returncode, done.stderr
+    code, err = python("-m", "train.export", "--checkpoint", str(tmp_path / "nowhere"), "--out", str(tmp_path / "x"))
+    assert code == 1 and err.startswith("error: ") and err.count("\n") == 1
+    code, err = python("-m", "train.sample", "--hf", str(tmp_path), "--random-init", "x", "--prompt", "A")
+    assert code == 2 and "not allowed with argument" in err
