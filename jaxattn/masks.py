@@ -81,11 +81,12 @@ def visible_cache_slots(query_positions, num_slots: int, window: int | None = No
     require_rank("query_positions", query_positions, 2, "[B, T]")
     require_integer("query_positions", query_positions)
     require_positive_int("num_slots", num_slots)
-    offsets = query_positions[:, :, None] - jnp.arange(num_slots)[None, None, :]  # [B, T, L]: p - j
-    visible = offsets >= 0
+    slots = jnp.arange(num_slots)[None, None, :]
+    positions = query_positions[:, :, None]
+    visible = slots <= positions  # [B, T, L]
     if window is not None:
         require_positive_int("window", window)
-        visible = visible & (offsets < window)
+        visible = visible & (slots > positions - window)  # p - j < W
     return visible[:, None]  # [B, 1, T, L]
 
 
