@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jaxattn import kernels
 from jaxattn._validate import (require_bool, require_broadcastable, require_float, require_integer,
                                require_positive_int, require_rank)
-from jaxattn.masks import causal_mask
+from jaxattn.masks import causal_mask, padding_mask, sliding_window_mask
 from jaxattn.softmax import softmax_dtype
 
 
@@ -76,9 +76,25 @@ def _validate(query, key, value, mask, bias, dropout_rate):
         raise ValueError(f"dropout_rate must be in [0, 1), got {dropout_rate}")
 
 
+def _validate_structure(query, is_causal, local_window_size, key_value_seq_lengths):
+    """The structural masks: a causal sliding window and per-row key lengths `[B]`."""
+    if local_window_size is not None:
+        require_positive_int("local_window_size", local_window_size)
+        if not is_causal:
+            raise ValueError(f"local_window_size={local_window_size} needs is_causal=True: the window is "
+                             "the W - 1 keys before each query and the query itself")
+    if key_value_seq_lengths is not None:
+        require_rank("key_value_seq_lengths", key_value_seq_lengths, 1, "[B]")
+        require_integer("key_value_seq_lengths", key_value_seq_lengths)
+        if key_value_seq_lengths.shape[0] != query.shape[0]:
+            raise ValueError(f"key_value_seq_lengths {key_value_seq_lengths.shape} must be [B] = "
+                             f"({query.shape[0]},) for query {query.shape}")
+
+
 def scaled_dot_product_attention(query, key, value, *, mask=None, bias=None,
                                  is_causal=False, scale=None, dropout_rate=0.0,
                                  dropout_rng=None, return_weights=False,
+                                 local_window_size=None, key_value_seq_lengths=None,
                                  implementation="xla"):
     """softmax(Q K^T * scale + bias, masked) V, grouped for MQA/GQA (docs/theory.md §2-§5).
 
@@ -94,10 +110,18 @@ def scaled_dot_product_attention(query, key, value, *, mask=None, bias=None,
         `dropout_rate > 0` and `dropout_rng` is given.
       dropout_rng: PRNG key for the dropout.
       return_weights: also return the attention weights.
+      local_window_size: None, or a sliding window W (needs `is_causal=True`):
+        each query sees itself and the W - 1 keys before it, end-aligned like
+        `is_causal` (`jaxattn.masks.sliding_window_mask`; an int, where
+        `jax.nn.dot_product_attention` takes `(W - 1, 0)`).
+      key_value_seq_lengths: None, or `[B]` integers: keys `j >= lengths[b]`
+        of row b are hidden (right padding, `jaxattn.masks.padding_mask`).
       implementation: a name of `jaxattn.kernels.choices("attention")`:
-        "xla" (the reference, differentiable in any order and mode) or
-        "custom_vjp" (a hand-written backward for training, reverse mode only;
-        dropout and `return_weights` run the reference).
+        "xla" (the reference, differentiable in any order and mode),
+        "custom_vjp" (a hand-written backward for training) or "chunked"
+        (blockwise, O(T) memory, skips the blocks the causal mask or the
+        window hides; docs/theory.md §10); both reverse mode only, and both
+        run the reference for dropout and `return_weights`.
 
     Returns:
       `[B, T, N, Hv]` in the query's dtype, or `(out, weights [B, N, T, S])`
@@ -112,11 +136,14 @@ def scaled_dot_product_attention(query, key, value, *, mask=None, bias=None,
     """
     mask = None if mask is None else jnp.asarray(mask)
     bias = None if bias is None else jnp.asarray(bias)
+    lengths = None if key_value_seq_lengths is None else jnp.asarray(key_value_seq_lengths)
     _validate(query, key, value, mask, bias, dropout_rate)
+    _validate_structure(query, is_causal, local_window_size, lengths)
     attend = kernels.attention_kernel(implementation)
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
     out, weights = attend(query, key, value, mask=mask, bias=bias, is_causal=is_causal, scale=scale,
-                          dropout_rate=dropout_rate, dropout_rng=dropout_rng, return_weights=return_weights)
+                          dropout_rate=dropout_rate, dropout_rng=dropout_rng, return_weights=return_weights,
+                          local_window_size=local_window_size, key_value_seq_lengths=lengths)
     return (out, weights) if return_weights else out
 
 
@@ -162,7 +189,8 @@ def cached_attention(query, key_cache, value_cache, query_positions, *, scale=No
 
 
 def reference_attention(query, key, value, *, mask=None, bias=None,
-                        is_causal=False, scale=None, return_weights=False):
+                        is_causal=False, scale=None, return_weights=False,
+                        local_window_size=None, key_value_seq_lengths=None):
     """The textbook formula, step by step (docs/theory.md §2-§5). Same contract as above.
 
     Slow on purpose and independent of `jaxattn.kernels` and of the masked
@@ -171,7 +199,9 @@ def reference_attention(query, key, value, *, mask=None, bias=None,
     """
     mask = None if mask is None else jnp.asarray(mask)
     bias = None if bias is None else jnp.asarray(bias)
+    lengths = None if key_value_seq_lengths is None else jnp.asarray(key_value_seq_lengths)
     _validate(query, key, value, mask, bias, 0.0)
+    _validate_structure(query, is_causal, local_window_size, lengths)
     B, T, N, H = query.shape
     S, K = key.shape[1], key.shape[2]
     scale = 1.0 / math.sqrt(H) if scale is None else scale
@@ -185,7 +215,10 @@ def reference_attention(query, key, value, *, mask=None, bias=None,
         scores = scores + bias.astype(f32)  # [B, N, T, S]
     allowed = jnp.ones((T, S), bool) if mask is None else mask
     if is_causal:
-        allowed = jnp.logical_and(allowed, causal_mask(T, S))
+        window = causal_mask(T, S) if local_window_size is None else sliding_window_mask(T, S, local_window_size)
+        allowed = jnp.logical_and(allowed, window)
+    if lengths is not None:
+        allowed = jnp.logical_and(allowed, padding_mask(lengths, S))  # [B, 1, 1, S]
     if bias is not None:  # a key biased to -inf cannot be attended to
         allowed = jnp.logical_and(allowed, bias != -jnp.inf)
     allowed = jnp.broadcast_to(allowed, (B, N, T, S))

@@ -379,7 +379,7 @@ def test_custom_vjp_is_reverse_mode_only_and_the_name_is_checked():
     f = functools.partial(scaled_dot_product_attention, implementation="custom_vjp")
     with pytest.raises(TypeError, match="custom_vjp"):
         jax.jvp(lambda q: f(q, k, v), (q,), (q,))
-    with pytest.raises(ValueError, match=r"attention implementation must be one of \('xla', 'custom_vjp'\), got 'flash'"):
+    with pytest.raises(ValueError, match=r"attention implementation must be one of \('xla', 'custom_vjp', 'chunked'\), got 'flash'"):
         scaled_dot_product_attention(q, k, v, implementation="flash")
 
 
@@ -535,7 +535,7 @@ def test_cached_attention_errors():
         cached_attention(q, cache[:, :2], cache[:, :2], jnp.zeros((2,), jnp.int32))
     with pytest.raises(TypeError, match="query_positions must be an integer array"):
         cached_attention(q, cache[:, :2], cache[:, :2], jnp.zeros((2, 1)))
-    with pytest.raises(ValueError, match=r"decode implementation must be one of \('xla', 'xla_cpu'\)"):
+    with pytest.raises(ValueError, match=r"decode implementation must be one of \('xla', 'xla_cpu', 'blocked'\)"):
         cached_attention(q, cache[:, :2], cache[:, :2], jnp.zeros((2, 1), jnp.int32), implementation="cuda")
 
 

@@ -166,7 +166,8 @@ def test_gradients_keep_the_input_dtypes_and_bfloat16_backwards_are_reverse_mode
 
 
 def test_names_are_checked_and_auto_must_be_resolved():
-    with pytest.raises(ValueError, match=r"Kernels.decode must be one of \('xla', 'xla_cpu', 'auto'\), got 'gpu'"):
+    with pytest.raises(ValueError,
+                       match=r"Kernels.decode must be one of \('xla', 'xla_cpu', 'blocked', 'auto'\), got 'gpu'"):
         Kernels(decode="gpu")
     with pytest.raises(ValueError, match=r'Kernels.attention is "auto": resolve it for a platform first'):
         kernels.attention_kernel("auto")

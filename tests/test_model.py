@@ -236,7 +236,7 @@ def test_bad_configs_and_inputs_raise_clear_errors():
         ModelConfig(mla={"kv_lora_rank": 8})
     with pytest.raises(ValueError, match=r"Kernels.matmul must be one of \('xla', 'bfloat16', 'bfloat16_cpu', 'auto'\)"):
         Kernels(matmul="float16")
-    with pytest.raises(ValueError, match=r"Kernels.attention must be one of \('xla', 'custom_vjp', 'auto'\)"):
+    with pytest.raises(ValueError, match=r"Kernels.attention must be one of \('xla', 'custom_vjp', 'chunked', 'auto'\)"):
         Kernels(attention="flash")
     with pytest.raises(ValueError, match="ModelConfig.head_dim must be a positive integer"):
         ModelConfig(head_dim=0)

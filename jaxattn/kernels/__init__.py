@@ -7,8 +7,8 @@ tests/test_kernels.py:
 
 | field | dispatched by | implementations (reference first) |
 | --- | --- | --- |
-| attention | `scaled_dot_product_attention` | "xla", "custom_vjp" |
-| decode | `cached_attention`, `cache.write_rows` | "xla", "xla_cpu" |
+| attention | `scaled_dot_product_attention` | "xla", "custom_vjp", "chunked" |
+| decode | `cached_attention`, `cache.write_rows` | "xla", "xla_cpu", "blocked" (inference only) |
 | matmul | `Linear`, the tied lm_head | "xla", "bfloat16", "bfloat16_cpu" |
 | mla | `MultiHeadLatentAttention.__call__` | "naive", "absorb" |
 
@@ -26,15 +26,17 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-from jaxattn.kernels import bf16_matmul, custom_vjp, xla, xla_cpu
+from jaxattn.kernels import bf16_matmul, blocked_decode, chunked, custom_vjp, xla, xla_cpu
 
 AUTO = "auto"
 
 # field -> implementation name -> what runs (None: handled inside the module that dispatches).
 IMPLEMENTATIONS: dict[str, dict[str, object]] = {
-    "attention": {"xla": xla.attention, "custom_vjp": custom_vjp.attention},
+    "attention": {"xla": xla.attention, "custom_vjp": custom_vjp.attention, "chunked": chunked.attention},
     "decode": {"xla": (xla.cached_attention, xla.write_rows),
-               "xla_cpu": (xla_cpu.cached_attention, xla_cpu.write_rows)},
+               "xla_cpu": (xla_cpu.cached_attention, xla_cpu.write_rows),
+               # xla_cpu's writes: the vmapped form copies the whole buffer, which "blocked" exists to avoid.
+               "blocked": (blocked_decode.cached_attention, xla_cpu.write_rows)},
     "matmul": {"xla": xla.matmul, "bfloat16": bf16_matmul.matmul, "bfloat16_cpu": bf16_matmul.matmul_cpu},
     "mla": {"naive": None, "absorb": None},
 }
@@ -50,8 +52,12 @@ class Kernels:
     """Which implementation runs each operation (the maths is the same; see the module docstring).
 
     Attributes:
-      attention: "xla" (reference) or "custom_vjp" (hand-written backward, reverse mode only).
-      decode: "xla" (reference) or "xla_cpu" (cached attention and cache writes in XLA:CPU's fast forms).
+      attention: "xla" (reference), "custom_vjp" (hand-written backward, reverse mode only) or
+        "chunked" (blockwise online softmax, O(T) memory, hidden causal/window blocks skipped;
+        reverse mode only).
+      decode: "xla" (reference), "xla_cpu" (cached attention and cache writes in XLA:CPU's fast forms)
+        or "blocked" (reads only the cache blocks the queries can see, with xla_cpu's writes;
+        forward only, for inference).
       matmul: "xla" (reference: the compute dtype), "bfloat16" or "bfloat16_cpu" (bfloat16
         operands, float32 sums, reverse mode only; the latter in XLA:CPU's fast forms).
       mla: "naive" (decompress keys and values) or "absorb" (attend in the latent space), for

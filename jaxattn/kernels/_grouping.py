@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from jaxattn.masks import causal_mask
+from jaxattn.masks import causal_mask, padding_mask, sliding_window_mask
 
 
 def group_heads(x: jnp.ndarray, num_kv_heads: int) -> jnp.ndarray:
@@ -19,16 +19,22 @@ def group_heads(x: jnp.ndarray, num_kv_heads: int) -> jnp.ndarray:
     return x.reshape(b, num_kv_heads, n // num_kv_heads, t, s)
 
 
-def allowed_keys(mask, is_causal: bool, T: int, S: int, K: int, grouped_bias=None):
+def allowed_keys(mask, is_causal: bool, T: int, S: int, K: int, grouped_bias=None,
+                 window: int | None = None, lengths=None):
     """The boolean mask to apply, broadcastable to `[B, K, G, T, S]`, or None (every key allowed).
 
+    `window` (with `is_causal`) is a sliding window and `lengths` (`[B]` int) hides keys
+    `j >= lengths[b]`: the structural arguments of `scaled_dot_product_attention` as a mask.
     A key whose bias is -inf is masked too, so that a row biased to -inf everywhere has
     nothing to attend to (zeros) rather than 0/0 (NaN).
     """
     grouped = None if mask is None else group_heads(mask, K)
-    if is_causal:
-        causal = causal_mask(T, S)  # [T, S], aligned to the end of the keys
+    if is_causal:  # [T, S], aligned to the end of the keys
+        causal = causal_mask(T, S) if window is None else sliding_window_mask(T, S, window)
         grouped = causal if grouped is None else jnp.logical_and(grouped, causal)
+    if lengths is not None:
+        valid = padding_mask(lengths, S)[:, None]  # [B, 1, 1, 1, S]
+        grouped = valid if grouped is None else jnp.logical_and(grouped, valid)
     if grouped_bias is not None:
         finite = grouped_bias != -jnp.inf  # NaN stays visible: it is not -inf
         grouped = finite if grouped is None else jnp.logical_and(grouped, finite)

@@ -25,17 +25,19 @@ from jaxattn.softmax import masked_softmax, softmax_dtype
 
 
 def attention(query, key, value, *, mask, bias, is_causal, scale, dropout_rate, dropout_rng,
-              return_weights):
+              return_weights, local_window_size=None, key_value_seq_lengths=None):
     """Same arguments and results as `jaxattn.kernels.xla.attention`."""
     if return_weights or (dropout_rate > 0.0 and dropout_rng is not None):
         return xla.attention(query, key, value, mask=mask, bias=bias, is_causal=is_causal, scale=scale,
                              dropout_rate=dropout_rate, dropout_rng=dropout_rng,
-                             return_weights=return_weights)
+                             return_weights=return_weights, local_window_size=local_window_size,
+                             key_value_seq_lengths=key_value_seq_lengths)
     B, T, N, H = query.shape
     S, K = key.shape[1:3]
     q, k, v = _heads_major(query, key, value)  # [B,K,G,T,H], [B,K,S,H], [B,K,S,Hv]
     bias = None if bias is None else group_heads(bias, K)
-    out = _attention(q, k, v, bias, allowed_keys(mask, is_causal, T, S, K, bias), scale)  # [B,K,G,T,Hv]
+    allowed = allowed_keys(mask, is_causal, T, S, K, bias, local_window_size, key_value_seq_lengths)
+    out = _attention(q, k, v, bias, allowed, scale)  # [B,K,G,T,Hv]
     out = out.transpose(0, 3, 1, 2, 4).reshape(B, T, N, value.shape[-1])  # [B,T,K,G,Hv] -> [B,T,N,Hv]
     return out.astype(query.dtype), None
 

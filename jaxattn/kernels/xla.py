@@ -17,7 +17,7 @@ from jaxattn.softmax import dropout_weights, masked_softmax, softmax_dtype
 
 
 def attention(query, key, value, *, mask, bias, is_causal, scale, dropout_rate, dropout_rng,
-              return_weights):
+              return_weights, local_window_size=None, key_value_seq_lengths=None):
     """Scaled dot-product attention (contract: `jaxattn.scaled_dot_product_attention`).
 
     Returns `(out [B, T, N, Hv], weights [B, N, T, S] float32 or None)`.
@@ -30,7 +30,8 @@ def attention(query, key, value, *, mask, bias, is_causal, scale, dropout_rate, 
     bias = None if bias is None else group_heads(bias, K)
     if bias is not None:
         logits = logits + bias.astype(logits.dtype)
-    weights = masked_softmax(logits, allowed_keys(mask, is_causal, T, S, K, bias))  # [B, K, G, T, S]
+    allowed = allowed_keys(mask, is_causal, T, S, K, bias, local_window_size, key_value_seq_lengths)
+    weights = masked_softmax(logits, allowed)  # [B, K, G, T, S]
     weights = dropout_weights(weights, dropout_rate, dropout_rng)
     out = jnp.einsum("BKGTS,BSKH->BTKGH", weights.astype(value.dtype), value)
     return merge_heads(out, query.dtype), (weights.reshape(B, N, T, S) if return_weights else None)

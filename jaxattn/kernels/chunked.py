@@ -1,0 +1,289 @@
+"""Blockwise attention ("chunked"): an online softmax over key blocks, O(T) memory (docs/theory.md §10).
+
+Contract: `jaxattn.scaled_dot_product_attention`'s, reverse mode only (`jax.jvp`
+through it raises). Values and gradients equal the reference ("xla") to float32
+summation order (tests/test_chunked.py).
+
+Queries are cut into blocks of `block_q` rows and keys into blocks of
+`block_k`; T and S are padded up to whole blocks and the padding masked. For
+each query block a scan step runs the online softmax (Rabe & Staats 2021,
+FlashAttention) over the key blocks that can be visible to it: which block
+pairs the causal / sliding-window rule hides entirely is known from the static
+T, S and window (`visible_blocks`), so those blocks are never computed, and key
+blocks past every row's `key_value_seq_lengths` are skipped at run time. The
+inner loop's bounds are per query block, so compile time does not grow with T.
+
+The forward keeps per query row only the output and the logsumexp of its
+logits; the backward (FlashAttention-2's) walks the key blocks, recomputes each
+visible block of weights from that logsumexp and uses dS = P * (dP - rowsum(dO * O)).
+Residuals are the inputs, the output and the logsumexp: never a `[T, S]` array
+(a full-size `bias` is itself `[T, S]`, and so is its gradient). Heads go in
+front (`[B, K, G, T, H]`) as in `custom_vjp`; keys and values are never
+repeated for MQA/GQA. Dropout and `return_weights` use the reference.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxattn.kernels import xla
+from jaxattn.kernels._grouping import group_heads
+from jaxattn.softmax import softmax_dtype
+
+# Rows per query block and keys per key block. On a 2-core AVX2 CPU (B 1, N 8, H 64, T = S = 4096,
+# float32) 256 ran forward+backward fastest of 128, 256, 512 and 1024, causal or not: 512 took
+# 1.2-1.3x as long, 128 about as long. Compile time does not depend on the number of blocks.
+BLOCK_Q = 256
+BLOCK_K = 256
+
+
+def attention(query, key, value, *, mask, bias, is_causal, scale, dropout_rate, dropout_rng,
+              return_weights, local_window_size=None, key_value_seq_lengths=None,
+              block_q=BLOCK_Q, block_k=BLOCK_K):
+    """Same arguments and results as `jaxattn.kernels.xla.attention`, plus the block sizes."""
+    if return_weights or (dropout_rate > 0.0 and dropout_rng is not None):
+        return xla.attention(query, key, value, mask=mask, bias=bias, is_causal=is_causal, scale=scale,
+                             dropout_rate=dropout_rate, dropout_rng=dropout_rng,
+                             return_weights=return_weights, local_window_size=local_window_size,
+                             key_value_seq_lengths=key_value_seq_lengths)
+    B, T, N, H = query.shape
+    S, K = key.shape[1:3]
+    plan = Plan(T, S, min(block_q, T), min(block_k, S), is_causal, local_window_size, scale)
+    q = _pad(query.reshape(B, T, K, N // K, H).transpose(0, 2, 3, 1, 4), 3, plan.Tp)  # [B,K,G,Tp,H]
+    k = _pad(key.transpose(0, 2, 1, 3), 2, plan.Sp)  # [B,K,Sp,H]
+    v = _pad(value.transpose(0, 2, 1, 3), 2, plan.Sp)  # [B,K,Sp,Hv]
+    mask = None if mask is None else _pad_grouped(plan, group_heads(mask, K), False)
+    bias = None if bias is None else _pad_grouped(plan, group_heads(bias, K), 0)
+    out = _attention(plan, q, k, v, bias, mask, key_value_seq_lengths)[:, :, :, :T]  # [B,K,G,T,Hv]
+    out = out.transpose(0, 3, 1, 2, 4).reshape(B, T, N, value.shape[-1])
+    return out.astype(query.dtype), None
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """The static shape of one call: lengths, block sizes, the structural mask and the scale."""
+
+    T: int
+    S: int
+    bq: int
+    bk: int
+    is_causal: bool
+    window: int | None
+    scale: float
+
+    @property
+    def Tp(self) -> int:  # T padded to whole query blocks
+        return -(-self.T // self.bq) * self.bq
+
+    @property
+    def Sp(self) -> int:
+        return -(-self.S // self.bk) * self.bk
+
+
+def visible_blocks(T: int, S: int, bq: int, bk: int, is_causal: bool, window: int | None) -> np.ndarray:
+    """`[nq, nk]` bool: True where block pair (i, j) holds a (query, key) the causal/window rule allows.
+
+    Causal is end-aligned (query t sits at position t + S - T); a window W also hides keys
+    W or more positions back. Each row and each column of True is one interval (a band).
+    """
+    nq, nk = -(-T // bq), -(-S // bk)
+    if not is_causal:
+        return np.ones((nq, nk), bool)
+    q_first = np.arange(nq) * bq + (S - T)  # absolute positions of each block's first and last query
+    q_last = np.minimum(np.arange(1, nq + 1) * bq, T) - 1 + (S - T)
+    k_first, k_last = np.arange(nk) * bk, np.minimum(np.arange(1, nk + 1) * bk, S) - 1
+    visible = k_first[None, :] <= q_last[:, None]  # some key not after the block's last query
+    if window is not None:  # ... and some key less than W before its first query
+        visible &= k_last[None, :] > q_first[:, None] - window
+    return visible
+
+
+def _intervals(visible: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """`[n, m]` bool with one interval of True per row -> `(start, stop)` per row (stop == start: none)."""
+    any_ = visible.any(axis=1)
+    start = np.where(any_, visible.argmax(axis=1), 0)
+    stop = np.where(any_, visible.shape[1] - visible[:, ::-1].argmax(axis=1), 0)
+    assert all(visible[i, a:b].all() and visible[i].sum() == b - a for i, (a, b) in enumerate(zip(start, stop)))
+    return start.astype(np.int32), stop.astype(np.int32)
+
+
+def _key_block_ranges(plan: Plan, lengths):
+    """Per query block, the key blocks `[start, stop)` to compute (int32 `[nq]` each)."""
+    start, stop = _intervals(visible_blocks(plan.T, plan.S, plan.bq, plan.bk, plan.is_causal, plan.window))
+    stop = jnp.asarray(stop)
+    if lengths is not None:  # key blocks past every row's length hold no visible key
+        stop = jnp.minimum(stop, -(-jnp.max(lengths) // plan.bk)).astype(jnp.int32)
+    return jnp.asarray(start), stop
+
+
+def _query_block_ranges(plan: Plan, lengths):
+    """Per key block, the query blocks `[start, stop)` that see it (int32 `[nk]` each)."""
+    start, stop = _intervals(visible_blocks(plan.T, plan.S, plan.bq, plan.bk, plan.is_causal, plan.window).T)
+    stop = jnp.asarray(stop)
+    if lengths is not None:
+        past = jnp.arange(len(start)) * plan.bk >= jnp.max(lengths)
+        stop = jnp.where(past, jnp.asarray(start), stop)
+    return jnp.asarray(start), stop
+
+
+def _pad(x, axis: int, size: int, value=0):
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def _pad_grouped(plan: Plan, x, value):
+    """A grouped mask or bias `[b, k, g, t, s]` padded along T and S where it is not broadcast."""
+    x = _pad(x, 3, plan.Tp, value) if x.shape[3] > 1 else x
+    return _pad(x, 4, plan.Sp, value) if x.shape[4] > 1 else x
+
+
+def _block_index(plan: Plan, x, i, j):
+    """Start and size of block pair (i, j) in a grouped `[b, k, g, t, s]` (broadcast axes stay 1)."""
+    t0, tn = (i * plan.bq, plan.bq) if x.shape[3] > 1 else (0, 1)
+    s0, sn = (j * plan.bk, plan.bk) if x.shape[4] > 1 else (0, 1)
+    return (0, 0, 0, t0, s0), x.shape[:3] + (tn, sn)
+
+
+def _block(plan: Plan, x, i, j):
+    return jax.lax.dynamic_slice(x, *_block_index(plan, x, i, j))
+
+
+def _rows(x, start, size: int, axis: int):
+    return jax.lax.dynamic_slice_in_dim(x, start, size, axis)
+
+
+def _allowed(plan: Plan, i, j, mask, bias_block, lengths):
+    """Which (query, key) of block pair (i, j) may attend: broadcastable to `[B, K, G, bq, bk]`."""
+    rows = i * plan.bq + jnp.arange(plan.bq)[:, None] + (plan.S - plan.T)  # absolute query positions
+    cols = j * plan.bk + jnp.arange(plan.bk)[None, :]
+    allowed = cols < plan.S  # the padding keys
+    if plan.is_causal:
+        allowed &= cols <= rows
+    if plan.window is not None:
+        allowed &= rows - cols < plan.window
+    if lengths is not None:
+        allowed = allowed & (cols < lengths[:, None, None, None, None])
+    if mask is not None:
+        allowed = allowed & _block(plan, mask, i, j)
+    if bias_block is not None:  # a key biased to -inf is hidden, as in the reference
+        allowed = allowed & (bias_block != -jnp.inf)
+    return allowed
+
+
+def _logits(plan: Plan, q_i, k, bias, mask, lengths, i, j):
+    """Block pair (i, j): logits `[B,K,G,bq,bk]` in float32 (float64 stays) and where they are allowed."""
+    k_j = _rows(k, j * plan.bk, plan.bk, 2)
+    s = jnp.einsum("BKGTH,BKSH->BKGTS", q_i, k_j, preferred_element_type=softmax_dtype(q_i.dtype))
+    s = s * plan.scale
+    bias_block = None if bias is None else _block(plan, bias, i, j)
+    if bias_block is not None:
+        s = s + bias_block.astype(s.dtype)
+    return s, _allowed(plan, i, j, mask, bias_block, lengths)
+
+
+def _online_step(plan: Plan, q_i, k, v, bias, mask, lengths, i, j, carry):
+    """One key block of the online softmax: running max m, sum l and unnormalised output acc."""
+    m, l, acc = carry
+    s, allowed = _logits(plan, q_i, k, bias, mask, lengths, i, j)
+    s = jnp.where(allowed, s, -jnp.inf)
+    m_new = jnp.maximum(m, s.max(axis=-1))
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # nothing visible yet: exp(-inf - 0) = 0, not NaN
+    p = jnp.exp(s - m_safe[..., None])  # [B,K,G,bq,bk]
+    alpha = jnp.exp(m - m_safe)  # rescales what was summed against the old max
+    v_j = _rows(v, j * plan.bk, plan.bk, 2)
+    pv = jnp.einsum("BKGTS,BKSH->BKGTH", p.astype(v.dtype), v_j, preferred_element_type=acc.dtype)
+    return m_new, alpha * l + p.sum(axis=-1), alpha[..., None] * acc + pv
+
+
+def _forward_blocks(plan: Plan, q, k, v, bias, mask, lengths):
+    """`out [B,K,G,Tp,Hv]` (float32) and `lse [B,K,G,Tp]` (+inf on rows that see no key)."""
+    B, K, G, _, _ = q.shape
+    f32 = softmax_dtype(q.dtype)
+    start, stop = _key_block_ranges(plan, lengths)
+
+    def one_query_block(_, i):
+        q_i = _rows(q, i * plan.bq, plan.bq, 3)
+        init = (jnp.full((B, K, G, plan.bq), -jnp.inf, f32), jnp.zeros((B, K, G, plan.bq), f32),
+                jnp.zeros((B, K, G, plan.bq, v.shape[-1]), f32))
+        step = functools.partial(_online_step, plan, q_i, k, v, bias, mask, lengths, i)
+        m, l, acc = jax.lax.fori_loop(start[i], stop[i], step, init)
+        # A row with no visible key gives zeros, and lse = +inf makes its P = exp(s - inf) = 0 in the
+        # backward. (l == 0, not l > 0: a NaN input stays NaN, as in the reference.)
+        empty = l == 0
+        l = jnp.where(empty, 1.0, l)
+        return None, (jnp.where(empty[..., None], 0.0, acc / l[..., None]), jnp.where(empty, jnp.inf, m + jnp.log(l)))
+
+    _, (out, lse) = jax.lax.scan(one_query_block, None, jnp.arange(plan.Tp // plan.bq))
+    out = jnp.moveaxis(out, 0, 3).reshape(B, K, G, plan.Tp, v.shape[-1])  # [nq,B,K,G,bq,Hv] -> [B,K,G,Tp,Hv]
+    return out, jnp.moveaxis(lse, 0, 3).reshape(B, K, G, plan.Tp)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attention(plan, q, k, v, bias, mask, lengths):
+    return _forward_blocks(plan, q, k, v, bias, mask, lengths)[0]
+
+
+def _forward(plan, q, k, v, bias, mask, lengths):
+    out, lse = _forward_blocks(plan, q, k, v, bias, mask, lengths)
+    return out, (q, k, v, bias, mask, lengths, out, lse)  # O(T) residuals: no block of weights is kept
+
+
+def _backward_step(plan, res, d_out, delta, j, i, carry):
+    """Query block i against key block j: recompute P from the logsumexp, accumulate every gradient."""
+    q, k, v, bias, mask, lengths, _, lse = res
+    d_k, d_v, d_q, d_bias = carry
+    q_i, do_i = _rows(q, i * plan.bq, plan.bq, 3), _rows(d_out, i * plan.bq, plan.bq, 3)
+    s, allowed = _logits(plan, q_i, k, bias, mask, lengths, i, j)
+    p = jnp.where(allowed, jnp.exp(s - _rows(lse, i * plan.bq, plan.bq, 3)[..., None]), 0.0)
+    v_j, k_j = _rows(v, j * plan.bk, plan.bk, 2), _rows(k, j * plan.bk, plan.bk, 2)
+    d_v = d_v + jnp.einsum("BKGTS,BKGTH->BKSH", p, do_i)
+    d_p = jnp.einsum("BKGTH,BKSH->BKGTS", do_i, v_j, preferred_element_type=p.dtype)
+    d_s = p * (d_p - _rows(delta, i * plan.bq, plan.bq, 3)[..., None])  # 0 where masked
+    d_k = d_k + jnp.einsum("BKGTS,BKGTH->BKSH", d_s, q_i, preferred_element_type=p.dtype)
+    d_q_i = jnp.einsum("BKGTS,BKSH->BKGTH", d_s, k_j, preferred_element_type=p.dtype)
+    d_q = jax.lax.dynamic_update_slice_in_dim(d_q, _rows(d_q, i * plan.bq, plan.bq, 3) + d_q_i, i * plan.bq, 3)
+    if d_bias is not None:
+        d_bias = _add_block(plan, d_bias, d_s, i, j)
+    return d_k, d_v, d_q, d_bias
+
+
+def _add_block(plan: Plan, acc, d_s, i, j):
+    """`acc` (a grouped bias's gradient) plus `d_s [B,K,G,bq,bk]` summed to its block's broadcast shape."""
+    index, shape = _block_index(plan, acc, i, j)
+    axes = tuple(a for a, (n, m) in enumerate(zip(d_s.shape, shape)) if m == 1 and n != 1)
+    part = d_s.sum(axis=axes, keepdims=True).reshape(shape)
+    return jax.lax.dynamic_update_slice(acc, jax.lax.dynamic_slice(acc, index, shape) + part, index)
+
+
+def _backward(plan, res, d_out):
+    q, k, v, bias, mask, lengths, out, lse = res
+    f32 = out.dtype
+    d_out = d_out.astype(f32)
+    delta = jnp.einsum("BKGTH,BKGTH->BKGT", d_out, out)  # rowsum(dO * O) = rowsum(dP * P), §15
+    start, stop = _query_block_ranges(plan, lengths)
+    B, K, _, _ = k.shape
+
+    def one_key_block(carry, j):
+        d_q, d_bias = carry
+        init = (jnp.zeros((B, K, plan.bk, k.shape[-1]), f32), jnp.zeros((B, K, plan.bk, v.shape[-1]), f32),
+                d_q, d_bias)
+        step = functools.partial(_backward_step, plan, res, d_out, delta, j)
+        d_k, d_v, d_q, d_bias = jax.lax.fori_loop(start[j], stop[j], step, init)
+        return (d_q, d_bias), (d_k, d_v)
+
+    d_bias = None if bias is None else jnp.zeros(bias.shape, f32)
+    (d_q, d_bias), (d_k, d_v) = jax.lax.scan(one_key_block, (jnp.zeros(q.shape, f32), d_bias),
+                                             jnp.arange(plan.Sp // plan.bk))
+    d_k, d_v = (jnp.moveaxis(x, 0, 2).reshape(B, K, plan.Sp, -1) for x in (d_k, d_v))  # [nk,B,K,bk,H] -> [B,K,Sp,H]
+    d_bias = None if bias is None else d_bias.astype(bias.dtype)
+    return ((d_q * plan.scale).astype(q.dtype), (d_k * plan.scale).astype(k.dtype), d_v.astype(v.dtype),
+            d_bias, None, None)
+
+
+_attention.defvjp(_forward, _backward)
