@@ -45,3 +45,19 @@ def merge_heads(out: jnp.ndarray, dtype) -> jnp.ndarray:
     """`[B, T, K, G, Hv]` -> `[B, T, N, Hv]` in `dtype` (a free reshape: N = K * G)."""
     B, T, K, G, Hv = out.shape
     return out.reshape(B, T, K * G, Hv).astype(dtype)
+
+
+def heads_major(query, key, value):
+    """`[B,T,N,H]`, `[B,S,K,H]`, `[B,S,K,Hv]` -> q `[B,K,G,T,H]`, k `[B,K,S,H]`, v `[B,K,S,Hv]`.
+
+    Heads in front, so every product is a matmul batched over (B, K).
+    """
+    B, T, N, H = query.shape
+    K = key.shape[2]
+    q = query.reshape(B, T, K, N // K, H).transpose(0, 2, 3, 1, 4)
+    return q, key.transpose(0, 2, 1, 3), value.transpose(0, 2, 1, 3)
+
+
+def heads_minor(out: jnp.ndarray, dtype) -> jnp.ndarray:
+    """`[B, K, G, T, Hv]` (heads-major) -> `[B, T, N, Hv]` in `dtype`."""
+    return merge_heads(out.transpose(0, 3, 1, 2, 4), dtype)

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxattn.kernels import xla
-from jaxattn.kernels._grouping import group_heads
+from jaxattn.kernels._grouping import group_heads, heads_major, heads_minor
 from jaxattn.softmax import softmax_dtype
 
 # Rows per query block and keys per key block. On a 2-core AVX2 CPU (B 1, N 8, H 64, T = S = 4096,
@@ -51,17 +51,15 @@ def attention(query, key, value, *, mask, bias, is_causal, scale, dropout_rate, 
                              dropout_rate=dropout_rate, dropout_rng=dropout_rng,
                              return_weights=return_weights, local_window_size=local_window_size,
                              key_value_seq_lengths=key_value_seq_lengths)
-    B, T, N, H = query.shape
+    T = query.shape[1]
     S, K = key.shape[1:3]
     plan = Plan(T, S, min(block_q, T), min(block_k, S), is_causal, local_window_size, scale)
-    q = _pad(query.reshape(B, T, K, N // K, H).transpose(0, 2, 3, 1, 4), 3, plan.Tp)  # [B,K,G,Tp,H]
-    k = _pad(key.transpose(0, 2, 1, 3), 2, plan.Sp)  # [B,K,Sp,H]
-    v = _pad(value.transpose(0, 2, 1, 3), 2, plan.Sp)  # [B,K,Sp,Hv]
+    q, k, v = heads_major(query, key, value)  # [B,K,G,T,H], [B,K,S,H], [B,K,S,Hv]
+    q, k, v = _pad(q, 3, plan.Tp), _pad(k, 2, plan.Sp), _pad(v, 2, plan.Sp)  # padded to whole blocks
     mask = None if mask is None else _pad_grouped(plan, group_heads(mask, K), False)
     bias = None if bias is None else _pad_grouped(plan, group_heads(bias, K), 0)
     out = _attention(plan, q, k, v, bias, mask, key_value_seq_lengths)[:, :, :, :T]  # [B,K,G,T,Hv]
-    out = out.transpose(0, 3, 1, 2, 4).reshape(B, T, N, value.shape[-1])
-    return out.astype(query.dtype), None
+    return heads_minor(out, query.dtype), None  # [B,T,N,Hv]
 
 
 @dataclasses.dataclass(frozen=True)

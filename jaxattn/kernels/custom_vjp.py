@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxattn.kernels import xla
-from jaxattn.kernels._grouping import allowed_keys, group_heads
+from jaxattn.kernels._grouping import allowed_keys, group_heads, heads_major, heads_minor
 from jaxattn.softmax import masked_softmax, softmax_dtype
 
 
@@ -32,22 +32,13 @@ def attention(query, key, value, *, mask, bias, is_causal, scale, dropout_rate, 
                              dropout_rate=dropout_rate, dropout_rng=dropout_rng,
                              return_weights=return_weights, local_window_size=local_window_size,
                              key_value_seq_lengths=key_value_seq_lengths)
-    B, T, N, H = query.shape
+    T = query.shape[1]
     S, K = key.shape[1:3]
-    q, k, v = _heads_major(query, key, value)  # [B,K,G,T,H], [B,K,S,H], [B,K,S,Hv]
+    q, k, v = heads_major(query, key, value)  # [B,K,G,T,H], [B,K,S,H], [B,K,S,Hv]
     bias = None if bias is None else group_heads(bias, K)
     allowed = allowed_keys(mask, is_causal, T, S, K, bias, local_window_size, key_value_seq_lengths)
     out = _attention(q, k, v, bias, allowed, scale)  # [B,K,G,T,Hv]
-    out = out.transpose(0, 3, 1, 2, 4).reshape(B, T, N, value.shape[-1])  # [B,T,K,G,Hv] -> [B,T,N,Hv]
-    return out.astype(query.dtype), None
-
-
-def _heads_major(query, key, value):
-    """`[B,T,N,H]`, `[B,S,K,H]`, `[B,S,K,Hv]` -> q `[B,K,G,T,H]`, k `[B,K,S,H]`, v `[B,K,S,Hv]`."""
-    B, T, N, H = query.shape
-    K = key.shape[2]
-    q = query.reshape(B, T, K, N // K, H).transpose(0, 2, 3, 1, 4)
-    return q, key.transpose(0, 2, 1, 3), value.transpose(0, 2, 1, 3)
+    return heads_minor(out, query.dtype), None  # [B,T,N,Hv]
 
 
 def _weights(q, k, bias, allowed, scale):
