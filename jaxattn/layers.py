@@ -20,7 +20,7 @@ from jaxattn.attention import cached_attention, scaled_dot_product_attention
 from jaxattn.cache import KVCache, write_rows
 from jaxattn.config import ModelConfig
 from jaxattn.kernels import Kernels
-from jaxattn.masks import combine_masks, sliding_window_mask
+from jaxattn.masks import sliding_window_mask
 from jaxattn.rope import apply_rope, rope_attention_factor, rope_frequencies
 
 
@@ -260,13 +260,17 @@ class Attention(nn.Module):
         return KVCache(k=write_rows(cache.k, heads_major(k), starts, **write),
                        v=write_rows(cache.v, heads_major(v), starts, **write))
 
-    def attend(self, q, k, v, *, mask=None, is_causal=False, deterministic=True,
+    def attend(self, q, k, v, *, mask=None, is_causal=False, window=None, deterministic=True,
                return_weights=False):
-        """`scaled_dot_product_attention` -> `[B, T, N, H]` (and weights `[B, N, T, S]`)."""
+        """`scaled_dot_product_attention` -> `[B, T, N, H]` (and weights `[B, N, T, S]`).
+
+        `window` is passed as its structural `local_window_size`, so a blockwise
+        kernel can skip the blocks it hides.
+        """
         rate = 0.0 if deterministic else self.config.dropout
         rng = self.make_rng("dropout") if rate > 0.0 else None
         return scaled_dot_product_attention(
-            q, k, v, mask=mask, is_causal=is_causal, scale=self.scale,
+            q, k, v, mask=mask, is_causal=is_causal, local_window_size=window, scale=self.scale,
             dropout_rate=rate, dropout_rng=rng, return_weights=return_weights,
             implementation=self.kernels.attention)
 
@@ -304,9 +308,8 @@ class Attention(nn.Module):
             context_positions = positions if context is None else jnp.arange(context.shape[1])
         q, k, v = self.project(x, context)
         q, k = self.rotate(q, k, positions, context_positions)
-        if is_causal and context is None:
-            mask = combine_masks(mask, window_mask(self.config, T, T))
-        result = self.attend(q, k, v, mask=mask, is_causal=is_causal,
+        window = self.config.sliding_window if is_causal and context is None else None
+        result = self.attend(q, k, v, mask=mask, is_causal=is_causal, window=window,
                              deterministic=deterministic, return_weights=return_weights)
         out, weights = result if return_weights else (result, None)
         y = self.project_out(out, deterministic=deterministic)
