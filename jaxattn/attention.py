@@ -95,7 +95,7 @@ def scaled_dot_product_attention(query, key, value, *, mask=None, bias=None,
                                  is_causal=False, scale=None, dropout_rate=0.0,
                                  dropout_rng=None, return_weights=False,
                                  local_window_size=None, key_value_seq_lengths=None,
-                                 implementation="xla"):
+                                 implementation="auto"):
     """softmax(Q K^T * scale + bias, masked) V, grouped for MQA/GQA (docs/theory.md §2-§5).
 
     Args:
@@ -116,12 +116,15 @@ def scaled_dot_product_attention(query, key, value, *, mask=None, bias=None,
         `jax.nn.dot_product_attention` takes `(W - 1, 0)`).
       key_value_seq_lengths: None, or `[B]` integers: keys `j >= lengths[b]`
         of row b are hidden (right padding, `jaxattn.masks.padding_mask`).
-      implementation: a name of `jaxattn.kernels.choices("attention")`:
-        "xla" (the reference, differentiable in any order and mode),
-        "custom_vjp" (a hand-written backward for training) or "chunked"
-        (blockwise, O(T) memory, skips the blocks the causal mask or the
-        window hides; docs/theory.md §10); both reverse mode only, and both
-        run the reference for dropout and `return_weights`.
+      implementation: "auto" (default: this process's platform rule, e.g.
+        "auto_cpu", which picks per call, see `jaxattn.kernels.auto`) or a
+        name of `jaxattn.kernels.choices("attention")`: "xla" (the reference,
+        differentiable in any order and mode: use it for `jax.jvp` or
+        higher derivatives), "custom_vjp" (a hand-written backward for
+        training), "chunked" (blockwise, O(T) memory, skips the blocks the
+        causal mask or the window hides; docs/theory.md §10), "cudnn" (GPU)
+        or "splash" (TPU). All but "xla" are reverse mode only and run the
+        reference for dropout and `return_weights`.
 
     Returns:
       `[B, T, N, Hv]` in the query's dtype, or `(out, weights [B, N, T, S])`
@@ -139,6 +142,9 @@ def scaled_dot_product_attention(query, key, value, *, mask=None, bias=None,
     lengths = None if key_value_seq_lengths is None else jnp.asarray(key_value_seq_lengths)
     _validate(query, key, value, mask, bias, dropout_rate)
     _validate_structure(query, is_causal, local_window_size, lengths)
+    if implementation == kernels.AUTO:
+        implementation = kernels.resolve_kernels(kernels.Kernels(attention=kernels.AUTO),
+                                                 kernels.select.this_platform())[0].attention
     attend = kernels.attention_kernel(implementation)
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
     out, weights = attend(query, key, value, mask=mask, bias=bias, is_causal=is_causal, scale=scale,

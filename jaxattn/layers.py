@@ -167,11 +167,13 @@ def window_mask(config: ModelConfig, q_len: int, kv_len: int) -> jnp.ndarray | N
 
 
 def check_config(config, kernels) -> None:
-    """TypeError unless `config` is a `ModelConfig` and `kernels` a `Kernels`."""
+    """TypeError unless `config` is a `ModelConfig` and `kernels` a `Kernels`; ValueError for an
+    unresolved "auto" attention (`jaxattn.kernels.resolve_kernels` resolves it for a platform)."""
     if not isinstance(config, ModelConfig):
         raise TypeError(f"config must be a jaxattn.ModelConfig, got {type(config).__name__}")
     if not isinstance(kernels, Kernels):
         raise TypeError(f"kernels must be a jaxattn.Kernels, got {type(kernels).__name__}")
+    kernels_lib.attention_kernel(kernels.attention)  # "auto" must be resolved first: a model never detects hardware
 
 
 class Attention(nn.Module):

@@ -17,7 +17,12 @@ from jaxattn.kernels import Kernels, Platform, choices, resolve_kernels
 from jaxattn.kernels.select import read_cpu_flags
 from jaxattn.masks import padding_mask, sliding_window_mask, visible_cache_slots
 
-ATTENTION = [name for name in choices("attention") if name != "xla"]
+# cuDNN needs a CUDA GPU, and splash (and the GPU/TPU rules that pick them) run for minutes in interpret
+# mode at these many cases: tests/test_auto_attention.py checks them.
+ACCELERATOR_ONLY = ("cudnn", "splash", "auto_gpu", "auto_tpu")
+RUNS_HERE = [name for name in choices("attention") if name not in ACCELERATOR_ONLY]
+# The alternatives to the reference; "auto_cpu" runs one of them per call (tests/test_auto_attention.py).
+ATTENTION = [name for name in RUNS_HERE if name not in ("xla", "auto_cpu")]
 HEADS = {"mha": (4, 4), "gqa": (4, 2), "mqa": (4, 1)}
 
 
@@ -66,7 +71,7 @@ def test_attention_kernels_equal_the_reference(implementation, heads, case):
         np.testing.assert_allclose(g_i, g, rtol=1e-4, atol=1e-5, err_msg=name)
 
 
-@pytest.mark.parametrize("implementation", choices("attention"))
+@pytest.mark.parametrize("implementation", RUNS_HERE)
 def test_every_attention_kernel_equals_the_textbook_reference(implementation):
     q, k, v = qkv(N=4, K=1)
     mask = padding_mask(jnp.array([6, 4]), 6)
@@ -167,7 +172,7 @@ def test_gradients_keep_the_input_dtypes_and_bfloat16_backwards_are_reverse_mode
 
 def test_names_are_checked_and_auto_must_be_resolved():
     with pytest.raises(ValueError,
-                       match=r"Kernels.decode must be one of \('xla', 'xla_cpu', 'blocked', 'auto'\), got 'gpu'"):
+                       match=r"Kernels.decode must be one of \('xla', 'xla_cpu', 'blocked', 'auto_cpu', 'auto'\), got 'gpu'"):
         Kernels(decode="gpu")
     with pytest.raises(ValueError, match=r'Kernels.attention is "auto": resolve it for a platform first'):
         kernels.attention_kernel("auto")
@@ -183,12 +188,12 @@ AVX2 = frozenset({"avx2", "fma"})
 
 
 @pytest.mark.parametrize("platform, expected", [
-    (Platform("cpu", AMX), Kernels(attention="custom_vjp", decode="xla_cpu", matmul="bfloat16_cpu")),
-    (Platform("cpu", AVX512), Kernels(attention="custom_vjp", decode="xla_cpu", matmul="xla")),
-    (Platform("cpu", AVX2), Kernels(attention="custom_vjp", decode="xla_cpu", matmul="xla")),
-    (Platform("cpu"), Kernels(attention="custom_vjp", decode="xla_cpu", matmul="xla")),
-    (Platform("gpu", AMX), Kernels(matmul="bfloat16")),  # the host's AMX does not matter on a GPU
-    (Platform("tpu"), Kernels(matmul="bfloat16")),
+    (Platform("cpu", AMX), Kernels(attention="auto_cpu", decode="auto_cpu", matmul="bfloat16_cpu")),
+    (Platform("cpu", AVX512), Kernels(attention="auto_cpu", decode="auto_cpu", matmul="xla")),
+    (Platform("cpu", AVX2), Kernels(attention="auto_cpu", decode="auto_cpu", matmul="xla")),
+    (Platform("cpu"), Kernels(attention="auto_cpu", decode="auto_cpu", matmul="xla")),
+    (Platform("gpu", AMX), Kernels(attention="auto_gpu", matmul="bfloat16")),  # the host's AMX does not matter
+    (Platform("tpu"), Kernels(attention="auto_tpu", matmul="bfloat16")),
 ], ids=["cpu-amx", "cpu-avx512-no-amx", "cpu-amd-avx2", "cpu-unknown", "gpu", "tpu"])
 def test_auto_follows_the_rules_for_each_platform(platform, expected):
     chosen, reasons = resolve_kernels(Kernels.auto(), platform)
@@ -199,7 +204,7 @@ def test_auto_follows_the_rules_for_each_platform(platform, expected):
 
 def test_only_auto_fields_are_replaced():
     chosen, reasons = resolve_kernels(Kernels.auto().replace(matmul="bfloat16", mla="absorb"), Platform("cpu", AVX2))
-    assert (chosen.matmul, chosen.mla, chosen.attention) == ("bfloat16", "absorb", "custom_vjp")
+    assert (chosen.matmul, chosen.mla, chosen.attention) == ("bfloat16", "absorb", "auto_cpu")
     assert reasons["matmul"] == reasons["mla"] == "asked for"
 
 

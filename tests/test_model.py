@@ -113,8 +113,10 @@ def test_building_and_running_a_model_never_looks_at_the_hardware(monkeypatch):
     out = decoding.generate(params, config, np.asarray(tokens[:, :3]), np.array([3, 3]), max_new_tokens=2,
                             rng=jax.random.PRNGKey(0))
     chex.assert_shape(out.tokens, (2, 2))
-    with pytest.raises(ValueError, match=r'Kernels.matmul is "auto": resolve it .*resolve_kernels'):
+    with pytest.raises(ValueError, match=r'Kernels.attention is "auto": resolve it .*resolve_kernels'):
         forward(config, Kernels.auto())(params, tokens)
+    with pytest.raises(ValueError, match=r'Kernels.matmul is "auto": resolve it .*resolve_kernels'):
+        forward(config, Kernels.auto().replace(attention="xla"))(params, tokens)
 
 
 @pytest.mark.parametrize("kind", ["gqa", "mla_absorb"])
@@ -236,7 +238,8 @@ def test_bad_configs_and_inputs_raise_clear_errors():
         ModelConfig(mla={"kv_lora_rank": 8})
     with pytest.raises(ValueError, match=r"Kernels.matmul must be one of \('xla', 'bfloat16', 'bfloat16_cpu', 'auto'\)"):
         Kernels(matmul="float16")
-    with pytest.raises(ValueError, match=r"Kernels.attention must be one of \('xla', 'custom_vjp', 'chunked', 'auto'\)"):
+    with pytest.raises(ValueError, match=r"Kernels.attention must be one of \('xla', 'custom_vjp', 'chunked', 'cudnn', 'splash', "
+                                         r"'auto_cpu', 'auto_gpu', 'auto_tpu', 'auto'\)"):
         Kernels(attention="flash")
     with pytest.raises(ValueError, match="ModelConfig.head_dim must be a positive integer"):
         ModelConfig(head_dim=0)

@@ -25,7 +25,7 @@ def test_auto_on_a_cpu_uses_the_cores_that_divide_the_batch(monkeypatch):
     monkeypatch.setattr(runtime, "cpu_cores", lambda: 2)
     resolved = runtime.resolve(RuntimeConfig(), batch_size=12, platform=AVX2, devices=2)
     assert resolved.data_parallel == 2 and resolved.config.data_parallel == 2
-    assert resolved.kernels == Kernels(attention="custom_vjp", decode="xla_cpu", matmul="xla")
+    assert resolved.kernels == Kernels(attention="auto_cpu", decode="auto_cpu", matmul="xla")
     assert resolved.config.requested_kernels() == resolved.kernels  # what gets saved has no "auto"
     assert "2 cores" in resolved.reasons["data_parallel"]
     lines = resolved.describe()
@@ -36,7 +36,7 @@ def test_auto_on_a_cpu_uses_the_cores_that_divide_the_batch(monkeypatch):
 
 def test_auto_on_an_accelerator_is_one_device_and_its_kernels():
     resolved = runtime.resolve(RuntimeConfig(), batch_size=64, platform=Platform("gpu"), devices=1)
-    assert resolved.data_parallel == 1 and resolved.kernels == Kernels(matmul="bfloat16")
+    assert resolved.data_parallel == 1 and resolved.kernels == Kernels(attention="auto_gpu", matmul="bfloat16")
 
 
 def test_explicit_data_parallel_is_checked():

@@ -7,8 +7,8 @@ tests/test_kernels.py:
 
 | field | dispatched by | implementations (reference first) |
 | --- | --- | --- |
-| attention | `scaled_dot_product_attention` | "xla", "custom_vjp", "chunked" |
-| decode | `cached_attention`, `cache.write_rows` | "xla", "xla_cpu", "blocked" (inference only) |
+| attention | `scaled_dot_product_attention` | "xla", "custom_vjp", "chunked", "cudnn", "splash"; per-call rules "auto_cpu", "auto_gpu", "auto_tpu" |
+| decode | `cached_attention`, `cache.write_rows` | "xla", "xla_cpu", "blocked" (inference only); per-call rule "auto_cpu" |
 | matmul | `Linear`, the tied lm_head | "xla", "bfloat16", "bfloat16_cpu" |
 | mla | `MultiHeadLatentAttention.__call__` | "naive", "absorb" |
 
@@ -26,17 +26,18 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-from jaxattn.kernels import bf16_matmul, blocked_decode, chunked, custom_vjp, xla, xla_cpu
+from jaxattn.kernels import auto, bf16_matmul, blocked_decode, xla, xla_cpu
 
 AUTO = "auto"
 
 # field -> implementation name -> what runs (None: handled inside the module that dispatches).
 IMPLEMENTATIONS: dict[str, dict[str, object]] = {
-    "attention": {"xla": xla.attention, "custom_vjp": custom_vjp.attention, "chunked": chunked.attention},
+    "attention": {**auto.CONCRETE, **{rule: auto.kernel(rule) for rule in auto.RULES}},
     "decode": {"xla": (xla.cached_attention, xla.write_rows),
                "xla_cpu": (xla_cpu.cached_attention, xla_cpu.write_rows),
                # xla_cpu's writes: the vmapped form copies the whole buffer, which "blocked" exists to avoid.
-               "blocked": (blocked_decode.cached_attention, xla_cpu.write_rows)},
+               "blocked": (blocked_decode.cached_attention, xla_cpu.write_rows),
+               "auto_cpu": (auto.cpu_cached_attention, xla_cpu.write_rows)},  # blocked or xla_cpu per call
     "matmul": {"xla": xla.matmul, "bfloat16": bf16_matmul.matmul, "bfloat16_cpu": bf16_matmul.matmul_cpu},
     "mla": {"naive": None, "absorb": None},
 }
@@ -52,12 +53,15 @@ class Kernels:
     """Which implementation runs each operation (the maths is the same; see the module docstring).
 
     Attributes:
-      attention: "xla" (reference), "custom_vjp" (hand-written backward, reverse mode only) or
-        "chunked" (blockwise online softmax, O(T) memory, hidden causal/window blocks skipped;
-        reverse mode only).
-      decode: "xla" (reference), "xla_cpu" (cached attention and cache writes in XLA:CPU's fast forms)
-        or "blocked" (reads only the cache blocks the queries can see, with xla_cpu's writes;
-        forward only, for inference).
+      attention: "xla" (reference), "custom_vjp" (hand-written backward), "chunked" (blockwise
+        online softmax, O(T) memory, hidden causal/window blocks skipped), "cudnn" (cuDNN's fused
+        kernel, CUDA GPUs), "splash" (Pallas's TPU kernel; interpret mode elsewhere), or a
+        platform's per-call rule "auto_cpu", "auto_gpu", "auto_tpu" (`jaxattn.kernels.auto`:
+        picks one of those from each call's shapes and features). All but "xla" are reverse mode
+        only; the fused ones run the reference, with a warning, for calls they cannot take.
+      decode: "xla" (reference), "xla_cpu" (cached attention and cache writes in XLA:CPU's fast forms),
+        "blocked" (reads only the cache blocks the queries can see, with xla_cpu's writes;
+        forward only, for inference) or "auto_cpu" (blocked at batch 1, else xla_cpu).
       matmul: "xla" (reference: the compute dtype), "bfloat16" or "bfloat16_cpu" (bfloat16
         operands, float32 sums, reverse mode only; the latter in XLA:CPU's fast forms).
       mla: "naive" (decompress keys and values) or "absorb" (attend in the latent space), for
@@ -125,7 +129,9 @@ def check_mla_path(name: str) -> str:
     return name
 
 
+from jaxattn.kernels._call import KernelFallbackWarning  # noqa: E402
 from jaxattn.kernels.select import Platform, resolve_kernels  # noqa: E402  (select uses Kernels)
 
-__all__ = ["AUTO", "IMPLEMENTATIONS", "Kernels", "Platform", "attention_kernel", "cache_writer",
+__all__ = ["AUTO", "IMPLEMENTATIONS", "KernelFallbackWarning", "Kernels", "Platform", "attention_kernel",
+           "cache_writer",
            "cached_attention_kernel", "check_mla_path", "choices", "matmul_kernel", "resolve_kernels"]

@@ -3,20 +3,26 @@
 `resolve_kernels(requested, platform)` is a pure function of a `Platform`
 (backend name and CPU feature flags), so every rule is testable on any
 machine; only `Platform.detect()` looks at the real one, and only programs
-call it (`python -m train.tiny_lm` prints the result and the reasons). The CPU
+call it (`python -m train.tiny_lm` prints the result and the reasons), besides
+a direct `scaled_dot_product_attention(..., implementation="auto")` (once per
+process, `this_platform`); models take resolved names. The CPU
 rules follow side-by-side measurements on the CPUs this project has run on
-(docs/performance.md; `bench/kernel_choices.py` repeats them on any machine).
-On a GPU or TPU, which nobody here has measured, "auto" is the reference except
-for bfloat16 matmul operands, the usual practice there (torch.autocast).
+(docs/performance.md; `bench/kernel_choices.py` and `bench/attention.py` repeat
+them on any machine). Attention resolves to its platform's per-call rule
+(`jaxattn.kernels.auto`: dense or blockwise by length on a CPU, cuDNN on a GPU,
+splash on a TPU, where each takes the call). Elsewhere on a GPU or TPU, which
+nobody here has measured, "auto" is the reference except for bfloat16 matmul
+operands, the usual practice there (torch.autocast).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from pathlib import Path
 from typing import Callable
 
-from jaxattn.kernels import AUTO, IMPLEMENTATIONS, Kernels
+from jaxattn.kernels import AUTO, IMPLEMENTATIONS, Kernels, auto
 
 ACCELERATORS = ("gpu", "cuda", "rocm", "tpu")
 
@@ -43,6 +49,11 @@ class Platform:
     def is_cpu(self) -> bool:
         return self.backend not in ACCELERATORS
 
+    @property
+    def family(self) -> str:
+        """"cpu", "gpu" or "tpu"."""
+        return "tpu" if self.backend == "tpu" else "cpu" if self.is_cpu else "gpu"
+
     def describe(self) -> str:
         if not self.is_cpu:
             return f"{self.backend} backend"
@@ -62,15 +73,24 @@ def read_cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str]:
     return frozenset()
 
 
+@functools.cache
+def this_platform() -> Platform:
+    """`Platform.detect()`, once per process (for `implementation="auto"` in direct calls)."""
+    return Platform.detect()
+
+
 def _attention(platform: Platform) -> tuple[str, str]:
-    if platform.is_cpu:
-        return "custom_vjp", "the hand-written backward trains faster on XLA:CPU"
-    return "xla", f"{platform.backend}: the custom backward has not been measured there"
+    rule = f"auto_{platform.family}"
+    return rule, {"auto_cpu": "per call: custom_vjp below {n} keys, chunked from {n}",
+                  "auto_gpu": "per call: cuDNN where it takes the call, else xla below {n} keys, chunked from {n}",
+                  "auto_tpu": "per call: splash where it takes the call, else xla below {n} keys, chunked from {n}",
+                  }[rule].format(n=auto.CHUNKED_FROM_KEYS)
 
 
 def _decode(platform: Platform) -> tuple[str, str]:
     if platform.is_cpu:
-        return "xla_cpu", "XLA:CPU reads the cache in place in these operand orders"
+        return "auto_cpu", "per call: blocked (reads only the filled cache blocks) at batch 1, else xla_cpu " \
+                           "(in-place reads)"
     return "xla", f"{platform.backend}: the CPU operand orders do not apply"
 
 
