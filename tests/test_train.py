@@ -64,6 +64,8 @@ def test_loss_decreases_and_artifacts_are_written(full_run):
     assert (out / "loss.png").stat().st_size > 1000
     assert json.loads((out / "config.json").read_text())["train"]["max_iters"] == 30
     assert len(result.sample) > 20 and result.median_tokens_per_s > 0 and result.compile_s > 0
+    saved = json.loads((out / "result.json").read_text())  # the peak memory is reported and kept
+    assert 0.05 < saved["peak_rss_gib"] < 24 and saved["device_peak_gib"] is None  # a CPU: arrays in RSS
 
 
 def result_vocab(out):
@@ -218,3 +220,10 @@ def test_data_parallel_equals_one_device(text_file, tmp_path):
     assert jax.tree.map(np.shape, params) == jax.tree.map(np.shape, fresh)
     logits = DecoderLM(model_config).apply({"params": params}, jnp.asarray([tokenizer.encode("To be")]))
     assert np.isfinite(np.asarray(logits)).all()
+
+
+def test_the_final_line_names_the_peak_memory():
+    from train.metrics import describe_memory, peak_memory
+    assert describe_memory({"peak_rss_gib": 0.5, "device_peak_gib": None}) == "peak memory 0.50 GiB RSS"
+    assert describe_memory({"peak_rss_gib": 1.25, "device_peak_gib": 3.0}).endswith("RSS, device 3.00 GiB")
+    assert peak_memory()["peak_rss_gib"] > 0.05

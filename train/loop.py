@@ -38,7 +38,7 @@ from train import data as data_lib
 from train import runtime as runtime_lib
 from train.checkpoint import Checkpointer, CheckpointError, check_compatible
 from train.config import ExperimentConfig, TrainConfig
-from train.metrics import MetricsLog, Throughput
+from train.metrics import MetricsLog, Throughput, peak_memory
 from train.plots import plot_losses
 from train.rundir import claim, repair_metrics
 from train.steps import build_programs
@@ -56,6 +56,8 @@ class RunResult:
     fastest_ms_per_iter: float  # the fastest dispatch: the least disturbed by other processes
     compile_s: float
     wall_s: float
+    peak_rss_gib: float  # the process's peak resident memory (the arrays, on a CPU)
+    device_peak_gib: float | None  # an accelerator's peak bytes in use, where JAX reports it
     num_params: int
     sample: str
     out_dir: str
@@ -333,7 +335,7 @@ def _finish(run: Run, compile_s: float, wall_start: float, *, sample: bool, loss
         final_val_loss=last["val"], final_train_loss=last["train"], best_val_loss=run.best_val,
         steps=tc.max_iters, median_tokens_per_s=tc.batch_size * tc.block_size / median,
         median_ms_per_iter=1e3 * median, fastest_ms_per_iter=1e3 * min(step_seconds, default=math.nan),
-        compile_s=compile_s, wall_s=time.perf_counter() - wall_start,
+        compile_s=compile_s, wall_s=time.perf_counter() - wall_start, **peak_memory(),
         num_params=count_params(run.state["params"]), sample=text, out_dir=str(run.out), config=config,
         params=run.state["params"])
     (run.out / "result.json").write_text(json.dumps(result.figures(), indent=2))

@@ -59,3 +59,24 @@ class Throughput:
 
     def recent_tokens_per_s(self) -> float:
         return self.tokens_per_step / statistics.median(self.laps[-20:])
+
+
+def peak_memory() -> dict:
+    """This process's peak resident memory, and each accelerator's peak in use where JAX reports it.
+
+    Returns `{"peak_rss_gib": float, "device_peak_gib": float | None}` (the largest over the
+    local devices; None on a CPU, whose arrays are in the process's RSS).
+    """
+    import resource
+
+    import jax
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    stats = [device.memory_stats() or {} for device in jax.local_devices()]
+    peaks = [s["peak_bytes_in_use"] for s in stats if "peak_bytes_in_use" in s]
+    return {"peak_rss_gib": rss / 2**30, "device_peak_gib": max(peaks) / 2**30 if peaks else None}
+
+
+def describe_memory(memory: dict) -> str:
+    """"peak memory 0.61 GiB RSS" (+ ", device 3.2 GiB" on an accelerator)."""
+    device = memory.get("device_peak_gib")
+    return f"peak memory {memory['peak_rss_gib']:.2f} GiB RSS" + (f", device {device:.2f} GiB" if device else "")

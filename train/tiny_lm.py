@@ -4,7 +4,7 @@ The default is nanoGPT's CPU "baby" Shakespeare run (configs/shakespeare_char_ba
 A directory that already holds a run is never replaced without --overwrite (--resume
 continues it); Ctrl-C or SIGTERM saves a checkpoint and exits 130. The run prints its resolved config and runtime (kernels and devices, with the reason for
 each "auto"), a progress bar with loss and tokens/s, the evaluations, and at the end the
-final val loss, speed and a sample; it writes config.json, metrics.jsonl, loss.png,
+final val loss, speed, peak memory and a sample; it writes config.json, metrics.jsonl, loss.png,
 result.json and checkpoints (latest and best) under train.out_dir.
 
 Where the work is done: train.loop (the run), train.steps (the jitted programs),
@@ -22,6 +22,7 @@ from train import runtime as runtime_lib
 from train.checkpoint import CheckpointError
 from train.config import DEFAULT_CONFIG, load_config
 from train.loop import Interrupted, RunResult, TrainingDiverged, train
+from train.metrics import describe_memory
 from train.rundir import RunDirectoryError
 
 RUNTIME_ERRORS = (data_lib.DataError, CheckpointError, RunDirectoryError, TrainingDiverged, OSError)
@@ -69,7 +70,8 @@ def main(argv: list[str] | None = None) -> RunResult:
         sys.exit(1)
     print(f"final: val loss {result.final_val_loss:.4f} at iter {result.steps} | "
           f"{result.median_tokens_per_s:,.0f} tokens/s median ({result.median_ms_per_iter:.1f} ms/iter, "
-          f"excluding compile) | compile {result.compile_s:.1f}s | wall {result.wall_s:.1f}s")
+          f"excluding compile) | compile {result.compile_s:.1f}s | wall {result.wall_s:.1f}s | "
+          + describe_memory(result.figures()))
     return result
 
 
