@@ -57,8 +57,15 @@ def full_sequences(prompts, lengths, generated):
     return out
 
 
-@pytest.mark.parametrize("positions", POSITIONS)
-@pytest.mark.parametrize("attention", list(ATTENTION))
+# Every kind with two position schemes and every scheme with two kinds: the full cross product of
+# kinds and schemes is checked one level down, on `extend` (tests/test_cache.py); here the same
+# exactness through `generate`'s scan loop.
+PAIRS = [("mha", "learned"), ("mha", "none"), ("gqa", "rope"), ("gqa", "sinusoidal"), ("mqa", "learned"),
+         ("mqa", "rope"), ("mla", "sinusoidal"), ("mla", "none")]
+assert {a for a, _ in PAIRS} == set(ATTENTION) and {p for _, p in PAIRS} == set(POSITIONS)
+
+
+@pytest.mark.parametrize("attention, positions", PAIRS)
 def test_cached_logits_equal_full_forward_at_every_step(attention, positions):
     """Every kind and position scheme; the decode kernels alternate between the reference and XLA:CPU's."""
     config = tiny_config(attention, positions)
