@@ -6,7 +6,8 @@ Training: the default config's jitted step (50 optimizer steps per dispatch, the
 batch split over the CPU cores as the runtime resolves it) compiled once per
 kernel variant in this process, then timed round-robin, so every variant sees the
 same minutes of a machine whose speed drifts. Decoding: `generate` (greedy,
-prompt 16) of the baby MHA and GQA models at batch 1 and 8 with each decode and
+prompt 16, in a cache of 1024 slots) of the baby MHA and GQA models and the 10.7M-shaped MHA
+model at batch 1 and 8 with each decode and
 matmul kernel, round-robin likewise. Writes bench/results/kernel_choices.json and
 kernel_choices.md with the CPU, the kernels "auto" picks here, and each variant's median
 and ratio to the reference.
@@ -46,6 +47,7 @@ def training_variants(runtime) -> dict:
     from jaxattn.kernels import Kernels
     chosen = runtime.kernels
     return {"reference": Kernels(), "attention custom_vjp": Kernels(attention="custom_vjp"),
+            "attention chunked": Kernels(attention="chunked"),
             "matmul bfloat16": Kernels(matmul="bfloat16"), "matmul bfloat16_cpu": Kernels(matmul="bfloat16_cpu"),
             f"auto ({chosen.attention}, {chosen.matmul})": chosen}
 
@@ -91,19 +93,21 @@ def time_decoding(rounds: int, new_tokens: int) -> list[dict]:
     from jaxattn.model import DecoderLM
 
     rows = []
-    for kind, kv in (("MHA", None), ("GQA kv=2", 2)):
-        config = ModelConfig(vocab_size=65, max_seq_len=1024, num_kv_heads=kv)
+    small = dict(d_model=384, num_layers=6, num_heads=6)  # the 10.7M shape of configs/shakespeare_char.toml
+    for kind, kv, size in (("baby MHA", None, {}), ("baby GQA kv=2", 2, {}), ("small MHA", None, small)):
+        config = ModelConfig(vocab_size=65, max_seq_len=1024, num_kv_heads=kv, **size)
         params = jax.jit(DecoderLM(config).init)(jax.random.PRNGKey(0), np.zeros((1, 1), np.int32))["params"]
         for batch in (1, 8):
             prompt = np.asarray(jax.random.randint(jax.random.PRNGKey(0), (batch, 16), 1, 65), np.int32)
             variants = {"reference": Kernels(), "decode xla_cpu": Kernels(decode="xla_cpu"),
+                        "decode blocked": Kernels(decode="blocked"),
                         "decode xla_cpu, matmul bfloat16_cpu": Kernels(decode="xla_cpu", matmul="bfloat16_cpu")}
             calls = {name: functools.partial(
                 lambda k: generate(params, config, prompt, np.full(batch, 16), max_new_tokens=new_tokens,
                                    rng=jax.random.PRNGKey(0), temperature=0.0, kernels=k).tokens.block_until_ready(),
                 kernels) for name, kernels in variants.items()}
             medians = round_robin(calls, rounds)
-            rows += [{"model": f"baby {kind}", "batch": batch, "variant": name,
+            rows += [{"model": kind, "batch": batch, "variant": name,
                       "tokens_per_s": batch * new_tokens / s, "vs_reference": medians["reference"] / s}
                      for name, s in medians.items()]
     return rows
