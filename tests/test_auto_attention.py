@@ -184,7 +184,8 @@ def test_the_long_context_config_trains_with_the_blockwise_kernel_on_a_cpu():
 
 def test_the_cpu_decode_rule_reads_only_the_filled_blocks_at_batch_one():
     from jaxattn.kernels import blocked_decode, xla_cpu
-    assert auto.cpu_decode_rule(1)[0] == "blocked" and auto.cpu_decode_rule(8)[0] == "xla_cpu"
+    assert auto.cpu_decode_rule(1, 256)[0] == "blocked" and auto.cpu_decode_rule(8, 1024)[0] == "xla_cpu"
+    assert auto.cpu_decode_rule(8, auto.BLOCKED_FROM_SLOTS)[0] == "blocked"
     keys = jax.random.split(jax.random.key(3), 3)
     for batch, expected in ((1, blocked_decode), (3, xla_cpu)):
         q = jax.random.normal(keys[0], (batch, 1, 4, 8))

@@ -61,7 +61,8 @@ class Kernels:
         only; the fused ones run the reference, with a warning, for calls they cannot take.
       decode: "xla" (reference), "xla_cpu" (cached attention and cache writes in XLA:CPU's fast forms),
         "blocked" (reads only the cache blocks the queries can see, with xla_cpu's writes;
-        forward only, for inference) or "auto_cpu" (blocked at batch 1, else xla_cpu).
+        forward only, for inference) or "auto_cpu" (blocked at batch 1 or in caches of 4096
+        slots or more, else xla_cpu).
       matmul: "xla" (reference: the compute dtype), "bfloat16" or "bfloat16_cpu" (bfloat16
         operands, float32 sums, reverse mode only; the latter in XLA:CPU's fast forms).
       mla: "naive" (decompress keys and values) or "absorb" (attend in the latent space), for

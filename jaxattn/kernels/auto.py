@@ -16,8 +16,10 @@ are tested on any machine (tests/test_auto_attention.py):
 - TPU: Pallas's splash kernel likewise.
 
 Decoding on a CPU has a per-call rule too ("auto_cpu" for `Kernels.decode`): the
-batch size is static, and reading only the filled cache blocks ("blocked") wins
-at batch 1 and loses at batch 8 (bench/results/kernel_choices.md).
+batch size and the cache's slots are static: reading only the filled cache blocks
+("blocked") wins at batch 1, and at batch 8 in caches of thousands of slots, and
+loses at batch 8 in small ones (bench/results/kernel_choices.md,
+decode_cache_sweep_b8.md).
 
 `choose` says what a call gets and why; the thresholds follow
 bench/results/attention.md (docs/performance.md).
@@ -97,11 +99,21 @@ def kernel(rule: str) -> Callable:
     return attention
 
 
-def cpu_decode_rule(batch: int) -> tuple[str, str]:
-    """(decode kernel, reason) for a cached-attention call of `batch` rows on a CPU."""
+# From this many cache slots the blocked read wins at any batch unless the cache is over half full.
+BLOCKED_FROM_SLOTS = 4096
+
+
+def cpu_decode_rule(batch: int, slots: int) -> tuple[str, str]:
+    """(decode kernel, reason) for cached attention of `batch` rows over a cache of `slots` on a CPU.
+
+    Batch 8, 8192 slots: blocked 8.5x xla_cpu at 256 filled, 1.8x at 2048, even at 4096, 0.5x full;
+    1024 slots, ~270 filled: 0.7x (bench/results/decode_cache_sweep_b8.md, kernel_choices.md).
+    """
     if batch == 1:
         return "blocked", "batch 1: reads only the cache blocks that hold the row (1.0-1.5x at 1024 slots)"
-    return "xla_cpu", f"batch {batch}: XLA:CPU's in-place reads beat the blocked loop (1.1-1.4x at batch 8)"
+    if slots >= BLOCKED_FROM_SLOTS:
+        return "blocked", f"{slots} >= {BLOCKED_FROM_SLOTS} slots: reading only the filled blocks wins until half full"
+    return "xla_cpu", f"batch {batch}, {slots} slots: XLA:CPU's in-place reads beat the blocked loop"
 
 
 DECODE = {"xla_cpu": xla_cpu.cached_attention, "blocked": blocked_decode.cached_attention}
@@ -109,9 +121,9 @@ DECODE = {"xla_cpu": xla_cpu.cached_attention, "blocked": blocked_decode.cached_
 
 def cpu_cached_attention(query, key_cache, value_cache, query_positions, **arguments):
     """`cached_attention` by `cpu_decode_rule` (same arguments and result as the reference's)."""
-    name, _ = cpu_decode_rule(query.shape[0])
+    name, _ = cpu_decode_rule(query.shape[0], key_cache.shape[2])
     return DECODE[name](query, key_cache, value_cache, query_positions, **arguments)
 
 
-__all__ = ["cpu_cached_attention", "cpu_decode_rule", "CHUNKED_FROM_KEYS", "KernelFallbackWarning", "RULES", "choose", "cpu_rule", "gpu_rule",
+__all__ = ["BLOCKED_FROM_SLOTS", "cpu_cached_attention", "cpu_decode_rule", "CHUNKED_FROM_KEYS", "KernelFallbackWarning", "RULES", "choose", "cpu_rule", "gpu_rule",
            "kernel", "tpu_rule"]

@@ -89,8 +89,8 @@ def _attention(platform: Platform) -> tuple[str, str]:
 
 def _decode(platform: Platform) -> tuple[str, str]:
     if platform.is_cpu:
-        return "auto_cpu", "per call: blocked (reads only the filled cache blocks) at batch 1, else xla_cpu " \
-                           "(in-place reads)"
+        return "auto_cpu", "per call: blocked (reads only the filled cache blocks) at batch 1 or from " \
+                           f"{auto.BLOCKED_FROM_SLOTS} slots, else xla_cpu (in-place reads)"
     return "xla", f"{platform.backend}: the CPU operand orders do not apply"
 
 
