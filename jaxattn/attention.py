@@ -143,8 +143,7 @@ def scaled_dot_product_attention(query, key, value, *, mask=None, bias=None,
     _validate(query, key, value, mask, bias, dropout_rate)
     _validate_structure(query, is_causal, local_window_size, lengths)
     if implementation == kernels.AUTO:
-        implementation = kernels.resolve_kernels(kernels.Kernels(attention=kernels.AUTO),
-                                                 kernels.select.this_platform())[0].attention
+        implementation = kernels.select.attention_rule_here()
     attend = kernels.attention_kernel(implementation)
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
     out, weights = attend(query, key, value, mask=mask, bias=bias, is_causal=is_causal, scale=scale,

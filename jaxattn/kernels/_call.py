@@ -3,10 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
+
+from jaxattn.kernels import xla
+
+# The keyword arguments of the common kernel signature (`jaxattn.kernels.xla.attention`'s).
+CONTRACT = ("mask", "bias", "is_causal", "scale", "dropout_rate", "dropout_rng", "return_weights",
+            "local_window_size", "key_value_seq_lengths")
 
 
 class KernelFallbackWarning(UserWarning):
@@ -79,7 +87,26 @@ def _is_concrete(x) -> bool:
     return True
 
 
-def warn_fallback(kernel: str, reason: str) -> None:
-    """One line, once per distinct reason (Python's default warning filter), at trace time."""
-    warnings.warn(f"{kernel} attention cannot take this call: {reason}; running the reference (xla)",
-                  KernelFallbackWarning, stacklevel=3)
+def weights_or_dropout(call: AttentionCall) -> str | None:
+    """The refusal of the kernels that return only the output and have no dropout, said in their docs."""
+    return "attention weights or dropout" if call.weights or call.dropout else None
+
+
+def reference_unless(refusal: Callable[[AttentionCall], str | None], warn_as: str | None = None):
+    """Decorator: the kernel runs for the calls `refusal` accepts (None); any other call runs the
+    reference ("xla"), with a one-line `KernelFallbackWarning` naming `warn_as` and the reason
+    where `warn_as` is given (once per distinct reason, Python's default filter, at trace time).
+    Keywords beyond `CONTRACT` (block sizes, `interpret`) go to the kernel only."""
+    def wrap(kernel: Callable) -> Callable:
+        @functools.wraps(kernel)
+        def attention(query, key, value, **arguments):
+            contract = {name: arguments[name] for name in CONTRACT if name in arguments}
+            reason = refusal(AttentionCall.of(query, key, value, **contract))
+            if reason is None:
+                return kernel(query, key, value, **arguments)
+            if warn_as is not None:
+                warnings.warn(f"{warn_as} attention cannot take this call: {reason}; running the reference (xla)",
+                              KernelFallbackWarning, stacklevel=2)
+            return xla.attention(query, key, value, **contract)
+        return attention
+    return wrap

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxattn.kernels import xla
+from jaxattn.kernels._call import reference_unless, weights_or_dropout
 from jaxattn.kernels._grouping import group_heads, heads_major, heads_minor
 from jaxattn.softmax import softmax_dtype
 
@@ -43,15 +43,11 @@ BLOCK_Q = 512
 BLOCK_K = 256
 
 
+@reference_unless(weights_or_dropout)
 def attention(query, key, value, *, mask, bias, is_causal, scale, dropout_rate, dropout_rng,
               return_weights, local_window_size=None, key_value_seq_lengths=None,
               block_q=BLOCK_Q, block_k=BLOCK_K):
     """Same arguments and results as `jaxattn.kernels.xla.attention`, plus the block sizes."""
-    if return_weights or (dropout_rate > 0.0 and dropout_rng is not None):
-        return xla.attention(query, key, value, mask=mask, bias=bias, is_causal=is_causal, scale=scale,
-                             dropout_rate=dropout_rate, dropout_rng=dropout_rng,
-                             return_weights=return_weights, local_window_size=local_window_size,
-                             key_value_seq_lengths=key_value_seq_lengths)
     T = query.shape[1]
     S, K = key.shape[1:3]
     plan = Plan(T, S, min(block_q, T), min(block_k, S), is_causal, local_window_size, scale)

@@ -12,8 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxattn.kernels import xla
-from jaxattn.kernels._call import AttentionCall, warn_fallback
+from jaxattn.kernels._call import AttentionCall, reference_unless
 
 MAX_HEAD_DIM = 128  # cuDNN's limit before Hopper; 256 from compute capability 9.0
 
@@ -32,16 +31,10 @@ def refusal(call: AttentionCall) -> str | None:
     return call.common_refusal("cuDNN")
 
 
+@reference_unless(refusal, warn_as="cuDNN")
 def attention(query, key, value, *, mask, bias, is_causal, scale, dropout_rate, dropout_rng,
               return_weights, local_window_size=None, key_value_seq_lengths=None):
     """Same arguments and results as `jaxattn.kernels.xla.attention`."""
-    args = dict(mask=mask, bias=bias, is_causal=is_causal, scale=scale, dropout_rate=dropout_rate,
-                dropout_rng=dropout_rng, return_weights=return_weights,
-                local_window_size=local_window_size, key_value_seq_lengths=key_value_seq_lengths)
-    reason = refusal(AttentionCall.of(query, key, value, **args))
-    if reason is not None:
-        warn_fallback("cuDNN", reason)
-        return xla.attention(query, key, value, **args)
     if jax.default_backend() != "gpu":
         raise ValueError(f'implementation "cudnn" needs a CUDA GPU; this process runs on '
                          f'{jax.default_backend()} (use "auto" or "chunked")')

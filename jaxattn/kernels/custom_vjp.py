@@ -19,19 +19,15 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxattn.kernels import xla
+from jaxattn.kernels._call import reference_unless, weights_or_dropout
 from jaxattn.kernels._grouping import allowed_keys, group_heads, heads_major, heads_minor
 from jaxattn.softmax import masked_softmax, softmax_dtype
 
 
+@reference_unless(weights_or_dropout)
 def attention(query, key, value, *, mask, bias, is_causal, scale, dropout_rate, dropout_rng,
               return_weights, local_window_size=None, key_value_seq_lengths=None):
     """Same arguments and results as `jaxattn.kernels.xla.attention`."""
-    if return_weights or (dropout_rate > 0.0 and dropout_rng is not None):
-        return xla.attention(query, key, value, mask=mask, bias=bias, is_causal=is_causal, scale=scale,
-                             dropout_rate=dropout_rate, dropout_rng=dropout_rng,
-                             return_weights=return_weights, local_window_size=local_window_size,
-                             key_value_seq_lengths=key_value_seq_lengths)
     T = query.shape[1]
     S, K = key.shape[1:3]
     q, k, v = heads_major(query, key, value)  # [B,K,G,T,H], [B,K,S,H], [B,K,S,Hv]

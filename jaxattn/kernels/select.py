@@ -79,6 +79,11 @@ def this_platform() -> Platform:
     return Platform.detect()
 
 
+def attention_rule_here() -> str:
+    """The attention rule that "auto" means in this process (`this_platform`), for direct calls."""
+    return _attention(this_platform())[0]
+
+
 def _attention(platform: Platform) -> tuple[str, str]:
     rule = f"auto_{platform.family}"
     return rule, {"auto_cpu": "per call: custom_vjp below {n} keys, chunked from {n}",

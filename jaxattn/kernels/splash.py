@@ -19,8 +19,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxattn.kernels import xla
-from jaxattn.kernels._call import AttentionCall, warn_fallback
+from jaxattn.kernels._call import AttentionCall, reference_unless
 from jaxattn.kernels._grouping import heads_major, heads_minor
 
 
@@ -58,16 +57,10 @@ def _kernel(G: int, Tp: int, Sp: int, T: int, S: int, is_causal: bool, window, b
                               head_shards=1, q_seq_shards=1, interpret=interpret)
 
 
+@reference_unless(refusal, warn_as="splash")
 def attention(query, key, value, *, mask, bias, is_causal, scale, dropout_rate, dropout_rng,
               return_weights, local_window_size=None, key_value_seq_lengths=None, interpret=None):
     """Same arguments and results as `jaxattn.kernels.xla.attention`; `interpret` None: unless on a TPU."""
-    args = dict(mask=mask, bias=bias, is_causal=is_causal, scale=scale, dropout_rate=dropout_rate,
-                dropout_rng=dropout_rng, return_weights=return_weights,
-                local_window_size=local_window_size, key_value_seq_lengths=key_value_seq_lengths)
-    reason = refusal(AttentionCall.of(query, key, value, **args))
-    if reason is not None:
-        warn_fallback("splash", reason)
-        return xla.attention(query, key, value, **args)
     interpret = jax.default_backend() != "tpu" if interpret is None else interpret
     T, S, G = query.shape[1], key.shape[1], query.shape[2] // key.shape[2]
     block = block_size(max(T, S))
