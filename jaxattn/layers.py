@@ -5,6 +5,11 @@ Every module is built from one `ModelConfig` (the maths) and one
 reference). Dense projections run as 2-D matmuls on `[B*T, D]`, heads stay in
 the `[B, T, N, H]` layout with no transpose, and the attention maths is
 `jaxattn.scaled_dot_product_attention` (docs/theory.md §4-§5).
+
+Every parameter carries the logical names of its axes (`nn.with_logical_partitioning`:
+"embed", "heads", "kv_heads", "qkv", "head_dim", "mlp", "vocab", "latent", "position"),
+so `init` returns `nn.LogicallyPartitioned` boxes (`nn.unbox` gives the arrays;
+`apply` takes either). `jaxattn.sharding` maps the names onto a device mesh.
 """
 
 from __future__ import annotations
@@ -29,11 +34,17 @@ def residual_init_std(config: ModelConfig) -> float:
     return config.init_std / math.sqrt(2 * config.num_layers)
 
 
+def logical(init, *names: str | None):
+    """`init` whose output carries the logical axis names `names` (one per axis)."""
+    return nn.with_logical_partitioning(init, names)
+
+
 class Linear(nn.Module):
     """`y = x W + b` with `W [D_in, features]`, computed as one 2-D matmul.
 
     Attributes:
       features: output width.
+      axes: logical names of W's (input, output) axes; the bias has the output's.
       use_bias: add a bias (initialised to zeros).
       init_std: the kernel is initialised normal(0, init_std).
       dtype: compute dtype; param_dtype: storage dtype.
@@ -43,6 +54,7 @@ class Linear(nn.Module):
     """
 
     features: int
+    axes: tuple[str | None, str | None] = (None, None)
     use_bias: bool = False
     init_std: float = 0.02
     dtype: jnp.dtype = jnp.float32
@@ -52,28 +64,30 @@ class Linear(nn.Module):
     @nn.compact
     def __call__(self, x: jnp.ndarray, columns: slice | None = None) -> jnp.ndarray:
         """`[..., D_in] -> [..., features]`, or only the output `columns` of W (cross-attention)."""
-        kernel = self.param("kernel", nn.initializers.normal(self.init_std),
+        kernel = self.param("kernel", logical(nn.initializers.normal(self.init_std), *self.axes),
                             (x.shape[-1], self.features), self.param_dtype)
         columns = slice(None) if columns is None else columns
         rows = x.reshape(-1, x.shape[-1]).astype(self.dtype)  # [B*T, D_in]
         matmul = kernels_lib.matmul_kernel(self.matmul)
         y = matmul(rows, kernel[:, columns].astype(self.dtype)).astype(self.dtype)  # [B*T, features]
         if self.use_bias:
-            bias = self.param("bias", nn.initializers.zeros, (self.features,), self.param_dtype)
+            bias = self.param("bias", logical(nn.initializers.zeros, self.axes[1]), (self.features,),
+                              self.param_dtype)
             y = y + bias[columns].astype(self.dtype)
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 class RMSNorm(nn.Module):
-    """`x / rms(x) * scale`, statistics in float32."""
+    """`x / rms(x) * scale`, statistics in float32; `axis`: the logical name of the scale's axis."""
 
     eps: float = 1e-6
+    axis: str | None = "embed"
     dtype: jnp.dtype = jnp.float32
     param_dtype: jnp.dtype = jnp.float32
 
     @nn.compact
     def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
-        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.param_dtype)
+        scale = self.param("scale", logical(nn.initializers.ones, self.axis), (x.shape[-1],), self.param_dtype)
         xf = x.astype(jnp.float32)
         y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
         return (y * scale.astype(jnp.float32)).astype(self.dtype)
@@ -89,13 +103,13 @@ class LayerNorm(nn.Module):
 
     @nn.compact
     def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
-        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.param_dtype)
+        scale = self.param("scale", logical(nn.initializers.ones, "embed"), (x.shape[-1],), self.param_dtype)
         xf = x.astype(jnp.float32)
         mean = jnp.mean(xf, axis=-1, keepdims=True)
         var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
         y = (xf - mean) * jax.lax.rsqrt(var + self.eps) * scale.astype(jnp.float32)
         if self.use_bias:
-            y = y + self.param("bias", nn.initializers.zeros, (x.shape[-1],),
+            y = y + self.param("bias", logical(nn.initializers.zeros, "embed"), (x.shape[-1],),
                                self.param_dtype).astype(jnp.float32)
         return y.astype(self.dtype)
 
@@ -108,10 +122,11 @@ def make_norm(config: ModelConfig, name: str | None = None) -> nn.Module:
     return LayerNorm(eps=config.norm_eps, use_bias=config.use_bias, name=name, **dtypes)
 
 
-def make_linear(config: ModelConfig, kernels: Kernels, features: int, *, residual: bool = False,
-                use_bias: bool | None = None, name: str | None = None) -> Linear:
-    """A `Linear` with the config's dtypes and init (`residual`: scaled init) and the kernels' matmul."""
-    return Linear(features, use_bias=config.use_bias if use_bias is None else use_bias,
+def make_linear(config: ModelConfig, kernels: Kernels, features: int, axes: tuple[str | None, str | None], *,
+                residual: bool = False, use_bias: bool | None = None, name: str | None = None) -> Linear:
+    """A `Linear` with the config's dtypes and init (`residual`: scaled init), the kernels' matmul
+    and W's logical axis names `axes` (input, output)."""
+    return Linear(features, axes=tuple(axes), use_bias=config.use_bias if use_bias is None else use_bias,
                   init_std=residual_init_std(config) if residual else config.init_std,
                   dtype=jnp.dtype(config.dtype), param_dtype=jnp.dtype(config.param_dtype),
                   matmul=kernels.matmul, name=name)
@@ -132,11 +147,13 @@ class MLP(nn.Module):
         c, k = self.config, self.kernels
         bias = dict(use_bias=c.mlp_bias)
         if self.gated:
-            self.gate_up = make_linear(c, k, 2 * c.mlp_hidden, **bias)  # one matmul for both
-            self.down = make_linear(c, k, c.d_model, residual=True, **bias)
+            # One matmul for both; "mlp" is then [gate | up], so a split over the tensor axis is not
+            # aligned to the halves (still exact: XLA moves the data, docs/theory.md §16).
+            self.gate_up = make_linear(c, k, 2 * c.mlp_hidden, ("embed", "mlp"), **bias)
+            self.down = make_linear(c, k, c.d_model, ("mlp", "embed"), residual=True, **bias)
         else:
-            self.c_fc = make_linear(c, k, c.mlp_hidden, **bias)
-            self.c_proj = make_linear(c, k, c.d_model, residual=True, **bias)
+            self.c_fc = make_linear(c, k, c.mlp_hidden, ("embed", "mlp"), **bias)
+            self.c_proj = make_linear(c, k, c.d_model, ("mlp", "embed"), residual=True, **bias)
         self.dropout = nn.Dropout(c.dropout)
 
     @property
@@ -203,16 +220,16 @@ class Attention(nn.Module):
         check_config(c, k)
         N, K, H = c.num_heads, c.num_kv_heads, c.head_dim
         if c.fused_qkv:
-            self.qkv = make_linear(c, k, (N + 2 * K) * H, use_bias=c.qkv_bias)
+            self.qkv = make_linear(c, k, (N + 2 * K) * H, ("embed", "qkv"), use_bias=c.qkv_bias)
         else:
-            self.query = make_linear(c, k, N * H, use_bias=c.qkv_bias)
-            self.key = make_linear(c, k, K * H, use_bias=c.qkv_bias)
-            self.value = make_linear(c, k, K * H, use_bias=c.qkv_bias)
+            self.query = make_linear(c, k, N * H, ("embed", "heads"), use_bias=c.qkv_bias)
+            self.key = make_linear(c, k, K * H, ("embed", "kv_heads"), use_bias=c.qkv_bias)
+            self.value = make_linear(c, k, K * H, ("embed", "kv_heads"), use_bias=c.qkv_bias)
         if c.qk_norm:
-            dtypes = dict(dtype=jnp.dtype(c.dtype), param_dtype=jnp.dtype(c.param_dtype))
+            dtypes = dict(dtype=jnp.dtype(c.dtype), param_dtype=jnp.dtype(c.param_dtype), axis="head_dim")
             self.q_norm = RMSNorm(eps=c.norm_eps, **dtypes)
             self.k_norm = RMSNorm(eps=c.norm_eps, **dtypes)
-        self.out = make_linear(c, k, c.d_model, residual=True, use_bias=c.out_bias)
+        self.out = make_linear(c, k, c.d_model, ("heads", "embed"), residual=True, use_bias=c.out_bias)
         self.resid_dropout = nn.Dropout(c.dropout)
         self.use_rope = c.positions == "rope"
         if self.use_rope:

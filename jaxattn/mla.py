@@ -28,7 +28,7 @@ from jaxattn.attention import scaled_dot_product_attention
 from jaxattn.cache import LatentCache, write_rows
 from jaxattn.config import ModelConfig
 from jaxattn.kernels import Kernels
-from jaxattn.layers import RMSNorm, check_config, make_linear, window_mask
+from jaxattn.layers import RMSNorm, check_config, logical, make_linear, window_mask
 from jaxattn.masks import causal_mask, combine_masks, visible_cache_slots
 from jaxattn.rope import apply_rope, rope_attention_factor, rope_frequencies, yarn_softmax_mscale
 from jaxattn.softmax import dropout_weights, masked_softmax
@@ -90,18 +90,19 @@ class MultiHeadLatentAttention(nn.Module):
         N, P, E, V, R = c.num_heads, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.kv_lora_rank
         dtypes = dict(dtype=jnp.dtype(c.dtype), param_dtype=jnp.dtype(c.param_dtype))
         if m.q_lora_rank is None:
-            self.wq = make_linear(c, k, N * (P + E), use_bias=False)
+            self.wq = make_linear(c, k, N * (P + E), ("embed", "heads"), use_bias=False)
         else:
-            self.wq_a = make_linear(c, k, m.q_lora_rank, use_bias=c.qkv_bias)
-            self.q_norm = RMSNorm(eps=c.norm_eps, **dtypes)
-            self.wq_b = make_linear(c, k, N * (P + E), use_bias=False)
-        self.wkv_a = make_linear(c, k, R + E, use_bias=c.qkv_bias)
-        self.kv_norm = RMSNorm(eps=c.norm_eps, **dtypes)
+            self.wq_a = make_linear(c, k, m.q_lora_rank, ("embed", "latent"), use_bias=c.qkv_bias)
+            self.q_norm = RMSNorm(eps=c.norm_eps, axis="latent", **dtypes)
+            self.wq_b = make_linear(c, k, N * (P + E), ("latent", "heads"), use_bias=False)
+        # [c_kv | k_rope] columns: "latent" (never split over the tensor axis: every head reads all of it).
+        self.wkv_a = make_linear(c, k, R + E, ("embed", "latent"), use_bias=c.qkv_bias)
+        self.kv_norm = RMSNorm(eps=c.norm_eps, axis="latent", **dtypes)
         # A 3-D parameter because both paths use it: as one [R, N(P+V)] matmul
         # (naive) and split per head into W_UK, W_UV (absorb).
-        self.wkv_b = self.param("wkv_b", nn.initializers.normal(c.init_std), (R, N, P + V),
-                                jnp.dtype(c.param_dtype))
-        self.wo = make_linear(c, k, c.d_model, residual=True, use_bias=c.out_bias)
+        self.wkv_b = self.param("wkv_b", logical(nn.initializers.normal(c.init_std), "latent", "heads", "head_dim"),
+                                (R, N, P + V), jnp.dtype(c.param_dtype))
+        self.wo = make_linear(c, k, c.d_model, ("heads", "embed"), residual=True, use_bias=c.out_bias)
         self.resid_dropout = nn.Dropout(c.dropout)
         self.use_rope = c.positions == "rope"
         if self.use_rope:

@@ -22,9 +22,16 @@ from jaxattn._validate import concrete_or_none
 from jaxattn.cache import DecodeCache, KVCache, LatentCache
 from jaxattn.config import ModelConfig
 from jaxattn.kernels import Kernels
-from jaxattn.layers import MLP, Attention, check_config, make_linear, make_norm
+from jaxattn.layers import MLP, Attention, check_config, logical, make_linear, make_norm
 from jaxattn.mla import MultiHeadLatentAttention
 from jaxattn.positions import sinusoidal_positions
+
+
+# The logical axes of the residual stream `[B, T, D]`. Under `nn.logical_axis_rules` and a mesh
+# (as `train.steps` traces its programs) rows are split over the batch axes and D is kept whole,
+# so each layer's weights are gathered to the rows rather than the rows resharded to the weights
+# (docs/theory.md §16); anywhere else the constraint is a no-op.
+RESIDUAL_AXES = ("activation_batch", "activation_length", "activation_embed")
 
 
 class Block(nn.Module):
@@ -81,18 +88,18 @@ class DecoderLM(nn.Module):
     def setup(self):
         c, k = self.config, self.kernels
         _check_model_config(c, k)
-        embed = dict(embedding_init=nn.initializers.normal(c.init_std),
-                     dtype=jnp.dtype(c.dtype), param_dtype=jnp.dtype(c.param_dtype))
-        self.wte = nn.Embed(c.vocab_size, c.d_model, **embed)
+        dtypes = dict(dtype=jnp.dtype(c.dtype), param_dtype=jnp.dtype(c.param_dtype))
+        table = lambda rows: logical(nn.initializers.normal(c.init_std), rows, "embed")  # noqa: E731
+        self.wte = nn.Embed(c.vocab_size, c.d_model, embedding_init=table("vocab"), **dtypes)
         if c.positions == "learned":
-            self.wpe = nn.Embed(c.max_seq_len, c.d_model, **embed)
+            self.wpe = nn.Embed(c.max_seq_len, c.d_model, embedding_init=table("position"), **dtypes)
         elif c.positions == "sinusoidal":
             self.sinusoid = sinusoidal_positions(c.max_seq_len, c.d_model)  # [P, D], not a param
         self.embed_dropout = nn.Dropout(c.dropout)
         self.blocks = [Block(c, k) for _ in range(c.num_layers)]
         self.final_norm = make_norm(c)
         if not c.tie_embeddings:
-            self.lm_head = make_linear(c, k, c.vocab_size, use_bias=False)
+            self.lm_head = make_linear(c, k, c.vocab_size, ("embed", "vocab"), use_bias=False)
 
     # -- the named steps -------------------------------------------------------------------
 
@@ -152,11 +159,12 @@ class DecoderLM(nn.Module):
                 raise ValueError(f"padding_mask must be bool [B, T] = {(B, T)}, got "
                                  f"{padding_mask.dtype} {padding_mask.shape}")
             mask = padding_mask[:, None, None, :]  # [B, 1, 1, S]
-        x = self.embed(tokens, positions, deterministic=deterministic)
+        x = nn.with_logical_constraint(self.embed(tokens, positions, deterministic=deterministic), RESIDUAL_AXES)
         all_weights = []
         for block in self.blocks:
             x, weights = block(x, positions=positions, mask=mask, deterministic=deterministic,
                                return_weights=return_weights)
+            x = nn.with_logical_constraint(x, RESIDUAL_AXES)
             all_weights.append(weights)
         logits = self.logits(x)
         return (logits, tuple(all_weights)) if return_weights else logits

@@ -6,6 +6,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -28,7 +29,7 @@ def _config(*overrides):
 
 def _state(seed=0):
     """A real train state of the tiny model (the loader checks the arrays against the model)."""
-    params = DecoderLM(_config().model).init(jax.random.PRNGKey(seed), jnp.zeros((1, 2), jnp.int32))["params"]
+    params = nn.unbox(DecoderLM(_config().model).init(jax.random.PRNGKey(seed), jnp.zeros((1, 2), jnp.int32))["params"])
     opt = optax.adamw(1e-3)
     opt_state = opt.init(params)
     grads = jax.tree.map(jnp.ones_like, params)
@@ -115,8 +116,8 @@ def test_a_format_1_checkpoint_config_is_upgraded():
     from train.config import ExperimentConfig
     config = ExperimentConfig.from_dict(meta["config"])
     assert config.model == load_config("shakespeare_char_baby_mla").model
-    assert (config.runtime.attention, config.runtime.matmul, config.runtime.mla, config.runtime.data_parallel) == (
-        "custom_vjp", "bfloat16_cpu", "naive", 2)
+    assert (config.runtime.attention, config.runtime.matmul, config.runtime.mla, config.runtime.mesh) == (
+        "custom_vjp", "bfloat16_cpu", "naive", "data:2")
 
 
 KILLED_SAVE = textwrap.dedent("""

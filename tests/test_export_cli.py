@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -35,7 +36,7 @@ def random_params(config: ModelConfig, seed: int = 0) -> dict:
     rng = np.random.default_rng(seed)
     return jax.tree_util.tree_map_with_path(
         lambda path, x: (rng.normal(0.0, 0.3, x.shape) + (path[-1].key == "scale")).astype(np.float32),
-        shapes["params"])
+        nn.unbox(shapes["params"]))
 
 
 def save_run(run_dir: Path, config: ExperimentConfig, tokenizer) -> dict:

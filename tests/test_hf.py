@@ -17,6 +17,7 @@ import json
 from pathlib import Path
 
 import chex
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -140,7 +141,7 @@ def random_params(config: jaxattn.ModelConfig, seed: int = 0, std: float = 0.1):
     The shapes come from `jax.eval_shape`: no initialiser runs, so nothing is compiled.
     """
     init = lambda: jaxattn.DecoderLM(config).init(jax.random.PRNGKey(0), jnp.zeros((1, 2), jnp.int32))  # noqa: E731
-    shapes = flatten_dict(jax.eval_shape(init)["params"])
+    shapes = flatten_dict(nn.unbox(jax.eval_shape(init)["params"]))
     rng = np.random.default_rng(seed)
     return unflatten_dict({path: jnp.asarray((path[-1] == "scale") + std * rng.standard_normal(leaf.shape),
                                              leaf.dtype) for path, leaf in shapes.items()})

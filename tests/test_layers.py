@@ -1,6 +1,7 @@
 """Attention (MHA/MQA/GQA), norms and MLP against the seed formulas."""
 
 import chex
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -25,7 +26,7 @@ def attention_config(**changes):
 
 
 def init(config, x, context=None, seed=0):
-    return Attention(config).init(jax.random.PRNGKey(seed), x, context)["params"]
+    return nn.unbox(Attention(config).init(jax.random.PRNGKey(seed), x, context)["params"])
 
 
 def run(config, params, *args, method=None, **kwargs):
@@ -40,7 +41,7 @@ def test_dimension_walk_through_the_named_steps():
     config = ModelConfig(d_model=512, num_heads=8, num_layers=1, positions="rope")
     x = inputs(1, 50, 512)  # [B, T, D]
     attn = Attention(config)
-    params = attn.init(jax.random.PRNGKey(0), x)["params"]
+    params = nn.unbox(attn.init(jax.random.PRNGKey(0), x)["params"])
     q, k, v = attn.apply({"params": params}, x, method=Attention.project)
     chex.assert_shape([q, k, v], (1, 50, 8, 64))  # split heads: [B, T, N, H]
     positions = jnp.arange(50)
@@ -181,7 +182,7 @@ def test_norms_match_their_formulas():
 def test_mlp_shapes(kind):
     config = ModelConfig(d_model=16, num_heads=2, mlp=kind, mlp_hidden=24, use_bias=True)
     x = inputs(2, 3, 16)
-    params = MLP(config).init(jax.random.PRNGKey(0), x)["params"]
+    params = nn.unbox(MLP(config).init(jax.random.PRNGKey(0), x)["params"])
     chex.assert_shape(MLP(config).apply({"params": params}, x), (2, 3, 16))
     hidden = params["gate_up" if kind == "swiglu" else "c_fc"]["kernel"]
     chex.assert_shape(hidden, (16, 2 * 24 if kind == "swiglu" else 24))

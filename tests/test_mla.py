@@ -3,6 +3,7 @@
 import math
 
 import chex
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -26,7 +27,7 @@ def mla_config(q_lora_rank=None, **changes):
 
 def setup_mla(config, seed=0):
     x = jax.random.normal(jax.random.PRNGKey(seed), (B, T, D))
-    params = MultiHeadLatentAttention(config).init(jax.random.PRNGKey(seed + 1), x)["params"]
+    params = nn.unbox(MultiHeadLatentAttention(config).init(jax.random.PRNGKey(seed + 1), x)["params"])
     # std 0.3 rather than 0.02 so that attention is far from uniform and paths can differ
     params = jax.tree_util.tree_map(lambda w: w * 15 if w.ndim > 1 else w, params)
     return x, params

@@ -2,6 +2,7 @@
 
 
 import chex
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -184,8 +185,8 @@ def test_gpt2_small_parameter_count_matches_the_closed_form():
     config = ModelConfig(vocab_size=50257, d_model=768, num_layers=12, num_heads=12,
                          max_seq_len=1024, positions="learned", norm="layernorm", mlp="gelu",
                          use_bias=True, tie_embeddings=True)
-    shapes = jax.eval_shape(lambda: DecoderLM(config).init(
-        jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32)))["params"]
+    shapes = nn.unbox(jax.eval_shape(lambda: DecoderLM(config).init(
+        jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32)))["params"])
     expected = gpt2_formula(V=50257, P=1024, D=768, L=12, F=3072)
     assert expected == 124_439_808  # the published GPT-2 small count (with wpe)
     assert count_params(shapes) == expected
@@ -221,7 +222,7 @@ def test_one_name_per_concept_and_derived_sizes_follow_replace():
 
 def test_init_follows_nanogpt():
     config = ModelConfig(vocab_size=64, d_model=128, num_layers=8, num_heads=4, mlp_hidden=512)
-    params = DecoderLM(config).init(jax.random.PRNGKey(0), jnp.zeros((1, 2), jnp.int32))["params"]
+    params = nn.unbox(DecoderLM(config).init(jax.random.PRNGKey(0), jnp.zeros((1, 2), jnp.int32))["params"])
     block = params["blocks_0"]
     assert abs(float(block["attn"]["qkv"]["kernel"].std()) - 0.02) < 0.002
     residual = 0.02 / np.sqrt(2 * 8)

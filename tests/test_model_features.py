@@ -1,6 +1,7 @@
 """The switches real checkpoints need: sliding window, q/k norm, GELU forms, gated GELU, per-group biases."""
 
 import chex
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,7 +18,7 @@ T = 10
 
 def sharpened_params(config, seed=0):
     """Random params with std ~0.3 (biases and norm scales too) so every term shows in the logits."""
-    params = DecoderLM(config).init(jax.random.PRNGKey(seed), jnp.zeros((1, T), jnp.int32))["params"]
+    params = nn.unbox(DecoderLM(config).init(jax.random.PRNGKey(seed), jnp.zeros((1, T), jnp.int32))["params"])
     leaves, tree = jax.tree_util.tree_flatten(params)
     keys = jax.random.split(jax.random.PRNGKey(seed + 1), len(leaves))
     noisy = [x + 0.3 * jax.random.normal(k, x.shape) for k, x in zip(keys, leaves)]
@@ -100,7 +101,7 @@ def test_mlp_forms_follow_their_formulas(mlp, approximate):
     config = ModelConfig(d_model=8, num_heads=2, mlp=mlp, gelu_approximate=approximate, mlp_hidden=12,
                          mlp_bias=True)
     x = jax.random.normal(jax.random.PRNGKey(0), (2, 3, 8))
-    params = MLP(config).init(jax.random.PRNGKey(1), x)["params"]
+    params = nn.unbox(MLP(config).init(jax.random.PRNGKey(1), x)["params"])
     params = jax.tree_util.tree_map(lambda p: p + 0.5, params)
     out = MLP(config).apply({"params": params}, x)
     if mlp == "gelu":
@@ -122,7 +123,7 @@ def test_erf_and_tanh_gelu_differ_measurably():
 
 def param_names(config):
     shapes = jax.eval_shape(DecoderLM(config).init, jax.random.PRNGKey(0), jnp.zeros((1, 4), jnp.int32))
-    flat = jax.tree_util.tree_flatten_with_path(shapes["params"])[0]
+    flat = jax.tree_util.tree_flatten_with_path(nn.unbox(shapes["params"]))[0]
     return {"/".join(k.key for k in path) for path, _ in flat}
 
 
@@ -146,7 +147,7 @@ def test_mla_attention_bias_sits_where_deepseek_puts_it():
 def test_attention_with_biases_and_qk_norm_runs_cross_attention_too():
     config = ModelConfig(d_model=8, num_heads=2, qk_norm=True, qkv_bias=True, fused_qkv=False)
     x, ctx = jnp.ones((1, 3, 8)), jnp.ones((1, 5, 8))
-    params = Attention(config).init(jax.random.PRNGKey(0), x, ctx)["params"]
+    params = nn.unbox(Attention(config).init(jax.random.PRNGKey(0), x, ctx)["params"])
     chex.assert_shape(Attention(config).apply({"params": params}, x, ctx), (1, 3, 8))
 
 

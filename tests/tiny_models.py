@@ -2,6 +2,7 @@
 
 import functools
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
@@ -38,7 +39,7 @@ def tiny_kernels(kind="mha"):
 
 @functools.lru_cache(maxsize=None)
 def learned_params(config):
-    return DecoderLM(config).init(jax.random.PRNGKey(1), jnp.zeros((1, 2), jnp.int32))["params"]
+    return nn.unbox(DecoderLM(config).init(jax.random.PRNGKey(1), jnp.zeros((1, 2), jnp.int32))["params"])
 
 
 def params_for(config):

@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -35,7 +36,7 @@ MAX_LISTED = 8  # problems listed in one error message
 def abstract_params(config: ModelConfig) -> dict[tuple[str, ...], jax.ShapeDtypeStruct]:
     """The flat `{path: shape/dtype}` of `DecoderLM(config)`'s parameters, without allocating them."""
     init = lambda: DecoderLM(config).init(jax.random.PRNGKey(0), jnp.zeros((1, 1), jnp.int32))  # noqa: E731
-    return flatten_dict(jax.eval_shape(init)["params"])
+    return flatten_dict(nn.unbox(jax.eval_shape(init)["params"]))
 
 
 def read_config_json(directory: Path) -> dict[str, Any]:
@@ -117,7 +118,8 @@ def load_pretrained(path, dtype: str = "float32") -> tuple[ModelConfig, dict]:
 
 
 def _unwrap(params) -> dict:
-    params = dict(params)
+    """The params dict, from `{'params': ...}` too, with `init`'s logical-axis boxes removed."""
+    params = dict(nn.unbox(params))
     return dict(params["params"]) if set(params) == {"params"} else params
 
 
