@@ -24,6 +24,10 @@ Decoding: `generate` (prefill + `jax.lax.scan` over one-token steps),
 
 Implementations: `Kernels`, `resolve_kernels` and the formulations behind
 them live in `jaxattn.kernels`, the one seam between maths and machine.
+
+Device meshes: `jaxattn.sharding` (`MeshShape`, `make_mesh`, `param_layout`: where
+each parameter lives by its logical axis names); `generate(..., mesh=mesh)` samples
+on one.
 """
 
 from jaxattn.additive import additive_attention

@@ -21,13 +21,15 @@ from __future__ import annotations
 import functools
 from typing import Callable, NamedTuple
 
+import flax.linen as nn
 import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import checkify
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxattn import sampling
+from jaxattn import sampling, sharding
 from jaxattn.cache import DecodeCache, init_cache
 from jaxattn.config import ModelConfig
 from jaxattn.kernels import Kernels
@@ -178,12 +180,20 @@ def _last_real(logits, lengths):
 _STATIC = ("config", "kernels", "max_new_tokens", "return_logits")
 
 
-@functools.partial(jax.jit, static_argnames=(*_STATIC, "cache_len"))
+def _on_mesh(cache: DecodeCache, config: ModelConfig, mesh: Mesh | None) -> DecodeCache:
+    """The cache split by rows (data x fsdp) and kv heads (tensor) where those divide; as is without a mesh."""
+    if mesh is None:
+        return cache
+    return sharding.constrain(cache, sharding.cache_specs(cache, config, sharding.MeshShape.of(mesh)), mesh)
+
+
+@functools.partial(jax.jit, static_argnames=(*_STATIC, "cache_len", "mesh"))
 def _generate_cached(params, prompt, lengths, rng, knobs, *, config, kernels, max_new_tokens, cache_len,
-                     return_logits):
+                     return_logits, mesh=None):
     model = DecoderLM(config, kernels)
-    cache = init_cache(config, prompt.shape[0], cache_len)
+    cache = _on_mesh(init_cache(config, prompt.shape[0], cache_len), config, mesh)
     logits, cache = model.apply({"params": params}, prompt, cache, num_new=lengths, method=DecoderLM.extend)
+    cache = _on_mesh(cache, config, mesh)
     advance = functools.partial(_extend_cache, model, params)
     return _decode(_last_real(logits, lengths), cache, advance, rng, knobs, max_new_tokens, return_logits)
 
@@ -259,7 +269,7 @@ def _prepare(config, kernels, prompt_tokens, prompt_lengths, max_new_tokens, tem
 
 def generate(params, config: ModelConfig, prompt_tokens, prompt_lengths, *, max_new_tokens: int, rng: jax.Array,
              temperature=1.0, top_k=0, top_p=1.0, stop_token: int | None = None, pad_token: int = 0,
-             return_logits: bool = False, kernels: Kernels = Kernels()) -> GenerateOutput:
+             return_logits: bool = False, kernels: Kernels = Kernels(), mesh: Mesh | None = None) -> GenerateOutput:
     """Generates `max_new_tokens` tokens after each prompt with a KV cache.
 
     Args:
@@ -276,14 +286,30 @@ def generate(params, config: ModelConfig, prompt_tokens, prompt_lengths, *, max_
       pad_token: id written after a row's stop token (and used to pad prompts).
       return_logits: also return the `[B, max_new_tokens, V]` logits of each draw.
       kernels: which implementations run the model (static; default the reference).
+      mesh: a `("data", "fsdp", "tensor")` device mesh (`jaxattn.sharding.make_mesh`) to
+        run on: the parameters are laid out by `jaxattn.sharding`'s rules and the cache
+        is split by rows and kv heads; the tokens equal one device's (up to float
+        summation order in the logits). The outputs are replicated on the mesh.
 
     Returns:
       `GenerateOutput(tokens [B, max_new_tokens], counts [B], logits)`.
     """
     prompt, lengths, knobs, cache_len = _prepare(config, kernels, prompt_tokens, prompt_lengths, max_new_tokens,
                                                  temperature, top_k, top_p, stop_token, pad_token)
+    if mesh is not None:
+        params, (prompt, lengths, rng, knobs) = _place_on(mesh, config, params, (prompt, lengths, rng, knobs))
     return _generate_cached(params, prompt, lengths, rng, knobs, config=config, kernels=kernels,
-                            max_new_tokens=max_new_tokens, cache_len=cache_len, return_logits=return_logits)
+                            max_new_tokens=max_new_tokens, cache_len=cache_len, return_logits=return_logits,
+                            mesh=mesh)
+
+
+def _place_on(mesh: Mesh, config: ModelConfig, params, inputs):
+    """Params laid out on `mesh` by the rules of `jaxattn.sharding` (a no-op for params already
+    there), the other inputs replicated."""
+    layout = sharding.param_layout(config, sharding.MeshShape.of(mesh))
+    params = sharding.place(nn.unbox(params), layout.shardings(mesh))
+    replicated = NamedSharding(mesh, PartitionSpec())
+    return params, sharding.place(inputs, jax.tree.map(lambda _: replicated, inputs))
 
 
 def generate_without_cache(params, config: ModelConfig, prompt_tokens, prompt_lengths, *, max_new_tokens: int,
@@ -303,7 +329,7 @@ def generate_without_cache(params, config: ModelConfig, prompt_tokens, prompt_le
 
 def generate_windowed(params, config: ModelConfig, prompt_ids, *, max_new_tokens: int, rng: jax.Array,
                       num_samples: int = 1, temperature=1.0, top_k=0, top_p=1.0,
-                      kernels: Kernels = Kernels()) -> np.ndarray:
+                      kernels: Kernels = Kernels(), mesh: Mesh | None = None) -> np.ndarray:
     """`[num_samples, max_new_tokens]` ids continuing one prompt, past the model's context if need be.
 
     Within the context this is `generate` (the same draws for the same `rng`).
@@ -324,7 +350,7 @@ def generate_windowed(params, config: ModelConfig, prompt_ids, *, max_new_tokens
                          f"{np.asarray(prompt_ids).shape} tokens and max_seq_len={context}")
     keep = max(1, context // 2)
     history = np.tile(prompt, (num_samples, 1))  # [num_samples, P + drawn so far]
-    knobs = dict(temperature=temperature, top_k=top_k, top_p=top_p, kernels=kernels)
+    knobs = dict(temperature=temperature, top_k=top_k, top_p=top_p, kernels=kernels, mesh=mesh)
     window = 0
     while history.shape[1] - prompt.size < max_new_tokens:
         rows = history if window == 0 else history[:, -keep:]

@@ -151,3 +151,21 @@ def test_checkpoint_whose_params_do_not_fit_its_config(tmp_path, capsys):
     _save(tmp_path, saved.replace(d_model=32), _init(saved))
     code, _, err = run(capsys, "--checkpoint", str(tmp_path), "--prompt", "A")
     assert code == 2 and "incompatible" in err
+
+
+def test_sampling_on_a_mesh_prints_the_one_device_samples(tiny, capsys):
+    """--cpu-devices 4 --mesh data:2,tensor:2 in a fresh process (the device count is fixed when JAX starts)."""
+    import os
+    import subprocess
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    argv = ["--random-init", tiny, "--prompt", "ROMEO:", "--max-new-tokens", "12", "--num-samples", "2"]
+    done = subprocess.run([sys.executable, "-m", "train.sample", *argv, "--cpu-devices", "4", "--mesh",
+                           "data:2,tensor:2"], cwd=root, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(root)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "mesh data:2,fsdp:1,tensor:2" in done.stderr
+    code, out, _ = run(capsys, *argv)
+    assert code == 0 and done.stdout == out and out.count("ROMEO:") == 2
+    code, _, err = run(capsys, *argv, "--mesh", "tensor:3")
+    assert code == 2 and "tensor = 3 does not divide num_heads = 2" in err

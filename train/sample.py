@@ -4,6 +4,7 @@
     echo "JULIET:" | python -m train.sample --checkpoint DIR --num-samples 3 --temperature 0.8 --top-k 40
     python -m train.sample --random-init shakespeare_char_baby_mla --prompt "ROMEO:"
     python -m train.sample --hf exports/baby --prompt "ROMEO:"   # a transformers directory with tokenizer.json
+    python -m train.sample --checkpoint DIR --num-samples 8 --cpu-devices 8 --mesh data:2,fsdp:2,tensor:2
 
 The text goes to stdout; the kernels, compile time and steady-state tokens/s go to
 stderr. Generation is `jaxattn.generate_windowed`: the KV-cached `generate`, continued
@@ -11,6 +12,9 @@ in windows past the model's context (`max_seq_len`), as nanoGPT crops its contex
 prompt longer than the context is cropped to its last `max_seq_len - 1` tokens. With --hf
 (what `python -m train.export` writes, or any supported transformers save with a
 tokenizer.json) a sample ends at the tokenizer's end-of-sequence token, when it has one.
+With --mesh the parameters are laid out on a device mesh by `jaxattn.sharding`'s rules
+and the KV cache is split by rows (the samples) and kv heads; the tokens are those of
+one device.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import time
 import jax
 import numpy as np
 
-from jaxattn import Kernels, resolve_kernels
+from jaxattn import Kernels, resolve_kernels, sharding
 from jaxattn.config import ModelConfig
 from jaxattn.decoding import generate_windowed
 from jaxattn.model import DecoderLM
@@ -120,23 +124,44 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--top-k", type=int, default=200, help="0 = off")
     parser.add_argument("--top-p", type=float, default=1.0, help="1 = off")
     parser.add_argument("--seed", type=int, default=1337)
+    parser.add_argument("--mesh", help="sample on a device mesh, e.g. data:2,tensor:4 (product = device count)")
+    parser.add_argument("--cpu-devices", type=int, metavar="N", help="make N host devices on a CPU (before JAX starts)")
     return parser.parse_args(argv)
+
+
+def device_mesh(args: argparse.Namespace, config: ModelConfig):
+    """The `--mesh` (None without it); SampleError when it does not fit the devices or the model."""
+    if args.mesh is None:
+        return None
+    try:
+        shape = sharding.MeshShape.parse(args.mesh)
+        sharding.check_mesh(config, shape)
+        return sharding.make_mesh(shape, jax.devices()[:shape.size] if shape.size <= jax.device_count() else None)
+    except ValueError as err:
+        raise SampleError(str(err)) from err
 
 
 def run(args: argparse.Namespace) -> list[str]:
     """Loads the model, samples, reports kernels and timing on stderr and returns the texts (prompt + continuation)."""
     _check_knobs(args)
+    if args.cpu_devices is not None:
+        if args.cpu_devices < 1:
+            raise SampleError(f"--cpu-devices must be >= 1, got {args.cpu_devices}")
+        jax.config.update("jax_num_cpu_devices", args.cpu_devices)  # before anything starts JAX
     prompt = read_prompt(args.prompt)
     params, config, tokenizer = load(args)
     prompt_ids = encode_prompt(tokenizer, prompt, config)
+    mesh = device_mesh(args, config)
     kernels, reasons = resolve_kernels(Kernels.auto())
     print(f"kernels: decode {kernels.decode!r} ({reasons['decode']}), matmul {kernels.matmul!r} "
-          f"({reasons['matmul']})", file=sys.stderr)
+          f"({reasons['matmul']})" + (f"; mesh {sharding.MeshShape.of(mesh)}" if mesh is not None else ""),
+          file=sys.stderr)
 
     def sample():
         return generate_windowed(params, config, prompt_ids, max_new_tokens=args.max_new_tokens,
                                  rng=jax.random.PRNGKey(args.seed), num_samples=args.num_samples,
-                                 temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, kernels=kernels)
+                                 temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, kernels=kernels,
+                                 mesh=mesh)
 
     start = time.perf_counter()
     sample()  # compiles (at most two programs: the first window and the later ones) and runs

@@ -1,0 +1,291 @@
+"""Placing a model on a device mesh by the logical names of its axes (docs/theory.md §16).
+
+The mesh has three axes, `MESH_AXES`, each of any size (1 = unused):
+
+* `data`: the batch is split; parameters and optimizer state are replicated.
+* `fsdp`: the batch is split too, and parameters and optimizer state are split
+  along their "embed" (or "latent") axis; XLA gathers a layer's weights where
+  the layer runs and reduce-scatters its gradients (ZeRO-3 / FSDP).
+* `tensor`: attention heads, MLP hidden units and the vocabulary are split
+  (Megatron's column/row split); XLA's SPMD partitioner adds the all-reduces.
+
+Every parameter carries the logical names of its axes (`jaxattn.layers`), and
+`RULES` maps each name to mesh axes. Where a mesh axis does not divide what a
+name counts (GQA's 2 kv heads on a tensor axis of 4, a 65-character vocabulary,
+MLA's latent), that parameter axis is replicated instead, and `ParamLayout.notes`
+says so. The batch, the query heads, the MLP hidden size and d_model are never
+left to that: `check_mesh` names the mesh axis and the size that do not divide.
+Sharding never changes the maths: results equal one device's up to the order
+of float sums.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import re
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxattn.cache import DecodeCache, KVCache
+from jaxattn.config import ModelConfig
+from jaxattn.model import DecoderLM
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+# Logical axis name -> the mesh axes it is split over, in order (none: replicated).
+RULES: dict[str, tuple[str, ...]] = {
+    "batch": ("data", "fsdp"),
+    "embed": ("fsdp",),
+    "latent": ("fsdp",),  # MLA's compressed widths: stored split, never split over tensor
+    "heads": ("tensor",),
+    "kv_heads": ("tensor",),
+    "qkv": ("tensor",),
+    "mlp": ("tensor",),
+    "vocab": ("tensor",),
+    "head_dim": (),
+    "position": (),
+    "length": (),
+}
+
+
+# Flax's rules for the activations' logical axes (`jaxattn.model.RESIDUAL_AXES`): rows split like
+# the batch, the model width whole. Active only inside `activation_rules`.
+ACTIVATION_RULES = (("activation_batch", ("data", "fsdp")), ("activation_length", None),
+                    ("activation_embed", None))
+
+
+@contextlib.contextmanager
+def activation_rules(mesh: Mesh):
+    """While tracing a model on `mesh`: its residual stream is constrained to be split by rows."""
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), nn.logical_axis_rules(ACTIVATION_RULES):
+        yield
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshShape:
+    """The size of each mesh axis; the product is the number of devices."""
+
+    data: int = 1
+    fsdp: int = 1
+    tensor: int = 1
+
+    def __post_init__(self):
+        for axis in MESH_AXES:
+            size = getattr(self, axis)
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                raise ValueError(f"mesh axis {axis} must have a positive integer size, got {size!r}")
+
+    @classmethod
+    def parse(cls, text: str) -> "MeshShape":
+        """'data:2,fsdp:2,tensor:2' (any axis may be left out, sizes default to 1)."""
+        sizes = {}
+        for item in filter(None, (part.strip() for part in str(text).split(","))):
+            match = re.fullmatch(r"(\w+)\s*[:=]\s*(\d+)", item)
+            if not match or match[1] not in MESH_AXES:
+                raise ValueError(f"mesh {text!r}: each item must be AXIS:SIZE with AXIS one of {MESH_AXES}, "
+                                 f"got {item!r}")
+            if match[1] in sizes:
+                raise ValueError(f"mesh {text!r} names axis {match[1]} twice")
+            sizes[match[1]] = int(match[2])
+        if not sizes:
+            raise ValueError(f"mesh {text!r} names no axis; e.g. data:2,fsdp:2,tensor:2")
+        return cls(**sizes)
+
+    @classmethod
+    def of(cls, mesh: Mesh) -> "MeshShape":
+        return cls(**{axis: mesh.shape.get(axis, 1) for axis in MESH_AXES})
+
+    def __str__(self) -> str:
+        return ",".join(f"{axis}:{getattr(self, axis)}" for axis in MESH_AXES)
+
+    @property
+    def size(self) -> int:
+        return self.data * self.fsdp * self.tensor
+
+    @property
+    def batch_ways(self) -> int:
+        """How many pieces the batch is split into (data x fsdp)."""
+        return self.data * self.fsdp
+
+
+def make_mesh(shape: MeshShape, devices=None) -> Mesh:
+    """A `("data", "fsdp", "tensor")` mesh over `devices` (default: all of JAX's, every process's).
+
+    Devices are laid out process-major, so each process holds whole rows of the data axis
+    where it can. ValueError unless the mesh uses exactly the devices given.
+    """
+    devices = jax.devices() if devices is None else list(devices)
+    if shape.size != len(devices):
+        raise ValueError(f"mesh {shape} uses {shape.size} device(s) but there are {len(devices)} "
+                         "(on a CPU, --cpu-devices N makes N host devices)")
+    grid = np.asarray(devices, dtype=object).reshape(shape.data, shape.fsdp, shape.tensor)
+    return Mesh(grid, MESH_AXES)
+
+
+def check_mesh(config: ModelConfig | None, shape: MeshShape, batch_size: int | None = None) -> None:
+    """ValueError naming the mesh axis and the size it does not divide (the batch, and `config`'s
+    query heads, MLP hidden size and d_model where given)."""
+    needs = [("data x fsdp", shape.batch_ways, "the batch size", batch_size)]
+    if config is not None:
+        needs += [("tensor", shape.tensor, "num_heads", config.num_heads),
+                  ("tensor", shape.tensor, "the MLP hidden size", config.mlp_hidden),
+                  ("fsdp", shape.fsdp, "d_model", config.d_model)]
+    for axis, ways, what, size in needs:
+        if size is not None and size % ways:
+            raise ValueError(f"mesh {shape}: {axis} = {ways} does not divide {what} = {size}")
+
+
+# ------------------------------------------------------------------------- logical names -> specs
+
+def logical_counts(config: ModelConfig) -> dict[str, int]:
+    """What each logical name counts, where that differs from the axis length (heads, not N x H)."""
+    return {"heads": config.num_heads, "kv_heads": config.num_kv_heads,
+            "qkv": config.num_heads + 2 * config.num_kv_heads}
+
+
+def spec_for(names, shape, mesh: MeshShape, counts: dict[str, int] | None = None) -> tuple[P, list[str]]:
+    """The PartitionSpec of an array whose axes are named `names`, and why any axis was replicated."""
+    counts, used, entries, notes = counts or {}, set(), [], []
+    for name, length in zip(names, shape):
+        if name is not None and name not in RULES:
+            raise ValueError(f"no sharding rule for the logical axis {name!r}; rules: {sorted(RULES)}")
+        axes, ways = [], 1
+        for axis in RULES.get(name, ()) if name is not None else ():
+            size = getattr(mesh, axis)
+            if size == 1 or axis in used:
+                continue
+            count = counts.get(name, length)
+            if length % (ways * size) or count % (ways * size):
+                notes.append(f"{name} ({count}) is replicated over {axis} ({size}), which does not divide it")
+                continue
+            axes.append(axis)
+            used.add(axis)
+            ways *= size
+        entries.append(None if not axes else axes[0] if len(axes) == 1 else tuple(axes))
+    return P(*entries), notes
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamLayout:
+    """Where a model's parameters live on a mesh.
+
+    Attributes:
+      names: params tree of tuples, each parameter's logical axis names.
+      specs: params tree of `PartitionSpec`s over `MESH_AXES`.
+      notes: the logical axes replicated because the mesh does not divide them.
+    """
+
+    names: Any
+    specs: Any
+    notes: tuple[str, ...]
+
+    def shardings(self, mesh: Mesh) -> Any:
+        return jax.tree.map(lambda spec: NamedSharding(mesh, spec), self.specs, is_leaf=_is_spec)
+
+
+def _is_spec(x) -> bool:
+    return isinstance(x, P)
+
+
+def logical_names(config: ModelConfig) -> Any:
+    """The params tree of `DecoderLM(config)` with each leaf its logical axis names (nothing allocated)."""
+    boxed = jax.eval_shape(lambda: DecoderLM(config).init(jax.random.PRNGKey(0), jnp.zeros((1, 1), jnp.int32)))
+    is_box = lambda x: isinstance(x, nn.LogicallyPartitioned)  # noqa: E731
+    return jax.tree.map(lambda box: (tuple(box.names), tuple(box.value.shape)), boxed["params"], is_leaf=is_box)
+
+
+def param_layout(config: ModelConfig, mesh: MeshShape) -> ParamLayout:
+    """Each parameter's `PartitionSpec` on `mesh` by `RULES`, replicating what cannot split."""
+    named, counts, notes = logical_names(config), logical_counts(config), []
+    is_pair = lambda x: isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], tuple)  # noqa: E731
+
+    def spec(pair):
+        result, why = spec_for(pair[0], pair[1], mesh, counts)
+        notes.extend(why)
+        return result
+
+    specs = jax.tree.map(spec, named, is_leaf=is_pair)
+    names = jax.tree.map(lambda pair: pair[0], named, is_leaf=is_pair)
+    return ParamLayout(names=names, specs=specs, notes=tuple(dict.fromkeys(notes)))
+
+
+def _path_key(path) -> tuple[str, ...]:
+    return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+
+
+def mirror_specs(tree: Any, params_specs: Any, params: Any) -> Any:
+    """Specs for a tree that holds copies of the params (an optimizer state: Adam's mu and nu).
+
+    A leaf whose path ends with a parameter's path and has its shape gets that parameter's
+    spec; every other leaf (step counts, scalars) is replicated.
+    """
+    by_path = {_path_key(path): (spec, np.shape(leaf)) for (path, spec), leaf in zip(
+        jax.tree_util.tree_leaves_with_path(params_specs, is_leaf=_is_spec), jax.tree.leaves(params))}
+
+    def spec(path, leaf):
+        key = _path_key(path)
+        for start in range(len(key)):
+            found = by_path.get(key[start:])
+            if found is not None and found[1] == np.shape(leaf):
+                return found[0]
+        return P()
+
+    return jax.tree_util.tree_map_with_path(spec, tree)
+
+
+# ------------------------------------------------------------------------- data, caches
+
+def batch_spec(mesh: MeshShape, batch_size: int, ndim: int = 2) -> P:
+    """`[B, ...]` split over data x fsdp where that divides B (else replicated)."""
+    return spec_for(("batch",) + (None,) * (ndim - 1), (batch_size,) + (1,) * (ndim - 1), mesh)[0]
+
+
+def cache_specs(cache: DecodeCache, config: ModelConfig, mesh: MeshShape) -> DecodeCache:
+    """A `DecodeCache` of PartitionSpecs: rows over data x fsdp, kv heads over tensor (where they divide)."""
+    counts = logical_counts(config)
+
+    def layer(cache_layer):
+        if isinstance(cache_layer, KVCache):  # [B, K, L, H]
+            names = ("batch", "kv_heads", "length", "head_dim")
+        else:  # LatentCache [B, L, R]: every head reads the whole latent
+            names = ("batch", "length", None)
+        return jax.tree.map(lambda x: spec_for(names[:x.ndim], x.shape, mesh, counts)[0], cache_layer)
+
+    return DecodeCache(layers=tuple(layer(c) for c in cache.layers),
+                       lengths=spec_for(("batch",), cache.lengths.shape, mesh)[0])
+
+
+def constrain(tree: Any, specs: Any, mesh: Mesh) -> Any:
+    """`with_sharding_constraint` of every leaf of `tree` to its spec in `specs` on `mesh`."""
+    shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs, is_leaf=_is_spec)
+    return jax.lax.with_sharding_constraint(tree, shardings)
+
+
+def place(tree: Any, shardings: Any) -> Any:
+    """Host (numpy) or device arrays as global arrays with `shardings`, in every process.
+
+    Each process supplies the slices its devices hold, from its own identical copy.
+    """
+    def put(x, sharding):
+        if isinstance(x, jax.Array) and (sharding.is_fully_addressable or not x.is_fully_addressable):
+            return jax.device_put(x, sharding)  # on this process's devices, or global to global
+        host = np.asarray(x)
+        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+    return jax.tree.map(put, tree, shardings)
+
+
+def per_device_bytes(tree: Any) -> int:
+    """The bytes one device holds of `tree` (its largest share): what a mesh saves per device."""
+    totals: dict = {}
+    for leaf in jax.tree.leaves(tree):
+        for shard in leaf.addressable_shards:
+            totals[shard.device] = totals.get(shard.device, 0) + math.prod(shard.data.shape) * leaf.dtype.itemsize
+    return max(totals.values(), default=0)
