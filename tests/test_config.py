@@ -66,7 +66,9 @@ def test_overrides_coerce_types():
     ("model.mla={rank = 8}", ValueError, r"unknown model.mla keys \['rank'\]"),
     ("runtime.matmul=bf16", ValueError, r"RuntimeConfig.matmul must be one of \('xla', 'bfloat16', 'bfloat16_cpu', 'auto'\)"),
     ("runtime.data_parallel=0", ValueError, "data_parallel must be a positive integer or 'auto'"),
-    ("runtime.data_parallel=many", TypeError, "runtime.data_parallel must be one of"),
+    ("runtime.mesh=data2", ValueError, r"each item must be AXIS:SIZE with AXIS one of \('data', 'fsdp', 'tensor'\)"),
+    ("runtime.mesh=data:0", ValueError, "mesh axis data must have a positive integer size, got 0"),
+    ("runtime.cpu_devices=0", ValueError, "cpu_devices must be a positive integer or 'auto'"),
     ("train.block_size=128", ValueError, r"model.max_seq_len=64 is shorter than train.block_size=128"),
 ])
 def test_validation_errors(override, error, match):
@@ -93,13 +95,13 @@ def test_json_round_trip():
 
 
 def test_runtime_table_and_overrides():
-    cfg = load_config(overrides=["runtime.matmul=bfloat16", "runtime.data_parallel=3", "runtime.attention=xla",
+    cfg = load_config(overrides=["runtime.matmul=bfloat16", "runtime.mesh=data:3", "runtime.attention=xla",
                                  'runtime.xla_flags="--xla_cpu_enable_fast_math=false"'])
-    assert cfg.runtime == RuntimeConfig(matmul="bfloat16", data_parallel=3, attention="xla",
+    assert cfg.runtime == RuntimeConfig(matmul="bfloat16", mesh="data:3", attention="xla",
                                         xla_flags="--xla_cpu_enable_fast_math=false")
     assert cfg.runtime.requested_kernels().decode == "auto"
     assert load_config().runtime == RuntimeConfig()  # the default config asks for "auto" everywhere
-    assert load_config("shakespeare_char").runtime.data_parallel == "auto"  # no CPU devices asked for on a GPU
+    assert load_config("shakespeare_char").runtime.mesh == "auto"  # no CPU devices asked for on a GPU
 
 
 def test_mla_as_an_inline_table():

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 TINY = ["model.d_model=32", "model.num_layers=2", "model.num_heads=2", "model.max_seq_len=16",
         "train.batch_size=4", "train.block_size=16", "train.eval_iters=4", "train.eval_interval=10",
         "train.log_interval=5", "train.warmup_iters=5", "train.lr=3e-3", "train.lr_decay_iters=40",
-        "train.sample_tokens=0", "train.plot=false", "runtime.data_parallel=1"]
+        "train.sample_tokens=0", "train.plot=false", "runtime.mesh=data:1"]
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from train.loop import train
 TINY_MODEL = ["model.d_model=32", "model.num_layers=2", "model.num_heads=2", "model.max_seq_len=16"]
 TINY_TRAIN = ["train.batch_size=4", "train.block_size=16", "train.eval_iters=8", "train.eval_interval=10",
               "train.log_interval=5", "train.warmup_iters=5", "train.lr=3e-3", "train.sample_tokens=20",
-              "train.lr_decay_iters=40", "runtime.data_parallel=1"]
+              "train.lr_decay_iters=40", "runtime.mesh=data:1"]
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +79,8 @@ def test_the_runtime_is_resolved_in_the_saved_config(full_run):
     kernels, _ = resolve_kernels()  # what "auto" means on this machine
     assert result.config.runtime.requested_kernels() == kernels
     saved = json.loads((Path(out) / "config.json").read_text())
-    assert saved["runtime"] == {**kernels.to_dict(), "data_parallel": 1, "xla_flags": ""}
+    assert saved["runtime"] == {**kernels.to_dict(), "mesh": "data:1,fsdp:1,tensor:1", "cpu_devices": "auto",
+                                "xla_flags": ""}
 
 
 def test_resume_equals_uninterrupted(full_run, text_file, tmp_path):
@@ -155,7 +156,9 @@ def test_cli_errors_are_one_line_with_usage_and_runtime_exit_codes(tmp_path, cap
     run = ["--set", *TINY_MODEL, *TINY_TRAIN, "--quiet"]
     for argv, code, message in [
         (["--set", "train.max_itres=3"], 2, "unknown train keys ['max_itres']"),
-        (["--set", "runtime.data_parallel=5"], 2, "train.batch_size=12 must be divisible by runtime.data_parallel=5"),
+        (["--mesh", "data:5", "--cpu-devices", "5"], 2, "data x fsdp = 5 does not divide the batch size = 12"),
+        (["--num-processes", "2"], 2, "--num-processes and --process-id need --coordinator HOST:PORT"),
+        (["--coordinator", "localhost", "--num-processes", "2"], 2, "--coordinator must be HOST:PORT"),
         (["--set", "train.block_size=128"], 2, "model.max_seq_len=64 is shorter than train.block_size=128"),
         ([*run, "--data", str(tmp_path / "missing.txt"), "--out-dir", str(tmp_path)], 1, "does not exist"),
         ([*run, "--data", str(empty), "--out-dir", str(tmp_path)], 1, "is empty"),
@@ -189,37 +192,6 @@ def test_attention_maps_from_a_checkpoint(text_file, full_run, tmp_path):
     png = attention_maps.main(["--checkpoint", str(out), "--text", text, "--out",
                                str(tmp_path / "maps.png")])
     assert png.stat().st_size > 1000
-
-
-def test_data_parallel_equals_one_device(text_file, tmp_path):
-    """Two host devices (a fresh process: the device count is fixed when JAX starts) give the
-    single-device losses up to float summation order, and their checkpoint (arrays replicated
-    over two devices) loads for sampling in this one-device process."""
-    import os
-    import subprocess
-    import sys
-
-    root = Path(__file__).resolve().parent.parent
-    losses = {}
-    for devices in (1, 2):
-        out = tmp_path / f"dp{devices}"
-        args = ["--set", *TINY_MODEL, *TINY_TRAIN, "train.max_iters=10", f"runtime.data_parallel={devices}",
-                f"train.checkpoint={'true' if devices == 2 else 'false'}", "train.plot=false", "train.sample_tokens=0",
-                "--data", str(text_file), "--out-dir", str(out), "--quiet"]
-        env = {**os.environ, "PYTHONPATH": str(root)}
-        subprocess.run([sys.executable, "-m", "train.tiny_lm", *args], check=True, env=env, cwd=root,
-                       capture_output=True)
-        assert json.loads((out / "config.json").read_text())["runtime"]["data_parallel"] == devices
-        losses[devices] = [r["loss"] for r in _metrics(out) if "loss" in r]
-    assert len(losses[1]) == 2
-    np.testing.assert_allclose(losses[2], losses[1], rtol=1e-5)
-    assert len(jax.devices()) == 1
-    params, model_config, tokenizer = load_for_sampling(tmp_path / "dp2")
-    from jaxattn.model import DecoderLM
-    fresh = DecoderLM(model_config).init(jax.random.PRNGKey(0), jnp.zeros((1, 4), jnp.int32))["params"]
-    assert jax.tree.map(np.shape, params) == jax.tree.map(np.shape, fresh)
-    logits = DecoderLM(model_config).apply({"params": params}, jnp.asarray([tokenizer.encode("To be")]))
-    assert np.isfinite(np.asarray(logits)).all()
 
 
 def test_the_final_line_names_the_peak_memory():

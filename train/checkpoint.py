@@ -25,9 +25,11 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
+import flax.linen as nn
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 from orbax.checkpoint.checkpoint_managers import LatestN
 
 from jaxattn.config import ModelConfig
@@ -64,9 +66,16 @@ def _path_name(path) -> str:
     return "/".join(str(part) for part in parts)
 
 
+def _on_host(leaf) -> np.ndarray:
+    """The whole array in this process; one split over processes is gathered (every process calls this)."""
+    if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+        return np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
+    return np.asarray(leaf)
+
+
 def checksums(state: Any) -> dict[str, str]:
-    """sha256 of every array of a pytree, by its path."""
-    return {_path_name(path): hashlib.sha256(np.ascontiguousarray(np.asarray(leaf)).tobytes()).hexdigest()
+    """sha256 of every array of a pytree, by its path (the same in every process of a run)."""
+    return {_path_name(path): hashlib.sha256(np.ascontiguousarray(_on_host(leaf)).tobytes()).hexdigest()
             for path, leaf in jax.tree_util.tree_leaves_with_path(state)}
 
 
@@ -74,7 +83,10 @@ class Checkpointer:
     """Saves and restores a run's train state: {'params', 'opt_state', 'step', 'rng'}.
 
     Each kind's directory is created by its first save, so opening a run to resume it
-    writes nothing.
+    writes nothing. Arrays split over a mesh are saved as they lie, each device's shard
+    by the process that holds it, and every process of a run calls `save` and `restore`
+    alike; a restore lays the arrays out as its `abstract_state` says, so a run resumes
+    on a mesh of another shape.
     """
 
     def __init__(self, out_dir: str | Path):
@@ -95,7 +107,9 @@ class Checkpointer:
 
     def save(self, kind: str, step: int, state: Any, *, config: ExperimentConfig, tokenizer: Tokenizer,
              val_loss: float | None, best_val_loss: float | None, extra: dict | None = None) -> None:
-        """Writes `state` as step `step` of `kind`; `extra` goes into its meta.json."""
+        """Writes `state` (`init`'s logical-axis boxes removed) as step `step` of `kind`; `extra` goes
+        into its meta.json."""
+        state = nn.unbox(state)
         meta = {"format": FORMAT_VERSION, "step": int(step), "val_loss": _finite_or_none(val_loss),
                 "best_val_loss": _finite_or_none(best_val_loss), "config": config.to_dict(),
                 "tokenizer": tokenizer.to_dict(), "checksums": checksums(state), **(extra or {})}
@@ -282,8 +296,8 @@ def load_for_sampling(directory: str | Path, *, on_skip: Callable[[str], None] =
 
 def _check_params_match(params, config: ModelConfig) -> None:
     """CheckpointError unless the arrays have the shapes `DecoderLM(config)` expects."""
-    expected = jax.eval_shape(lambda: DecoderLM(config).init(jax.random.PRNGKey(0),
-                                                             np.zeros((1, 1), np.int32))["params"])
+    expected = nn.unbox(jax.eval_shape(lambda: DecoderLM(config).init(jax.random.PRNGKey(0),
+                                                                      np.zeros((1, 1), np.int32))["params"]))
     got = _shapes_by_path(params)
     want = _shapes_by_path(expected)
     if got != want:

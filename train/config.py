@@ -26,6 +26,7 @@ from typing import Any, Literal, Mapping, Sequence
 
 from jaxattn import kernels
 from jaxattn.config import ModelConfig
+from jaxattn.sharding import MeshShape
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 DEFAULT_CONFIG = "shakespeare_char_baby"
@@ -119,17 +120,23 @@ class RuntimeConfig:
       attention, decode, matmul, mla: `jaxattn.Kernels` implementation names, or "auto":
         chosen for the platform when the run starts (`train.runtime`), printed with the
         reason and saved resolved.
-      data_parallel: split each batch over this many devices and average the gradients
-        (one host device per CPU core on a CPU); "auto": as many CPU cores as divide the
-        batch, one device on a GPU or TPU.
+      mesh: the device mesh, "data:D,fsdp:F,tensor:T" (axes left out are 1; see
+        `jaxattn.sharding`); its product must equal the device count. "auto": the batch
+        split over one host device per CPU core that divides it (on a CPU), or over the
+        devices that divide it (on a GPU or TPU).
+      cpu_devices: host devices to make on a CPU (JAX's `jax_num_cpu_devices`, set before
+        JAX starts); "auto": the mesh's size, or one per core for an "auto" mesh.
       xla_flags: extra XLA_FLAGS, applied before JAX starts.
+
+    `data_parallel = N` (the field before meshes) is read as `mesh = "data:N"`.
     """
 
     attention: str = "auto"
     decode: str = "auto"
     matmul: str = "auto"
     mla: str = "auto"
-    data_parallel: int | Literal["auto"] = "auto"
+    mesh: str = "auto"
+    cpu_devices: int | Literal["auto"] = "auto"
     xla_flags: str = ""
 
     def __post_init__(self):
@@ -137,9 +144,15 @@ class RuntimeConfig:
             allowed = kernels.choices(field) + (kernels.AUTO,)
             if getattr(self, field) not in allowed:
                 raise ValueError(f"RuntimeConfig.{field} must be one of {allowed}, got {getattr(self, field)!r}")
-        dp = self.data_parallel
-        if dp != "auto" and (isinstance(dp, bool) or not isinstance(dp, int) or dp <= 0):
-            raise ValueError(f"RuntimeConfig.data_parallel must be a positive integer or 'auto', got {dp!r}")
+        if self.mesh != "auto":
+            MeshShape.parse(self.mesh)  # ValueError naming what is wrong
+        n = self.cpu_devices
+        if n != "auto" and (isinstance(n, bool) or not isinstance(n, int) or n <= 0):
+            raise ValueError(f"RuntimeConfig.cpu_devices must be a positive integer or 'auto', got {n!r}")
+
+    def mesh_shape(self) -> MeshShape | None:
+        """The mesh asked for (None for "auto")."""
+        return None if self.mesh == "auto" else MeshShape.parse(self.mesh)
 
     def requested_kernels(self) -> kernels.Kernels:
         """The kernels asked for (fields may be "auto")."""
@@ -243,9 +256,23 @@ def _build(cls, values: Mapping[str, Any], where: str):
         return values
     if not isinstance(values, Mapping):
         raise TypeError(f"{where} must be a table, got {values!r}")
+    if cls is RuntimeConfig and "data_parallel" in values:
+        values = _mesh_from_data_parallel(values)
     hints = typing.get_type_hints(cls)
     _reject_unknown(where, values, hints)
     return cls(**{k: _coerce(f"{where}.{k}", v, hints[k]) for k, v in values.items()})
+
+
+def _mesh_from_data_parallel(values: Mapping[str, Any]) -> dict[str, Any]:
+    """A runtime table with the older `data_parallel = N | "auto"` read as `mesh = "data:N" | "auto"`."""
+    values = dict(values)
+    width = values.pop("data_parallel")
+    if values.get("mesh", "auto") != "auto":
+        raise ValueError("runtime.data_parallel is the older name of runtime.mesh = \"data:N\"; give only mesh")
+    if width != "auto" and (isinstance(width, bool) or not isinstance(width, int) or width <= 0):
+        raise ValueError(f"runtime.data_parallel must be a positive integer or 'auto', got {width!r}")
+    values["mesh"] = "auto" if width == "auto" else f"data:{width}"
+    return values
 
 
 # ----------------------------------------------------------------------------- files and overrides

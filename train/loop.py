@@ -29,12 +29,13 @@ from pathlib import Path
 from typing import Any, Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
+from jaxattn import sharding
 from jaxattn.decoding import generate_windowed
 from jaxattn.model import count_params
 from train import data as data_lib
+from train import distributed
 from train import runtime as runtime_lib
 from train.checkpoint import Checkpointer, CheckpointError, check_compatible
 from train.config import ExperimentConfig, TrainConfig
@@ -124,17 +125,18 @@ class Run:
                  resume: bool, quiet: bool, after_eval: Callable[[int], None] | None):
         self.config, self.runtime, self.corpus, self.after_eval = config, runtime, corpus, after_eval
         tc = config.train
-        self.out, self.quiet = Path(tc.out_dir), quiet
-        self.log = (lambda *a: None) if quiet else partial(print, flush=True)
+        self.out, self.main = Path(tc.out_dir), distributed.is_main()
+        self.quiet = quiet or not self.main  # only process 0 prints and writes
+        self.log = (lambda *a: None) if self.quiet else partial(print, flush=True)
         self.programs = build_programs(config, runtime)
-        self.train_data, self.val_data = self.programs.place((jnp.asarray(corpus.train), jnp.asarray(corpus.val)))
-        self.state = self.programs.place(self.programs.init(tc.seed))
+        self.train_data, self.val_data = self.programs.place((np.asarray(corpus.train), np.asarray(corpus.val)))
+        self.state = self.programs.init(tc.seed)  # created where it lives on the mesh
         self.checkpoints = Checkpointer(self.out) if tc.checkpoint or resume else None
         self.best_val, self.last_eval, interval = math.inf, None, []
         if resume:
             interval = self._resume()
         self.start_step = int(self.state["step"])
-        self.metrics = MetricsLog(self.out / "metrics.jsonl", tc.log_interval, interval)
+        self.metrics = MetricsLog(self.out / "metrics.jsonl", tc.log_interval, interval, write=self.main)
         self.throughput = Throughput(tc.batch_size * tc.block_size)
         self.signals = StopSignals()
 
@@ -145,15 +147,18 @@ class Run:
                                   "stopped before its first save): --overwrite starts it again")
         for warning in check_compatible(self.checkpoints.read_meta("latest"), self.config):  # before any array
             self.log(f"warning: resumed run differs from the checkpoint ({warning}); it will not replay exactly")
-        warn = partial(print, file=sys.stderr)
-        self.state, meta = self.checkpoints.restore("latest", jax.eval_shape(lambda: self.state),
+        warn = partial(print, file=sys.stderr) if self.main else (lambda *a: None)
+        abstract = self.programs.layout.abstract(jax.eval_shape(lambda: self.state))  # this run's mesh
+        self.state, meta = self.checkpoints.restore("latest", abstract,
                                                     on_skip=lambda message: warn(f"warning: {message}"))
         if meta["step"] >= self.config.train.max_iters:
             raise CheckpointError(f"--resume: the checkpoint is at step {meta['step']} and train.max_iters="
                                   f"{self.config.train.max_iters}: nothing to train (raise train.max_iters)")
         self.log(f"resumed from step {meta['step']} (val loss {meta['val_loss']})")
         self.best_val = math.inf if meta.get("best_val_loss") is None else meta["best_val_loss"]
-        repair_metrics(self.out / "metrics.jsonl", meta["step"], evaluates_again=self._due_for_eval(meta["step"]))
+        if self.main:
+            repair_metrics(self.out / "metrics.jsonl", meta["step"],
+                           evaluates_again=self._due_for_eval(meta["step"]))
         return meta.get("interval_losses", [])
 
     def compile(self) -> float:
@@ -252,10 +257,12 @@ class Run:
         """(text, how) of the end-of-run sample: the prompt continued through the KV cache."""
         tc, tokenizer = self.config.train, self.corpus.tokenizer
         prompt = tokenizer.encode(tc.sample_prompt)
+        mesh = self.programs.layout.mesh
         ids = generate_windowed(self.state["params"], self.config.model, prompt, max_new_tokens=tc.sample_tokens,
                                 rng=jax.random.PRNGKey(tc.seed), temperature=tc.sample_temperature,
-                                kernels=self.runtime.kernels)
-        return tokenizer.decode(np.concatenate([prompt, ids[0]])), "jaxattn.generate_windowed, KV cache"
+                                kernels=self.runtime.kernels, mesh=mesh if mesh.size > 1 else None)
+        on = f", on the {sharding.MeshShape.of(mesh)} mesh" if mesh.size > 1 else ""
+        return tokenizer.decode(np.concatenate([prompt, ids[0]])), f"jaxattn.generate_windowed, KV cache{on}"
 
     def close(self) -> None:
         if self.checkpoints is not None:
@@ -297,19 +304,22 @@ def train(config: ExperimentConfig, *, runtime: runtime_lib.Runtime | None = Non
     corpus = data_lib.load_corpus(tc.data_path, tokenizer=tc.tokenizer, val_fraction=tc.val_fraction)
     data_lib.check_block_size(corpus, tc.block_size)
     _check_sample_prompt(config, corpus.tokenizer)
-    runtime = runtime or runtime_lib.start(config.runtime, tc.batch_size)
+    runtime = runtime or runtime_lib.start(config.runtime, tc.batch_size, model=config.model)
     config = with_vocabulary(config, corpus.tokenizer).replace(runtime=runtime.config)
-    log = (lambda *a: None) if quiet else partial(print, flush=True)
-    for warning in runtime.warnings:
+    main = distributed.is_main()
+    log = (lambda *a: None) if quiet or not main else partial(print, flush=True)
+    for warning in runtime.warnings if main else ():
         print(f"warning: {warning}", file=sys.stderr)
     log(f"config {config.name} (data {corpus.path}, {len(corpus.train):,} train / {len(corpus.val):,} val tokens):")
     log(config.to_json())
     log("\n".join(runtime.describe()))
-    lock = claim(Path(tc.out_dir), resume=resume, overwrite=overwrite)
+    lock = _claim_on_main(Path(tc.out_dir), resume=resume, overwrite=overwrite)
     run = None
     try:
         run = Run(config, runtime, corpus, resume=resume, quiet=quiet, after_eval=after_eval)
-        (run.out / "config.json").write_text(config.to_json())  # only once the checkpoint has been accepted
+        log("\n".join(describe_layout(run.programs.layout, run.state)))
+        if main:  # only once the checkpoint has been accepted
+            (run.out / "config.json").write_text(config.to_json())
         log(f"parameters: {count_params(run.state['params']):,}")
         compile_s = run.compile()
         run.train()
@@ -317,7 +327,33 @@ def train(config: ExperimentConfig, *, runtime: runtime_lib.Runtime | None = Non
     finally:
         if run is not None:
             run.close()
-        lock.release()
+        if lock is not None:
+            lock.release()
+
+
+def _claim_on_main(out_dir: Path, *, resume: bool, overwrite: bool):
+    """Process 0 claims and locks the run directory (None elsewhere); every process learns whether it could."""
+    if not distributed.is_main():
+        distributed.agree(True, "claim the run directory")
+        return None
+    try:
+        lock = claim(out_dir, resume=resume, overwrite=overwrite)
+    except BaseException:
+        distributed.agree(False, "claim the run directory")
+        raise
+    distributed.agree(True, "claim the run directory")
+    return lock
+
+
+def describe_layout(layout, state) -> list[str]:
+    """What the mesh splits: one line, plus the logical axes left replicated."""
+    shape = sharding.MeshShape.of(layout.mesh)
+    if shape.size == 1:
+        return []
+    held = sharding.per_device_bytes((state["params"], state["opt_state"]))
+    lines = [f"mesh {shape}: the batch split {shape.batch_ways} ways; parameters and optimizer state "
+             f"{held / 2**20:.2f} MiB per device"]
+    return lines + [f"  {note}" for note in layout.params.notes]
 
 
 def _finish(run: Run, compile_s: float, wall_start: float, *, sample: bool, loss_plot, log) -> RunResult:
@@ -326,7 +362,7 @@ def _finish(run: Run, compile_s: float, wall_start: float, *, sample: bool, loss
     text, how = run.sample() if sample and tc.sample_tokens > 0 else ("", "")
     if text:
         log(f"--- sample ({how}, temperature {tc.sample_temperature}) ---\n{text}\n---")
-    if tc.plot:
+    if tc.plot and run.main:
         plot_losses(run.metrics.records(), Path(loss_plot) if loss_plot else run.out / "loss.png", title=config.name)
     step_seconds = run.throughput.step_seconds()
     median = statistics.median(step_seconds) if step_seconds else math.nan
@@ -338,5 +374,6 @@ def _finish(run: Run, compile_s: float, wall_start: float, *, sample: bool, loss
         compile_s=compile_s, wall_s=time.perf_counter() - wall_start, **peak_memory(),
         num_params=count_params(run.state["params"]), sample=text, out_dir=str(run.out), config=config,
         params=run.state["params"])
-    (run.out / "result.json").write_text(json.dumps(result.figures(), indent=2))
+    if run.main:
+        (run.out / "result.json").write_text(json.dumps(result.figures(), indent=2))
     return result

@@ -13,15 +13,19 @@ import numpy as np
 class MetricsLog:
     """`metrics.jsonl`: the mean loss of each log interval, and each evaluation."""
 
-    def __init__(self, path: Path, log_interval: int, interval: list[float] = ()):
-        """`interval`: the losses of the log interval in progress (a resumed run's, from its checkpoint)."""
+    def __init__(self, path: Path, log_interval: int, interval: list[float] = (), write: bool = True):
+        """`interval`: the losses of the log interval in progress (a resumed run's, from its checkpoint);
+        `write`: False keeps the records off the file (the processes of a run other than process 0)."""
         self.path, self.log_interval, self._interval = path, log_interval, list(interval)
+        self.write = write
 
     def pending(self) -> list[float]:
         """The losses of the log interval in progress (saved with a checkpoint taken mid-interval)."""
         return list(self._interval)
 
     def _append(self, record: dict) -> None:
+        if not self.write:
+            return
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
 

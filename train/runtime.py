@@ -1,10 +1,11 @@
 """Starting JAX for a run and resolving its runtime: the one place a program looks at the machine.
 
 `start(config, batch_size)` runs before anything starts JAX's backends (the
-command-line programs call it first): it applies `runtime.xla_flags` and asks
-for the CPU host devices data parallelism needs, through public JAX settings,
-then detects the platform and resolves every "auto" (kernels and
-`data_parallel`) with a reason that the programs print.
+command-line programs call it first, after `train.distributed.join` where a run
+spans processes): it applies `runtime.xla_flags` and asks for the CPU host
+devices the mesh needs, through public JAX settings, then detects the platform
+and resolves every "auto" (kernels and the mesh) with a reason that the
+programs print, and builds the device mesh.
 """
 
 from __future__ import annotations
@@ -13,8 +14,11 @@ import dataclasses
 import os
 
 import jax
+from jax.sharding import Mesh
 
+from jaxattn.config import ModelConfig
 from jaxattn.kernels import Kernels, Platform, resolve_kernels
+from jaxattn.sharding import MeshShape, check_mesh, make_mesh
 from train.config import RuntimeConfig
 
 
@@ -26,7 +30,7 @@ class Runtime:
       platform: what the choices were made for.
       config: the `RuntimeConfig` with every "auto" replaced (what is saved with the run).
       kernels: the implementations the model runs with.
-      data_parallel: devices each batch is split over.
+      mesh_shape: the size of each mesh axis (data, fsdp, tensor).
       reasons: field -> why it has its value.
       warnings: what did not go as asked (e.g. JAX had started before the device count could be set).
     """
@@ -34,13 +38,19 @@ class Runtime:
     platform: Platform
     config: RuntimeConfig
     kernels: Kernels
-    data_parallel: int
+    mesh_shape: MeshShape
     reasons: dict[str, str]
     warnings: tuple[str, ...] = ()
 
+    @property
+    def mesh(self) -> Mesh:
+        """The device mesh: the first `mesh_shape.size` of JAX's devices (every process's)."""
+        return make_mesh(self.mesh_shape, jax.devices()[:self.mesh_shape.size])
+
     def describe(self) -> list[str]:
         """One line per choice: `runtime.FIELD = VALUE (reason)`."""
-        lines = [f"runtime: {self.platform.describe()}, {jax.device_count()} device(s)"]
+        processes = f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""
+        lines = [f"runtime: {self.platform.describe()}, {jax.device_count()} device(s){processes}"]
         for field, reason in self.reasons.items():
             lines.append(f"  runtime.{field} = {getattr(self.config, field)!r} ({reason})")
         return lines
@@ -56,13 +66,27 @@ def widest_split(batch_size: int, limit: int) -> int:
     return max(d for d in range(1, max(1, min(limit, batch_size)) + 1) if batch_size % d == 0)
 
 
-def prepare_jax(config: RuntimeConfig, batch_size: int) -> list[str]:
-    """Applies XLA flags and the CPU host device count before JAX starts; returns warnings."""
+def cpu_devices_wanted(config: RuntimeConfig, batch_size: int) -> int:
+    """The CPU host devices this process makes: asked for, else the mesh's size, else one per core."""
+    if config.cpu_devices != "auto":
+        return config.cpu_devices
+    shape = config.mesh_shape()
+    return shape.size if shape is not None else widest_split(batch_size, cpu_cores())
+
+
+def prepare_jax(config: RuntimeConfig, batch_size: int, num_processes: int = 1) -> list[str]:
+    """Applies XLA flags and the CPU host device count before JAX starts; returns warnings.
+
+    With `num_processes` > 1 an explicit mesh spans every process's devices, so each makes
+    its share.
+    """
     warnings = []
     if config.xla_flags:
         current = os.environ.get("XLA_FLAGS", "").split()
         os.environ["XLA_FLAGS"] = " ".join(current + [f for f in config.xla_flags.split() if f not in current])
-    devices = widest_split(batch_size, cpu_cores()) if config.data_parallel == "auto" else config.data_parallel
+    devices = cpu_devices_wanted(config, batch_size)
+    if config.cpu_devices == "auto" and config.mesh != "auto" and num_processes > 1:
+        devices = max(1, devices // num_processes)
     if devices > 1 or config.xla_flags:
         try:  # only affects the CPU backend; harmless where the default backend is a GPU or TPU
             jax.config.update("jax_num_cpu_devices", devices)
@@ -73,36 +97,44 @@ def prepare_jax(config: RuntimeConfig, batch_size: int) -> list[str]:
     return warnings
 
 
-def _data_parallel(asked, batch_size: int, platform: Platform, devices: int) -> tuple[int, str, list[str]]:
-    """(width, reason, warnings) of data parallelism."""
-    if asked == "auto" and not platform.is_cpu:
-        return 1, f"one {platform.backend} device (multi-device meshes are not built yet)", []
-    if asked == "auto":
-        width = widest_split(batch_size, min(cpu_cores(), devices))
-        return width, f"one host device per CPU core that divides the batch ({cpu_cores()} cores, " \
-                      f"batch {batch_size}, {devices} device(s))", []
-    if batch_size % asked:
-        raise ValueError(f"train.batch_size={batch_size} must be divisible by runtime.data_parallel={asked}")
-    if asked > devices:
-        warning = f"runtime.data_parallel={asked} but JAX has {devices} device(s): training on one"
-        return 1, "fewer devices than asked", [warning]
-    return asked, "asked for", []
+def _mesh(config: RuntimeConfig, batch_size: int, platform: Platform, devices: int,
+          model: ModelConfig | None) -> tuple[MeshShape, str]:
+    """(mesh shape, reason); ValueError for a mesh that does not fit the devices, batch or model."""
+    asked = config.mesh_shape()
+    if asked is None and jax.process_count() > 1:
+        asked, reason = MeshShape(data=devices), f"data parallel over all {devices} devices of the processes"
+    elif asked is None:
+        limit = min(cpu_cores(), devices) if platform.is_cpu else devices
+        asked = MeshShape(data=widest_split(batch_size, limit))
+        reason = (f"one host device per CPU core that divides the batch ({cpu_cores()} cores, batch {batch_size})"
+                  if platform.is_cpu else f"the {platform.backend} devices that divide the batch ({devices})")
+    else:
+        check_mesh(model, asked, batch_size)
+        if asked.size != devices:
+            raise ValueError(f"runtime.mesh={str(asked)!r} uses {asked.size} device(s) but JAX has {devices}"
+                             + (" (--cpu-devices N makes N host devices)" if platform.is_cpu else ""))
+        reason = "asked for"
+    check_mesh(model, asked, batch_size)
+    return asked, reason
 
 
 def resolve(config: RuntimeConfig, batch_size: int, platform: Platform | None = None,
-            devices: int | None = None) -> Runtime:
-    """Every "auto" of `config` resolved for `platform` (default: this process's) with its reason."""
+            devices: int | None = None, model: ModelConfig | None = None) -> Runtime:
+    """Every "auto" of `config` resolved for `platform` (default: this process's) with its reason.
+
+    `model`: also check that the mesh divides its heads and widths.
+    """
     platform = Platform.detect() if platform is None else platform
     devices = jax.device_count() if devices is None else devices
     kernels, reasons = resolve_kernels(config.requested_kernels(), platform)
-    width, reasons["data_parallel"], warnings = _data_parallel(config.data_parallel, batch_size, platform, devices)
-    concrete = config.replace(**kernels.to_dict(), data_parallel=width)
-    return Runtime(platform=platform, config=concrete, kernels=kernels, data_parallel=width, reasons=reasons,
-                   warnings=tuple(warnings))
+    shape, reasons["mesh"] = _mesh(config, batch_size, platform, devices, model)
+    concrete = config.replace(**kernels.to_dict(), mesh=str(shape))
+    return Runtime(platform=platform, config=concrete, kernels=kernels, mesh_shape=shape, reasons=reasons)
 
 
-def start(config: RuntimeConfig, batch_size: int) -> Runtime:
+def start(config: RuntimeConfig, batch_size: int, model: ModelConfig | None = None,
+          num_processes: int = 1) -> Runtime:
     """`prepare_jax`, then `resolve` on this machine: call before anything else uses JAX."""
-    warnings = prepare_jax(config, batch_size)
-    runtime = resolve(config, batch_size)
+    warnings = prepare_jax(config, batch_size, num_processes)
+    runtime = resolve(config, batch_size, model=model)
     return dataclasses.replace(runtime, warnings=tuple(warnings) + runtime.warnings)

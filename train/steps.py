@@ -3,9 +3,14 @@
 One call of `train_steps` runs n optimizer steps inside `lax.scan`; batches are
 drawn on the device from (seed, step), so nothing happens on the host between
 steps and a resumed run replays exactly the batches of an uninterrupted one.
-With `data_parallel > 1` each batch is split over that many devices
-(`shard_map`): gradients are averaged, parameters stay replicated, and the
-result equals one device's up to float summation order.
+
+Every program is one `jax.jit` over the run's mesh (`jaxattn.sharding`): the
+state goes in and comes out with the shardings of `StateLayout` (parameters and
+Adam's moments split by the logical-axis rules), the batch is split over data x
+fsdp, and XLA's SPMD partitioner adds the collectives. Each device gathers only
+its own rows of the batch from the (replicated) corpus, so the processes of a
+multi-process run each feed their slice of the global batch. The losses equal
+one device's up to the order of float sums.
 """
 
 from __future__ import annotations
@@ -14,13 +19,13 @@ import dataclasses
 from functools import partial
 from typing import Any, Callable
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
-from jax.flatten_util import ravel_pytree
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jaxattn import sharding
 from jaxattn.model import DecoderLM
 from train import data as data_lib
 from train.config import ExperimentConfig
@@ -37,13 +42,52 @@ def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
 
 
 @dataclasses.dataclass(frozen=True)
+class StateLayout:
+    """Where the train state {'params', 'opt_state', 'step', 'rng'} lives on the mesh.
+
+    Attributes:
+      mesh: the run's device mesh.
+      params: the `jaxattn.sharding.ParamLayout` of the model (specs and notes).
+      state: the state's tree of `NamedSharding`s.
+      batch: the `NamedSharding` of a `[B, T]` batch.
+    """
+
+    mesh: Mesh
+    params: sharding.ParamLayout
+    state: Any
+    batch: NamedSharding
+
+    @property
+    def replicated(self) -> NamedSharding:
+        return NamedSharding(self.mesh, P())
+
+    def abstract(self, state_shapes: Any) -> Any:
+        """`state_shapes` (ShapeDtypeStructs) with this layout's shardings: what a restore fills in."""
+        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                            state_shapes, self.state)
+
+
+def state_layout(config: ExperimentConfig, mesh: Mesh, init_state: Callable) -> StateLayout:
+    """The layout of the state `init_state(seed)` returns, by the rules of `jaxattn.sharding`."""
+    shape = sharding.MeshShape.of(mesh)
+    params = sharding.param_layout(config.model, shape)
+    shapes = jax.eval_shape(init_state, 0)
+    opt_specs = sharding.mirror_specs(shapes["opt_state"], params.specs, shapes["params"])
+    specs = {"params": params.specs, "opt_state": opt_specs, "step": P(), "rng": P()}
+    state = jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs, is_leaf=lambda x: isinstance(x, P))
+    batch = NamedSharding(mesh, sharding.batch_spec(shape, config.train.batch_size))
+    return StateLayout(mesh=mesh, params=params, state=state, batch=batch)
+
+
+@dataclasses.dataclass(frozen=True)
 class Programs:
     """The jitted functions of a run (`train_steps` compiles once per distinct number of steps)."""
 
-    init: Callable  # (seed) -> state {'params', 'opt_state', 'step', 'rng'}
+    init: Callable  # (seed) -> state {'params', 'opt_state', 'step', 'rng'}, laid out on the mesh
     train_steps: Callable  # (state, train_data, num_steps) -> (state, (losses, lrs) [num_steps] each)
     evaluate: Callable  # (params, train_data, val_data) -> {'train': loss, 'val': loss}
-    place: Callable  # (pytree) -> the pytree on the run's devices
+    place: Callable  # (host arrays) -> replicated on the mesh, in every process
+    layout: StateLayout
 
 
 def build_programs(config: ExperimentConfig, runtime: Runtime) -> Programs:
@@ -52,67 +96,51 @@ def build_programs(config: ExperimentConfig, runtime: Runtime) -> Programs:
     dropout = config.model.dropout > 0
     B, T = tc.batch_size, tc.block_size
 
+    def init_state(seed):
+        params_key, dropout_key = jax.random.split(jax.random.PRNGKey(seed))
+        params = nn.unbox(model.init(params_key, jnp.zeros((1, T), jnp.int32))["params"])
+        return {"params": params, "opt_state": optimizer.init(params), "step": jnp.int32(0), "rng": dropout_key}
+
+    layout = state_layout(config, runtime.mesh, init_state)
+    params_sharding, replicated = layout.state["params"], layout.replicated
+
+    def batch(split_data, split_id, i):
+        x, y = data_lib.get_batch(split_data, data_lib.batch_key(tc.seed, split_id, i), B, T)
+        return jax.lax.with_sharding_constraint((x, y), (layout.batch, layout.batch))  # [B, T] rows split
+
+    def forward(params, x, **kwargs):
+        with sharding.activation_rules(layout.mesh):  # rows split through every layer
+            return model.apply({"params": params}, x, **kwargs)
+
     def loss_fn(params, x, y, dropout_key):
         rngs = {"dropout": dropout_key} if dropout else None
-        return cross_entropy(model.apply({"params": params}, x, deterministic=not dropout, rngs=rngs), y)
-
-    loss_and_grads = jax.value_and_grad(loss_fn)
-    if runtime.data_parallel > 1:
-        loss_and_grads = data_parallel(loss_and_grads, runtime.data_parallel)
+        return cross_entropy(forward(params, x, deterministic=not dropout, rngs=rngs), y)
 
     def one_step(state, train_data):
         step = state["step"]
-        x, y = data_lib.get_batch(train_data, data_lib.batch_key(tc.seed, data_lib.TRAIN, step), B, T)
-        loss, grads = loss_and_grads(state["params"], x, y, jax.random.fold_in(state["rng"], step))
+        x, y = batch(train_data, data_lib.TRAIN, step)
+        loss, grads = jax.value_and_grad(loss_fn)(state["params"], x, y, jax.random.fold_in(state["rng"], step))
+        grads = jax.lax.with_sharding_constraint(grads, params_sharding)  # FSDP: reduce-scattered
         updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         # The lr comes back with the loss so that logging it needs no extra device call.
         return {**state, "params": params, "opt_state": opt_state, "step": step + 1}, (loss, schedule(step))
 
-    @partial(jax.jit, static_argnums=(2,), donate_argnums=(0,))
+    @partial(jax.jit, static_argnums=(2,), donate_argnums=(0,), in_shardings=(layout.state, replicated),
+             out_shardings=(layout.state, replicated))
     def train_steps(state, train_data, num_steps):
         return jax.lax.scan(lambda s, _: one_step(s, train_data), state, None, length=num_steps)
 
-    @jax.jit
+    @partial(jax.jit, in_shardings=(params_sharding, replicated, replicated), out_shardings=replicated)
     def evaluate(params, train_data, val_data):
         def split_loss(split_data, split_id):
             def batch_loss(_, i):
-                x, y = data_lib.get_batch(split_data, data_lib.batch_key(tc.seed, split_id, i), B, T)
-                return None, cross_entropy(model.apply({"params": params}, x), y)
+                x, y = batch(split_data, split_id, i)
+                return None, cross_entropy(forward(params, x), y)
             return jax.lax.scan(batch_loss, None, jnp.arange(tc.eval_iters))[1].mean()
         return {name: split_loss(data, EVAL_SPLITS[name])
                 for name, data in (("train", train_data), ("val", val_data))}
 
-    def init(seed):
-        params_key, dropout_key = jax.random.split(jax.random.PRNGKey(seed))
-        params = model.init(params_key, jnp.zeros((1, T), jnp.int32))["params"]
-        return {"params": params, "opt_state": optimizer.init(params), "step": jnp.int32(0), "rng": dropout_key}
-
-    place = partial(replicate, num_devices=runtime.data_parallel)
-    return Programs(init=init, train_steps=train_steps, evaluate=evaluate, place=place)
-
-
-def _mesh(num_devices: int) -> Mesh:
-    devices = jax.devices()
-    if len(devices) < num_devices:
-        raise ValueError(f"data parallelism over {num_devices} devices needs {num_devices}, JAX has {len(devices)}")
-    return Mesh(np.array(devices[:num_devices]), ("data",))
-
-
-def replicate(tree: Any, num_devices: int) -> Any:
-    """`tree` replicated on the first `num_devices` devices (as is, for one device)."""
-    if num_devices == 1:
-        return tree
-    return jax.device_put(tree, NamedSharding(_mesh(num_devices), P()))
-
-
-def data_parallel(loss_and_grads: Callable, num_devices: int) -> Callable:
-    """The same (loss, grads) as the mean over `num_devices` devices, each taking B / num_devices rows."""
-    def local(params, x, y, dropout_key):  # x, y: [B / num_devices, T]
-        key = jax.random.fold_in(dropout_key, jax.lax.axis_index("data"))
-        flat, unravel = ravel_pytree(loss_and_grads(params, x, y, key))  # [1 + num_params]
-        # One buffer: XLA:CPU all-reduces one large buffer faster than ~30 small ones (docs/performance.md).
-        return unravel(jax.lax.pmean(flat, "data"))
-
-    return jax.shard_map(local, mesh=_mesh(num_devices), in_specs=(P(), P("data"), P("data"), P()),
-                         out_specs=P(), check_vma=False)
+    init = jax.jit(init_state, static_argnums=(0,), out_shardings=layout.state)
+    place = lambda tree: sharding.place(tree, jax.tree.map(lambda _: replicated, tree))  # noqa: E731
+    return Programs(init=init, train_steps=train_steps, evaluate=evaluate, place=place, layout=layout)

@@ -18,6 +18,7 @@ import json
 import sys
 
 from train import data as data_lib
+from train import distributed
 from train import runtime as runtime_lib
 from train.checkpoint import CheckpointError
 from train.config import DEFAULT_CONFIG, load_config
@@ -25,7 +26,8 @@ from train.loop import Interrupted, RunResult, TrainingDiverged, train
 from train.metrics import describe_memory
 from train.rundir import RunDirectoryError
 
-RUNTIME_ERRORS = (data_lib.DataError, CheckpointError, RunDirectoryError, TrainingDiverged, OSError)
+RUNTIME_ERRORS = (data_lib.DataError, CheckpointError, RunDirectoryError, TrainingDiverged, OSError,
+                  distributed.DistributedError)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,6 +43,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--overwrite", action="store_true", help="replace the run already in out_dir")
     parser.add_argument("--loss-plot", help="where to write the loss curve PNG (default out_dir/loss.png)")
     parser.add_argument("--quiet", action="store_true")
+    mesh = parser.add_argument_group("devices and processes (README: Meshes and processes)")
+    mesh.add_argument("--mesh", help="= runtime.mesh, e.g. data:2,fsdp:2,tensor:2 (product = device count)")
+    mesh.add_argument("--cpu-devices", type=int, metavar="N", help="= runtime.cpu_devices: N host devices on a CPU")
+    mesh.add_argument("--coordinator", metavar="HOST:PORT", help="join a multi-process run (process 0 serves it)")
+    mesh.add_argument("--num-processes", type=int, default=1, metavar="N")
+    mesh.add_argument("--process-id", type=int, default=0, metavar="I")
+    mesh.add_argument("--join-timeout", type=int, default=distributed.JOIN_TIMEOUT_S, metavar="SECONDS",
+                      help="give up joining the other processes after this long (default %(default)s)")
     return parser
 
 
@@ -48,16 +58,36 @@ def overrides(args: argparse.Namespace) -> list[str]:
     """`--set` items plus the flags that are shorthands for config fields."""
     extra = [f"train.data_path={json.dumps(args.data)}"] if args.data else []
     extra += [f"train.out_dir={json.dumps(args.out_dir)}"] if args.out_dir else []
+    extra += [f"runtime.mesh={json.dumps(args.mesh)}"] if args.mesh else []
+    extra += [f"runtime.cpu_devices={args.cpu_devices}"] if args.cpu_devices is not None else []
     return list(args.set) + extra
+
+
+def cluster(args: argparse.Namespace) -> distributed.Cluster | None:
+    """The processes to join (None: this process alone); ValueError for inconsistent flags."""
+    if args.coordinator is None:
+        if args.num_processes != 1 or args.process_id != 0:
+            raise ValueError("--num-processes and --process-id need --coordinator HOST:PORT")
+        return None
+    return distributed.Cluster(args.coordinator, args.num_processes, args.process_id, args.join_timeout)
 
 
 def main(argv: list[str] | None = None) -> RunResult:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        config = load_config(args.config, overrides(args))
-        runtime = runtime_lib.start(config.runtime, config.train.batch_size)  # before anything starts JAX
+        config, processes = load_config(args.config, overrides(args)), cluster(args)
     except (ValueError, TypeError, FileNotFoundError) as err:
+        parser.error(str(err))
+    try:
+        if processes is not None:
+            distributed.join(processes)  # before anything starts JAX
+        runtime = runtime_lib.start(config.runtime, config.train.batch_size, model=config.model,
+                                    num_processes=args.num_processes)
+    except distributed.DistributedError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(1)
+    except (ValueError, TypeError) as err:
         parser.error(str(err))
     try:
         result = train(config, runtime=runtime, resume=args.resume, overwrite=args.overwrite, quiet=args.quiet,
@@ -68,10 +98,11 @@ def main(argv: list[str] | None = None) -> RunResult:
     except RUNTIME_ERRORS as err:  # one line each: a full disk, a corrupted checkpoint, a diverged run
         print(f"error: {err}", file=sys.stderr)
         sys.exit(1)
-    print(f"final: val loss {result.final_val_loss:.4f} at iter {result.steps} | "
-          f"{result.median_tokens_per_s:,.0f} tokens/s median ({result.median_ms_per_iter:.1f} ms/iter, "
-          f"excluding compile) | compile {result.compile_s:.1f}s | wall {result.wall_s:.1f}s | "
-          + describe_memory(result.figures()))
+    if distributed.is_main():
+        print(f"final: val loss {result.final_val_loss:.4f} at iter {result.steps} | "
+              f"{result.median_tokens_per_s:,.0f} tokens/s median ({result.median_ms_per_iter:.1f} ms/iter, "
+              f"excluding compile) | compile {result.compile_s:.1f}s | wall {result.wall_s:.1f}s | "
+              + describe_memory(result.figures()))
     return result
 
 
