@@ -55,7 +55,6 @@ def training_variants(runtime) -> dict:
 def time_training(runtime, rounds: int) -> list[dict]:
     import dataclasses
 
-    import jax.numpy as jnp
     import numpy as np
 
     from train import data as data_lib
@@ -69,8 +68,8 @@ def time_training(runtime, rounds: int) -> list[dict]:
     calls = {}
     for name, kernels in training_variants(runtime).items():
         programs = build_programs(config, dataclasses.replace(runtime, kernels=kernels))
-        data = programs.place(jnp.asarray(corpus.train))
-        state = {"s": programs.place(programs.init(config.train.seed))}
+        data = programs.place(np.asarray(corpus.train))
+        state = {"s": programs.init(config.train.seed)}
         compiled = programs.train_steps.lower(state["s"], data, steps).compile()
 
         def call(compiled=compiled, state=state, data=data):
@@ -139,7 +138,7 @@ def main(argv=None) -> dict:
     print("\n".join(runtime.describe()), flush=True)
     record = {"command": "PYTHONPATH=$PWD python bench/kernel_choices.py " + " ".join(sys.argv[1:] if argv is None else argv),
               "machine": describe_machine(), "auto": str(runtime.kernels), "reasons": runtime.reasons,
-              "data_parallel": runtime.data_parallel, "decode_tokens": args.decode_tokens,
+              "mesh": str(runtime.mesh_shape), "decode_tokens": args.decode_tokens,
               "training": time_training(runtime, args.rounds),
               "decoding": time_decoding(args.rounds, args.decode_tokens)}
     RESULTS.mkdir(exist_ok=True)

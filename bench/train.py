@@ -2,6 +2,7 @@
 
     PYTHONPATH=$PWD python bench/train.py [--set train.max_iters=500 ...] \
         [--nanogpt-python /path/to/python-with-torch [--nanogpt-max-iters N]] [--float32-too]
+    PYTHONPATH=$PWD python bench/train.py --mesh [--iters 10 ...]   # bench/mesh.py: meshes, memory per device
 
 Runs configs/shakespeare_char_baby.toml (2000 iters) and writes bench/results/train.json and
 train.md: median tokens/s and ms/iter (excluding compile), compile time, final val loss, wall time,
@@ -103,7 +104,13 @@ class NanoGPTInTurns:
 
 
 def main(argv=None) -> dict:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--mesh" in argv:  # the mesh benchmark: its own processes and flags (bench/mesh.py)
+        from bench import mesh
+        return mesh.main([a for a in argv if a != "--mesh"])
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mesh", action="store_true",
+                        help="instead: speed and memory per device on device meshes (bench/mesh.py's flags)")
     parser.add_argument("--config", default=DEFAULT_CONFIG)
     parser.add_argument("--set", nargs="+", action="extend", default=[])
     parser.add_argument("--out", default=str(RESULTS))
@@ -116,7 +123,7 @@ def main(argv=None) -> dict:
     command = "PYTHONPATH=$PWD python bench/train.py " + portable_command(
         sys.argv[1:] if argv is None else argv, ("--nanogpt-python",))
     config = load_config(args.config, ["train.out_dir='runs/bench_train'", *args.set])
-    runtime = runtime_lib.start(config.runtime, config.train.batch_size)  # before anything starts JAX
+    runtime = runtime_lib.start(config.runtime, config.train.batch_size, model=config.model)  # before JAX starts
     tc = config.train
     nanogpt_run = None
     if args.nanogpt_python:
@@ -140,7 +147,7 @@ def main(argv=None) -> dict:
         "median_ms_per_iter": result.median_ms_per_iter, "fastest_ms_per_iter": result.fastest_ms_per_iter,
         "compile_s": result.compile_s,
         "wall_s": result.wall_s - (nanogpt_run.seconds if nanogpt_run else 0.0),  # without the port's turns
-        "steps_per_dispatch": tc.steps_per_dispatch, "data_parallel": runtime.data_parallel,
+        "steps_per_dispatch": tc.steps_per_dispatch, "mesh": str(runtime.mesh_shape),
         "params": result.num_params, "nanogpt": nanogpt, "float32": float32,
         "speedup_vs_nanogpt_tokens_per_s": result.median_tokens_per_s / nanogpt["median_tokens_per_s"],
         "speedup_vs_nanogpt_ms_per_iter": nanogpt["median_ms_per_iter"] / result.median_ms_per_iter,
@@ -194,8 +201,8 @@ def markdown(r: dict) -> str:
         f"| compile time (s) | {r['compile_s']:.1f} |{f_cell('compile_s', '.1f')} n/a (eager) | |",
         f"| wall time (s) | {r['wall_s']:.1f} |{f_cell('wall_s', '.1f')} {approx}{n['wall_s']:.0f} | |",
         "",
-        f"{r['steps_per_dispatch']} optimizer steps per jitted dispatch (lax.scan), batch split over "
-        f"{r['data_parallel']} host devices; kernels: attention {r['kernels']['attention']!r}, dense matmuls "
+        f"{r['steps_per_dispatch']} optimizer steps per jitted dispatch (lax.scan), mesh "
+        f"{r.get('mesh', 'data:' + str(r.get('data_parallel')))}; kernels: attention {r['kernels']['attention']!r}, dense matmuls "
         f"{r['kernels']['matmul']!r} ({r['kernel_reasons']['matmul']}); {r['params']:,} parameters; "
         f"{r['env']['cpu']} ({r['env']['platform']}, {r['env']['cpus']} CPUs), jax {r['env']['jax']}. "
         f"nanoGPT figures: {n['source']}. The machine is shared, "

@@ -20,6 +20,10 @@ from jaxattn.config import ModelConfig
 from jaxattn.sharding import MeshShape
 
 ROOT = Path(__file__).resolve().parent.parent
+# Sharding reorders float32 sums (eps 1.2e-7); Adam's first steps divide each gradient by its own
+# magnitude, which turns those last-bit differences of near-zero gradients into relative loss
+# differences of up to ~4e-6 after 5 steps (seen across processes on a 16-core Intel CPU, JAX 0.11).
+RTOL = 2e-5
 ENV = {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, "PYTHONPATH": str(ROOT)}
 
 
@@ -37,7 +41,7 @@ def test_every_mesh_gives_the_one_device_losses(meshes, kind):
     assert len(one) == 5 and one[-1] < one[0]
     for mesh, run in meshes[kind].items():
         if mesh != "samples":  # equal up to the order of float sums
-            np.testing.assert_allclose(run["losses"], one, rtol=2e-6, err_msg=f"{kind} on {mesh}")
+            np.testing.assert_allclose(run["losses"], one, rtol=RTOL, err_msg=f"{kind} on {mesh}")
 
 
 def test_parameters_and_adam_moments_are_split_as_the_rules_say(meshes):
@@ -187,13 +191,13 @@ def test_two_processes_train_together_and_one_process_resumes_their_checkpoint(c
     processes = [_cli(*flags, "--process-id", str(i), out=shared, text=corpus) for i in (0, 1)]
     outputs = [_finish(p) for p in processes]
     assert "final: val loss" in outputs[0] and "final:" not in outputs[1]  # only process 0 prints
-    np.testing.assert_allclose(_losses(shared), _losses(reference)[:5], rtol=2e-6)
+    np.testing.assert_allclose(_losses(shared), _losses(reference)[:5], rtol=RTOL)
     saved = json.loads((shared / "config.json").read_text())
     assert saved["runtime"]["mesh"] == "data:2,fsdp:2,tensor:1"
     assert (shared / "checkpoints" / "latest" / "5").is_dir() and (shared / "result.json").is_file()
     _finish(_cli("--set", *TINY, "train.max_iters=6", "train.sample_tokens=0", "--mesh", "data:1", "--resume",
                  out=shared, text=corpus))
-    np.testing.assert_allclose(_losses(shared)[5], _losses(reference)[5], rtol=2e-6)
+    np.testing.assert_allclose(_losses(shared)[5], _losses(reference)[5], rtol=RTOL)
 
 
 def test_a_process_that_cannot_reach_the_coordinator_fails_within_its_timeout(corpus, tmp_path):

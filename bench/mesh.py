@@ -1,0 +1,172 @@
+"""Training on a device mesh: speed and memory per device (`python bench/train.py --mesh`).
+
+    PYTHONPATH=$PWD python bench/mesh.py [--iters 10] [--batch 16] [--gpt2-batch 8]
+
+Two parts, each in fresh processes (the host device count is fixed when JAX starts):
+
+1. The 10.7M-parameter config (configs/shakespeare_char.toml, with a smaller batch and a few
+   iterations: a CPU is slow at it) trained on 1, 2 and 8 host devices under several meshes:
+   median tokens/s, peak RSS of the process, and each device's share of parameters and
+   optimizer state, with XLA's compiled per-device sizes (`memory_analysis`).
+2. A GPT-2-small-shaped model (124M parameters, vocabulary padded to 50304 as nanoGPT does) on
+   8 host devices, compiled only: XLA's per-device memory of one train step under data-only,
+   FSDP and FSDP x tensor meshes, showing the parameters and Adam's moments falling with the
+   FSDP and tensor sizes.
+
+Writes bench/results/mesh.json and mesh.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+RESULTS = ROOT / "bench" / "results"
+TRAIN_MESHES = (("data:1", 1), ("data:2", 2), ("fsdp:2", 2), ("data:8", 8), ("fsdp:8", 8),
+                ("data:2,fsdp:2,tensor:2", 8))
+GPT2_MESHES = ("data:8", "fsdp:8", "fsdp:4,tensor:2", "fsdp:2,tensor:4")
+GPT2 = dict(vocab_size=50304, d_model=768, num_layers=12, num_heads=12, max_seq_len=1024, positions="learned",
+            norm="layernorm", mlp="gelu", use_bias=True, tie_embeddings=True)
+MIB = 2**20
+
+
+def compiled_memory(programs, state, data) -> dict:
+    """XLA's per-device sizes (MiB) of one compiled train step."""
+    stats = programs.train_steps.lower(state, data, 1).compile().memory_analysis()
+    return {"arguments_mib": stats.argument_size_in_bytes / MIB, "outputs_mib": stats.output_size_in_bytes / MIB,
+            "temporaries_mib": stats.temp_size_in_bytes / MIB}
+
+
+def state_mib_per_device(layout, shapes) -> float:
+    """Parameters and optimizer state held by one device, from the layout's shard shapes."""
+    import jax
+    import numpy as np
+    total = 0
+    for leaf, sharding in zip(jax.tree.leaves(shapes), jax.tree.leaves(layout.state)):
+        total += int(np.prod(sharding.shard_shape(leaf.shape))) * leaf.dtype.itemsize
+    return total / MIB
+
+
+def train_worker(mesh: str, iters: int, batch: int) -> dict:
+    """Trains the 10.7M config on `mesh` in this process; its figures."""
+    from train import runtime as runtime_lib
+    from train.config import load_config
+    from train.loop import train
+    from train.steps import build_programs
+    import jax
+    out = tempfile.mkdtemp()
+    config = load_config("shakespeare_char", [
+        f"train.max_iters={iters}", f"train.eval_interval={iters}", "train.eval_iters=1", "train.sample_tokens=0",
+        "train.plot=false", "train.checkpoint=false", f"train.batch_size={batch}", f"train.lr_decay_iters={iters}",
+        f"train.out_dir='{out}'", f"runtime.mesh='{mesh}'", "train.steps_per_dispatch=1"])
+    runtime = runtime_lib.start(config.runtime, batch, model=config.model)
+    result = train(config, runtime=runtime, quiet=True)
+    programs = build_programs(result.config, runtime)
+    shapes = jax.eval_shape(lambda: programs.init(0))
+    state = programs.layout.abstract(shapes)
+    data = jax.ShapeDtypeStruct((1_000_000,), jax.numpy.int32, sharding=programs.layout.replicated)
+    return {"mesh": mesh, "devices": jax.device_count(), "tokens_per_s": result.median_tokens_per_s,
+            "ms_per_iter": result.median_ms_per_iter, "val_loss": result.final_val_loss,
+            "peak_rss_gib": result.peak_rss_gib, "state_mib_per_device": state_mib_per_device(programs.layout, shapes),
+            **compiled_memory(programs, state, data)}
+
+
+def gpt2_worker(batch: int) -> list[dict]:
+    """XLA's per-device memory of a GPT-2-small train step on each 8-device mesh (compiled, not run)."""
+    import jax
+    from jaxattn.config import ModelConfig
+    from jaxattn.model import count_params
+    from train import runtime as runtime_lib
+    from train.config import ExperimentConfig, RuntimeConfig, TrainConfig
+    from train.steps import build_programs
+    rows = []
+    for mesh in GPT2_MESHES:
+        config = ExperimentConfig(name="gpt2_small", model=ModelConfig(**GPT2),
+                                  train=TrainConfig(batch_size=batch, block_size=1024),
+                                  runtime=RuntimeConfig(mesh=mesh, attention="xla", matmul="xla"))
+        runtime = runtime_lib.resolve(config.runtime, batch, model=config.model)
+        programs = build_programs(config, runtime)
+        shapes = jax.eval_shape(lambda: programs.init(0))
+        data = jax.ShapeDtypeStruct((1_000_000,), jax.numpy.int32, sharding=programs.layout.replicated)
+        rows.append({"mesh": mesh, "params": count_params(shapes["params"]),
+                     "state_mib_per_device": state_mib_per_device(programs.layout, shapes),
+                     **compiled_memory(programs, programs.layout.abstract(shapes), data)})
+    return rows
+
+
+def _in_fresh_process(devices: int, *args: str) -> dict | list:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, __file__, "--worker", str(devices), *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"worker {args} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def markdown(record: dict) -> str:
+    m, lines = record["machine"], []
+    lines += ["# Training on a device mesh", "",
+              f"Machine: {m['cpu']} ({m['cpus']} CPUs, {m['platform']}), JAX {m['jax']}. "
+              f"Command: `{record['command']}`.", "",
+              f"## The 10.7M config (shakespeare_char, batch {record['batch']}, {record['iters']} iterations)", "",
+              "Host devices share the machine's cores, so more devices do not mean more compute here: the "
+              "columns to read are the per-device memory ones.", "",
+              "| mesh | devices | tokens/s | ms/iter | peak RSS GiB | params + Adam per device MiB "
+              "| XLA arguments MiB | XLA temporaries MiB |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in record["train"]:
+        lines.append(f"| {r['mesh']} | {r['devices']} | {r['tokens_per_s']:,.0f} | {r['ms_per_iter']:.0f} | "
+                     f"{r['peak_rss_gib']:.2f} | {r['state_mib_per_device']:.1f} | {r['arguments_mib']:.1f} | "
+                     f"{r['temporaries_mib']:.1f} |")
+    lines += [f"\n{note}" for note in record.get("notes", [])]
+    lines += ["", f"## GPT-2 small on 8 devices (batch {record['gpt2_batch']} x 1024, compiled only)", "",
+              "Per device, from `jax.jit(...).lower(...).compile().memory_analysis()`; the arguments are the "
+              "parameters, Adam's moments and the corpus, the temporaries the activations and gradients.", "",
+              "| mesh | params + Adam per device MiB | XLA arguments MiB | XLA temporaries MiB |",
+              "| --- | --- | --- | --- |"]
+    for r in record["gpt2"]:
+        lines.append(f"| {r['mesh']} | {r['state_mib_per_device']:.0f} | {r['arguments_mib']:.0f} | "
+                     f"{r['temporaries_mib']:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--batch", type=int, default=16, help="the 10.7M config's batch (divisible by 8)")
+    parser.add_argument("--gpt2-batch", type=int, default=8)
+    parser.add_argument("--out", default=str(RESULTS))
+    parser.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        import jax
+        jax.config.update("jax_num_cpu_devices", int(args.worker[0]))
+        kind = args.worker[1]
+        result = gpt2_worker(args.gpt2_batch) if kind == "gpt2" else train_worker(kind, args.iters, args.batch)
+        print(json.dumps(result))
+        return result
+    from bench.machine import describe_machine
+    record = {"machine": describe_machine(), "iters": args.iters, "batch": args.batch, "gpt2_batch": args.gpt2_batch,
+              "command": "PYTHONPATH=$PWD python bench/mesh.py " + " ".join(argv or sys.argv[1:]),
+              "train": [], "gpt2": []}
+    for mesh, devices in TRAIN_MESHES:
+        record["train"].append(_in_fresh_process(devices, mesh, "--iters", str(args.iters), "--batch",
+                                                 str(args.batch)))
+        print(json.dumps(record["train"][-1]), flush=True)
+    record["gpt2"] = _in_fresh_process(8, "gpt2", "--gpt2-batch", str(args.gpt2_batch))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "mesh.json").write_text(json.dumps(record, indent=2))
+    (out / "mesh.md").write_text(markdown(record))
+    print(markdown(record))
+    return record
+
+
+if __name__ == "__main__":
+    main()
