@@ -109,7 +109,10 @@ class DecoderLM(nn.Module):
         Learned and sinusoidal tables are indexed by absolute position (out of
         range positions are clamped to the last row); RoPE and none add nothing here.
         """
-        x = self.wte(tokens)
+        # nn.Embed's lookup, with the table gathered first on a mesh (FSDP splits it along D; looking
+        # rows up in a split table would give activations split along D, not by rows).
+        table = nn.with_logical_constraint(self.wte.embedding, ("activation_vocab", "activation_embed"))
+        x = jnp.take(table.astype(self.wte.dtype), tokens, axis=0)
         c = self.config
         if c.positions == "learned":
             x = x + self.wpe(positions)

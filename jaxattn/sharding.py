@@ -58,7 +58,7 @@ RULES: dict[str, tuple[str, ...]] = {
 # Flax's rules for the activations' logical axes (`jaxattn.model.RESIDUAL_AXES`): rows split like
 # the batch, the model width whole. Active only inside `activation_rules`.
 ACTIVATION_RULES = (("activation_batch", ("data", "fsdp")), ("activation_length", None),
-                    ("activation_embed", None))
+                    ("activation_embed", None), ("activation_vocab", None))
 
 
 @contextlib.contextmanager
