@@ -16,7 +16,6 @@ and ratio to the reference.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -134,17 +133,14 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     config = load_config()
     runtime = runtime_lib.start(config.runtime, config.train.batch_size)  # before anything starts JAX
-    from bench.machine import describe_machine
+    from bench.machine import describe_machine, write_results
     print("\n".join(runtime.describe()), flush=True)
     record = {"command": "PYTHONPATH=$PWD python bench/kernel_choices.py " + " ".join(sys.argv[1:] if argv is None else argv),
               "machine": describe_machine(), "auto": str(runtime.kernels), "reasons": runtime.reasons,
               "mesh": str(runtime.mesh_shape), "decode_tokens": args.decode_tokens,
               "training": time_training(runtime, args.rounds),
               "decoding": time_decoding(args.rounds, args.decode_tokens)}
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "kernel_choices.json").write_text(json.dumps(record, indent=2))
-    (RESULTS / "kernel_choices.md").write_text(markdown(record))
-    print(markdown(record))
+    write_results(RESULTS, "kernel_choices", record, markdown(record))
     return record
 
 

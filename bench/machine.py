@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 from pathlib import Path
@@ -28,6 +29,15 @@ def describe_machine() -> dict:
     return {"cpu": cpu_model(), "cpus": os.cpu_count(), "platform": detected.describe(),
             "amx_bf16": "amx_bf16" in detected.cpu_flags, "jax": jax.__version__,
             "python": platform.python_version(), "XLA_FLAGS": os.environ.get("XLA_FLAGS", "")}
+
+
+def write_results(out_dir: str | Path, name: str, record: dict, markdown: str) -> None:
+    """`out_dir/NAME.json` (the record) and `NAME.md` (its table), and the table on stdout."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(record, indent=2))
+    (out / f"{name}.md").write_text(markdown)
+    print(markdown)
 
 
 def portable_command(argv: list[str], path_flags: tuple[str, ...]) -> str:

@@ -151,7 +151,7 @@ def main(argv=None) -> dict:
         result = gpt2_worker(args.gpt2_batch) if kind == "gpt2" else train_worker(kind, args.iters, args.batch)
         print(json.dumps(result))
         return result
-    from bench.machine import describe_machine
+    from bench.machine import describe_machine, write_results
     record = {"machine": describe_machine(), "iters": args.iters, "batch": args.batch, "gpt2_batch": args.gpt2_batch,
               "command": "PYTHONPATH=$PWD python bench/mesh.py " + " ".join(argv or sys.argv[1:]),
               "train": [], "gpt2": []}
@@ -160,11 +160,7 @@ def main(argv=None) -> dict:
                                                  str(args.batch)))
         print(json.dumps(record["train"][-1]), flush=True)
     record["gpt2"] = _in_fresh_process(8, "gpt2", "--gpt2-batch", str(args.gpt2_batch))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "mesh.json").write_text(json.dumps(record, indent=2))
-    (out / "mesh.md").write_text(markdown(record))
-    print(markdown(record))
+    write_results(args.out, "mesh", record, markdown(record))
     return record
 
 

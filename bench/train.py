@@ -28,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.machine import describe_machine, portable_command  # noqa: E402
+from bench.machine import describe_machine, portable_command, write_results  # noqa: E402
 from train import runtime as runtime_lib  # noqa: E402
 from train.config import DEFAULT_CONFIG, load_config  # noqa: E402
 from train.data import resolve_data_path  # noqa: E402
@@ -155,11 +155,7 @@ def main(argv=None) -> dict:
         "kernels": runtime.kernels.to_dict(), "kernel_reasons": runtime.reasons,  # what "auto" resolved to here
         "env": describe_machine(),
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "train.json").write_text(json.dumps(record, indent=2))
-    (out / "train.md").write_text(markdown(record))
-    print(markdown(record))
+    write_results(args.out, "train", record, markdown(record))
     return record
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import re
 from typing import Any
@@ -201,8 +202,12 @@ def logical_names(config: ModelConfig) -> Any:
     return jax.tree.map(lambda box: (tuple(box.names), tuple(box.value.shape)), boxed["params"], is_leaf=is_box)
 
 
+@functools.lru_cache(maxsize=32)
 def param_layout(config: ModelConfig, mesh: MeshShape) -> ParamLayout:
-    """Each parameter's `PartitionSpec` on `mesh` by `RULES`, replicating what cannot split."""
+    """Each parameter's `PartitionSpec` on `mesh` by `RULES`, replicating what cannot split.
+
+    Cached: `generate(..., mesh=)` asks for it on every call (every window of
+    `generate_windowed`), and finding the names traces the model's `init`."""
     named, counts, notes = logical_names(config), logical_counts(config), []
     is_pair = lambda x: isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], tuple)  # noqa: E731
 

@@ -112,6 +112,11 @@ class TrainConfig:
         return dataclasses.replace(self, **changes)
 
 
+def _check_positive_or_auto(name: str, value: Any) -> None:
+    if value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+        raise ValueError(f"{name} must be a positive integer or 'auto', got {value!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class RuntimeConfig:
     """How this machine runs an experiment; never the model's maths (docs/theory.md §15).
@@ -146,9 +151,7 @@ class RuntimeConfig:
                 raise ValueError(f"RuntimeConfig.{field} must be one of {allowed}, got {getattr(self, field)!r}")
         if self.mesh != "auto":
             MeshShape.parse(self.mesh)  # ValueError naming what is wrong
-        n = self.cpu_devices
-        if n != "auto" and (isinstance(n, bool) or not isinstance(n, int) or n <= 0):
-            raise ValueError(f"RuntimeConfig.cpu_devices must be a positive integer or 'auto', got {n!r}")
+        _check_positive_or_auto("RuntimeConfig.cpu_devices", self.cpu_devices)
 
     def mesh_shape(self) -> MeshShape | None:
         """The mesh asked for (None for "auto")."""
@@ -269,8 +272,7 @@ def _mesh_from_data_parallel(values: Mapping[str, Any]) -> dict[str, Any]:
     width = values.pop("data_parallel")
     if values.get("mesh", "auto") != "auto":
         raise ValueError("runtime.data_parallel is the older name of runtime.mesh = \"data:N\"; give only mesh")
-    if width != "auto" and (isinstance(width, bool) or not isinstance(width, int) or width <= 0):
-        raise ValueError(f"runtime.data_parallel must be a positive integer or 'auto', got {width!r}")
+    _check_positive_or_auto("runtime.data_parallel", width)
     values["mesh"] = "auto" if width == "auto" else f"data:{width}"
     return values
 

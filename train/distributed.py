@@ -50,7 +50,6 @@ class Cluster:
         if self.timeout_s < 1:
             raise ValueError(f"--join-timeout must be at least 1 second, got {self.timeout_s}")
 
-
     @property
     def host_port(self) -> tuple[str, int]:
         host, port = self.coordinator.rsplit(":", 1)

@@ -66,27 +66,23 @@ def widest_split(batch_size: int, limit: int) -> int:
     return max(d for d in range(1, max(1, min(limit, batch_size)) + 1) if batch_size % d == 0)
 
 
-def cpu_devices_wanted(config: RuntimeConfig, batch_size: int) -> int:
-    """The CPU host devices this process makes: asked for, else the mesh's size, else one per core."""
+def cpu_devices_wanted(config: RuntimeConfig, batch_size: int, num_processes: int = 1) -> int:
+    """The CPU host devices this process makes: asked for, else its share of the mesh (which spans
+    every process's devices), else one per core."""
     if config.cpu_devices != "auto":
         return config.cpu_devices
     shape = config.mesh_shape()
-    return shape.size if shape is not None else widest_split(batch_size, cpu_cores())
+    return max(1, shape.size // num_processes) if shape is not None else widest_split(batch_size, cpu_cores())
 
 
 def prepare_jax(config: RuntimeConfig, batch_size: int, num_processes: int = 1) -> list[str]:
-    """Applies XLA flags and the CPU host device count before JAX starts; returns warnings.
-
-    With `num_processes` > 1 an explicit mesh spans every process's devices, so each makes
-    its share.
-    """
+    """Applies XLA flags and the CPU host device count (`cpu_devices_wanted`) before JAX starts;
+    returns warnings."""
     warnings = []
     if config.xla_flags:
         current = os.environ.get("XLA_FLAGS", "").split()
         os.environ["XLA_FLAGS"] = " ".join(current + [f for f in config.xla_flags.split() if f not in current])
-    devices = cpu_devices_wanted(config, batch_size)
-    if config.cpu_devices == "auto" and config.mesh != "auto" and num_processes > 1:
-        devices = max(1, devices // num_processes)
+    devices = cpu_devices_wanted(config, batch_size, num_processes)
     if devices > 1 or config.xla_flags:
         try:  # only affects the CPU backend; harmless where the default backend is a GPU or TPU
             jax.config.update("jax_num_cpu_devices", devices)
@@ -101,20 +97,19 @@ def _mesh(config: RuntimeConfig, batch_size: int, platform: Platform, devices: i
           model: ModelConfig | None) -> tuple[MeshShape, str]:
     """(mesh shape, reason); ValueError for a mesh that does not fit the devices, batch or model."""
     asked = config.mesh_shape()
-    if asked is None and jax.process_count() > 1:
+    if asked is not None:
+        reason = "asked for"
+    elif jax.process_count() > 1:
         asked, reason = MeshShape(data=devices), f"data parallel over all {devices} devices of the processes"
-    elif asked is None:
+    else:
         limit = min(cpu_cores(), devices) if platform.is_cpu else devices
         asked = MeshShape(data=widest_split(batch_size, limit))
         reason = (f"one host device per CPU core that divides the batch ({cpu_cores()} cores, batch {batch_size})"
                   if platform.is_cpu else f"the {platform.backend} devices that divide the batch ({devices})")
-    else:
-        check_mesh(model, asked, batch_size)
-        if asked.size != devices:
-            raise ValueError(f"runtime.mesh={str(asked)!r} uses {asked.size} device(s) but JAX has {devices}"
-                             + (" (--cpu-devices N makes N host devices)" if platform.is_cpu else ""))
-        reason = "asked for"
-    check_mesh(model, asked, batch_size)
+    check_mesh(model, asked, batch_size)  # before the device count: what the user must change first
+    if config.mesh != "auto" and asked.size != devices:  # an "auto" mesh may use the first devices only
+        raise ValueError(f"runtime.mesh={str(asked)!r} uses {asked.size} device(s) but JAX has {devices}"
+                         + (" (--cpu-devices N makes N host devices)" if platform.is_cpu else ""))
     return asked, reason
 
 
