@@ -19,7 +19,8 @@ an optional `Kernels`, which implementations run it):
 * caches: `KVCache`, `LatentCache`, `DecodeCache`, `init_cache`, `cache_bytes_per_token`
 
 Decoding: `generate` (prefill + `jax.lax.scan` over one-token steps),
-`generate_windowed` (past the context), and the pure sampling functions in
+`generate_windowed` and `windows` (past the context, all at once or window by
+window), and the pure sampling functions in
 `jaxattn.sampling`.
 
 Implementations: `Kernels`, `resolve_kernels` and the formulations behind
@@ -34,7 +35,8 @@ from jaxattn.additive import additive_attention
 from jaxattn.attention import reference_attention, repeat_kv, scaled_dot_product_attention
 from jaxattn.cache import DecodeCache, KVCache, LatentCache, cache_bytes_per_token, init_cache
 from jaxattn.config import MLAConfig, ModelConfig
-from jaxattn.decoding import GenerateOutput, generate, generate_windowed
+from jaxattn.decoding import GenerateOutput, generate
+from jaxattn.windowed import generate_windowed, windows
 from jaxattn.kernels import Kernels, Platform, resolve_kernels
 from jaxattn.layers import (
     MLP,
@@ -97,4 +99,5 @@ __all__ = [
     "separate_to_fused_qkv",
     "sinusoidal_positions",
     "sliding_window_mask",
+    "windows",
 ]

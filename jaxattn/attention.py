@@ -25,8 +25,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxattn import kernels
-from jaxattn._validate import (require_bool, require_broadcastable, require_float, require_integer,
-                               require_positive_int, require_rank)
+from jaxattn._validate import (concrete_or_none, require_bool, require_broadcastable, require_float,
+                               require_integer, require_positive_int, require_rank)
 from jaxattn.masks import causal_mask, padding_mask, sliding_window_mask
 from jaxattn.softmax import softmax_dtype
 
@@ -76,8 +76,9 @@ def _validate(query, key, value, mask, bias, dropout_rate):
         raise ValueError(f"dropout_rate must be in [0, 1), got {dropout_rate}")
 
 
-def _validate_structure(query, is_causal, local_window_size, key_value_seq_lengths):
-    """The structural masks: a causal sliding window and per-row key lengths `[B]`."""
+def _validate_structure(query, key, is_causal, local_window_size, key_value_seq_lengths):
+    """The structural masks: a causal sliding window and per-row key lengths `[B]` in [0, S]
+    (their values are checked when known now, i.e. not traced under `jit`)."""
     if local_window_size is not None:
         require_positive_int("local_window_size", local_window_size)
         if not is_causal:
@@ -89,6 +90,11 @@ def _validate_structure(query, is_causal, local_window_size, key_value_seq_lengt
         if key_value_seq_lengths.shape[0] != query.shape[0]:
             raise ValueError(f"key_value_seq_lengths {key_value_seq_lengths.shape} must be [B] = "
                              f"({query.shape[0]},) for query {query.shape}")
+        lengths = concrete_or_none(key_value_seq_lengths)
+        S = key.shape[1]
+        if lengths is not None and lengths.size and (lengths.min() < 0 or lengths.max() > S):
+            raise ValueError(f"key_value_seq_lengths must be in [0, S={S}] for key {key.shape}, got "
+                             f"{lengths.tolist()}")
 
 
 def scaled_dot_product_attention(query, key, value, *, mask=None, bias=None,
@@ -114,8 +120,10 @@ def scaled_dot_product_attention(query, key, value, *, mask=None, bias=None,
         each query sees itself and the W - 1 keys before it, end-aligned like
         `is_causal` (`jaxattn.masks.sliding_window_mask`; an int, where
         `jax.nn.dot_product_attention` takes `(W - 1, 0)`).
-      key_value_seq_lengths: None, or `[B]` integers: keys `j >= lengths[b]`
-        of row b are hidden (right padding, `jaxattn.masks.padding_mask`).
+      key_value_seq_lengths: None, or `[B]` integers in [0, S]: keys `j >= lengths[b]`
+        of row b are hidden (right padding, `jaxattn.masks.padding_mask`); values
+        outside [0, S] are a ValueError when known before tracing (under `jit` they
+        are not checked: a negative length hides every key, one past S none).
       implementation: "auto" (default: this process's platform rule, e.g.
         "auto_cpu", which picks per call, see `jaxattn.kernels.auto`) or a
         name of `jaxattn.kernels.choices("attention")`: "xla" (the reference,
@@ -141,7 +149,7 @@ def scaled_dot_product_attention(query, key, value, *, mask=None, bias=None,
     bias = None if bias is None else jnp.asarray(bias)
     lengths = None if key_value_seq_lengths is None else jnp.asarray(key_value_seq_lengths)
     _validate(query, key, value, mask, bias, dropout_rate)
-    _validate_structure(query, is_causal, local_window_size, lengths)
+    _validate_structure(query, key, is_causal, local_window_size, lengths)
     if implementation == kernels.AUTO:
         implementation = kernels.select.attention_rule_here()
     attend = kernels.attention_kernel(implementation)
@@ -206,7 +214,7 @@ def reference_attention(query, key, value, *, mask=None, bias=None,
     bias = None if bias is None else jnp.asarray(bias)
     lengths = None if key_value_seq_lengths is None else jnp.asarray(key_value_seq_lengths)
     _validate(query, key, value, mask, bias, 0.0)
-    _validate_structure(query, is_causal, local_window_size, lengths)
+    _validate_structure(query, key, is_causal, local_window_size, lengths)
     B, T, N, H = query.shape
     S, K = key.shape[1], key.shape[2]
     scale = 1.0 / math.sqrt(H) if scale is None else scale

@@ -9,8 +9,8 @@ KV cache (see `jaxattn.cache`), then one `jaxattn.sampling.sample`.
 
 `generate_without_cache` is the same loop that reruns the full forward pass
 over a fixed-size token buffer every step: the oracle for tests and the
-baseline of `bench/decode.py`. `generate_windowed` goes past the model's
-context by running `generate` in windows (the one way this library does it).
+baseline of `bench/decode.py`. `jaxattn.windowed.generate_windowed` goes past the
+model's context by running `generate` in windows (the one way this library does it).
 
 Rows stop independently: once a row emits `stop_token` it is `done`, its cache
 stops advancing (`num_new = 0`) and its later output tokens are `pad_token`.
@@ -30,6 +30,7 @@ from jax.experimental import checkify
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxattn import sampling, sharding
+from jaxattn._validate import concrete_or_none
 from jaxattn.cache import DecodeCache, init_cache
 from jaxattn.config import ModelConfig
 from jaxattn.kernels import Kernels
@@ -212,7 +213,18 @@ def _generate_recomputed(params, prompt, lengths, rng, knobs, *, config, kernels
 # ---------------------------------------------------------------- public API
 
 
+def _require_concrete(**values) -> None:
+    """TypeError naming the first argument that is a tracer: `generate` runs its own jitted programs."""
+    for name, value in values.items():
+        if value is not None and concrete_or_none(value) is None:
+            raise TypeError(f"{name} is a traced value: generate cannot run inside jax.jit (it picks the "
+                            "prompt bucket from the lengths and compiles its own programs); call it outside "
+                            "jit (temperature, top_k, top_p and the rng are traced inside, so changing them "
+                            "does not recompile)")
+
+
 def _validate_tokens(config, top_k, stop_token, pad_token) -> None:
+    _require_concrete(top_k=top_k, stop_token=stop_token, pad_token=pad_token)
     if not np.all(np.asarray(top_k) >= 0):
         raise ValueError(f"top_k must be >= 0 (0 = off), got {top_k}")
     for name, token in (("stop_token", stop_token), ("pad_token", pad_token)):
@@ -226,9 +238,13 @@ def _validate(config, kernels, prompt_tokens, prompt_lengths, max_new_tokens, te
         raise TypeError(f"config must be a ModelConfig, got {type(config).__name__}")
     if not isinstance(kernels, Kernels):
         raise TypeError(f"kernels must be a jaxattn.Kernels, got {type(kernels).__name__}")
+    _require_concrete(prompt_tokens=prompt_tokens, prompt_lengths=prompt_lengths, temperature=temperature,
+                      top_p=top_p)
     tokens, lengths = np.asarray(prompt_tokens), np.asarray(prompt_lengths)
     if tokens.ndim != 2 or not np.issubdtype(tokens.dtype, np.integer):
         raise ValueError(f"prompt_tokens must be an integer array [B, Tp], got {tokens.dtype} {tokens.shape}")
+    if tokens.shape[0] == 0:
+        raise ValueError(f"prompt_tokens must hold at least one row, got shape {tokens.shape}")
     if lengths.shape != tokens.shape[:1] or not np.issubdtype(lengths.dtype, np.integer):
         raise ValueError(f"prompt_lengths must be an integer array [B] = [{tokens.shape[0]}], "
                          f"got {lengths.dtype} {lengths.shape}")
@@ -325,42 +341,6 @@ def generate_without_cache(params, config: ModelConfig, prompt_tokens, prompt_le
                                                   temperature, top_k, top_p, stop_token, pad_token)
     return _generate_recomputed(params, prompt, lengths, rng, knobs, config=config, kernels=kernels,
                                 max_new_tokens=max_new_tokens, buffer_len=buffer_len, return_logits=return_logits)
-
-
-def generate_windowed(params, config: ModelConfig, prompt_ids, *, max_new_tokens: int, rng: jax.Array,
-                      num_samples: int = 1, temperature=1.0, top_k=0, top_p=1.0,
-                      kernels: Kernels = Kernels(), mesh: Mesh | None = None) -> np.ndarray:
-    """`[num_samples, max_new_tokens]` ids continuing one prompt, past the model's context if need be.
-
-    Within the context this is `generate` (the same draws for the same `rng`).
-    Beyond it, as nanoGPT crops its context, generation goes on in windows: the
-    last half context of tokens is prefilled again and the next half context
-    drawn, so every token sees between half and all of a context of history.
-    A prompt that fills the context keeps its last `max_seq_len - 1` tokens.
-    At most two programs compile: the first window and the later ones.
-
-    Args:
-      prompt_ids: `[P]` int token ids, P >= 1.
-      the rest: as `generate` (one prompt, `num_samples` rows).
-    """
-    context = config.max_seq_len
-    prompt = np.asarray(prompt_ids, np.int32).reshape(-1)[-(context - 1):]  # room for one new token
-    if prompt.size == 0 or context < 2:
-        raise ValueError(f"generate_windowed needs a non-empty prompt and max_seq_len >= 2, got "
-                         f"{np.asarray(prompt_ids).shape} tokens and max_seq_len={context}")
-    keep = max(1, context // 2)
-    history = np.tile(prompt, (num_samples, 1))  # [num_samples, P + drawn so far]
-    knobs = dict(temperature=temperature, top_k=top_k, top_p=top_p, kernels=kernels, mesh=mesh)
-    window = 0
-    while history.shape[1] - prompt.size < max_new_tokens:
-        rows = history if window == 0 else history[:, -keep:]
-        num_new = min(max_new_tokens, context - rows.shape[1]) if window == 0 else context - keep
-        key = rng if window == 0 else jax.random.fold_in(rng, window)
-        out = generate(params, config, rows, np.full(num_samples, rows.shape[1]), max_new_tokens=num_new,
-                       rng=key, **knobs)
-        history = np.concatenate([history, np.asarray(out.tokens)], axis=1)
-        window += 1
-    return history[:, prompt.size:prompt.size + max_new_tokens]
 
 
 def checked_extend(model: DecoderLM, params, tokens, cache: DecodeCache, *, num_new=None):

@@ -216,3 +216,10 @@ def test_structural_arguments_are_checked():
         scaled_dot_product_attention(q, k, v, key_value_seq_lengths=jnp.array([1, 2, 3]))
     with pytest.raises(TypeError, match="key_value_seq_lengths must be an integer array"):
         reference_attention(q, k, v, key_value_seq_lengths=jnp.array([1.0, 2.0]))
+    for lengths in ([4, 2], [-1, 2]):  # outside [0, S]: checked whenever the values are known
+        for attend in (scaled_dot_product_attention, reference_attention):
+            with pytest.raises(ValueError, match=rf"key_value_seq_lengths must be in \[0, S=3\] for key "
+                                                 rf"\(2, 3, 2, 8\), got \{lengths}"):
+                attend(q, k, v, key_value_seq_lengths=jnp.array(lengths))
+    edges = scaled_dot_product_attention(q, k, v, key_value_seq_lengths=jnp.array([0, 3]))  # both ends are fine
+    assert not np.any(edges[0]) and np.all(np.isfinite(edges))

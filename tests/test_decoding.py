@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxattn import decoding
+from jaxattn import decoding, windowed
 from jaxattn.config import MLAConfig, ModelConfig
 from jaxattn.kernels import Kernels
 from jaxattn.model import DecoderLM
@@ -210,6 +210,8 @@ def test_prompt_bucket(length, bucket):
     (dict(top_k=-1), r"top_k must be >= 0 \(0 = off\), got -1"),
     (dict(stop_token=17), r"stop_token must be a token id in \[0, vocab_size=17\), got 17"),
     (dict(pad_token=-1), r"pad_token must be a token id in \[0, vocab_size=17\), got -1"),
+    (dict(prompt_tokens=np.zeros((0, 5), np.int32), prompt_lengths=np.zeros((0,), np.int32)),
+     r"prompt_tokens must hold at least one row, got shape \(0, 5\)"),
 ])
 def test_bad_arguments_raise_before_tracing(kwargs, message, traces):
     config = tiny_config()
@@ -231,17 +233,17 @@ def test_windowed_generation_is_generate_within_the_first_window():
     config = tiny_config("gqa", "rope")
     params, prompt = tiny_params(config), PROMPTS[0, :5]
     for temperature in (0.0, 1.2):  # the same draws for the same rng, greedy or not
-        windowed = decoding.generate_windowed(params, config, prompt, max_new_tokens=11, num_samples=2,
-                                              rng=jax.random.PRNGKey(4), temperature=temperature)
+        drawn = windowed.generate_windowed(params, config, prompt, max_new_tokens=11, num_samples=2,
+                                           rng=jax.random.PRNGKey(4), temperature=temperature)
         direct = decoding.generate(params, config, np.tile(prompt, (2, 1)), np.array([5, 5]), max_new_tokens=11,
                                    rng=jax.random.PRNGKey(4), temperature=temperature)
-        np.testing.assert_array_equal(windowed, direct.tokens)
+        np.testing.assert_array_equal(drawn, direct.tokens)
 
 
 def test_windowed_generation_goes_past_the_context_with_half_a_context_of_history():
     config = tiny_config("mha", "learned", max_seq_len=8)  # a learned table: positions cannot exceed 8
     params = tiny_params(config)
-    ids = decoding.generate_windowed(params, config, [3, 1, 4], max_new_tokens=20, rng=jax.random.PRNGKey(0),
+    ids = windowed.generate_windowed(params, config, [3, 1, 4], max_new_tokens=20, rng=jax.random.PRNGKey(0),
                                      temperature=0.0)
     assert ids.shape == (1, 20)
     history = [3, 1, 4] + list(ids[0])
@@ -257,7 +259,28 @@ def test_windowed_generation_crops_a_prompt_longer_than_the_context():
     params = tiny_params(config)
     long_prompt = np.arange(12) % config.vocab_size
     kwargs = dict(max_new_tokens=3, rng=jax.random.PRNGKey(1), temperature=0.0)
-    np.testing.assert_array_equal(decoding.generate_windowed(params, config, long_prompt, **kwargs),
-                                  decoding.generate_windowed(params, config, long_prompt[-7:], **kwargs))
+    np.testing.assert_array_equal(windowed.generate_windowed(params, config, long_prompt, **kwargs),
+                                  windowed.generate_windowed(params, config, long_prompt[-7:], **kwargs))
     with pytest.raises(ValueError, match="non-empty prompt"):
-        decoding.generate_windowed(params, config, [], **kwargs)
+        windowed.generate_windowed(params, config, [], **kwargs)
+
+
+def test_generate_under_jit_names_the_traced_argument():
+    config = tiny_config()
+    params = tiny_params(config)
+    run = jax.jit(lambda lengths: decoding.generate(params, config, PROMPTS, lengths, max_new_tokens=2,
+                                                    rng=jax.random.PRNGKey(0)).tokens)
+    with pytest.raises(TypeError, match="prompt_lengths is a traced value: generate cannot run inside jax.jit"):
+        run(LENGTHS)
+
+
+def test_windows_yield_generate_windowed_window_by_window_and_check_first():
+    config = tiny_config("mha", "learned", max_seq_len=8)
+    params, kwargs = tiny_params(config), dict(rng=jax.random.PRNGKey(2), temperature=0.7, num_samples=2)
+    chunks = list(windowed.windows(params, config, [3, 1, 4], max_new_tokens=13, **kwargs))
+    assert [c.shape for c in chunks] == [(2, 5), (2, 4), (2, 4)]  # the first fills the context, then half
+    np.testing.assert_array_equal(np.concatenate(chunks, axis=1),
+                                  windowed.generate_windowed(params, config, [3, 1, 4], max_new_tokens=13, **kwargs))
+    for bad in (dict(max_new_tokens=0), dict(max_new_tokens=3, num_samples=0)):  # as generate: before any window
+        with pytest.raises(ValueError, match="must be a positive int"):
+            windowed.windows(params, config, [3], **{**kwargs, **bad})

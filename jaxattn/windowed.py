@@ -1,0 +1,79 @@
+"""Generation past the model's context: `generate` run in windows, as nanoGPT crops its context.
+
+`generate_windowed` returns every drawn token at once; `windows` yields them window by
+window, so a program can show progress, print tokens as they come, or stop between windows
+and keep what was drawn (what `python -m train.sample` and the end-of-run sample do).
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from jaxattn.config import ModelConfig
+from jaxattn.decoding import generate
+from jaxattn.kernels import Kernels
+
+
+def windows(params, config: ModelConfig, prompt_ids, *, max_new_tokens: int, rng: jax.Array,
+            num_samples: int = 1, temperature=1.0, top_k=0, top_p=1.0, kernels: Kernels = Kernels(),
+            mesh: Mesh | None = None) -> Iterator[np.ndarray]:
+    """`generate_windowed` as a stream: yields `[num_samples, n]` ids, one window at a time.
+
+    The chunks, concatenated, are `generate_windowed`'s output (n sums to `max_new_tokens`),
+    so a caller can show progress, write tokens as they come, or stop between windows and
+    keep what was drawn. Arguments are checked when this is called, before the first window.
+    Host memory holds the chunks already yielded (the caller's) and half a context of history.
+    """
+    context = config.max_seq_len
+    prompt = np.asarray(prompt_ids).reshape(-1)
+    if prompt.size == 0 or context < 2:
+        raise ValueError(f"generate_windowed needs a non-empty prompt and max_seq_len >= 2, got "
+                         f"{prompt.shape[0]} tokens and max_seq_len={context}")
+    for name, value in (("max_new_tokens", max_new_tokens), ("num_samples", num_samples)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    prompt = prompt.astype(np.int32)[-(context - 1):]  # room for one new token
+    knobs = dict(temperature=temperature, top_k=top_k, top_p=top_p, kernels=kernels, mesh=mesh)
+    return _windows(params, config, np.tile(prompt, (num_samples, 1)), int(max_new_tokens), rng, knobs)
+
+
+def _windows(params, config: ModelConfig, rows: np.ndarray, max_new_tokens: int, rng, knobs) -> Iterator[np.ndarray]:
+    """The windows of `windows`: the first continues `rows` [B, P], each later one the last half context."""
+    context, window, drawn = config.max_seq_len, 0, 0
+    keep = max(1, context // 2)
+    while drawn < max_new_tokens:
+        num_new = min(max_new_tokens, context - rows.shape[1]) if window == 0 else context - keep
+        key = rng if window == 0 else jax.random.fold_in(rng, window)
+        out = generate(params, config, rows, np.full(rows.shape[0], rows.shape[1]), max_new_tokens=num_new,
+                       rng=key, **knobs)
+        chunk = np.asarray(out.tokens)[:, :max_new_tokens - drawn]
+        rows = np.concatenate([rows, np.asarray(out.tokens)], axis=1)[:, -keep:]  # the next window's history
+        drawn, window = drawn + chunk.shape[1], window + 1
+        yield chunk
+
+
+def generate_windowed(params, config: ModelConfig, prompt_ids, *, max_new_tokens: int, rng: jax.Array,
+                      num_samples: int = 1, temperature=1.0, top_k=0, top_p=1.0,
+                      kernels: Kernels = Kernels(), mesh: Mesh | None = None) -> np.ndarray:
+    """`[num_samples, max_new_tokens]` ids continuing one prompt, past the model's context if need be.
+
+    Within the context this is `generate` (the same draws for the same `rng`).
+    Beyond it, as nanoGPT crops its context, generation goes on in windows: the
+    last half context of tokens is prefilled again and the next half context
+    drawn, so every token sees between half and all of a context of history.
+    A prompt that fills the context keeps its last `max_seq_len - 1` tokens.
+    At most two programs compile: the first window and the later ones.
+    `windows` yields the same tokens window by window.
+
+    Args:
+      prompt_ids: `[P]` int token ids, P >= 1.
+      max_new_tokens, num_samples: positive ints (ValueError otherwise, as `generate`).
+      the rest: as `generate` (one prompt, `num_samples` rows).
+    """
+    return np.concatenate(list(windows(params, config, prompt_ids, max_new_tokens=max_new_tokens, rng=rng,
+                                       num_samples=num_samples, temperature=temperature, top_k=top_k,
+                                       top_p=top_p, kernels=kernels, mesh=mesh)), axis=1)
