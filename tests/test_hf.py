@@ -323,7 +323,7 @@ def test_export_loads_in_transformers_as_the_same_model(tmp_path, name):
     config, architecture = EXPORTS[name]
     params, ids = random_params(config), tokens(vocab=config.vocab_size)
     expected = jax_logits(config, params, ids)
-    path = hf.save_pretrained(tmp_path / "out", config, params)
+    path = hf.save_pretrained(tmp_path / "out", config, params).directory
     model, info = transformers.AutoModelForCausalLM.from_pretrained(
         path, dtype=torch.float32, attn_implementation="eager", output_loading_info=True)
     assert type(model).__name__ == architecture
@@ -480,9 +480,11 @@ def test_tensor_mismatches_name_the_tensor_and_both_shapes(checkpoint, tmp_path,
 def test_load_refuses_other_dtypes_and_directories_without_a_checkpoint(checkpoint, tmp_path):
     with pytest.raises(ValueError, match="dtype"):
         hf.load_pretrained(checkpoint("llama_gqa").path, dtype="float16")
-    with pytest.raises(FileNotFoundError, match="config.json"):
+    with pytest.raises(hf.InvalidCheckpoint, match="config.json: does not exist: not a Hugging Face checkpoint"):
         hf.load_pretrained(tmp_path)
-    with pytest.raises(FileNotFoundError, match="safetensors"):
+    with pytest.raises(hf.InvalidCheckpoint, match="nowhere: does not exist"):
+        hf.load_pretrained(tmp_path / "nowhere")
+    with pytest.raises(hf.InvalidCheckpoint, match="no_weights: holds no model.safetensors"):
         hf.load_pretrained(_config_only(checkpoint("llama_gqa"), tmp_path / "no_weights"))
 
 
@@ -515,15 +517,17 @@ def test_save_refuses_a_non_empty_directory_unless_told_to_overwrite(tmp_path):
     config = EXPORTS["mistral_window"][0]
     params = random_params(config)
     (tmp_path / "notes.txt").write_text("mine")
-    (tmp_path / "model-00001-of-00002.safetensors").write_bytes(b"an older save")
+    (tmp_path / "model-00001-of-00002.safetensors").write_bytes(b"no index lists it: the user's")
     with pytest.raises(FileExistsError, match="overwrite=True"):
         hf.save_pretrained(tmp_path, config, params)
     with pytest.raises(TypeError, match="tokenizer"):
         hf.save_pretrained(tmp_path, config, params, tokenizer="not a tokenizer", overwrite=True)
     assert not (tmp_path / "config.json").exists()
-    hf.save_pretrained(tmp_path, config, params, overwrite=True)
-    assert (tmp_path / "notes.txt").read_text() == "mine"  # only the checkpoint's files are replaced
-    assert sorted(p.name for p in tmp_path.glob("*.safetensors")) == ["model.safetensors"]
+    report = hf.save_pretrained(tmp_path, config, params, overwrite=True)
+    assert (tmp_path / "notes.txt").read_text() == "mine"  # only the checkpoint's files are written
+    assert (tmp_path / "model-00001-of-00002.safetensors").read_bytes() == b"no index lists it: the user's"
+    assert [p.name for p in report.written] == ["config.json", "generation_config.json", "model.safetensors"]
+    assert report.replaced == () and report.architecture == "MistralForCausalLM"
     again, again_params = hf.load_pretrained(tmp_path)
     assert max_diff(jax_logits(again, again_params, tokens()), jax_logits(config, params, tokens())) <= TOL
 
@@ -532,6 +536,249 @@ def test_save_refuses_params_of_another_config(tmp_path):
     config = EXPORTS["mistral_window"][0]
     with pytest.raises(ValueError, match=r"blocks_0/attn/qkv/kernel: expected shape \(64, 192\), found \(64, 128\)"):
         hf.save_pretrained(tmp_path, config.replace(num_kv_heads=4), random_params(config))
+
+
+# ---------------------------------------------------------------- damaged files: one InvalidCheckpoint naming file and key
+
+TINY = small(vocab_size=10, d_model=8, num_layers=1, num_heads=2, mlp_hidden=16, max_seq_len=8)
+NORM = "model.layers.0.input_layernorm.weight"  # (8,) float32: 32 bytes
+POST_NORM = "model.layers.0.post_attention_layernorm.weight"  # the same
+EMBED = "model.embed_tokens.weight"
+
+
+@pytest.fixture
+def tiny(tmp_path) -> Path:
+    """A tiny Llama checkpoint (config.json, model.safetensors, generation_config.json), written without torch."""
+    return hf.save_pretrained(tmp_path / "tiny", TINY, random_params(TINY)).directory
+
+
+def _edit_config(directory: Path, **changes) -> Path:
+    config = json.loads((directory / "config.json").read_text()) | changes
+    (directory / "config.json").write_text(json.dumps({k: v for k, v in config.items() if v != "DELETE"}))
+    return directory / "config.json"
+
+
+def _split(file: Path) -> tuple[dict, bytes]:
+    """(header, data) of a safetensors file."""
+    raw = file.read_bytes()
+    length = int.from_bytes(raw[:8], "little")
+    return json.loads(raw[8:8 + length]), raw[8 + length:]
+
+
+def _join(file: Path, header: dict, data: bytes) -> Path:
+    text = json.dumps(header).encode()
+    file.write_bytes(len(text).to_bytes(8, "little") + text + data)
+    return file
+
+
+def _raises(kind, directory: Path, path: Path, key, *words: str) -> str:
+    """Loading `directory` raises `kind` naming `path` (its `path`), `key` (or one of a tuple of keys) and `words`."""
+    with pytest.raises(kind) as error:
+        hf.load_pretrained(directory)
+    message = str(error.value)
+    assert str(path) in message and all(word in message for word in words), message
+    if kind is hf.InvalidCheckpoint:
+        keys = key if isinstance(key, tuple) else (key,)
+        assert error.value.path == path and error.value.key in keys, (error.value.path, error.value.key)
+        assert error.value.key is None or error.value.key in message
+    return message
+
+
+BAD_CONFIGS = {  # config.json changes: (the key named, words of the message)
+    "a required key missing": (dict(hidden_size="DELETE"), "hidden_size", ["is missing"]),
+    "null for a required key": (dict(vocab_size=None), "vocab_size", ["is null"]),
+    "a string for an int": (dict(num_hidden_layers="1"), "num_hidden_layers", ['"1" (a string)', "positive integer"]),
+    "a bool for a number": (dict(rms_norm_eps=True), "rms_norm_eps", ["true (a boolean)", "positive number"]),
+    "a string for a bool": (dict(tie_word_embeddings="false"), "tie_word_embeddings", ['"false" (a string)']),
+    "a list for an object": (dict(rope_parameters=[1, 2]), "rope_parameters", ["an object", "(an array)"]),
+    "a zero size": (dict(intermediate_size=0), "intermediate_size", ["positive integer, got 0"]),
+    "a nested key of the wrong type": (dict(rope_parameters=dict(rope_type="linear", rope_theta=1e4, factor="4")),
+                                       "rope_parameters.factor", ['"4" (a string)']),
+    "no model_type": (dict(model_type="DELETE"), "model_type", ["is missing"]),
+    "a string for architectures": (dict(architectures="LlamaForCausalLM"), "architectures", ["array of strings"]),
+    "sizes that make no model": (dict(num_attention_heads=3), None, ["describes no model", "num_heads"]),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_CONFIGS))
+def test_a_bad_config_json_names_the_file_and_key(tiny, name):
+    changes, key, words = BAD_CONFIGS[name]
+    _raises(hf.InvalidCheckpoint, tiny, _edit_config(tiny, **changes), key, *words)
+
+
+def test_a_config_json_that_is_not_a_json_object_names_the_file(tiny):
+    (tiny / "config.json").write_text('{"model_type": "llama",')
+    _raises(hf.InvalidCheckpoint, tiny, tiny / "config.json", None, "is not JSON", "line 1")
+    (tiny / "config.json").write_text("[1, 2]")
+    _raises(hf.InvalidCheckpoint, tiny, tiny / "config.json", None, "an array, expected a JSON object")
+
+
+def test_a_quantized_checkpoint_is_unsupported(tiny):
+    _edit_config(tiny, quantization_config={"quant_method": "fp8"})
+    with pytest.raises(hf.UnsupportedCheckpoint, match="quant_method='fp8'"):
+        hf.load_pretrained(tiny)
+
+
+def _truncated(file: Path) -> None:
+    file.write_bytes(file.read_bytes()[:-4])
+
+
+def _header_edit(edit):
+    def apply(file: Path) -> None:
+        header, data = _split(file)
+        edit(header)
+        _join(file, header, data)
+    return apply
+
+
+BAD_FILES = {  # damage to model.safetensors: (the tensor named or None, words of the message)
+    "empty": (lambda f: f.write_bytes(b""), None, ["is empty"]),
+    "shorter than its header length": (lambda f: f.write_bytes(b"\x10\x00\x00"), None, ["truncated to 3 bytes"]),
+    "a corrupt header length": (lambda f: f.write_bytes(b"\xff" * 8 + f.read_bytes()[8:]), None,
+                                ["first 8 bytes give a", "-byte header"]),
+    "a corrupt header": (lambda f: f.write_bytes(f.read_bytes()[:8] + b"[" + f.read_bytes()[9:]), None,
+                         ["corrupt header"]),
+    "truncated data": (_truncated, "LAST", ["run past the end", "truncated"]),
+    "trailing bytes": (lambda f: f.write_bytes(f.read_bytes() + b"\0" * 4), None, ["4 bytes after the last tensor"]),
+    "offsets that overlap": (_header_edit(lambda h: h[NORM].update(data_offsets=h[POST_NORM]["data_offsets"])),
+                             (NORM, POST_NORM), ["overlap those of model.layers.0."]),
+    "a shape that lies": (_header_edit(lambda h: h[NORM].update(shape=[9])), NORM,
+                          ["span 32 bytes, but shape (9,) of F32 is 36 bytes"]),
+    "an unknown dtype": (_header_edit(lambda h: h[NORM].update(dtype="F128")), NORM, ["not a safetensors dtype"]),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_FILES))
+def test_a_damaged_safetensors_file_names_the_file_and_tensor(tiny, name):
+    damage, key, words = BAD_FILES[name]
+    if key == "LAST":  # the tensor whose bytes come last
+        tensors = {n: v for n, v in _split(tiny / "model.safetensors")[0].items() if n != "__metadata__"}
+        key = max(tensors, key=lambda n: tensors[n]["data_offsets"])
+    damage(tiny / "model.safetensors")
+    _raises(hf.InvalidCheckpoint, tiny, tiny / "model.safetensors", key, *words)
+
+
+def _replace_tensor(directory: Path, name: str, value: np.ndarray) -> Path:
+    tensors = load_file(directory / "model.safetensors") | {name: value}
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    return directory / "model.safetensors"
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.bool_])
+def test_a_tensor_of_a_dtype_that_cannot_hold_weights_is_refused(tiny, dtype):
+    file = _replace_tensor(tiny, NORM, np.ones(8, dtype))
+    _raises(hf.InvalidCheckpoint, tiny, file, NORM, "cannot hold weights", "F32, F16, BF16, F64",
+            "I32" if dtype is np.int32 else "BOOL")
+
+
+def test_fp8_weights_are_unsupported_naming_the_tensor(tiny):
+    import ml_dtypes
+    file = _replace_tensor(tiny, NORM, np.ones(8, ml_dtypes.float8_e4m3fn))
+    _raises(hf.UnsupportedCheckpoint, tiny, file, None, NORM, "F8_E4M3 weights are not read", "dequantize")
+
+
+def test_non_finite_weights_are_refused_unless_allowed(tiny):
+    stored = load_file(tiny / "model.safetensors")[EMBED]  # (10, 8)
+    spoiled = stored.copy()
+    spoiled[0, :2], spoiled[3, 4] = np.nan, -np.inf
+    file = _replace_tensor(tiny, EMBED, spoiled)
+    _raises(hf.InvalidCheckpoint, tiny, file, EMBED, "3 of 80 values are not finite (2 NaN, 1 infinite)",
+            "allow_nonfinite=True")
+    _, params = hf.load_pretrained(tiny, allow_nonfinite=True)  # the rare checkpoint that means it
+    np.testing.assert_array_equal(np.asarray(params["wte"]["embedding"]), spoiled)
+    _replace_tensor(tiny, EMBED, stored.astype(np.float64) * 1e300)  # finite in F64, infinite as float32
+    _raises(hf.InvalidCheckpoint, tiny, file, EMBED, "once converted to float32")
+
+
+def _shard(directory: Path) -> dict[str, str]:
+    """Moves model.safetensors into two shards listed by an index; returns the weight map."""
+    tensors = load_file(directory / "model.safetensors")
+    (directory / "model.safetensors").unlink()
+    names = sorted(tensors)
+    weight_map = {name: f"model-0000{1 + i % 2}-of-00002.safetensors" for i, name in enumerate(names)}
+    for shard in set(weight_map.values()):
+        save_file({n: tensors[n] for n in names if weight_map[n] == shard}, directory / shard)
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return weight_map
+
+
+def test_a_bad_index_names_the_index_and_the_tensor(tiny):
+    weight_map = _shard(tiny)
+    index = tiny / "model.safetensors.index.json"
+    hf.load_pretrained(tiny)  # the shards load
+    (tiny / "model-00002-of-00002.safetensors").unlink()
+    first = min(n for n, shard in weight_map.items() if shard.startswith("model-00002"))
+    _raises(hf.InvalidCheckpoint, tiny, index, first, "model-00002-of-00002.safetensors, which does not exist")
+    index.write_text(json.dumps({"weight_map": weight_map | {first: "model-00001-of-00002.safetensors"}}))
+    _raises(hf.InvalidCheckpoint, tiny, index, first, "whose header has no such tensor")
+    index.write_text(json.dumps({"weights": weight_map}))
+    _raises(hf.InvalidCheckpoint, tiny, index, "weight_map", "expected an object")
+
+
+def test_a_mismatched_tensor_names_the_file(tiny):
+    file = _replace_tensor(tiny, NORM, np.ones(9, np.float32))
+    _raises(hf.InvalidCheckpoint, tiny, file, NORM, "expected shape (8,), found (9,)")
+
+
+TOKENIZER_FILES = {  # a damaged file beside tokenizer.json: (file, content, key, words)
+    "a corrupt tokenizer.json": ("tokenizer.json", '{"model": 3}', None, ["not a tokenizer the tokenizers library"]),
+    "tokenizer.json not UTF-8": ("tokenizer.json", b"\xff\xfe", None, ["not UTF-8"]),
+    "generation_config.json not an object": ("generation_config.json", "[1]", None, ["expected a JSON object"]),
+    "an eos id of the wrong type": ("config.json", '{"eos_token_id": "1"}', "eos_token_id", ["expected a token id"]),
+    "an eos token of the wrong type": ("tokenizer_config.json", '{"eos_token": 1}', "eos_token", ["expected a token"]),
+}
+
+
+@pytest.mark.parametrize("name", list(TOKENIZER_FILES))
+def test_a_damaged_tokenizer_file_names_the_file_and_key(tmp_path, name):
+    file, content, key, words = TOKENIZER_FILES[name]
+    tiny_tokenizer().save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / file).write_bytes(content if isinstance(content, bytes) else content.encode())
+    with pytest.raises(hf.InvalidCheckpoint) as error:
+        hf.load_tokenizer(tmp_path)
+    assert (error.value.path, error.value.key) == (tmp_path / file, key)
+    assert str(tmp_path / file) in str(error.value) and all(word in str(error.value) for word in words)
+
+
+def test_overwriting_replaces_only_the_files_of_a_save(tiny, tmp_path):
+    """A user's files stay byte for byte; an older sharded save's index and listed shards go; the report says so."""
+    (tmp_path / "outside.safetensors").write_bytes(b"not in the directory")
+    weight_map = _shard(tiny) | {"x.weight": "../outside.safetensors"}  # an index may name anything
+    (tiny / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    hf.save_pretrained(tiny / "sub", TINY, random_params(TINY))  # a folder of the user's
+    mine = {"adapter_model.safetensors": b"an adapter", "notes.txt": b"mine", "README.md": b"# a model"}
+    for name, content in mine.items():
+        (tiny / name).write_bytes(content)
+    before = {p: p.read_bytes() for p in tiny.rglob("*") if p.is_file()}
+    report = hf.save_pretrained(tiny, TINY, random_params(TINY, seed=1), tokenizer=tiny_tokenizer(),
+                                eos_token_id=1, overwrite=True)
+    names = ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+    assert report.written == tuple(tiny / name for name in names)
+    shards = sorted(set(weight_map.values()) - {"../outside.safetensors"})
+    assert report.replaced == tuple(sorted(tiny / n for n in ["config.json", "generation_config.json",
+                                                              "model.safetensors.index.json", *shards]))
+    after = {p: p.read_bytes() for p in tiny.rglob("*") if p.is_file()}
+    assert set(after) == set(before) - set(report.replaced) | set(report.written)
+    assert all(after[p] == before[p] for p in after if p not in report.written)  # the user's, byte for byte
+    assert (tmp_path / "outside.safetensors").read_bytes() == b"not in the directory"
+    _, params = hf.load_pretrained(tiny)
+    np.testing.assert_array_equal(params["wte"]["embedding"], random_params(TINY, seed=1)["wte"]["embedding"])
+
+
+def test_a_failed_save_leaves_the_older_checkpoint_in_place(tiny, monkeypatch):
+    from jaxattn.hf import checkpoint as checkpoint_module
+    before = {p.name: p.read_bytes() for p in tiny.iterdir()}
+
+    def disk_full(path, tensors):
+        path.write_bytes(b"half a file")
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(checkpoint_module, "write_safetensors", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        hf.save_pretrained(tiny, TINY, random_params(TINY, seed=1), overwrite=True)
+    assert {p.name: p.read_bytes() for p in tiny.iterdir()} == before  # no temporary file left either
+    with pytest.raises(OSError):
+        hf.save_pretrained(tiny.parent / "new", TINY, random_params(TINY))
+    assert not (tiny.parent / "new").exists()
 
 
 # ---------------------------------------------------------------- the tokenizer
@@ -557,6 +804,7 @@ def test_the_tokenizer_travels_with_the_checkpoint(tmp_path):
     assert (tok.eos_token_id, tok.vocab_size) == (1, 10)
     auto = transformers.AutoTokenizer.from_pretrained(tmp_path)  # transformers reads it too
     assert auto("to be or not", add_special_tokens=False)["input_ids"] == [2, 3, 4, 5] and auto.eos_token_id == 1
+    assert transformers.GenerationConfig.from_pretrained(tmp_path).eos_token_id == 1
 
 
 def test_the_end_of_sequence_id_is_found_where_transformers_keeps_it(tmp_path):
@@ -568,7 +816,7 @@ def test_the_end_of_sequence_id_is_found_where_transformers_keeps_it(tmp_path):
     assert hf.load_tokenizer(tmp_path).eos_token_id == 7
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [8, 9]}))
     assert hf.load_tokenizer(tmp_path).eos_token_id == 8  # the first of several
-    with pytest.raises(FileNotFoundError, match="tokenizer.json"):
+    with pytest.raises(hf.InvalidCheckpoint, match="tokenizer.json: does not exist"):
         hf.load_tokenizer(tmp_path / "elsewhere")
 
 

@@ -4,7 +4,7 @@
 from jaxattn import hf
 config, params = hf.load_pretrained(path, dtype="float32")   # a local checkpoint directory
 logits = jaxattn.DecoderLM(config).apply({"params": params}, tokens)
-hf.save_pretrained(out_dir, config, params, tokenizer=None)  # AutoModelForCausalLM loads it
+report = hf.save_pretrained(out_dir, config, params, tokenizer=None)  # AutoModelForCausalLM loads it
 tok = hf.load_tokenizer(path)                                 # encode, decode, eos_token_id, vocab_size
 ```
 
@@ -23,32 +23,56 @@ Supported, both ways (load and export), with the transformers 5.23 classes:
 
 Not supported (`UnsupportedCheckpoint`): mixture-of-experts layers, dynamic or
 longrope RoPE, partial rotary, per-layer windows, parallel residuals, GPT-2's
-per-layer attention scaling, and every other architecture.
+per-layer attention scaling, quantized checkpoints (`quantization_config`, FP8
+and smaller float tensors), and every other architecture.
+
+Errors: every failure to read a checkpoint is an `HFCheckpointError` (a
+ValueError): `UnsupportedCheckpoint` for what jaxattn does not implement,
+`InvalidCheckpoint` (attributes `path`, `key`) for a file that is missing,
+unreadable or damaged, its message naming the file and the config key or
+tensor.
 
 Contracts:
 
-* `load_pretrained(path, dtype)` reads `config.json` and `model.safetensors`
-  (or the shards of `model.safetensors.index.json`) from a local directory;
+* `load_pretrained(path, dtype, *, allow_nonfinite=False)` reads `config.json`
+  and `model.safetensors` (or, without it, the shards of
+  `model.safetensors.index.json`: transformers' order) from a local directory;
   `dtype` ("float32" or "bfloat16") becomes the config's `dtype` and
   `param_dtype` and the parameters' dtype, whatever the checkpoint stores.
-  Everything is validated before any tensor data is read: an unsupported
-  architecture or feature raises `UnsupportedCheckpoint` naming it; a missing,
-  unexpected or wrongly shaped tensor raises a ValueError naming the tensor,
-  the expected shape and the one found. Buffers that are not parameters
-  (GPT-2 and GPT-NeoX attention masks, `rotary_emb.inv_freq`) are ignored.
+  Everything is validated before any tensor data is read: config.json's keys
+  (required ones present, each of its JSON type, sizes positive), every
+  safetensors header against its file's size (offsets inside the file, not
+  overlapping, each `prod(shape) * itemsize` bytes), the index's shards, and
+  the dtypes (F32, F16, BF16, F64 hold weights; integers and bool do not).
+  An unsupported architecture or feature raises `UnsupportedCheckpoint`
+  naming it; anything else `InvalidCheckpoint`, e.g. a missing, unexpected
+  or wrongly shaped tensor naming the tensor, the expected shape and the one
+  found. Each tensor is checked as it is read: NaN or infinite values (after
+  conversion to `dtype`) raise `InvalidCheckpoint` with their count, unless
+  `allow_nonfinite=True` (the rare checkpoint that stores -inf masks or
+  overflowed values on purpose). Buffers that are not parameters (GPT-2 and
+  GPT-NeoX attention masks, `rotary_emb.inv_freq`) are ignored, unchecked.
 * `save_pretrained(path, config, params, tokenizer=None, *, overwrite=False,
-  eos_token_id=None)` writes `config.json`, `model.safetensors` and, given a
-  `tokenizers.Tokenizer`, `tokenizer.json` (+ a `tokenizer_config.json`). A
+  eos_token_id=None) -> SaveReport` writes `config.json`, `model.safetensors`,
+  `generation_config.json` (the end-of-sequence id, when known) and, given a
+  `tokenizers.Tokenizer`, `tokenizer.json` + `tokenizer_config.json`. A
   config with no transformers counterpart raises `UnsupportedCheckpoint`
   naming the field that prevents it (see `jaxattn.hf.export` for the choice
-  of architecture). A non-empty directory is refused unless `overwrite=True`.
-* `load_tokenizer(path)` wraps the directory's tokenizer.json (see `jaxattn.hf.tokenizer`).
+  of architecture). A non-empty directory is refused (FileExistsError) unless
+  `overwrite=True`, which replaces exactly those files, plus an older
+  `model.safetensors.index.json` and the shards it lists; every other file
+  (an adapter, a README) stays as it was. Files are written under temporary
+  names and renamed into place once all are written, so a failed save leaves
+  the older checkpoint as it was. The `SaveReport` lists `written` and
+  `replaced` files and the `architecture`.
+* `load_tokenizer(path)` wraps the directory's tokenizer.json (see `jaxattn.hf.tokenizer`);
+  failures are `InvalidCheckpoint`.
 """
 
 from jaxattn.hf.architectures import ARCHITECTURES
-from jaxattn.hf.checkpoint import load_pretrained, save_pretrained
-from jaxattn.hf.errors import UnsupportedCheckpoint
+from jaxattn.hf.checkpoint import SaveReport, load_pretrained, save_pretrained
+from jaxattn.hf.errors import HFCheckpointError, InvalidCheckpoint, UnsupportedCheckpoint
 from jaxattn.hf.tokenizer import HFTokenizer, load_tokenizer
 
-__all__ = ["ARCHITECTURES", "HFTokenizer", "UnsupportedCheckpoint", "load_pretrained", "load_tokenizer",
-           "save_pretrained"]
+__all__ = ["ARCHITECTURES", "HFCheckpointError", "HFTokenizer", "InvalidCheckpoint", "SaveReport",
+           "UnsupportedCheckpoint", "load_pretrained", "load_tokenizer", "save_pretrained"]

@@ -9,9 +9,13 @@ file is written. Tensors are read one at a time (see
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
+import os
+import secrets
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import flax.linen as nn
 import jax
@@ -20,17 +24,26 @@ import numpy as np
 from flax.traverse_util import flatten_dict, unflatten_dict
 
 from jaxattn.config import ModelConfig
-from jaxattn.hf.architectures import config_from_hf
+from jaxattn.hf.architectures import ARCHITECTURES, config_from_hf
+from jaxattn.hf.errors import InvalidCheckpoint, UnsupportedCheckpoint
 from jaxattn.hf.export import hf_config
+from jaxattn.hf.fields import Fields, read_json_object
 from jaxattn.hf.layouts import FAMILIES, is_ignored, layout
-from jaxattn.hf.safetensors_io import INDEX_FILE, CheckpointReader, write_safetensors
-from jaxattn.hf.tokenizer import HFTokenizer, as_tokenizer, save_tokenizer
+from jaxattn.hf.safetensors_io import INDEX_FILE, SINGLE_FILE, CheckpointReader, write_safetensors
+from jaxattn.hf.tokenizer import TOKENIZER_FILES, HFTokenizer, as_tokenizer, tokenizer_files
 from jaxattn.hf.weights import Entry
 from jaxattn.layers import fused_to_separate_qkv, separate_to_fused_qkv
 from jaxattn.model import DecoderLM
 
 DTYPES = ("float32", "bfloat16")
 MAX_LISTED = 8  # problems listed in one error message
+WEIGHT_DTYPES = ("F32", "F16", "BF16", "F64")  # the safetensors dtypes weights are read from
+# 8-bit and smaller floats: quantized checkpoints, whose per-block scales jaxattn does not apply.
+LOW_PRECISION_DTYPES = ("F8_E4M3", "F8_E5M2", "F8_E8M0", "F6_E2M3", "F6_E3M2", "F4")
+# The files a save writes (with a tokenizer, TOKENIZER_FILES too); overwriting replaces these and
+# an older sharded save (its index and the shards it lists): the rest of a directory is the user's.
+MODEL_FILES = (SINGLE_FILE, "config.json", "generation_config.json")
+NONFINITE_HINT = "allow_nonfinite=True loads them anyway"  # the end of a non-finite tensor's message
 
 
 def abstract_params(config: ModelConfig) -> dict[tuple[str, ...], jax.ShapeDtypeStruct]:
@@ -39,11 +52,12 @@ def abstract_params(config: ModelConfig) -> dict[tuple[str, ...], jax.ShapeDtype
     return flatten_dict(nn.unbox(jax.eval_shape(init)["params"]))
 
 
-def read_config_json(directory: Path) -> dict[str, Any]:
+def read_config_json(directory: Path) -> Fields:
+    """The directory's config.json as `Fields`; InvalidCheckpoint if absent or not a JSON object."""
+    if not directory.is_dir():
+        raise InvalidCheckpoint(directory, None, "does not exist" if not directory.exists() else "is not a directory")
     path = directory / "config.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"{directory} holds no config.json: not a Hugging Face checkpoint directory")
-    return json.loads(path.read_text())
+    return Fields(read_json_object(path, ": not a Hugging Face checkpoint directory"), path)
 
 
 def _stored_names(reader: CheckpointReader, family: str) -> dict[str, str]:
@@ -60,22 +74,40 @@ def _stored_names(reader: CheckpointReader, family: str) -> dict[str, str]:
     return mapping
 
 
-def _problems(entries: list[Entry], stored: dict[str, str], reader: CheckpointReader, ignored) -> list[str]:
+def _problems(entries: list[Entry], stored: dict[str, str], reader: CheckpointReader,
+              ignored) -> list[tuple[str, str]]:
+    """`(tensor name, problem)` for every tensor that is missing, unexpected or of the wrong shape."""
     expected = {name: shape for e in entries for name, shape in zip(e.names, e.shapes, strict=True)}
-    problems = [f"missing tensor {name}: expected shape {shape}, found none"
+    problems = [(name, f"missing tensor {name}: expected shape {shape}, found none")
                 for name, shape in expected.items() if name not in stored]
-    problems += [f"tensor {name}: expected shape {shape}, found {reader.shape(stored[name])}"
+    problems += [(name, f"tensor {name}: expected shape {shape}, found {reader.shape(stored[name])}")
                  for name, shape in expected.items() if name in stored and reader.shape(stored[name]) != shape]
-    problems += [f"unexpected tensor {name}: expected none, found shape {reader.shape(stored[name])}"
+    problems += [(name, f"unexpected tensor {name}: expected none, found shape {reader.shape(stored[name])}")
                  for name in stored if name not in expected and not ignored(name)]
     return problems
 
 
-def _raise_problems(directory: Path, problems: list[str]) -> None:
+def _raise_problems(reader: CheckpointReader, problems: list[tuple[str, str]]) -> None:
     if problems:
-        more = f"\n  ... and {len(problems) - MAX_LISTED} more" if len(problems) > MAX_LISTED else ""
-        raise ValueError(f"checkpoint {directory} does not match its config.json:\n  "
-                         + "\n  ".join(problems[:MAX_LISTED]) + more)
+        listed = [text for _, text in problems[:MAX_LISTED]]
+        more = [f"... and {len(problems) - MAX_LISTED} more"] if len(problems) > MAX_LISTED else []
+        raise InvalidCheckpoint(reader.source, problems[0][0], "the tensors do not match config.json:\n  "
+                                + "\n  ".join(listed + more))
+
+
+def _check_dtypes(entries: list[Entry], stored: dict[str, str], reader: CheckpointReader) -> None:
+    """Every tensor to load is of a floating dtype read here (see `WEIGHT_DTYPES`); checked from the headers."""
+    for name in (name for entry in entries for name in entry.names):
+        dtype = reader.dtype(stored[name])
+        if dtype in WEIGHT_DTYPES:
+            continue
+        file = reader.files[stored[name]]
+        if dtype in LOW_PRECISION_DTYPES:
+            raise UnsupportedCheckpoint(f"{file}: {stored[name]}: {dtype} weights are not read (quantized "
+                                        f"checkpoints keep scales jaxattn does not apply); weights are read from "
+                                        f"{', '.join(WEIGHT_DTYPES)}: dequantize the checkpoint first")
+        raise InvalidCheckpoint(file, stored[name], f"is {dtype}, a dtype that cannot hold weights; weights are "
+                                f"read from {', '.join(WEIGHT_DTYPES)}")
 
 
 def _check_layout(family: str, entries: list[Entry], model: dict) -> None:
@@ -86,19 +118,35 @@ def _check_layout(family: str, entries: list[Entry], model: dict) -> None:
                              f"{sorted(paths - set(model))}, only in the model {sorted(set(model) - paths)}")
 
 
-def _load_entry(entry: Entry, stored, reader, dtype, expected: jax.ShapeDtypeStruct) -> jax.Array:
-    arrays = [reader.read(stored[name]).astype(dtype, copy=False) for name in entry.names]
+def _read_finite(reader: CheckpointReader, name: str, dtype: np.dtype, allow_nonfinite: bool) -> np.ndarray:
+    """Tensor `name` as `dtype`; InvalidCheckpoint counting its NaN and infinite values unless they are allowed."""
+    stored = reader.read(name)
+    with np.errstate(over="ignore"):  # F64 beyond float32's range becomes inf, reported below
+        array = stored.astype(dtype, copy=False)
+    if allow_nonfinite or np.isfinite(array).all():
+        return array
+    nan, bad = int(np.count_nonzero(np.isnan(array))), int(np.count_nonzero(~np.isfinite(array)))
+    cause = f" once converted to {dtype.name} (too large for it)" if np.isfinite(stored).all() else ""
+    raise InvalidCheckpoint(reader.files[name], name, f"{bad:,} of {array.size:,} values are not finite ({nan:,} "
+                            f"NaN, {bad - nan:,} infinite){cause}; {NONFINITE_HINT}")
+
+
+def _load_entry(entry: Entry, stored, reader, dtype, expected: jax.ShapeDtypeStruct, allow_nonfinite) -> jax.Array:
+    arrays = [_read_finite(reader, stored[name], dtype, allow_nonfinite) for name in entry.names]
     value = np.ascontiguousarray(entry.codec.to_jax(arrays))
     if value.shape != expected.shape:  # the layout and the model disagree: a bug here, not in the file
         raise AssertionError(f"{'/'.join(entry.path)}: layout gives {value.shape}, model wants {expected.shape}")
     return jnp.asarray(value)
 
 
-def load_pretrained(path, dtype: str = "float32") -> tuple[ModelConfig, dict]:
+def load_pretrained(path, dtype: str = "float32", *, allow_nonfinite: bool = False) -> tuple[ModelConfig, dict]:
     """Reads a Hugging Face checkpoint directory: `(ModelConfig, DecoderLM params)`.
 
     See `jaxattn.hf` for the contract; `dtype` ("float32" or "bfloat16") sets
-    the config's dtype and param_dtype and the parameters' dtype.
+    the config's dtype and param_dtype and the parameters' dtype. A tensor
+    holding NaN or infinite values (after conversion to `dtype`) raises
+    InvalidCheckpoint naming it, unless `allow_nonfinite` (for the rare
+    checkpoint that stores -inf masks or overflowed values on purpose).
     """
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
@@ -107,13 +155,14 @@ def load_pretrained(path, dtype: str = "float32") -> tuple[ModelConfig, dict]:
     family, config = config_from_hf(hf, dtype)
     entries, model = layout(family, config), abstract_params(config)
     _check_layout(family, entries, model)
-    extra_layers = int(hf.get("num_nextn_predict_layers") or 0) if family == "deepseek_v3" else 0
+    extra_layers = hf.integer("num_nextn_predict_layers", 0, minimum=0) if family == "deepseek_v3" else 0
     np_dtype = jnp.dtype(dtype)
     with CheckpointReader(directory) as reader:
         stored = _stored_names(reader, family)
         ignored = lambda name: is_ignored(family, name, config, extra_layers)  # noqa: E731
-        _raise_problems(directory, _problems(entries, stored, reader, ignored))
-        flat = {e.path: _load_entry(e, stored, reader, np_dtype, model[e.path]) for e in entries}
+        _raise_problems(reader, _problems(entries, stored, reader, ignored))
+        _check_dtypes(entries, stored, reader)
+        flat = {e.path: _load_entry(e, stored, reader, np_dtype, model[e.path], allow_nonfinite) for e in entries}
     return config, unflatten_dict(flat)
 
 
@@ -156,34 +205,122 @@ def _hf_tensors(entries: list[Entry], flat: dict, dtype) -> dict[str, np.ndarray
     return tensors
 
 
-def _check_directory(directory: Path, overwrite: bool) -> None:
+def _check_directory(directory: Path, overwrite: bool, names: list[str]) -> None:
     """FileExistsError unless `directory` is absent, empty, or may be overwritten (nothing is replaced unasked)."""
     if directory.exists() and not directory.is_dir():
         raise FileExistsError(f"{directory} exists and is not a directory")
     if directory.is_dir() and any(directory.iterdir()) and not overwrite:
         raise FileExistsError(f"{directory} is not empty; pass overwrite=True to replace its checkpoint "
                               "or choose an empty directory")
+    taken = [name for name in names if (directory / name).exists() and not (directory / name).is_file()]
+    if taken:
+        raise FileExistsError(f"{directory / taken[0]} is not a file; a save writes a file there")
 
 
-# What a save writes: with overwrite=True these are replaced (a stale shard would shadow the new
-# file, a stale generation_config.json or tokenizer would say the wrong end-of-sequence id);
-# anything else in the directory is the user's and stays.
-_WRITTEN = (INDEX_FILE, "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
+def _older_save(directory: Path, written: list[str]) -> list[Path]:
+    """The files of an older sharded save that a new save replaces: the index and the shards it lists.
+
+    Only `*.safetensors` files in `directory` itself that the index names are
+    listed; any other file (an adapter, a README) is the user's. An index that
+    cannot be read is listed alone: its shards are unknown, so they stay.
+    """
+    index = directory / INDEX_FILE
+    if not index.is_file():
+        return []
+    try:
+        weight_map = json.loads(index.read_text()).get("weight_map")
+        shards = set(weight_map.values())
+    except (OSError, ValueError, AttributeError, TypeError):
+        return [index]
+    mine = [name for name in shards if isinstance(name, str) and name.endswith(".safetensors")
+            and name == Path(name).name and name not in written and (directory / name).is_file()]
+    return [index, *sorted(directory / name for name in mine)]
 
 
-def _prepare_directory(directory: Path) -> None:
-    """Creates `directory`, less the files of an older save."""
-    for stale in [*(directory / name for name in _WRITTEN), *directory.glob("*.safetensors")]:
-        stale.unlink(missing_ok=True)
+def _write_json(path: Path, value: dict) -> None:
+    path.write_text(json.dumps(value, indent=2, sort_keys=True) + "\n")
+
+
+def generation_config(eos_token_id: int | None) -> dict[str, Any]:
+    """The generation_config.json transformers writes for a causal LM (its end-of-sequence id when known)."""
+    return {"_from_model_config": True, **({} if eos_token_id is None else {"eos_token_id": eos_token_id})}
+
+
+def _stage(directory: Path, contents: dict[str, Callable[[Path], None]]) -> dict[Path, Path]:
+    """Writes each file under a temporary name in `directory`: `{final path: temporary path}`.
+
+    On any failure the temporary files are removed and the error re-raised: nothing is in place yet.
+    """
+    staged: dict[Path, Path] = {}
+    try:
+        for name, write in contents.items():
+            staged[directory / name] = directory / f".{name}.{os.getpid()}-{secrets.token_hex(4)}.partial"
+            write(staged[directory / name])
+    except BaseException:
+        for temporary in staged.values():
+            temporary.unlink(missing_ok=True)
+        raise
+    return staged
+
+
+def _write_all(directory: Path, contents: dict[str, Callable[[Path], None]], stale: list[Path]) -> None:
+    """Stages every file, renames each into place (each rename atomic), then removes an older save's shards.
+
+    A directory this call created is removed again when staging fails.
+    """
+    created = not directory.exists()
     directory.mkdir(parents=True, exist_ok=True)
+    try:
+        staged = _stage(directory, contents)
+    except BaseException:
+        if created:
+            with contextlib.suppress(OSError):
+                directory.rmdir()
+        raise
+    for final, temporary in staged.items():
+        os.replace(temporary, final)
+    for path in stale:
+        path.unlink(missing_ok=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveReport:
+    """What `save_pretrained` did.
+
+    Attributes:
+      directory: the checkpoint directory.
+      architecture: the transformers class written, e.g. "LlamaForCausalLM".
+      written: every file the save wrote, sorted.
+      replaced: the files of an older save that it replaced or removed, sorted: earlier
+        versions of `written` files, and an older `model.safetensors.index.json` with
+        the shards it lists. Nothing else in the directory is touched.
+    """
+
+    directory: Path
+    architecture: str
+    written: tuple[Path, ...]
+    replaced: tuple[Path, ...]
+
+
+def _contents(config: ModelConfig, params, family: str, hf: dict, tokenizer, eos_token_id) -> dict:
+    """`{file name: write(path)}` of a save, the weights first."""
+    params, config = _match_qkv(params, config, fused=family in ("gpt2", "gpt_neox"))
+    tensors = _hf_tensors(layout(family, config), flatten_dict(params), jnp.dtype(config.param_dtype))
+    contents = {SINGLE_FILE: lambda path: write_safetensors(path, tensors),
+                "config.json": lambda path: _write_json(path, hf),
+                "generation_config.json": lambda path: _write_json(path, generation_config(eos_token_id))}
+    assert tuple(contents) == MODEL_FILES
+    return contents | ({} if tokenizer is None else tokenizer_files(tokenizer, eos_token_id))
 
 
 def save_pretrained(path, config: ModelConfig, params, tokenizer=None, *, overwrite: bool = False,
-                    eos_token_id: int | None = None) -> Path:
+                    eos_token_id: int | None = None) -> SaveReport:
     """Writes a directory that transformers' `AutoModelForCausalLM.from_pretrained` loads as the same model.
 
-    See `jaxattn.hf` for the contract. Returns the directory. Everything is
-    checked (config, params, tokenizer, directory) before a file is written.
+    See `jaxattn.hf` for the contract. Everything is checked (config, params,
+    tokenizer, directory) before a file is written; every file is written
+    under a temporary name and renamed into place once all are written.
+    Returns a `SaveReport` (the files written and those replaced).
     """
     if not isinstance(config, ModelConfig):
         raise TypeError(f"config must be a jaxattn.ModelConfig, got {type(config).__name__}")
@@ -194,12 +331,11 @@ def save_pretrained(path, config: ModelConfig, params, tokenizer=None, *, overwr
     _check_params(flat_in, config)
     tokenizer = None if tokenizer is None else as_tokenizer(tokenizer)
     directory = Path(path)
-    _check_directory(directory, overwrite)
-    params, config = _match_qkv(unflatten_dict(flat_in), config, fused=family in ("gpt2", "gpt_neox"))
-    tensors = _hf_tensors(layout(family, config), flatten_dict(params), jnp.dtype(config.param_dtype))
-    _prepare_directory(directory)
-    write_safetensors(directory / "model.safetensors", tensors)
-    (directory / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
-    if tokenizer is not None:
-        save_tokenizer(directory, tokenizer, eos_token_id)
-    return directory
+    names = [*MODEL_FILES, *(TOKENIZER_FILES if tokenizer is not None else ())]
+    _check_directory(directory, overwrite, names)
+    stale = _older_save(directory, names)
+    replaced = [directory / name for name in names if (directory / name).exists()] + stale
+    contents = _contents(config, unflatten_dict(flat_in), family, hf, tokenizer, eos_token_id)
+    _write_all(directory, contents, stale)
+    return SaveReport(directory, ARCHITECTURES[family], tuple(sorted(directory / name for name in names)),
+                      tuple(sorted(replaced)))

@@ -19,14 +19,15 @@ import math
 from typing import Any, Mapping
 
 from jaxattn.hf.errors import UnsupportedCheckpoint
+from jaxattn.hf.fields import Fields
 from jaxattn.rope import RopeScaling, rope_attention_factor
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
-def rope_dict(hf: Mapping[str, Any]) -> dict[str, Any]:
-    """The flat RoPE parameter dict of a config.json (a copy; {} without one)."""
-    params = dict(hf.get("rope_scaling") or hf.get("rope_parameters") or {})
+def rope_dict(hf: Fields) -> Fields:
+    """The flat RoPE parameters of a config.json: `rope_scaling`, else `rope_parameters`, else empty."""
+    params = hf.section("rope_scaling") or hf.section("rope_parameters") or Fields({}, hf.path, "rope_parameters.")
     nested = sorted(k for k, v in params.items() if isinstance(v, Mapping))
     if nested:
         raise UnsupportedCheckpoint(f"rope_parameters per layer type {nested} are not supported "
@@ -34,40 +35,43 @@ def rope_dict(hf: Mapping[str, Any]) -> dict[str, Any]:
     return params
 
 
-def rope_type(params: Mapping[str, Any]) -> str:
-    return params.get("rope_type", params.get("type", "default"))
+def rope_type(params: Fields) -> str:
+    return params.text("rope_type", params.text("type", "default"))
 
 
 def _get_mscale(factor: float, mscale: float = 1.0) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
-def _original_max_position(hf: Mapping[str, Any], params: Mapping[str, Any]) -> int:
-    if "original_max_position_embeddings" in hf:  # transformers gives the top-level value priority
-        return int(hf["original_max_position_embeddings"])
-    return int(params.get("original_max_position_embeddings") or hf["max_position_embeddings"])
+def _original_max_position(hf: Fields, params: Fields) -> int:
+    top = hf.integer("original_max_position_embeddings", None)  # transformers gives the top-level value priority
+    return top or params.integer("original_max_position_embeddings", None) or hf.integer("max_position_embeddings")
 
 
-def _yarn(hf: Mapping[str, Any], params: Mapping[str, Any]) -> RopeScaling:
+def _yarn(hf: Fields, params: Fields) -> RopeScaling:
     original = _original_max_position(hf, params)
-    factor = params.get("factor") or hf["max_position_embeddings"] / original
-    mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
-    attention_factor = params.get("attention_factor")
+    factor = params.number("factor", None) or hf.integer("max_position_embeddings") / original
+    # transformers reads these with `or`: 0 means the default, and a present mscale counts even when 0
+    mscale = params.number("mscale", None, positive=False)
+    mscale_all_dim = params.number("mscale_all_dim", None, positive=False)
+    attention_factor = params.number("attention_factor", None)
     if attention_factor is None:  # transformers' _compute_yarn_parameters, key presence included
         attention_factor = (_get_mscale(factor, mscale) / _get_mscale(factor, mscale_all_dim)
                             if mscale and mscale_all_dim else _get_mscale(factor))
     return RopeScaling("yarn", float(factor), original_max_position=original,
-                       beta_fast=float(params.get("beta_fast") or 32), beta_slow=float(params.get("beta_slow") or 1),
-                       mscale=float(1.0 if mscale is None else mscale), mscale_all_dim=float(mscale_all_dim or 0.0),
-                       attention_factor=float(attention_factor), truncate=bool(params.get("truncate", True)))
+                       beta_fast=params.number("beta_fast", None, positive=False) or 32.0,
+                       beta_slow=params.number("beta_slow", None, positive=False) or 1.0,
+                       mscale=1.0 if mscale is None else mscale, mscale_all_dim=mscale_all_dim or 0.0,
+                       attention_factor=float(attention_factor), truncate=params.flag("truncate", True))
 
 
-def read_rope(hf: Mapping[str, Any], *, default_theta: float = 10000.0,
+def read_rope(hf: Fields, *, default_theta: float = 10000.0,
               default_partial: float = 1.0) -> tuple[float, RopeScaling | None]:
     """`(rope_theta, rope_scaling)` of a config.json; UnsupportedCheckpoint for partial rotary or other types."""
     params = rope_dict(hf)
-    theta = float(params.get("rope_theta") or hf.get("rope_theta") or default_theta)
-    partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", default_partial))
+    theta = params.number("rope_theta", None) or hf.number("rope_theta", None) or default_theta
+    partial = params.number("partial_rotary_factor", hf.number("partial_rotary_factor", default_partial, null=None),
+                            null=None)
     if partial is not None and partial != 1.0:  # None: transformers rotates the whole head
         raise UnsupportedCheckpoint(f"partial_rotary_factor={partial}: jaxattn rotates whole heads (1.0) only")
     kind = rope_type(params)
@@ -76,12 +80,12 @@ def read_rope(hf: Mapping[str, Any], *, default_theta: float = 10000.0,
     if kind == "default":
         return theta, None
     if kind == "linear":
-        return theta, RopeScaling("linear", float(params["factor"]))
+        return theta, RopeScaling("linear", params.number("factor"))
     if kind == "llama3":
-        return theta, RopeScaling("llama3", float(params["factor"]),
+        return theta, RopeScaling("llama3", params.number("factor"),
                                   original_max_position=_original_max_position(hf, params),
-                                  low_freq_factor=float(params["low_freq_factor"]),
-                                  high_freq_factor=float(params["high_freq_factor"]))
+                                  low_freq_factor=params.number("low_freq_factor"),
+                                  high_freq_factor=params.number("high_freq_factor"))
     return theta, _yarn(hf, params)
 
 

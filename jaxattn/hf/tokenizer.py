@@ -5,17 +5,25 @@ The end-of-sequence id is what generation stops on (`jaxattn.generate`'s
 generation_config.json, config.json, tokenizer_config.json's `eos_token`,
 then the tokenizer's special tokens with a conventional end-of-text name. A
 list of ids (several stop tokens) gives its first.
+
+Every file is checked as it is read: a tokenizer.json the `tokenizers`
+library cannot read, a JSON file that is not an object, or an id or token of
+the wrong JSON type raises `InvalidCheckpoint` naming the file and key.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 from tokenizers import Tokenizer
 
+from jaxattn.hf.errors import InvalidCheckpoint
+from jaxattn.hf.fields import Fields, read_json_object, read_text
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")  # what `tokenizer_files` writes
 # Conventional end-of-text special tokens (GPT-2, Llama 1/2, Llama 3, Gemma, Qwen, DeepSeek).
 EOS_NAMES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|im_end|>", "<｜end▁of▁sentence｜>")
 
@@ -60,20 +68,32 @@ class HFTokenizer:
         return f"HFTokenizer(vocab_size={self.vocab_size}, eos_token_id={self.eos_token_id})"
 
 
-def _json(path: Path) -> dict[str, Any]:
-    return json.loads(path.read_text()) if path.is_file() else {}
+def _json(path: Path) -> Fields:
+    """The JSON object of an optional file (empty when absent); InvalidCheckpoint if it is no JSON object."""
+    return Fields(read_json_object(path) if path.exists() else {}, path)
 
 
-def _first_id(value) -> int | None:
-    if isinstance(value, list):
-        return int(value[0]) if value else None
-    return None if value is None else int(value)
+def _first_id(fields: Fields, key: str) -> int | None:
+    """An id, or the first of a list of ids (several stop tokens); None when absent."""
+    value = fields.get(key)
+    ids = value if isinstance(value, list) else [value]
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids if i is not None):
+        raise fields.invalid(key, f"expected a token id (an integer >= 0) or a list of them, got {value!r}")
+    return ids[0] if ids else None
+
+
+def _eos_token(fields: Fields) -> str | None:
+    """tokenizer_config.json's `eos_token`: a string, or an AddedToken object with its `content`."""
+    token = fields.get("eos_token")
+    token = token.get("content") if isinstance(token, dict) else token
+    if token is not None and not isinstance(token, str):
+        raise fields.invalid("eos_token", f"expected a token (a string or {{\"content\": string}}), got {token!r}")
+    return token
 
 
 def _eos_from_tokenizer(directory: Path, tokenizer: Tokenizer) -> int | None:
-    token = _json(directory / "tokenizer_config.json").get("eos_token")
-    token = token.get("content") if isinstance(token, dict) else token
-    if isinstance(token, str) and tokenizer.token_to_id(token) is not None:
+    token = _eos_token(_json(directory / "tokenizer_config.json"))
+    if token is not None and tokenizer.token_to_id(token) is not None:
         return tokenizer.token_to_id(token)
     special = {t.content: i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
     return next((special[name] for name in EOS_NAMES if name in special), None)
@@ -82,19 +102,32 @@ def _eos_from_tokenizer(directory: Path, tokenizer: Tokenizer) -> int | None:
 def find_eos(directory: Path, tokenizer: Tokenizer) -> int | None:
     """The end-of-sequence id of a checkpoint directory (see the module docstring for the order)."""
     for name in ("generation_config.json", "config.json"):
-        found = _first_id(_json(directory / name).get("eos_token_id"))
+        found = _first_id(_json(directory / name), "eos_token_id")
         if found is not None:
             return found
     return _eos_from_tokenizer(directory, tokenizer)
 
 
+def read_tokenizer(file: Path) -> Tokenizer:
+    """The `tokenizers.Tokenizer` of a tokenizer.json; InvalidCheckpoint naming it if it cannot be read."""
+    text = read_text(file, " (only the `tokenizers` format, tokenizer.json, is read)")
+    try:
+        return Tokenizer.from_str(text)
+    except Exception as err:  # noqa: BLE001 (`tokenizers` raises a bare Exception, e.g. "Model missing.")
+        raise InvalidCheckpoint(file, None, f"is not a tokenizer the tokenizers library reads ({err})") from None
+
+
 def load_tokenizer(path) -> HFTokenizer:
-    """The tokenizer of a checkpoint directory (its tokenizer.json), or of a tokenizer.json file."""
+    """The tokenizer of a checkpoint directory (its tokenizer.json), or of a tokenizer.json file.
+
+    InvalidCheckpoint (naming the file, and the key) for a missing or
+    unreadable tokenizer.json, or a generation_config.json, config.json or
+    tokenizer_config.json beside it that is no JSON object or holds an
+    end-of-sequence id or token of the wrong type.
+    """
     path = Path(path)
     file = path if path.is_file() else path / "tokenizer.json"
-    if not file.is_file():
-        raise FileNotFoundError(f"no tokenizer.json at {path} (only the `tokenizers` format is read)")
-    tokenizer = Tokenizer.from_file(str(file))
+    tokenizer = read_tokenizer(file)
     return HFTokenizer(tokenizer, find_eos(file.parent, tokenizer))
 
 
@@ -106,11 +139,11 @@ def as_tokenizer(tokenizer) -> Tokenizer:
     return tokenizer
 
 
-def save_tokenizer(directory: Path, tokenizer, eos_token_id: int | None = None) -> None:
-    """Writes tokenizer.json and a tokenizer_config.json that transformers' AutoTokenizer reads."""
+def tokenizer_files(tokenizer, eos_token_id: int | None = None) -> dict[str, Callable[[Path], None]]:
+    """`{file name: write(path)}` of tokenizer.json and a tokenizer_config.json that transformers' AutoTokenizer reads."""
     tokenizer = as_tokenizer(tokenizer)
-    tokenizer.save(str(directory / "tokenizer.json"))
     settings: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast"}
     if eos_token_id is not None and tokenizer.id_to_token(eos_token_id) is not None:
         settings["eos_token"] = tokenizer.id_to_token(eos_token_id)
-    (directory / "tokenizer_config.json").write_text(json.dumps(settings, indent=2) + "\n")
+    return {"tokenizer.json": lambda path: tokenizer.save(str(path)),
+            "tokenizer_config.json": lambda path: path.write_text(json.dumps(settings, indent=2) + "\n")}
