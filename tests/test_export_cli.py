@@ -5,6 +5,7 @@ down, with random weights throughout, no scale 1 and no bias 0 (a swapped or tra
 tensor would show); it is exported once and reloaded by transformers and here.
 """
 
+import json
 import shutil
 import subprocess
 import sys
@@ -15,6 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
+from safetensors.numpy import load_file, save_file
 
 from jaxattn.config import ModelConfig
 from jaxattn.model import DecoderLM
@@ -97,9 +100,11 @@ def test_export_reports_what_it_wrote(run, tmp_path, capsys):
     code, out, err = call(capsys, export.main, "--checkpoint", str(run[0]), "--out", str(tmp_path / "hf"))
     assert code == 0, err
     assert f"wrote {tmp_path / 'hf'} as GPTNeoXForCausalLM:" in out
-    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+    for name in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+                 "tokenizer_config.json"):
         assert f"  {name}  (" in out
     assert "AutoModelForCausalLM.from_pretrained(" in out and "python -m train.sample --hf" in out
+    assert "replaced" not in out
 
 
 def test_transformers_loads_the_export_with_the_same_logits_and_ids(run, exported):
@@ -157,8 +162,7 @@ def test_a_byte_level_run_exports_with_byte_ids(tmp_path):
     config = ModelConfig(vocab_size=256, d_model=16, num_layers=1, num_heads=2, max_seq_len=16, positions="learned")
     save_run(tmp_path / "run", ExperimentConfig(name="bytes", model=config, train=TrainConfig(block_size=16)),
              ByteTokenizer())
-    architecture, _ = export.export(tmp_path / "run", tmp_path / "hf")
-    assert architecture == "GPT2LMHeadModel"
+    assert export.export(tmp_path / "run", tmp_path / "hf").architecture == "GPT2LMHeadModel"
     text = "héllo 日本\n"
     assert AutoTokenizer.from_pretrained(tmp_path / "hf")(text)["input_ids"] == list(text.encode())
 
@@ -175,6 +179,116 @@ def test_export_never_replaces_a_directory_without_overwrite(run, tmp_path, caps
     assert (out / "model.safetensors").is_file()
     code, _, err = call(capsys, export.main, "--checkpoint", str(run[0]), "--out", str(run[0]), "--overwrite")
     assert code == 1 and "holds the checkpoint being exported" in err
+
+
+def _older_sharded_save(directory: Path, source: Path) -> list[str]:
+    """An older save's index and two shards (the source's weights split) in `directory`; returns the shard names."""
+    tensors = load_file(source / "model.safetensors")
+    names = sorted(tensors)
+    weight_map = {name: f"model-0000{1 + i % 2}-of-00002.safetensors" for i, name in enumerate(names)}
+    for shard in set(weight_map.values()):
+        save_file({n: tensors[n] for n in names if weight_map[n] == shard}, directory / shard)
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return sorted(set(weight_map.values()))
+
+
+def test_overwrite_replaces_only_the_files_of_an_export(run, exported, tmp_path, capsys):
+    out = tmp_path / "hf"
+    shutil.copytree(exported, out)
+    shards = _older_sharded_save(out, exported)
+    mine = {"adapter_model.safetensors": b"\x08\x00\x00\x00\x00\x00\x00\x00{}      ", "notes.txt": b"mine"}
+    for name, content in mine.items():
+        (out / name).write_bytes(content)
+    code, stdout, err = call(capsys, export.main, "--checkpoint", str(run[0]), "--out", str(out), "--overwrite")
+    assert code == 0, err
+    assert {name: (out / name).read_bytes() for name in mine} == mine  # the user's, byte for byte
+    assert not any((out / name).exists() for name in [*shards, "model.safetensors.index.json"])
+    written = ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+    listed = [line.split()[0] for line in stdout.splitlines() if line.startswith("  ") and line.endswith("bytes)")]
+    assert listed == written and sorted(p.name for p in out.iterdir()) == sorted(written + list(mine))
+    replaced = next(line for line in stdout.splitlines() if line.startswith("replaced: "))
+    assert all(name in replaced for name in [*shards, "model.safetensors.index.json", *written])
+    assert not any(name in replaced for name in mine)
+
+
+def test_export_checks_its_arguments_and_out_before_reading_the_checkpoint(tmp_path, capsys):
+    code, out, err = call(capsys, export.main, "--checkpoint", str(tmp_path))
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert err.startswith("error: ") and "--out" in err and "see python -m train.export --help" in err
+    (tmp_path / "a_file").write_text("")
+    code, _, err = call(capsys, export.main, "--checkpoint", str(tmp_path / "nowhere"),
+                        "--out", str(tmp_path / "a_file" / "hf"))
+    assert code == 1 and err.count("\n") == 1 and err.startswith("error: --out ") and "a_file" in err
+
+
+def _damage_config(**changes):
+    def damage(directory: Path) -> None:
+        config = json.loads((directory / "config.json").read_text()) | changes
+        (directory / "config.json").write_text(json.dumps({k: v for k, v in config.items() if v != "DELETE"}))
+    return damage
+
+
+def _replace_tensor(name: str, edit):
+    def damage(directory: Path) -> None:
+        tensors = load_file(directory / "model.safetensors")
+        save_file(tensors | {name: edit(tensors[name])}, directory / "model.safetensors", metadata={"format": "pt"})
+    return damage
+
+
+def _with_nan(array: np.ndarray) -> np.ndarray:
+    array = array.copy()
+    array[1, :3] = np.nan
+    return array
+
+
+def _index_without_its_shards(directory: Path) -> None:
+    for shard in _older_sharded_save(directory, directory):
+        (directory / shard).unlink()
+    (directory / "model.safetensors").unlink()
+
+
+EMBED, FINAL_NORM = "gpt_neox.embed_in.weight", "gpt_neox.final_layer_norm.weight"
+DAMAGED = {  # a damaged copy of the export: (damage, words the one line must hold)
+    "a config key missing": (_damage_config(hidden_size="DELETE"), ["config.json: hidden_size: is missing"]),
+    "a config value of the wrong type": (_damage_config(num_hidden_layers="2"),
+                                         ['config.json: num_hidden_layers: expected a positive integer, got "2"']),
+    "config.json not JSON": (lambda d: (d / "config.json").write_text("{"), ["config.json: is not JSON"]),
+    "an empty safetensors file": (lambda d: (d / "model.safetensors").write_bytes(b""),
+                                  ["model.safetensors: is empty"]),
+    "a truncated safetensors file": (lambda d: (d / "model.safetensors").write_bytes(
+        (d / "model.safetensors").read_bytes()[:-100]), ["model.safetensors: ", "run past the end"]),
+    "an int32 tensor": (_replace_tensor(FINAL_NORM, lambda a: a.astype(np.int32)),
+                        [f"model.safetensors: {FINAL_NORM}: is I32, a dtype that cannot hold weights"]),
+    "a NaN tensor": (_replace_tensor(EMBED, _with_nan), [f"model.safetensors: {EMBED}: 3 of ", "(3 NaN, 0 infinite)",
+                                                         "--allow-nonfinite loads them"]),
+    "a corrupt tokenizer.json": (lambda d: (d / "tokenizer.json").write_text('{"model": 3}'),
+                                 ["tokenizer.json: is not a tokenizer the tokenizers library reads"]),
+    "an index naming missing shards": (_index_without_its_shards,
+                                       ["model.safetensors.index.json: ", "which does not exist"]),
+}
+
+
+@pytest.mark.parametrize("name", list(DAMAGED))
+def test_a_damaged_hf_directory_ends_in_one_line_naming_the_file(exported, tmp_path, capsys, name):
+    damage, words = DAMAGED[name]
+    broken = tmp_path / "broken"
+    shutil.copytree(exported, broken)
+    damage(broken)
+    for main, argv in ((sample.main, ["--prompt", "A"]), (attention_maps.main, ["--out", str(tmp_path / "m.png")])):
+        code, out, err = call(capsys, main, "--hf", str(broken), *argv)
+        assert code == 1 and out == "" and err.count("\n") == 1, (code, out, err)
+        assert err.startswith(f"error: cannot load {broken}/") and all(w in err for w in words), err
+    assert not (tmp_path / "m.png").exists()
+
+
+def test_allow_nonfinite_samples_a_checkpoint_holding_nan(exported, tmp_path, capsys):
+    broken = tmp_path / "nan"
+    shutil.copytree(exported, broken)
+    _replace_tensor(EMBED, _with_nan)(broken)
+    argv = ["--prompt", "ROMEO:", "--max-new-tokens", "9", "--num-samples", "2", "--temperature", "0"]
+    code, out, err = call(capsys, sample.main, "--hf", str(broken), "--allow-nonfinite", *argv)
+    assert code == 0, err
+    assert out.startswith("ROMEO:")
 
 
 def test_a_model_with_no_transformers_counterpart_is_refused_before_writing(tmp_path, capsys):
@@ -194,7 +308,7 @@ def test_errors_of_the_hf_inputs(exported, tmp_path, capsys):
     shutil.copytree(exported, bare)
     (bare / "tokenizer.json").unlink()
     code, out, err = call(capsys, sample.main, "--hf", str(bare), "--prompt", "A")
-    assert code == 2 and out == "" and err.startswith("error: ") and "has no tokenizer.json" in err
+    assert code == 1 and out == "" and err.startswith("error: ") and "has no tokenizer.json" in err
     code, _, err = call(capsys, attention_maps.main, "--hf", str(bare), "--out", str(tmp_path / "m.png"))
     assert code == 1 and "has no tokenizer.json" in err
     code, _, err = call(capsys, sample.main, "--hf", str(exported), "--prompt", "héllo")

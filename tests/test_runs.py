@@ -7,6 +7,7 @@ takes seconds; the crash tests start real `python -m train.tiny_lm` processes an
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -197,11 +198,22 @@ def test_a_read_only_run_directory_gives_one_line(text_file, tmp_path, capsys, m
     assert code == 1 and err == f"error: cannot use {tmp_path / 'ro'} as the run directory: Read-only file system\n"
 
 
-def test_attention_maps_checks_the_output_type_before_any_work(capsys):
-    from train import attention_maps
-    with pytest.raises(SystemExit) as exit_info:
-        attention_maps.main(["--checkpoint", "does-not-matter", "--out", "maps.xyz"])
-    assert exit_info.value.code == 2 and "not an image type matplotlib writes" in capsys.readouterr().err
+def test_attention_maps_and_compare_check_their_outputs_before_any_work(tmp_path, capsys):
+    from train import attention_maps, compare
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    for main, argv, code, message in [
+        (attention_maps.main, ["--checkpoint", "does-not-matter", "--out", "maps.xyz"], 2,
+         "error: --out maps.xyz: not an image type matplotlib writes"),
+        (attention_maps.main, ["--checkpoint", "does-not-matter", "--out", str(a_file / "maps.png")], 1,
+         f"error: --out {a_file}/maps.png: {a_file} is a file, so no folder can be made there"),
+        (compare.main, ["--out", str(a_file)], 1, f"error: --out {a_file} is a file, not a folder"),
+        (compare.main, ["--runs", str(a_file / "runs")], 1, f"error: --runs {a_file}/runs: {a_file} is a file"),
+    ]:
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv)
+        err = capsys.readouterr().err
+        assert exit_info.value.code == code and err.startswith(message) and len(err.splitlines()) == 1, err
 
 
 def test_a_full_disk_gives_one_line(text_file, tmp_path, capsys, monkeypatch):
@@ -302,3 +314,153 @@ def test_repair_metrics_keeps_each_step_once_and_drops_a_torn_line(tmp_path):
     path.write_text("".join(json.dumps(r) + "\n" for r in lines) + '{"step": 10, "lo')
     repair_metrics(path, 5, evaluates_again=True)
     assert [json.loads(line) for line in path.read_text().splitlines()] == lines[:3]
+
+
+# --------------------------------------------------------------------------------------------
+# Issue 21: every moment of a run ends in one line, with what was done kept
+
+
+def last_line(err: str) -> str:
+    assert "Traceback" not in err
+    return err.strip().splitlines()[-1]
+
+
+def wait_for(predicate, proc, what: str, timeout: float = 240):
+    deadline = time.time() + timeout
+    while not predicate():
+        assert proc.poll() is None, f"exited before {what}: {proc.stderr.read()[-2000:]}"
+        assert time.time() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.002)
+
+
+def wait_for_line(proc, prefix: str) -> None:
+    for line in proc.stdout:
+        if line.startswith(prefix):
+            return
+    raise AssertionError(f"no line starting {prefix!r}: {proc.stderr.read()[-2000:]}")
+
+
+def test_sigint_while_compiling_stops_with_nothing_written(text_file, tmp_path):
+    """No compilation cache here: compiling takes seconds, and the signal comes right after the
+    'parameters:' line that precedes it."""
+    args = [sys.executable, "-m", "train.tiny_lm", "--set", *CRASH_RUN, "--data", str(text_file),
+            "--out-dir", str(tmp_path)]
+    proc = subprocess.Popen(args, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    wait_for_line(proc, "parameters:")
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=120) == 130
+    assert last_line(proc.stderr.read()) == ("stopped: SIGINT before training began: nothing was trained or "
+                                             "written; run the same command again")
+    assert [p.name for p in tmp_path.iterdir()] == [".lock"]  # the same command runs again without --overwrite
+
+
+def test_sigint_during_a_save_keeps_it_and_resume_continues_exactly(text_file, tmp_path, uninterrupted, compile_cache):
+    """The signal is sent the moment orbax starts writing a checkpoint (its temporary folder appears):
+    the save completes, the run stops there, and the resumed run equals an uninterrupted one."""
+    proc = start(text_file, tmp_path, cache=compile_cache)
+    latest = tmp_path / "checkpoints" / "latest"
+    wait_for(lambda: latest.is_dir() and any("tmp" in p.name for p in latest.iterdir()), proc, "a save")
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=120) == 130
+    line = last_line(proc.stderr.read())
+    assert re.fullmatch(rf"stopped: SIGINT at step (\d+): saved {latest}/\1; --resume continues from there", line)
+    resumed = start(text_file, tmp_path, "--resume", cache=compile_cache)
+    assert resumed.wait(timeout=300) == 0, resumed.stderr.read()
+    assert_same_run(tmp_path, uninterrupted)
+
+
+SAMPLED_RUN = [*TINY, "train.max_iters=10", "train.sample_tokens=4000", "train.plot=true"]
+
+
+def sampled_run(text_file, out, *extra, cache):
+    args = [sys.executable, "-m", "train.tiny_lm", "--set", *SAMPLED_RUN, "--data", str(text_file),
+            "--out-dir", str(out), *extra]
+    return subprocess.Popen(args, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), **cache},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_sigint_during_the_end_of_run_sample_prints_it_and_writes_the_result(text_file, tmp_path, compile_cache):
+    proc = sampled_run(text_file, tmp_path, cache=compile_cache)
+    wait_for_line(proc, "sampling 4000 tokens")
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130
+    drawn = re.fullmatch(r"stopped: SIGINT during the end-of-run sample, after (\d+) of 4000 tokens: the run is "
+                         r"trained and saved, its sample cut short", last_line(err))
+    assert drawn and 0 < int(drawn.group(1)) < 4000
+    assert ", stopped early) ---\n" in out and "final: val loss" in out
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["stopped"] == last_line(err)[len("stopped: "):] and len(result["sample"]) == 1 + int(drawn.group(1))
+    assert (tmp_path / "loss.png").is_file()
+
+
+def test_a_run_killed_after_its_final_save_is_finished_by_resume(text_file, tmp_path, compile_cache):
+    """SIGKILL while it samples (after the final checkpoint): no result.json, no plot; --resume adds them
+    without training again, and metrics.jsonl keeps its last evaluation once."""
+    proc = sampled_run(text_file, tmp_path, cache=compile_cache)
+    wait_for_line(proc, "sampling 4000 tokens")
+    proc.kill()
+    proc.wait()
+    assert not (tmp_path / "result.json").exists() and not (tmp_path / "loss.png").exists()
+    before = metrics(tmp_path)
+    finished = sampled_run(text_file, tmp_path, "--resume", "--set", "train.sample_tokens=20", cache=compile_cache)
+    out, err = finished.communicate(timeout=300)
+    assert finished.returncode == 0, err
+    assert "resumed from step 10 (val loss" in out and "(the last: finishing the run" in out
+    assert "final: val loss" in out and (tmp_path / "loss.png").is_file()
+    assert json.loads((tmp_path / "result.json").read_text())["final_val_loss"] == before[-1]["val_loss"]
+    assert metrics(tmp_path) == before  # the evaluation at step 10 again, the same numbers, once
+
+
+def test_resume_refuses_a_corpus_that_gives_another_tokenizer(text_file, tmp_path, capsys):
+    train(config(text_file, tmp_path / "run", "train.max_iters=10"), quiet=True)
+    other = tmp_path / "other.txt"
+    other.write_text(text_file.read_text(encoding="utf-8").upper(), encoding="utf-8")  # other characters
+    saved = (tmp_path / "run" / "metrics.jsonl").read_text()
+    code, err = cli(capsys, "--set", *TINY, "train.max_iters=20", "--data", str(other), "--out-dir",
+                    str(tmp_path / "run"), "--resume", "--quiet")
+    assert code == 1 and len(err.splitlines()) == 1
+    assert re.match(rf"error: --resume: the corpus {other} does not give the run's tokenizer: its characters differ "
+                    r"from the run's \(\d+ then, \d+ now; new '[A-Z]*', gone '[a-z]+'\), so every token id would mean "
+                    rf"something else. Resume with the run's corpus \({text_file}\)", err), err
+    assert (tmp_path / "run" / "metrics.jsonl").read_text() == saved
+
+
+def test_quiet_still_shows_that_a_resumed_run_will_not_replay_exactly(text_file, tmp_path, capsys):
+    train(config(text_file, tmp_path, "train.max_iters=10"), quiet=True)
+    tiny_lm.main(["--set", *TINY, "train.max_iters=20", "train.lr=2e-3", "--data", str(text_file),
+                  "--out-dir", str(tmp_path), "--resume", "--quiet"])
+    err = capsys.readouterr().err
+    assert "warning: resumed run differs from the checkpoint (train.lr was 0.003, now 0.002)" in err
+
+
+def test_resume_falls_back_when_the_newest_meta_is_missing(text_file, tmp_path, capsys):
+    train(config(text_file, tmp_path, "train.max_iters=20"), quiet=True)  # latest keeps steps 10 and 20
+    (tmp_path / "checkpoints" / "latest" / "20" / "meta" / "metadata").unlink()
+    tiny_lm.main(["--set", *TINY, "train.max_iters=30", "--data", str(text_file), "--out-dir", str(tmp_path),
+                  "--resume", "--quiet"])
+    err = capsys.readouterr().err
+    assert f"warning: checkpoint {tmp_path}/checkpoints/latest/20: its meta " \
+           f"({tmp_path}/checkpoints/latest/20/meta/metadata) cannot be read" in err
+    assert "; using step 10 instead" in err
+    assert [r["step"] for r in metrics(tmp_path) if "val_loss" in r] == [0, 10, 20, 30]
+
+
+def test_outputs_and_usage_are_checked_before_anything_runs(text_file, tmp_path, capsys):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    base = ["--set", *TINY, "--data", str(text_file), "--quiet", "--out-dir", str(tmp_path / "run")]
+    code, err = cli(capsys, *base, "--loss-plot", str(a_file / "loss.png"))
+    assert (code, err) == (1, f"error: --loss-plot {a_file}/loss.png: {a_file} is a file, so no folder can be "
+                              "made there\n")
+    code, err = cli(capsys, *base, "--loss-plot", str(tmp_path / "loss.svgz2"))
+    assert code == 2 and err.startswith("error: --loss-plot") and err.endswith("(see python -m train.tiny_lm --help)\n")
+    code, err = cli(capsys, *base, "--set", "model.d_model=-3")
+    assert code == 2 and len(err.splitlines()) == 1 and err.endswith("(see python -m train.tiny_lm --help)\n")
+    code, err = cli(capsys, *base, "--cpu-devices", "1000")
+    assert code == 2 and "runtime.mesh='data:1' uses 1 device(s) but runtime.cpu_devices=1000 makes 1000" in err
+    code, err = cli(capsys, *base, "--cpu-devices", "1000", "--set", "runtime.mesh=auto")
+    assert code == 2 and "runtime.cpu_devices=1000 makes 1000 host device(s), but a batch of 4 splits over at " \
+                         "most 4 of them: ask for --cpu-devices 4, or give --mesh" in err
+    assert not (tmp_path / "run").exists()

@@ -97,3 +97,19 @@ def test_a_fresh_process_gets_its_devices_and_flags_and_importing_starts_nothing
     done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT)},
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+def test_host_devices_asked_for_are_all_used_or_refused_before_they_are_made(monkeypatch):
+    monkeypatch.setattr(runtime, "cpu_cores", lambda: 2)
+    with pytest.raises(ValueError, match=re.escape("runtime.cpu_devices=1000 makes 1000 host device(s), but a batch "
+                                                   "of 12 splits over at most 12 of them: ask for --cpu-devices 12")):
+        runtime.check_cpu_devices(RuntimeConfig(cpu_devices=1000), 12)
+    with pytest.raises(ValueError, match=re.escape("runtime.mesh='data:2' uses 2 device(s) but runtime.cpu_devices=2 "
+                                                   "makes 4 in 2 processes")):
+        runtime.check_cpu_devices(RuntimeConfig(cpu_devices=2, mesh="data:2"), 12, num_processes=2)
+    assert runtime.check_cpu_devices(RuntimeConfig(cpu_devices=2), 12) == []
+    assert runtime.check_cpu_devices(RuntimeConfig(cpu_devices=4), 12) == [
+        "runtime.cpu_devices=4 host devices share 2 CPU core(s): right for trying a mesh, slower than one device "
+        "per core"]
+    resolved = runtime.resolve(RuntimeConfig(cpu_devices=4), 12, platform=AVX2, devices=4)  # all 4, not one per core
+    assert resolved.mesh_shape == MeshShape(data=4)

@@ -43,8 +43,13 @@ def tiny(tmp_path, monkeypatch):
 
 
 def run(capsys, *argv):
-    code = sample.main(list(argv))
+    """(exit code, stdout, stderr) of `python -m train.sample` run in this process."""
+    try:
+        code = sample.main(list(argv))
+    except SystemExit as stop:
+        code = stop.code
     out, err = capsys.readouterr()
+    assert "Traceback" not in err
     return code, out, err
 
 
@@ -102,7 +107,8 @@ def test_the_kernels_are_reported(tiny, capsys):
 def test_bad_prompts_and_knobs_give_clear_errors(tiny, capsys, argv, message):
     code, out, err = run(capsys, "--random-init", tiny, *argv)
     assert code == 2 and out == ""
-    assert message in err and err.startswith("error: ")
+    assert message in err and err.startswith("error: ") and err.endswith("(see python -m train.sample --help)\n")
+    assert len(err.splitlines()) == 1
 
 
 def test_unknown_config_name(capsys):
@@ -112,12 +118,12 @@ def test_unknown_config_name(capsys):
 
 def test_missing_checkpoint(tmp_path, capsys):
     code, _, err = run(capsys, "--checkpoint", str(tmp_path / "nowhere"), "--prompt", "A")
-    assert code == 2 and "does not exist" in err
+    assert code == 1 and "does not exist" in err and len(err.splitlines()) == 1
 
 
 def test_directory_without_a_checkpoint(tmp_path, capsys):
     code, _, err = run(capsys, "--checkpoint", str(tmp_path), "--prompt", "A")
-    assert code == 2 and "no checkpoint found" in err
+    assert code == 1 and "no checkpoint found" in err
 
 
 def _save(run_dir, config: ModelConfig, params):
@@ -150,7 +156,7 @@ def test_checkpoint_whose_params_do_not_fit_its_config(tmp_path, capsys):
     saved = ModelConfig(vocab_size=65, d_model=16, num_layers=1, num_heads=2, max_seq_len=16)
     _save(tmp_path, saved.replace(d_model=32), _init(saved))
     code, _, err = run(capsys, "--checkpoint", str(tmp_path), "--prompt", "A")
-    assert code == 2 and "incompatible" in err
+    assert code == 1 and "incompatible" in err
 
 
 def test_sampling_on_a_mesh_prints_the_one_device_samples(tiny, capsys):
@@ -169,3 +175,60 @@ def test_sampling_on_a_mesh_prints_the_one_device_samples(tiny, capsys):
     assert code == 0 and done.stdout == out and out.count("ROMEO:") == 2
     code, _, err = run(capsys, *argv, "--mesh", "tensor:3")
     assert code == 2 and "tensor = 3 does not divide num_heads = 2" in err
+
+
+def test_ctrl_c_prints_what_was_generated_and_exits_130(tiny, tmp_path):
+    """A real process: the signal comes once the warm-up has compiled, in the middle of 200,000 tokens."""
+    import os
+    import re
+    import signal
+    import subprocess
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.Popen([sys.executable, "-m", "train.sample", "--random-init", tiny, "--prompt", "ROMEO:",
+                             "--max-new-tokens", "200000"], cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "PYTHONPATH": str(root)})
+    for line in proc.stderr:
+        if line.startswith("compile:"):
+            break
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and "Traceback" not in err
+    stopped = re.fullmatch(r"stopped: SIGINT after (\d+) of 200000 new tokens per sample: what was generated is "
+                           r"printed above", err.strip().splitlines()[-1])
+    assert stopped and 0 < int(stopped.group(1)) < 200000
+    assert out.startswith("ROMEO:") and len(out) == len("ROMEO:") + int(stopped.group(1)) + 1
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--cpu-devices", "4"], "--cpu-devices 4 makes host devices for a --mesh of that size: pass --mesh too"),
+    (["--cpu-devices", "4", "--mesh", "data:2"], "--mesh data:2 uses 2 device(s) but --cpu-devices makes 4"),
+    (["--data", "x.txt"], "--data goes with --random-init"),
+    (["--allow-nonfinite"], "--allow-nonfinite goes with --hf"),
+    (["--max-new-tokens", str(10 ** 13)], "10,000,000,000,000 tokens (1 x 10000000000000) take about"),
+])
+def test_flags_that_cannot_work_are_usage_errors(tmp_path, capsys, argv, message):
+    code, out, err = run(capsys, "--checkpoint", str(tmp_path), "--prompt", "A", *argv)
+    assert code == 2 and message in err and len(err.splitlines()) == 1 and out == ""
+
+
+def test_a_big_request_is_announced(tmp_path, capsys):
+    code, _, err = run(capsys, "--checkpoint", str(tmp_path / "none"), "--prompt", "A", "--max-new-tokens", "2000000")
+    assert code == 1 and err.splitlines()[0] == (
+        "warning: 2,000,000 tokens (1 x 2000000) take a while and up to 0.03 GiB of memory; Ctrl-C stops and "
+        "prints what was generated")
+
+
+def test_random_init_takes_its_characters_from_data(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("JAXATTN_SHAKESPEARE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # nothing cached, and no download below
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("abc")
+    config = tmp_path / "tiny.toml"
+    config.write_text(TINY_TOML.replace("vocab_size = 65", "vocab_size = 3"))
+    code, out, err = run(capsys, "--random-init", str(config), "--data", str(corpus), "--prompt", "ab",
+                         "--max-new-tokens", "4")
+    assert code == 0 and set(out.strip()) <= set("abc") and len(out) == 2 + 4 + 1
+    code, _, err = run(capsys, "--random-init", str(config), "--data", str(tmp_path / "missing.txt"), "--prompt", "a")
+    assert code == 1 and err == f"error: data file '{tmp_path / 'missing.txt'}' (from --data / train.data_path) " \
+                                "does not exist\n"

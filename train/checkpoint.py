@@ -40,6 +40,7 @@ from train.tokenizer import Tokenizer, from_dict as tokenizer_from_dict
 FORMAT_VERSION = 2
 KINDS = ("latest", "best")
 KEEP = {"latest": 2, "best": 1}  # latest keeps a previous step to fall back to
+META_FILE = "meta/metadata"  # where orbax's JsonSave puts a step's meta (config, tokenizer, checksums)
 _MLA_FIELDS = ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
 
@@ -123,30 +124,38 @@ class Checkpointer:
         manager = self._get(kind, create=False)
         return None if manager is None else manager.latest_step()
 
-    def read_meta(self, kind: str = "latest") -> dict:
-        """The meta.json of the newest `kind` step (no arrays read): to check a run against it first."""
-        manager = self._get(kind, create=False)
-        step = None if manager is None else manager.latest_step()
-        if step is None:
-            raise CheckpointError(f"no finished checkpoint in {self.root / kind}")
-        try:
-            meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-        except Exception as err:
-            raise CheckpointError(f"checkpoint {self.root / kind / str(step)} has no readable meta.json: "
-                                  f"{_first_line(err)}") from err
-        return upgrade_format_1(meta) if isinstance(meta, dict) and meta.get("format") == 1 else meta
-
-    def restore(self, kind: str, abstract_state: Any, *,
-                on_skip: Callable[[str], None] | None = None) -> tuple[Any, dict]:
+    def restore(self, kind: str, abstract_state: Any, *, on_skip: Callable[[str], None] | None = None,
+                check: Callable[[dict], None] | None = None) -> tuple[Any, dict]:
         """(state shaped like `abstract_state`, meta) of the newest valid `kind` checkpoint.
 
-        A step that cannot be read or fails its checksums raises CheckpointError, or, given
-        `on_skip`, is reported to it and the next older step is tried.
+        Step by step, newest first: the step's meta is read and passed to `check` before any
+        array is read (what `check` raises propagates: a checkpoint that does not match the run
+        is not skipped), then its arrays are read and verified. A step whose meta or arrays
+        cannot be read, or fail their checksums, raises CheckpointError, or, given `on_skip`,
+        is reported to it and the next older step is tried.
         """
         manager = self._get(kind, create=False)
         if manager is None or manager.latest_step() is None:
             raise CheckpointError(f"no finished checkpoint in {self.root / kind}")
-        return _restore_newest_valid(manager, self.root / kind, abstract_state, on_skip)
+        return _restore_newest_valid(manager, self.root / kind, lambda step: abstract_state, on_skip, check)
+
+    def set_aside_newer(self, kind: str, step: int, label: str) -> list[Path]:
+        """Renames the steps of `kind` newer than `step` to `<step>.<label>`, which orbax ignores,
+        so that a run resumed from `step` can write those steps again (the ones a resume skipped as
+        damaged, or a best step from the part of the run being replayed); nothing is deleted.
+        Returns the new paths."""
+        manager = self._get(kind, create=False)
+        newer = [] if manager is None else [s for s in manager.all_steps() if s > step]
+        moved = []
+        for old in newer:
+            target, n = self.root / kind / f"{old}.{label}", 1
+            while target.exists():
+                target, n = self.root / kind / f"{old}.{label}.{n}", n + 1
+            (self.root / kind / str(old)).rename(target)
+            moved.append(target)
+        if moved:
+            self._managers.pop(kind).close()  # reopened on next use, without the steps set aside
+        return moved
 
     def close(self) -> None:
         for manager in self._managers.values():
@@ -158,19 +167,49 @@ def _finite_or_none(x: float | None) -> float | None:
     return None if x is None or not math.isfinite(float(x)) else float(x)
 
 
-def _restore_newest_valid(manager, directory: Path, abstract_state, on_skip):
+def _restore_newest_valid(manager, directory: Path, abstract_state: Callable[[int], Any], on_skip, check=None):
+    """(state, meta) of the newest step that reads and verifies; see `Checkpointer.restore`."""
     steps = sorted(manager.all_steps(), reverse=True)
     for i, step in enumerate(steps):
         try:
-            return _restore_step(manager, directory, step, abstract_state)
+            meta = _read_meta(manager, directory, step)
         except CheckpointError as err:
-            if on_skip is None or i == len(steps) - 1:
-                raise
-            on_skip(f"{err}; using step {steps[i + 1]} instead")
+            _skip(err, steps, i, on_skip)
+            continue
+        if check is not None:
+            check(meta)  # a mismatch is the run's, not the step's: no older step is tried
+        try:
+            return _restore_step(manager, directory, step, abstract_state(step)), meta
+        except CheckpointError as err:
+            _skip(err, steps, i, on_skip)
     raise CheckpointError(f"no finished checkpoint in {directory}")
 
 
+def _skip(err: CheckpointError, steps: list[int], i: int, on_skip) -> None:
+    """Reports a damaged step to `on_skip` when an older one is left to try; re-raises otherwise."""
+    if on_skip is None or i == len(steps) - 1:
+        raise err
+    on_skip(f"{err}; using step {steps[i + 1]} instead")
+
+
+def _read_meta(manager, directory: Path, step: int) -> dict:
+    """The meta of one step (no arrays read), upgraded to today's format; CheckpointError if unreadable."""
+    where = directory / str(step) / META_FILE
+    try:
+        meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    except Exception as err:  # a missing or torn file surfaces from orbax as assorted errors
+        raise CheckpointError(f"checkpoint {directory / str(step)}: its meta ({where}) cannot be read: "
+                              f"{_first_line(err)}") from err
+    if isinstance(meta, dict) and meta.get("format") == 1:
+        meta = upgrade_format_1(meta)
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION or "config" not in meta:
+        raise CheckpointError(f"checkpoint {directory / str(step)}: its meta ({where}) has an unknown format: "
+                              f"{meta!r:.200}")
+    return meta
+
+
 def _restore_step(manager, directory: Path, step: int, abstract_state):
+    """The verified state of one step (its meta already read)."""
     where = directory / str(step)
     state_args = ocp.args.StandardRestore(abstract_state) if abstract_state is not None \
         else ocp.args.StandardRestore()
@@ -183,13 +222,8 @@ def _restore_step(manager, directory: Path, step: int, abstract_state):
                               f"(different config?): {_first_line(err)}") from err
     except Exception as err:  # truncated or missing files surface from tensorstore as assorted errors
         raise CheckpointError(f"checkpoint {where} cannot be read: {_first_line(err)}") from err
-    meta = restored["meta"]
-    if isinstance(meta, dict) and meta.get("format") == 1:
-        meta = upgrade_format_1(meta)
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION:
-        raise CheckpointError(f"checkpoint {where} has an unknown format: {meta!r:.200}")
-    _verify(restored["state"], meta, where)
-    return restored["state"], meta
+    _verify(restored["state"], restored["meta"], where)
+    return restored["state"]
 
 
 def _verify(state, meta: dict, where: Path) -> None:
@@ -236,6 +270,24 @@ def check_compatible(meta: dict, config: ExperimentConfig) -> list[str]:
                        for k in kernels if getattr(saved.runtime, k) != getattr(config.runtime, k)]
 
 
+def check_tokenizer(meta: dict, tokenizer: Tokenizer, corpus: str) -> None:
+    """CheckpointError unless `tokenizer` (this run's corpus's) is the checkpoint's: with another
+    one every token id would mean another character, and the run would go on training on noise."""
+    saved = tokenizer_from_dict(meta["tokenizer"])
+    if saved == tokenizer:
+        return
+    if saved.kind == tokenizer.kind == "char":
+        added, missing = sorted(set(tokenizer.chars) - set(saved.chars)), sorted(set(saved.chars) - set(tokenizer.chars))
+        detail = (f"its characters differ from the run's ({saved.vocab_size} then, {tokenizer.vocab_size} now; "
+                  f"new {''.join(added)!r}, gone {''.join(missing)!r})")
+    else:
+        detail = f"it is a {tokenizer.kind} tokenizer and the run's is a {saved.kind} tokenizer"
+    was = meta["config"]["train"].get("data_path") or "the default corpus"
+    raise CheckpointError(f"--resume: the corpus {corpus} does not give the run's tokenizer: {detail}, so every "
+                          f"token id would mean something else. Resume with the run's corpus ({was}), or start "
+                          "a new run in another --out-dir")
+
+
 def _find_manager_dir(path: Path) -> Path:
     """Accepts a run dir, its checkpoints/ dir, or checkpoints/{best,latest}."""
     for candidate in (path / "checkpoints" / "best", path / "checkpoints" / "latest",
@@ -277,21 +329,28 @@ def load_for_sampling(directory: str | Path, *, on_skip: Callable[[str], None] =
     found = _find_manager_dir(path)
     manager = _manager(found, 1, create=False)
     try:
-        steps = sorted(manager.all_steps(), reverse=True)
-        for i, step in enumerate(steps):
-            try:
-                state, meta = _restore_step(manager, found, step, _on_one_device(found / str(step) / "state"))
-                break
-            except CheckpointError as err:
-                if i == len(steps) - 1:
-                    raise
-                on_skip(f"{err}; using step {steps[i + 1]} instead")
+        state, meta = _restore_newest_valid(manager, found, lambda step: _on_one_device(found / str(step) / "state"),
+                                            on_skip)
     finally:
         manager.close()
-    config = ExperimentConfig.from_dict(meta["config"])
+    try:
+        config, tokenizer = ExperimentConfig.from_dict(meta["config"]), tokenizer_from_dict(meta["tokenizer"])
+    except (KeyError, TypeError, ValueError) as err:
+        raise CheckpointError(f"checkpoint in {found}: its meta ({META_FILE}) holds no usable config or "
+                              f"tokenizer: {_first_line(err)}") from err
     params = jax.tree.map(np.asarray, state["params"])
     _check_params_match(params, config.model)
-    return params, config.model, tokenizer_from_dict(meta["tokenizer"])
+    _check_finite(params, found)
+    return params, config.model, tokenizer
+
+
+def _check_finite(params, where: Path) -> None:
+    """CheckpointError naming the first array holding NaN or infinity (training never saves one)."""
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+        bad = int(np.size(leaf) - np.count_nonzero(np.isfinite(leaf)))
+        if bad:
+            raise CheckpointError(f"checkpoint in {where}: parameter {_path_name(path)} holds {bad} NaN or "
+                                  "infinite value(s); it cannot be sampled from")
 
 
 def _check_params_match(params, config: ModelConfig) -> None:

@@ -22,11 +22,15 @@ import numpy as np
 
 from jaxattn.cache import cache_bytes_per_token
 from jaxattn.decoding import generate
+from train import outputs
 from train import runtime as runtime_lib
+from train.cli import ArgumentParser, Stopped, UsageError, guard
 from train.config import DEFAULT_CONFIG, ExperimentConfig, load_config
-from train.loop import train
+from train.loop import Interrupted, train
 from train.plots import plot_comparison
 from train.tiny_lm import RUNTIME_ERRORS
+
+PROGRAM = "python -m train.compare"
 
 KINDS = {
     "MHA": [],
@@ -92,8 +96,7 @@ def markdown(rows: list[dict], command: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m train.compare", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(prog=PROGRAM, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--iters", type=int, default=2000, help="training steps per run")
     parser.add_argument("--out", default="runs/compare", help="where compare.{md,json,png} go (docs: the README's)")
     parser.add_argument("--runs", default="runs/compare/runs", help="run directories, replaced on each invocation")
@@ -104,7 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> list[dict]:
+def run(argv: list[str] | None) -> list[dict]:
+    """Checks the arguments and the output folders, trains and measures each row, writes the tables."""
     parser = build_parser()
     args = parser.parse_args(argv)
     kinds = [k.strip().upper() for k in args.kinds.split(",")]
@@ -114,24 +118,42 @@ def main(argv: list[str] | None = None) -> list[dict]:
             parser.error(f"unknown {name} {sorted(set(asked) - set(known))}; choose from {list(known)}")
     if args.iters < 1:
         parser.error(f"--iters must be >= 1, got {args.iters}")
+    out = outputs.check_folder(args.out, "--out")
+    outputs.check_folder(args.runs, "--runs")
     try:
         base = load_config(args.config, args.set)
         runtime = runtime_lib.start(base.runtime, base.train.batch_size)  # before anything starts JAX
     except (ValueError, TypeError, FileNotFoundError) as err:
-        parser.error(str(err))
+        raise UsageError(str(err)) from err
     print("\n".join(runtime.describe()), flush=True)
+    rows = []
     try:
-        rows = [run_one(kind, pos, args, runtime) for kind in kinds for pos in positions]
-    except RUNTIME_ERRORS as err:
-        parser.exit(1, f"error: {err}\n")
-    out = Path(args.out)
+        for kind, pos in ((kind, pos) for kind in kinds for pos in positions):
+            rows.append(run_one(kind, pos, args, runtime))
+    except (Interrupted, KeyboardInterrupt) as stop:
+        kept = write(rows, out, args) if rows else "nothing was measured"
+        raise Stopped(f"{stop or 'interrupted'} ({kind}, {pos} positions); {kept}") from None
+    print(write(rows, out, args))
+    print(markdown(rows, command(args)))
+    return rows
+
+
+def command(args) -> str:
+    return "python -m train.compare" + (f" --iters {args.iters}" if args.iters != 2000 else "")
+
+
+def write(rows: list[dict], out: Path, args) -> str:
+    """Writes compare.md, compare.json and compare.png of `rows` under `out`; says so."""
     out.mkdir(parents=True, exist_ok=True)
-    command = "python -m train.compare" + (f" --iters {args.iters}" if args.iters != 2000 else "")
-    (out / "compare.md").write_text(markdown(rows, command))
+    (out / "compare.md").write_text(markdown(rows, command(args)))
     (out / "compare.json").write_text(json.dumps(rows, indent=2))
     plot_comparison(rows, out / "compare.png")
-    print(markdown(rows, command))
-    return rows
+    return f"the {len(rows)} finished row(s) are in {out}/compare.md, compare.json and compare.png"
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    """The rows; one line and exit 1, 2 or 130 on a failure (train.cli)."""
+    return guard(PROGRAM, lambda: run(argv), expected=RUNTIME_ERRORS)
 
 
 if __name__ == "__main__":

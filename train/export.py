@@ -1,10 +1,10 @@
 """Write a trained run as a Hugging Face transformers directory, with its tokenizer.
 
     python -m train.export --checkpoint runs/shakespeare_char_baby --out exports/baby
-    python -m train.export --checkpoint runs/NAME --out DIR --overwrite   # replace what DIR holds
+    python -m train.export --checkpoint runs/NAME --out DIR --overwrite   # replace an earlier export
 
-DIR then holds config.json, model.safetensors, tokenizer.json (the run's character or
-byte tokenizer, same ids) and tokenizer_config.json, and loads with
+DIR then holds config.json, model.safetensors, generation_config.json, tokenizer.json (the
+run's character or byte tokenizer, same ids) and tokenizer_config.json, and loads with
 `transformers.AutoModelForCausalLM.from_pretrained(DIR)`
 and `AutoTokenizer.from_pretrained(DIR)`, or here with
 `python -m train.sample --hf DIR` and `python -m train.attention_maps --hf DIR`.
@@ -12,7 +12,8 @@ The architecture is the transformers one that computes the same function as the 
 model (jaxattn.hf.export: RoPE + LayerNorm + GELU, the default, is GPTNeoXForCausalLM; learned
 positions GPT2LMHeadModel; RoPE + RMSNorm + SwiGLU LlamaForCausalLM); a config with none
 (e.g. sinusoidal positions, or GQA with LayerNorm) is refused in one line, before anything
-is written.
+is written. A non-empty DIR is refused unless --overwrite, which replaces those files (and an
+older sharded save's index and the shards it lists) and leaves every other file in DIR as it was.
 
 `load_hf` is the reader of such a directory (or any transformers save with a
 tokenizer.json) for `train.sample` and `train.attention_maps`.
@@ -21,15 +22,21 @@ tokenizer.json) for `train.sample` and `train.attention_maps`.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jaxattn.config import ModelConfig
 from train import checkpoint as checkpoint_lib
 from train.checkpoint import CheckpointError
+from train.cli import ArgumentParser, guard, one_line
+from train.outputs import check_folder
 from train.tokenizer import to_hf_tokenizer
+
+if TYPE_CHECKING:
+    from jaxattn.hf import SaveReport
+
+PROGRAM = "python -m train.export"
 
 
 def _hf():
@@ -43,24 +50,31 @@ def _hf():
 
 
 def _check_out(out: Path, checkpoint: Path, overwrite: bool) -> None:
-    """CheckpointError when writing `out` would replace something without --overwrite, or the run itself."""
+    """Refuses an `out` that cannot take an export, before the checkpoint is read.
+
+    CheckpointError when writing `out` would replace something without --overwrite, or
+    the run itself; UnwritablePath (an OSError) when no file can be written there.
+    """
     if out.exists() and not out.is_dir():
         raise CheckpointError(f"--out {out} is a file, not a directory")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise CheckpointError(f"--out {out} is not empty: pass --overwrite to replace what it holds, "
-                              "or choose another directory")
+        raise CheckpointError(f"--out {out} is not empty: pass --overwrite to replace an earlier export there "
+                              "(other files stay), or choose another directory")
     run = checkpoint.resolve()
     if out.resolve() == run or out.resolve() in run.parents:
         raise CheckpointError(f"--out {out} holds the checkpoint being exported: choose another directory")
+    check_folder(out, "--out")
 
 
-def export(checkpoint: str | Path, out: str | Path, *, overwrite: bool = False) -> tuple[str, list[Path]]:
+def export(checkpoint: str | Path, out: str | Path, *, overwrite: bool = False) -> SaveReport:
     """Writes the run at `checkpoint` (best step, else latest) as a transformers directory `out`.
 
-    Returns (the transformers architecture written, the files `out` now holds). CheckpointError
-    (a ValueError) when the checkpoint cannot be read, `out` is not empty and not
-    `overwrite`, or the model or tokenizer has no transformers counterpart; nothing is
-    written then.
+    Returns `jaxattn.hf.SaveReport`: the transformers architecture, the files written (only
+    those: a file of the user's in `out` is never among them) and, with `overwrite`, the
+    files of an earlier export they replaced. CheckpointError (a ValueError) when the
+    checkpoint cannot be read, `out` is not empty and not `overwrite`, or the model or
+    tokenizer has no transformers counterpart; UnwritablePath (an OSError) when `out`
+    cannot be written. Nothing is written then.
     """
     out, checkpoint = Path(out), Path(checkpoint)
     _check_out(out, checkpoint, overwrite)
@@ -68,22 +82,22 @@ def export(checkpoint: str | Path, out: str | Path, *, overwrite: bool = False) 
     hf = _hf()
     try:
         hf_tokenizer = to_hf_tokenizer(tokenizer)
-        hf.save_pretrained(out, config, params, tokenizer=hf_tokenizer, overwrite=overwrite)
+        return hf.save_pretrained(out, config, params, tokenizer=hf_tokenizer, overwrite=overwrite)
     except ImportError as err:
         raise CheckpointError(f"exporting a tokenizer needs the tokenizers package ({err})") from err
-    except ValueError as err:  # hf.UnsupportedCheckpoint among them: the message names the field
-        raise CheckpointError(f"cannot export {checkpoint}: {err}") from err
-    architecture = json.loads((out / "config.json").read_text()).get("architectures", ["?"])[0]
-    return architecture, sorted(p for p in out.rglob("*") if p.is_file())
+    except (ValueError, FileExistsError) as err:  # hf.UnsupportedCheckpoint among them: the message names the field
+        raise CheckpointError(f"cannot export {checkpoint}: {one_line(err)}") from err
 
 
-def load_hf(directory: str | Path) -> tuple[Any, ModelConfig, Any]:
+def load_hf(directory: str | Path, *, allow_nonfinite: bool = False) -> tuple[Any, ModelConfig, Any]:
     """(params, model config, tokenizer) of a transformers directory holding a tokenizer.json.
 
     The tokenizer has `encode(text) -> ids`, `decode(ids) -> str` and `eos_token_id`
     (int or None); the params are float32, for `jaxattn.DecoderLM(config)`. CheckpointError
-    (one line) for a missing directory or tokenizer.json, an unsupported architecture or
-    unreadable weights. The tokenizer is read first: a bad directory fails before any tensor.
+    (one line, naming the file and the key or tensor) for a missing directory or
+    tokenizer.json, an unsupported architecture, a damaged file, or weights holding NaN or
+    infinity (loaded anyway with `allow_nonfinite`). The tokenizer is read first: a bad
+    directory fails before any tensor.
     """
     path = Path(directory)
     if not path.is_dir():
@@ -95,37 +109,45 @@ def load_hf(directory: str | Path) -> tuple[Any, ModelConfig, Any]:
     hf = _hf()
     try:
         tokenizer = hf.load_tokenizer(path)
-        config, params = hf.load_pretrained(path, dtype="float32")
-    except (ValueError, OSError) as err:
-        raise CheckpointError(f"cannot load {path}: {err}") from err
+        config, params = hf.load_pretrained(path, dtype="float32", allow_nonfinite=allow_nonfinite)
+    except hf.HFCheckpointError as err:
+        message = one_line(err).replace(hf.checkpoint.NONFINITE_HINT, "--allow-nonfinite loads them anyway")
+        where = "" if isinstance(err, hf.InvalidCheckpoint) else f"{path}: "  # an InvalidCheckpoint names its file
+        raise CheckpointError(f"cannot load {where}{message}") from err
+    except OSError as err:
+        raise CheckpointError(f"cannot load {path}: {err.filename or path}: {err.strerror or err}") from err
     return params, config, tokenizer
 
 
-def report(out: Path, architecture: str, files: list[Path]) -> str:
-    """What `main` prints after an export: the architecture, the files, how to load them."""
-    lines = [f"wrote {out} as {architecture}:"]
-    lines += [f"  {p.relative_to(out)}  ({p.stat().st_size:,} bytes)" for p in files]
+def report(saved: SaveReport) -> str:
+    """What `main` prints after an export (`saved`, a SaveReport): the architecture, the files, how to load them."""
+    out = saved.directory
+    lines = [f"wrote {out} as {saved.architecture}:"]
+    lines += [f"  {p.relative_to(out)}  ({p.stat().st_size:,} bytes)" for p in saved.written]
+    if saved.replaced:
+        lines += [f"replaced: {', '.join(str(p.relative_to(out)) for p in saved.replaced)} (an earlier save's; "
+                  "other files in the directory are untouched)"]
     lines += ["load it with transformers:",
               f"  AutoModelForCausalLM.from_pretrained({str(out)!r}), AutoTokenizer.from_pretrained({str(out)!r})",
               f"or sample here: python -m train.sample --hf {out} --prompt \"ROMEO:\""]
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Exit status: 0 written, 1 a runtime error (one `error:` line), 2 a usage error (argparse)."""
-    parser = argparse.ArgumentParser(prog="python -m train.export", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+def run(argv: list[str] | None = None) -> int:
+    """Parses `argv`, exports, prints the report; raises UsageError, CheckpointError or OSError."""
+    parser = ArgumentParser(prog=PROGRAM, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", required=True, metavar="RUN", help="a run directory (or its checkpoints/...)")
     parser.add_argument("--out", required=True, metavar="DIR", help="the transformers directory to write")
-    parser.add_argument("--overwrite", action="store_true", help="replace what DIR already holds")
+    parser.add_argument("--overwrite", action="store_true", help="replace an earlier export in DIR (its files "
+                        "only: other files in DIR stay)")
     args = parser.parse_args(argv)
-    try:
-        architecture, files = export(args.checkpoint, args.out, overwrite=args.overwrite)
-    except (CheckpointError, OSError) as err:
-        print("error: " + "; ".join(line.strip() for line in str(err).splitlines()), file=sys.stderr)  # one line
-        return 1
-    print(report(Path(args.out), architecture, files))
+    print(report(export(args.checkpoint, args.out, overwrite=args.overwrite)))
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Exit status: 0 written, 1 a runtime error, 2 a usage error (each one `error:` line on stderr)."""
+    return guard(PROGRAM, lambda: run(argv), expected=(CheckpointError,))
 
 
 if __name__ == "__main__":

@@ -7,66 +7,46 @@ next one runs, and evaluates (and checkpoints) every `eval_interval` steps.
 At the end it samples through the KV cache, plots the losses and writes
 `result.json` beside `metrics.jsonl`, `config.json` and `checkpoints/`.
 
-Nothing is lost and nothing is silent: the run directory is claimed and locked
-before anything is written (`train.rundir`); a non-finite loss stops the run
-before it is logged or saved (`TrainingDiverged`); SIGINT and SIGTERM stop it at
-the next dispatch boundary with a checkpoint that `--resume` continues exactly
-(`Interrupted`).
+Nothing is lost and nothing is silent: the outputs are checked and the run
+directory is claimed and locked before anything is written (`train.outputs`,
+`train.rundir`); a non-finite loss stops the run before it is logged or saved
+(`TrainingDiverged`). From the claim to the end, SIGINT and SIGTERM only ask the
+run to stop, and it does so at the next safe point with what was done kept
+(`Interrupted`): after compiling (nothing trained, nothing written), at the next
+dispatch boundary (a checkpoint that `--resume` continues exactly), or between
+windows of the end-of-run sample (the partial sample printed, the plot and
+`result.json` written). A resumed run whose checkpoint is at `max_iters` (stopped
+or killed during its final save or sample) is finished: evaluated, sampled,
+plotted and its `result.json` written.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
-import signal
-import statistics
 import sys
-import threading
 import time
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 import numpy as np
 
 from jaxattn import sharding
-from jaxattn.decoding import generate_windowed
+from jaxattn.windowed import windows
 from jaxattn.model import count_params
 from train import data as data_lib
-from train import distributed
+from train import distributed, outputs
 from train import runtime as runtime_lib
-from train.checkpoint import Checkpointer, CheckpointError, check_compatible
+from train.checkpoint import Checkpointer, CheckpointError, check_compatible, check_tokenizer
+from train.cli import StopSignals
 from train.config import ExperimentConfig, TrainConfig
-from train.metrics import MetricsLog, Throughput, peak_memory
+from train.metrics import MetricsLog, RunResult, Throughput, peak_memory, speeds
 from train.plots import plot_losses
 from train.rundir import claim, repair_metrics
 from train.steps import build_programs
 from train.tokenizer import Tokenizer
-
-
-@dataclasses.dataclass
-class RunResult:
-    final_val_loss: float
-    final_train_loss: float
-    best_val_loss: float
-    steps: int
-    median_tokens_per_s: float
-    median_ms_per_iter: float
-    fastest_ms_per_iter: float  # the fastest dispatch: the least disturbed by other processes
-    compile_s: float
-    wall_s: float
-    peak_rss_gib: float  # the process's peak resident memory (the arrays, on a CPU)
-    device_peak_gib: float | None  # an accelerator's peak bytes in use, where JAX reports it
-    num_params: int
-    sample: str
-    out_dir: str
-    config: ExperimentConfig = dataclasses.field(repr=False, default=None)  # resolved
-    params: Any = dataclasses.field(repr=False, default=None)  # the final parameters
-
-    def figures(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("config", "params")}
 
 
 class TrainingDiverged(RuntimeError):
@@ -79,29 +59,6 @@ class Interrupted(RuntimeError):
     def __init__(self, message: str, step: int):
         super().__init__(message)
         self.step = step
-
-
-class StopSignals:
-    """While active, SIGINT and SIGTERM only ask the run to stop at its next dispatch boundary
-    (only possible in the main thread; elsewhere signals keep their handlers)."""
-
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-    def __init__(self):
-        self.requested = None  # the signal's name once one arrived
-
-    def __enter__(self) -> "StopSignals":
-        self._previous = {}
-        if threading.current_thread() is threading.main_thread():
-            self._previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
-        return self
-
-    def _handle(self, signum, frame) -> None:
-        self.requested = signal.Signals(signum).name
-
-    def __exit__(self, *exc) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
 
 
 def with_vocabulary(config: ExperimentConfig, tokenizer: Tokenizer) -> ExperimentConfig:
@@ -122,44 +79,66 @@ class Run:
     """One training run from its current step to `max_iters`."""
 
     def __init__(self, config: ExperimentConfig, runtime: runtime_lib.Runtime, corpus: data_lib.Corpus, *,
-                 resume: bool, quiet: bool, after_eval: Callable[[int], None] | None):
+                 resume: bool, quiet: bool, after_eval: Callable[[int], None] | None, signals: "StopSignals"):
         self.config, self.runtime, self.corpus, self.after_eval = config, runtime, corpus, after_eval
         tc = config.train
-        self.out, self.main = Path(tc.out_dir), distributed.is_main()
+        self.out, self.main, self.signals = Path(tc.out_dir), distributed.is_main(), signals
         self.quiet = quiet or not self.main  # only process 0 prints and writes
         self.log = (lambda *a: None) if self.quiet else partial(print, flush=True)
+        self.warn = partial(print, file=sys.stderr, flush=True) if self.main else (lambda *a: None)  # even --quiet
         self.programs = build_programs(config, runtime)
         self.train_data, self.val_data = self.programs.place((np.asarray(corpus.train), np.asarray(corpus.val)))
         self.state = self.programs.init(tc.seed)  # created where it lives on the mesh
         self.checkpoints = Checkpointer(self.out) if tc.checkpoint or resume else None
-        self.best_val, self.last_eval, interval = math.inf, None, []
+        self.best_val, self.last_eval, meta = math.inf, None, {}
         if resume:
-            interval = self._resume()
+            meta = self._resume()
         self.start_step = int(self.state["step"])
-        self.metrics = MetricsLog(self.out / "metrics.jsonl", tc.log_interval, interval, write=self.main)
-        self.throughput = Throughput(tc.batch_size * tc.block_size)
-        self.signals = StopSignals()
+        self.metrics = MetricsLog(self.out / "metrics.jsonl", tc.log_interval, meta.get("interval_losses", []),
+                                  write=self.main)
+        self.throughput = Throughput(tc.batch_size * tc.block_size, meta.get("step_seconds", []))
 
-    def _resume(self) -> list[float]:
-        """Restores the newest valid checkpoint; returns the losses of its unfinished log interval."""
+    def _resume(self) -> dict:
+        """Restores the newest valid checkpoint that matches this run; returns its meta."""
         if self.checkpoints.latest_step() is None:
             raise CheckpointError(f"--resume: no checkpoint in {self.checkpoints.root / 'latest'} (the run "
                                   "stopped before its first save): --overwrite starts it again")
-        for warning in check_compatible(self.checkpoints.read_meta("latest"), self.config):  # before any array
-            self.log(f"warning: resumed run differs from the checkpoint ({warning}); it will not replay exactly")
-        warn = partial(print, file=sys.stderr) if self.main else (lambda *a: None)
         abstract = self.programs.layout.abstract(jax.eval_shape(lambda: self.state))  # this run's mesh
-        self.state, meta = self.checkpoints.restore("latest", abstract,
-                                                    on_skip=lambda message: warn(f"warning: {message}"))
-        if meta["step"] >= self.config.train.max_iters:
+        self.state, meta = self.checkpoints.restore("latest", abstract, check=self._check_checkpoint,
+                                                    on_skip=lambda message: self.warn(f"warning: {message}"))
+        tc = self.config.train
+        if meta["step"] > tc.max_iters:
             raise CheckpointError(f"--resume: the checkpoint is at step {meta['step']} and train.max_iters="
-                                  f"{self.config.train.max_iters}: nothing to train (raise train.max_iters)")
-        self.log(f"resumed from step {meta['step']} (val loss {meta['val_loss']})")
+                                  f"{tc.max_iters}: nothing to train (raise train.max_iters)")
+        if self.main:  # the resume is accepted: from here on the run writes
+            self._set_aside_the_future(meta["step"])
+        if jax.process_count() > 1:  # the other processes see the steps set aside once process 0 is done
+            distributed.agree(True, "set aside the checkpoints after the resumed step")
+            self.checkpoints.close()
+        finishing = " (the last: finishing the run: evaluation, sample, plot, result.json)" \
+            if meta["step"] == tc.max_iters else ""
+        self.log(f"resumed from step {meta['step']} (val loss {meta['val_loss']}){finishing}")
         self.best_val = math.inf if meta.get("best_val_loss") is None else meta["best_val_loss"]
         if self.main:
             repair_metrics(self.out / "metrics.jsonl", meta["step"],
                            evaluates_again=self._due_for_eval(meta["step"]))
-        return meta.get("interval_losses", [])
+        return meta
+
+    def _set_aside_the_future(self, step: int) -> None:
+        """Checkpoints newer than the resumed `step` (damaged latest steps skipped, a best step of the
+        part about to be replayed) are renamed, not deleted, so the run can write those steps again."""
+        for moved in self.checkpoints.set_aside_newer("latest", step, "damaged"):
+            self.warn(f"warning: the damaged checkpoint is kept as {moved}; the run writes that step again")
+        for moved in self.checkpoints.set_aside_newer("best", step, "before-resume"):
+            self.warn(f"warning: the best checkpoint after step {step} is kept as {moved}; the resumed run "
+                      "writes its own")
+
+    def _check_checkpoint(self, meta: dict) -> None:
+        """Before a checkpoint's arrays are read: the same tokenizer and model (else CheckpointError);
+        the settings that make the resumed run differ from an uninterrupted one are warned about."""
+        check_tokenizer(meta, self.corpus.tokenizer, self.corpus.path)
+        for warning in check_compatible(meta, self.config):
+            self.warn(f"warning: resumed run differs from the checkpoint ({warning}); it will not replay exactly")
 
     def compile(self) -> float:
         """Compiles every train-steps program the run needs, and the evaluation; returns seconds."""
@@ -169,7 +148,19 @@ class Run:
         self.evaluate_program = self.programs.evaluate.lower(
             self.state["params"], self.train_data, self.val_data).compile()
         self.log(f"compiled {sizes}-step train programs and eval in {time.perf_counter() - start:.1f}s")
+        if self.signals.requested:
+            self._stop_before_training()
         return time.perf_counter() - start
+
+    def _stop_before_training(self) -> None:
+        """`Interrupted` for a signal that came before the first step: nothing new was done."""
+        latest = None if self.checkpoints is None else self.checkpoints.latest_step()
+        if latest is None:
+            raise Interrupted(f"{self.signals.requested} before training began: nothing was trained or written; "
+                              "run the same command again", self.start_step)
+        raise Interrupted(f"{self.signals.requested} before training went on: the run stays at step "
+                          f"{self.start_step} ({self.checkpoints.root / 'latest' / str(latest)}); --resume "
+                          "continues from there", self.start_step)
 
     def _due_for_eval(self, step: int) -> bool:
         return step % self.config.train.eval_interval == 0 or step == self.config.train.max_iters
@@ -178,24 +169,23 @@ class Run:
         """Dispatches every chunk, reading a chunk's losses while the next one runs."""
         tc = self.config.train
         self.bar = _progress_bar(tc.max_iters, self.start_step, self.quiet)
-        with self.signals:
-            if self._due_for_eval(self.start_step):
-                self.evaluate(self.start_step)
-            pending = None  # (first step, outputs) of the chunk in flight
-            for first, last in chunks(self.start_step, tc.max_iters, tc):
-                self.state, outputs = self.compiled[last - first](self.state, self.train_data)
-                if pending is not None:
-                    self.record(*pending)
-                pending = (first, outputs)
-                if self._due_for_eval(last) or self.signals.requested:
-                    self.record(*pending)
-                    pending = None
-                    if self._due_for_eval(last):
-                        self.evaluate(last)
-                    if self.signals.requested:
-                        self.stop(last)
+        if self._due_for_eval(self.start_step):
+            self.evaluate(self.start_step)
+        pending = None  # (first step, outputs) of the chunk in flight
+        for first, last in chunks(self.start_step, tc.max_iters, tc):
+            self.state, outputs = self.compiled[last - first](self.state, self.train_data)
             if pending is not None:
                 self.record(*pending)
+            pending = (first, outputs)
+            if self._due_for_eval(last) or self.signals.requested:
+                self.record(*pending)
+                pending = None
+                if self._due_for_eval(last):
+                    self.evaluate(last)
+                if self.signals.requested:
+                    self.stop(last)
+        if pending is not None:
+            self.record(*pending)
         self.bar.close()
 
     def record(self, first_step: int, outputs) -> None:
@@ -239,7 +229,8 @@ class Run:
     def save(self, kind: str, step: int, val_loss: float | None) -> None:
         self.checkpoints.save(kind, step, self.state, config=self.config, tokenizer=self.corpus.tokenizer,
                               val_loss=val_loss, best_val_loss=self.best_val,
-                              extra={"interval_losses": self.metrics.pending()})
+                              extra={"interval_losses": self.metrics.pending(),
+                                     "step_seconds": self.throughput.step_seconds()})
 
     def stop(self, step: int) -> None:
         """After a stop signal: a checkpoint at `step` (unless one exists), then `Interrupted`."""
@@ -250,19 +241,29 @@ class Run:
         if step > self.start_step and self.checkpoints.latest_step() != step:
             self.save("latest", step, None)
         where = self.checkpoints.root / "latest" / str(self.checkpoints.latest_step())
-        raise Interrupted(f"{self.signals.requested} at step {step}: saved {where}; --resume continues from "
-                          "there", step)
+        then = "finishes the run (sample, loss plot, result.json)" if step >= self.config.train.max_iters \
+            else "continues from there"
+        raise Interrupted(f"{self.signals.requested} at step {step}: saved {where}; --resume {then}", step)
 
-    def sample(self) -> tuple[str, str]:
-        """(text, how) of the end-of-run sample: the prompt continued through the KV cache."""
+    def sample(self) -> tuple[str, str, str | None]:
+        """(text, how, why it stopped early or None) of the end-of-run sample: the prompt continued
+        through the KV cache, window by window, until done or a stop signal."""
         tc, tokenizer = self.config.train, self.corpus.tokenizer
         prompt = tokenizer.encode(tc.sample_prompt)
         mesh = self.programs.layout.mesh
-        ids = generate_windowed(self.state["params"], self.config.model, prompt, max_new_tokens=tc.sample_tokens,
-                                rng=jax.random.PRNGKey(tc.seed), temperature=tc.sample_temperature,
-                                kernels=self.runtime.kernels, mesh=mesh if mesh.size > 1 else None)
+        drawn, stopped = [], None
+        for chunk in windows(self.state["params"], self.config.model, prompt, max_new_tokens=tc.sample_tokens,
+                             rng=jax.random.PRNGKey(tc.seed), temperature=tc.sample_temperature,
+                             kernels=self.runtime.kernels, mesh=mesh if mesh.size > 1 else None):
+            drawn.append(chunk[0])
+            if self.signals.requested:
+                done = sum(map(len, drawn))
+                stopped = (f"{self.signals.requested} during the end-of-run sample, after {done} of "
+                           f"{tc.sample_tokens} tokens: the run is trained and saved, its sample cut short")
+                break
         on = f", on the {sharding.MeshShape.of(mesh)} mesh" if mesh.size > 1 else ""
-        return tokenizer.decode(np.concatenate([prompt, ids[0]])), f"jaxattn.generate_windowed, KV cache{on}"
+        text = tokenizer.decode(np.concatenate([prompt, *drawn]))
+        return text, f"jaxattn.generate_windowed, KV cache{on}", stopped
 
     def close(self) -> None:
         if self.checkpoints is not None:
@@ -293,14 +294,19 @@ def train(config: ExperimentConfig, *, runtime: runtime_lib.Runtime | None = Non
       runtime: the resolved runtime (default: `train.runtime.start(config.runtime, ...)` now).
       resume: continue the run in `train.out_dir` from its newest valid checkpoint.
       overwrite: replace a run already in `train.out_dir` (else that is refused).
+      loss_plot: where to write the loss curve (default `out_dir/loss.png`); checked first.
       after_eval: called with the step after each evaluation, outside the timed steps
         (bench/train.py runs a baseline in turns with this run).
 
+    A stop signal during the end-of-run sample does not raise: the result says so in `stopped`.
+
     Raises:
-      RunDirectoryError, DataError, CheckpointError, TrainingDiverged, Interrupted.
+      RunDirectoryError, DataError, CheckpointError, TrainingDiverged, Interrupted, UnwritablePath.
     """
     wall_start = time.perf_counter()
     tc = config.train
+    if loss_plot is not None:
+        outputs.check_image_file(loss_plot, "--loss-plot")
     corpus = data_lib.load_corpus(tc.data_path, tokenizer=tc.tokenizer, val_fraction=tc.val_fraction)
     data_lib.check_block_size(corpus, tc.block_size)
     _check_sample_prompt(config, corpus.tokenizer)
@@ -316,14 +322,15 @@ def train(config: ExperimentConfig, *, runtime: runtime_lib.Runtime | None = Non
     lock = _claim_on_main(Path(tc.out_dir), resume=resume, overwrite=overwrite)
     run = None
     try:
-        run = Run(config, runtime, corpus, resume=resume, quiet=quiet, after_eval=after_eval)
-        log("\n".join(describe_layout(run.programs.layout, run.state)))
-        if main:  # only once the checkpoint has been accepted
-            (run.out / "config.json").write_text(config.to_json())
-        log(f"parameters: {count_params(run.state['params']):,}")
-        compile_s = run.compile()
-        run.train()
-        return _finish(run, compile_s, wall_start, sample=sample, loss_plot=loss_plot, log=log)
+        with StopSignals() as signals:  # from here a signal asks; the run stops where nothing is lost
+            run = Run(config, runtime, corpus, resume=resume, quiet=quiet, after_eval=after_eval, signals=signals)
+            log("\n".join(describe_layout(run.programs.layout, run.state)))
+            log(f"parameters: {count_params(run.state['params']):,}")
+            compile_s = run.compile()
+            if main:  # once the checkpoint is accepted and the programs compiled: the run begins here
+                (run.out / "config.json").write_text(config.to_json())
+            run.train()
+            return _finish(run, compile_s, wall_start, sample=sample, loss_plot=loss_plot, log=log)
     finally:
         if run is not None:
             run.close()
@@ -357,23 +364,23 @@ def describe_layout(layout, state) -> list[str]:
 
 
 def _finish(run: Run, compile_s: float, wall_start: float, *, sample: bool, loss_plot, log) -> RunResult:
-    """The end-of-run sample, loss plot and result.json."""
+    """The end-of-run sample (cut short by a stop signal, if one comes), loss plot and result.json."""
     config, tc = run.config, run.config.train
-    text, how = run.sample() if sample and tc.sample_tokens > 0 else ("", "")
+    if sample and tc.sample_tokens > 0:
+        log(f"sampling {tc.sample_tokens} tokens...")
+    text, how, stopped = run.sample() if sample and tc.sample_tokens > 0 else ("", "", None)
     if text:
-        log(f"--- sample ({how}, temperature {tc.sample_temperature}) ---\n{text}\n---")
+        cut = ", stopped early" if stopped else ""
+        log(f"--- sample ({how}, temperature {tc.sample_temperature}{cut}) ---\n{text}\n---")
     if tc.plot and run.main:
         plot_losses(run.metrics.records(), Path(loss_plot) if loss_plot else run.out / "loss.png", title=config.name)
-    step_seconds = run.throughput.step_seconds()
-    median = statistics.median(step_seconds) if step_seconds else math.nan
     last = run.last_eval or {"train": math.nan, "val": math.nan}
     result = RunResult(
         final_val_loss=last["val"], final_train_loss=last["train"], best_val_loss=run.best_val,
-        steps=tc.max_iters, median_tokens_per_s=tc.batch_size * tc.block_size / median,
-        median_ms_per_iter=1e3 * median, fastest_ms_per_iter=1e3 * min(step_seconds, default=math.nan),
+        steps=tc.max_iters, **speeds(run.throughput.step_seconds(), tc.batch_size * tc.block_size),
         compile_s=compile_s, wall_s=time.perf_counter() - wall_start, **peak_memory(),
-        num_params=count_params(run.state["params"]), sample=text, out_dir=str(run.out), config=config,
-        params=run.state["params"])
+        num_params=count_params(run.state["params"]), sample=text, out_dir=str(run.out), stopped=stopped,
+        config=config, params=run.state["params"])
     if run.main:
         (run.out / "result.json").write_text(json.dumps(result.figures(), indent=2))
     return result

@@ -1,11 +1,14 @@
-"""What a run records: `metrics.jsonl` (losses by step) and the speed of each dispatch."""
+"""What a run records: `metrics.jsonl` (losses by step), the speed of each dispatch, and its
+figures (`RunResult`, written as `result.json`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -45,10 +48,15 @@ class MetricsLog:
 
 
 class Throughput:
-    """Seconds per optimizer step of each dispatch; evaluation and checkpoint time left out."""
+    """Seconds per optimizer step of each dispatch; evaluation and checkpoint time left out.
 
-    def __init__(self, tokens_per_step: int):
-        self.tokens_per_step, self.laps, self.tick = tokens_per_step, [], time.perf_counter()
+    `earlier`: the step seconds of the run before a resume (saved with its checkpoint), so
+    the figures of a resumed run cover all of it.
+    """
+
+    def __init__(self, tokens_per_step: int, earlier: list[float] = ()):
+        self.tokens_per_step, self.earlier, self.laps = tokens_per_step, list(earlier), []
+        self.tick = time.perf_counter()
 
     def restart(self) -> None:
         self.tick = time.perf_counter()
@@ -59,10 +67,47 @@ class Throughput:
         self.tick = now
 
     def step_seconds(self) -> list[float]:
-        return self.laps[1:] or self.laps  # the first dispatch warms up
+        """The timed dispatches of the whole run; this process's first one warms up (unless it is its only one)."""
+        return self.earlier + (self.laps[1:] or self.laps)
 
     def recent_tokens_per_s(self) -> float:
         return self.tokens_per_step / statistics.median(self.laps[-20:])
+
+
+def speeds(step_seconds: list[float], tokens_per_step: int) -> dict:
+    """The median and fastest speed of the timed dispatches (None without any)."""
+    if not step_seconds:
+        return dict(median_tokens_per_s=None, median_ms_per_iter=None, fastest_ms_per_iter=None)
+    median = statistics.median(step_seconds)
+    return dict(median_tokens_per_s=tokens_per_step / median, median_ms_per_iter=1e3 * median,
+                fastest_ms_per_iter=1e3 * min(step_seconds))
+
+
+@dataclasses.dataclass
+class RunResult:
+    """What a run measured (`result.json`). The speeds cover every timed dispatch of the run, those
+    before a resume included; None when no step was timed (a run finished by `--resume`)."""
+
+    final_val_loss: float
+    final_train_loss: float
+    best_val_loss: float
+    steps: int
+    median_tokens_per_s: float | None
+    median_ms_per_iter: float | None
+    fastest_ms_per_iter: float | None  # the fastest dispatch: the least disturbed by other processes
+    compile_s: float
+    wall_s: float
+    peak_rss_gib: float  # the process's peak resident memory (the arrays, on a CPU)
+    device_peak_gib: float | None  # an accelerator's peak bytes in use, where JAX reports it
+    num_params: int
+    sample: str
+    out_dir: str
+    stopped: str | None = None  # why the run ended before its sample was complete (a signal), else None
+    config: Any = dataclasses.field(repr=False, default=None)  # the resolved ExperimentConfig
+    params: Any = dataclasses.field(repr=False, default=None)  # the final parameters
+
+    def figures(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("config", "params")}
 
 
 def peak_memory() -> dict:

@@ -75,10 +75,31 @@ def cpu_devices_wanted(config: RuntimeConfig, batch_size: int, num_processes: in
     return max(1, shape.size // num_processes) if shape is not None else widest_split(batch_size, cpu_cores())
 
 
+def check_cpu_devices(config: RuntimeConfig, batch_size: int, num_processes: int = 1) -> list[str]:
+    """Before any device is made: ValueError when the mesh would leave some of the asked-for host
+    devices idle; a warning when they outnumber the cores (useful to try a mesh, not for speed)."""
+    if config.cpu_devices == "auto":
+        return []
+    devices, shape = config.cpu_devices * num_processes, config.mesh_shape()
+    if shape is None and widest_split(batch_size, devices) < devices:
+        widest = widest_split(batch_size, devices)
+        raise ValueError(f"runtime.cpu_devices={config.cpu_devices} makes {devices} host device(s), but a batch "
+                         f"of {batch_size} splits over at most {widest} of them: ask for --cpu-devices {widest}, "
+                         "or give --mesh")
+    if shape is not None and shape.size != devices:
+        raise ValueError(f"runtime.mesh={config.mesh!r} uses {shape.size} device(s) but runtime.cpu_devices="
+                         f"{config.cpu_devices} makes {devices}" + (f" in {num_processes} processes" if
+                                                                    num_processes > 1 else ""))
+    if config.cpu_devices > cpu_cores():
+        return [f"runtime.cpu_devices={config.cpu_devices} host devices share {cpu_cores()} CPU core(s): right "
+                "for trying a mesh, slower than one device per core"]
+    return []
+
+
 def prepare_jax(config: RuntimeConfig, batch_size: int, num_processes: int = 1) -> list[str]:
     """Applies XLA flags and the CPU host device count (`cpu_devices_wanted`) before JAX starts;
-    returns warnings."""
-    warnings = []
+    returns warnings. ValueError for host devices the mesh would leave idle (`check_cpu_devices`)."""
+    warnings = check_cpu_devices(config, batch_size, num_processes)
     if config.xla_flags:
         current = os.environ.get("XLA_FLAGS", "").split()
         os.environ["XLA_FLAGS"] = " ".join(current + [f for f in config.xla_flags.split() if f not in current])
@@ -101,8 +122,8 @@ def _mesh(config: RuntimeConfig, batch_size: int, platform: Platform, devices: i
         reason = "asked for"
     elif jax.process_count() > 1:
         asked, reason = MeshShape(data=devices), f"data parallel over all {devices} devices of the processes"
-    else:
-        limit = min(cpu_cores(), devices) if platform.is_cpu else devices
+    else:  # host devices asked for by number are all used; made by "auto", one per core
+        limit = min(cpu_cores(), devices) if platform.is_cpu and config.cpu_devices == "auto" else devices
         asked = MeshShape(data=widest_split(batch_size, limit))
         reason = (f"one host device per CPU core that divides the batch ({cpu_cores()} cores, batch {batch_size})"
                   if platform.is_cpu else f"the {platform.backend} devices that divide the batch ({devices})")

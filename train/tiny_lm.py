@@ -2,8 +2,9 @@
 
 The default is nanoGPT's CPU "baby" Shakespeare run (configs/shakespeare_char_baby.toml).
 A directory that already holds a run is never replaced without --overwrite (--resume
-continues it); Ctrl-C or SIGTERM saves a checkpoint and exits 130. The run prints its resolved config and runtime (kernels and devices, with the reason for
-each "auto"), a progress bar with loss and tokens/s, the evaluations, and at the end the
+continues it); Ctrl-C or SIGTERM saves a checkpoint and exits 130, and --resume also
+finishes a run stopped during its final save or sample. The run prints its resolved config
+and runtime (kernels and devices, with the reason for each "auto"), a progress bar with loss and tokens/s, the evaluations, and at the end the
 final val loss, speed, peak memory and a sample; it writes config.json, metrics.jsonl, loss.png,
 result.json and checkpoints (latest and best) under train.out_dir.
 
@@ -15,24 +16,24 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
 from train import data as data_lib
-from train import distributed
+from train import distributed, outputs
 from train import runtime as runtime_lib
 from train.checkpoint import CheckpointError
+from train.cli import ArgumentParser, Stopped, UsageError, guard
 from train.config import DEFAULT_CONFIG, load_config
-from train.loop import Interrupted, RunResult, TrainingDiverged, train
-from train.metrics import describe_memory
+from train.loop import Interrupted, TrainingDiverged, train
+from train.metrics import RunResult, describe_memory
 from train.rundir import RunDirectoryError
 
-RUNTIME_ERRORS = (data_lib.DataError, CheckpointError, RunDirectoryError, TrainingDiverged, OSError,
+PROGRAM = "python -m train.tiny_lm"
+RUNTIME_ERRORS = (data_lib.DataError, CheckpointError, RunDirectoryError, TrainingDiverged,
                   distributed.DistributedError)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m train.tiny_lm", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(prog=PROGRAM, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=DEFAULT_CONFIG, help="configs/NAME.toml or a path")
     parser.add_argument("--set", nargs="+", action="extend", default=[], metavar="TABLE.FIELD=VALUE",
                         help="overrides, e.g. model.positions=rope train.max_iters=500 runtime.matmul=xla "
@@ -72,38 +73,46 @@ def cluster(args: argparse.Namespace) -> distributed.Cluster | None:
     return distributed.Cluster(args.coordinator, args.num_processes, args.process_id, args.join_timeout)
 
 
-def main(argv: list[str] | None = None) -> RunResult:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+def run(argv: list[str] | None) -> RunResult:
+    """The program: parse, join the other processes, start JAX, train, print the final line."""
+    args = build_parser().parse_args(argv)
     try:
         config, processes = load_config(args.config, overrides(args)), cluster(args)
     except (ValueError, TypeError, FileNotFoundError) as err:
-        parser.error(str(err))
+        raise UsageError(str(err)) from err
+    if args.loss_plot is not None:
+        outputs.check_image_file(args.loss_plot, "--loss-plot")
+    if processes is not None:  # before anything starts JAX; every process must agree on these settings
+        distributed.join(processes, {**config.to_dict(), "--resume": args.resume, "--overwrite": args.overwrite})
     try:
-        if processes is not None:
-            distributed.join(processes)  # before anything starts JAX
         runtime = runtime_lib.start(config.runtime, config.train.batch_size, model=config.model,
                                     num_processes=args.num_processes)
-    except distributed.DistributedError as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(1)
     except (ValueError, TypeError) as err:
-        parser.error(str(err))
+        raise UsageError(str(err)) from err
     try:
         result = train(config, runtime=runtime, resume=args.resume, overwrite=args.overwrite, quiet=args.quiet,
                        loss_plot=args.loss_plot)
     except Interrupted as stop:
-        print(f"stopped: {stop}", file=sys.stderr)
-        sys.exit(130)
-    except RUNTIME_ERRORS as err:  # one line each: a full disk, a corrupted checkpoint, a diverged run
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(1)
+        raise Stopped(str(stop)) from None
     if distributed.is_main():
-        print(f"final: val loss {result.final_val_loss:.4f} at iter {result.steps} | "
-              f"{result.median_tokens_per_s:,.0f} tokens/s median ({result.median_ms_per_iter:.1f} ms/iter, "
-              f"excluding compile) | compile {result.compile_s:.1f}s | wall {result.wall_s:.1f}s | "
-              + describe_memory(result.figures()))
+        print(final_line(result))
+    if result.stopped:
+        raise Stopped(result.stopped)
     return result
+
+
+def final_line(result: RunResult) -> str:
+    """"final: val loss 1.7930 at iter 2000 | 16,616 tokens/s median (...) | compile ... | peak memory ..."."""
+    speed = ("speed not measured" if result.median_ms_per_iter is None else
+             f"{result.median_tokens_per_s:,.0f} tokens/s median ({result.median_ms_per_iter:.1f} ms/iter, "
+             "excluding compile)")
+    return (f"final: val loss {result.final_val_loss:.4f} at iter {result.steps} | {speed} | "
+            f"compile {result.compile_s:.1f}s | wall {result.wall_s:.1f}s | " + describe_memory(result.figures()))
+
+
+def main(argv: list[str] | None = None) -> RunResult:
+    """Trains and returns the run's figures; on any failure one line and exit 1, 2 or 130 (train.cli)."""
+    return guard(PROGRAM, lambda: run(argv), expected=RUNTIME_ERRORS)
 
 
 if __name__ == "__main__":
