@@ -131,11 +131,16 @@ def test_processes_that_agree_go_and_nested_settings_are_compared_by_dotted_name
 
 
 def test_a_disagreement_stops_a_process_that_agreed_and_was_waiting():
-    """Process 1 agrees and waits (its timeout is 10 s); process 2 differs: all three stop at once."""
-    start = time.monotonic()
-    lines = _all(_free_port(), [(3, 0, {"lr": 1e-3}), (3, 1, {"lr": 1e-3}), (3, 2, {"lr": 2e-3})])
+    """Process 1 agrees and waits (its timeout is 10 s); process 2, started a second later (a process
+    that came after process 0 had stopped could not be told), differs: all three stop at once."""
+    port, start = _free_port(), time.monotonic()
+    with ThreadPoolExecutor(3) as pool:
+        first = [pool.submit(_attempt, Cluster(f"127.0.0.1:{port}", 3, i, 10), {"lr": 1e-3}) for i in (0, 1)]
+        time.sleep(1.0)
+        last = pool.submit(_attempt, Cluster(f"127.0.0.1:{port}", 3, 2, 10), {"lr": 2e-3})
+        lines = [f.result(timeout=30) for f in [*first, last]]
     assert lines == [f"process 2 was started with lr=0.002, process 0 with 0.001: {SAME}"] * 3
-    assert time.monotonic() - start < 5
+    assert time.monotonic() - start < 6
 
 
 def test_a_process_id_given_twice_stops_every_process():

@@ -370,7 +370,7 @@ def test_sigint_during_a_save_keeps_it_and_resume_continues_exactly(text_file, t
     assert_same_run(tmp_path, uninterrupted)
 
 
-SAMPLED_RUN = [*TINY, "train.max_iters=10", "train.sample_tokens=4000", "train.plot=true"]
+SAMPLED_RUN = [*TINY, "train.max_iters=10", "train.sample_tokens=20000", "train.plot=true"]
 
 
 def sampled_run(text_file, out, *extra, cache):
@@ -382,13 +382,13 @@ def sampled_run(text_file, out, *extra, cache):
 
 def test_sigint_during_the_end_of_run_sample_prints_it_and_writes_the_result(text_file, tmp_path, compile_cache):
     proc = sampled_run(text_file, tmp_path, cache=compile_cache)
-    wait_for_line(proc, "sampling 4000 tokens")
+    wait_for_line(proc, "sampling 20000 tokens")
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 130
-    drawn = re.fullmatch(r"stopped: SIGINT during the end-of-run sample, after (\d+) of 4000 tokens: the run is "
+    drawn = re.fullmatch(r"stopped: SIGINT during the end-of-run sample, after (\d+) of 20000 tokens: the run is "
                          r"trained and saved, its sample cut short", last_line(err))
-    assert drawn and 0 < int(drawn.group(1)) < 4000
+    assert drawn and 0 < int(drawn.group(1)) < 20000
     assert ", stopped early) ---\n" in out and "final: val loss" in out
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["stopped"] == last_line(err)[len("stopped: "):] and len(result["sample"]) == 1 + int(drawn.group(1))
@@ -399,7 +399,7 @@ def test_a_run_killed_after_its_final_save_is_finished_by_resume(text_file, tmp_
     """SIGKILL while it samples (after the final checkpoint): no result.json, no plot; --resume adds them
     without training again, and metrics.jsonl keeps its last evaluation once."""
     proc = sampled_run(text_file, tmp_path, cache=compile_cache)
-    wait_for_line(proc, "sampling 4000 tokens")
+    wait_for_line(proc, "sampling 20000 tokens")
     proc.kill()
     proc.wait()
     assert not (tmp_path / "result.json").exists() and not (tmp_path / "loss.png").exists()
