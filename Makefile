@@ -8,8 +8,8 @@ STAMP  := $(VENV)/.installed
 # `make train` installs only `.[dev]`.
 TEST_STAMP := $(VENV)/.installed-test
 
-# The Tiny Shakespeare corpus of this workplace, when present, so that no
-# download is needed; users elsewhere get it downloaded and cached.
+# A copy of Tiny Shakespeare in ../shared/data, when there is one, so that no
+# download is needed; without it the corpus is downloaded once and cached.
 SHARED_DATA := $(abspath ../shared/data/tinyshakespeare.txt)
 ifneq ($(wildcard $(SHARED_DATA)),)
 export JAXATTN_SHAKESPEARE ?= $(SHARED_DATA)

@@ -299,7 +299,7 @@ def write_report(rows, args, argv) -> None:
              "", "Median milliseconds, B=1, N=8, H=64, float32 (bench/attention.py: per case the JAX "
              "implementations in turns in one process, torch in its own; each alone from 16384). "
              "XLA GiB: the memory XLA plans for the program; RSS: the process's peak, where it ran "
-             "that one program. `–`: not run (dense arrays too large, or the same program as auto).", "", *table(rows, impls), "", "## Targets (issue 14)", "",
+             "that one program. `–`: not run (dense arrays too large, or the same program as auto).", "", *table(rows, impls), "", "## Targets", "",
              *targets(rows, RESULTS / "decode_cache_sweep.json"), "", f"Made by: `{command}`", ""]
     (RESULTS / "attention.md").write_text("\n".join(lines))
     plot(rows, impls, ROOT / "docs" / "attention_benchmark.png")

@@ -13,6 +13,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from jaxattn._validate import require_positive_int
 from jaxattn.config import ModelConfig
 from jaxattn.decoding import generate
 from jaxattn.kernels import Kernels
@@ -33,9 +34,8 @@ def windows(params, config: ModelConfig, prompt_ids, *, max_new_tokens: int, rng
     if prompt.size == 0 or context < 2:
         raise ValueError(f"generate_windowed needs a non-empty prompt and max_seq_len >= 2, got "
                          f"{prompt.shape[0]} tokens and max_seq_len={context}")
-    for name, value in (("max_new_tokens", max_new_tokens), ("num_samples", num_samples)):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    require_positive_int("max_new_tokens", max_new_tokens)
+    require_positive_int("num_samples", num_samples)
     prompt = prompt.astype(np.int32)[-(context - 1):]  # room for one new token
     knobs = dict(temperature=temperature, top_k=top_k, top_p=top_p, kernels=kernels, mesh=mesh)
     return _windows(params, config, np.tile(prompt, (num_samples, 1)), int(max_new_tokens), rng, knobs)
@@ -50,8 +50,9 @@ def _windows(params, config: ModelConfig, rows: np.ndarray, max_new_tokens: int,
         key = rng if window == 0 else jax.random.fold_in(rng, window)
         out = generate(params, config, rows, np.full(rows.shape[0], rows.shape[1]), max_new_tokens=num_new,
                        rng=key, **knobs)
-        chunk = np.asarray(out.tokens)[:, :max_new_tokens - drawn]
-        rows = np.concatenate([rows, np.asarray(out.tokens)], axis=1)[:, -keep:]  # the next window's history
+        tokens = np.asarray(out.tokens)  # [B, num_new], on the host
+        chunk = tokens[:, :max_new_tokens - drawn]
+        rows = np.concatenate([rows, tokens], axis=1)[:, -keep:]  # the next window's history
         drawn, window = drawn + chunk.shape[1], window + 1
         yield chunk
 

@@ -202,7 +202,7 @@ def test_ctrl_c_prints_what_was_generated_and_exits_130(tiny, tmp_path):
 
 @pytest.mark.parametrize("argv, message", [
     (["--cpu-devices", "4"], "--cpu-devices 4 makes host devices for a --mesh of that size: pass --mesh too"),
-    (["--cpu-devices", "4", "--mesh", "data:2"], "--mesh data:2 uses 2 device(s) but --cpu-devices makes 4"),
+    (["--cpu-devices", "4", "--mesh", "data:2"], "runtime.mesh='data:2' uses 2 device(s) but runtime.cpu_devices=4 makes 4"),
     (["--data", "x.txt"], "--data goes with --random-init"),
     (["--allow-nonfinite"], "--allow-nonfinite goes with --hf"),
     (["--max-new-tokens", str(10 ** 13)], "10,000,000,000,000 tokens (1 x 10000000000000) take about"),

@@ -179,7 +179,7 @@ def _restore_newest_valid(manager, directory: Path, abstract_state: Callable[[in
         if check is not None:
             check(meta)  # a mismatch is the run's, not the step's: no older step is tried
         try:
-            return _restore_step(manager, directory, step, abstract_state(step)), meta
+            return _restore_step(manager, directory, step, abstract_state(step), meta), meta
         except CheckpointError as err:
             _skip(err, steps, i, on_skip)
     raise CheckpointError(f"no finished checkpoint in {directory}")
@@ -208,13 +208,13 @@ def _read_meta(manager, directory: Path, step: int) -> dict:
     return meta
 
 
-def _restore_step(manager, directory: Path, step: int, abstract_state):
-    """The verified state of one step (its meta already read)."""
+def _restore_step(manager, directory: Path, step: int, abstract_state, meta: dict):
+    """The state of one step, verified against its `meta` (already read by `_read_meta`)."""
     where = directory / str(step)
     state_args = ocp.args.StandardRestore(abstract_state) if abstract_state is not None \
         else ocp.args.StandardRestore()
     try:
-        restored = manager.restore(step, args=ocp.args.Composite(state=state_args, meta=ocp.args.JsonRestore()))
+        restored = manager.restore(step, args=ocp.args.Composite(state=state_args))
     except (ValueError, KeyError, TypeError) as err:
         if "checksum" in str(err).lower() or "corrupt" in str(err).lower():
             raise CheckpointError(f"checkpoint {where} is corrupted: {_first_line(err)}") from err
@@ -222,7 +222,7 @@ def _restore_step(manager, directory: Path, step: int, abstract_state):
                               f"(different config?): {_first_line(err)}") from err
     except Exception as err:  # truncated or missing files surface from tensorstore as assorted errors
         raise CheckpointError(f"checkpoint {where} cannot be read: {_first_line(err)}") from err
-    _verify(restored["state"], restored["meta"], where)
+    _verify(restored["state"], meta, where)
     return restored["state"]
 
 

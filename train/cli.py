@@ -25,7 +25,7 @@ import tempfile
 import threading
 import time
 import traceback
-from typing import Callable, NoReturn, TypeVar
+from typing import Callable, Iterable, Iterator, NoReturn, TypeVar
 
 T = TypeVar("T")
 TRACEBACK_ENV = "JAXATTN_TRACEBACK"
@@ -117,6 +117,13 @@ class StopSignals:
         if threading.current_thread() is threading.main_thread():
             self._previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
         return self
+
+    def until_requested(self, items: Iterable[T]) -> Iterator[T]:
+        """The items of `items` until a signal has been requested (the item in hand when it came is the last)."""
+        for item in items:
+            yield item
+            if self.requested:
+                return
 
     def _handle(self, signum, frame) -> None:
         if self.requested is not None:

@@ -39,6 +39,7 @@ from typing import Any, Iterable, Mapping
 
 import jax
 import numpy as np
+from flax.traverse_util import flatten_dict
 from jax.experimental import multihost_utils
 
 JOIN_TIMEOUT_S = 60  # how long a process waits for all the others at the coordinator
@@ -89,17 +90,6 @@ class Cluster:
     def host_port(self) -> tuple[str, int]:
         host, port = self.coordinator.rsplit(":", 1)
         return host.strip("[]"), int(port)
-
-
-def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    """Nested mappings as dotted keys: {"train": {"lr": 0.001}} -> {"train.lr": 0.001}."""
-    flat: dict[str, Any] = {}
-    for key, value in tree.items():
-        if isinstance(value, Mapping) and value:
-            flat.update(flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
 
 
 def _remaining(deadline: float) -> float:
@@ -322,7 +312,8 @@ def rendezvous(cluster: Cluster, settings: Mapping[str, Any] | None = None) -> N
         address is not this machine's or its port is taken.
     """
     deadline = time.monotonic() + cluster.timeout_s
-    flat = {key: json.dumps(value, sort_keys=True, default=str) for key, value in flatten(settings or {}).items()}
+    flat = {key: json.dumps(value, sort_keys=True, default=str)
+            for key, value in flatten_dict(dict(settings or {}), sep=".").items()}
     if cluster.process_id == 0:
         _serve(cluster, flat, deadline)
     else:

@@ -251,16 +251,14 @@ class Run:
         tc, tokenizer = self.config.train, self.corpus.tokenizer
         prompt = tokenizer.encode(tc.sample_prompt)
         mesh = self.programs.layout.mesh
-        drawn, stopped = [], None
-        for chunk in windows(self.state["params"], self.config.model, prompt, max_new_tokens=tc.sample_tokens,
-                             rng=jax.random.PRNGKey(tc.seed), temperature=tc.sample_temperature,
-                             kernels=self.runtime.kernels, mesh=mesh if mesh.size > 1 else None):
-            drawn.append(chunk[0])
-            if self.signals.requested:
-                done = sum(map(len, drawn))
-                stopped = (f"{self.signals.requested} during the end-of-run sample, after {done} of "
-                           f"{tc.sample_tokens} tokens: the run is trained and saved, its sample cut short")
-                break
+        drawn = [chunk[0] for chunk in self.signals.until_requested(windows(
+            self.state["params"], self.config.model, prompt, max_new_tokens=tc.sample_tokens,
+            rng=jax.random.PRNGKey(tc.seed), temperature=tc.sample_temperature, kernels=self.runtime.kernels,
+            mesh=mesh if mesh.size > 1 else None))]
+        done = sum(map(len, drawn))
+        stopped = None if done == tc.sample_tokens else (
+            f"{self.signals.requested} during the end-of-run sample, after {done} of {tc.sample_tokens} tokens: "
+            "the run is trained and saved, its sample cut short")
         on = f", on the {sharding.MeshShape.of(mesh)} mesh" if mesh.size > 1 else ""
         text = tokenizer.decode(np.concatenate([prompt, *drawn]))
         return text, f"jaxattn.generate_windowed, KV cache{on}", stopped
@@ -366,9 +364,10 @@ def describe_layout(layout, state) -> list[str]:
 def _finish(run: Run, compile_s: float, wall_start: float, *, sample: bool, loss_plot, log) -> RunResult:
     """The end-of-run sample (cut short by a stop signal, if one comes), loss plot and result.json."""
     config, tc = run.config, run.config.train
+    text, how, stopped = "", "", None
     if sample and tc.sample_tokens > 0:
         log(f"sampling {tc.sample_tokens} tokens...")
-    text, how, stopped = run.sample() if sample and tc.sample_tokens > 0 else ("", "", None)
+        text, how, stopped = run.sample()
     if text:
         cut = ", stopped early" if stopped else ""
         log(f"--- sample ({how}, temperature {tc.sample_temperature}{cut}) ---\n{text}\n---")

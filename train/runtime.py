@@ -81,8 +81,8 @@ def check_cpu_devices(config: RuntimeConfig, batch_size: int, num_processes: int
     if config.cpu_devices == "auto":
         return []
     devices, shape = config.cpu_devices * num_processes, config.mesh_shape()
-    if shape is None and widest_split(batch_size, devices) < devices:
-        widest = widest_split(batch_size, devices)
+    widest = widest_split(batch_size, devices)
+    if shape is None and widest < devices:
         raise ValueError(f"runtime.cpu_devices={config.cpu_devices} makes {devices} host device(s), but a batch "
                          f"of {batch_size} splits over at most {widest} of them: ask for --cpu-devices {widest}, "
                          "or give --mesh")

@@ -37,7 +37,9 @@ from train import checkpoint as checkpoint_lib
 from train import config as config_lib
 from train import data as data_lib
 from train import export as export_lib
+from train import runtime as runtime_lib
 from train.checkpoint import CheckpointError
+from train.config import RuntimeConfig
 from train.cli import ArgumentParser, StopSignals, Stopped, UsageError, guard
 from train.tokenizer import CharTokenizer, Tokenizer
 
@@ -114,21 +116,23 @@ def _check_knobs(args) -> None:
     if not 0.0 < args.top_p <= 1.0:
         raise UsageError(f"--top-p must be in (0, 1], got {args.top_p}")
     if args.cpu_devices is not None:
-        _check_cpu_devices(args.cpu_devices, args.mesh)
+        _check_cpu_devices(args.cpu_devices, args.mesh, args.num_samples)
     _check_size(args.max_new_tokens * args.num_samples, f"{args.num_samples} x {args.max_new_tokens}")
 
 
-def _check_cpu_devices(cpu_devices: int, mesh: str | None) -> None:
-    """UsageError unless `--cpu-devices` makes exactly the devices of a `--mesh` (none idle)."""
-    if cpu_devices < 1 or mesh is None:
+def _check_cpu_devices(cpu_devices: int, mesh: str | None, num_samples: int) -> None:
+    """UsageError unless `--cpu-devices` makes exactly the devices of a `--mesh` (none idle; sampling
+    without a mesh uses one device); the runtime's warning when they outnumber the cores."""
+    if mesh is None:
         raise UsageError(f"--cpu-devices {cpu_devices} makes host devices for a --mesh of that size: "
                          "pass --mesh too (e.g. --mesh data:N), or leave both out")
     try:
-        size = sharding.MeshShape.parse(mesh).size
+        config = RuntimeConfig(cpu_devices=cpu_devices, mesh=mesh)
+        warnings = runtime_lib.check_cpu_devices(config, num_samples)
     except ValueError as err:
         raise UsageError(str(err)) from err
-    if size != cpu_devices:
-        raise UsageError(f"--mesh {mesh} uses {size} device(s) but --cpu-devices makes {cpu_devices}")
+    for warning in warnings:
+        print(f"warning: {warning}", file=sys.stderr)
 
 
 def _check_size(tokens: int, what: str) -> None:
@@ -193,7 +197,7 @@ def warmup_tokens(config: ModelConfig, prompt_len: int, max_new_tokens: int) -> 
 
 def sample(args, params, config: ModelConfig, prompt_ids: np.ndarray, kernels, mesh) -> tuple[np.ndarray, str | None]:
     """(`[num_samples, n]` ids, the stop signal's name or None): a warm-up call (compiling), then
-    the timed one, window by window (`jaxattn.decoding.windows`); a stop signal ends it between
+    the timed one, window by window (`jaxattn.windowed.windows`); a stop signal ends it between
     windows with the n tokens drawn so far."""
     def stream(max_new_tokens):
         return windows(params, config, prompt_ids, max_new_tokens=max_new_tokens, rng=jax.random.PRNGKey(args.seed),
@@ -212,16 +216,14 @@ def sample(args, params, config: ModelConfig, prompt_ids: np.ndarray, kernels, m
         start, drawn = time.perf_counter(), []
         with tqdm(total=args.max_new_tokens, unit="tok", desc="sampling", file=sys.stderr, disable=None,
                   leave=False) as bar:
-            for chunk in stream(args.max_new_tokens):
+            for chunk in signals.until_requested(stream(args.max_new_tokens)):
                 drawn.append(chunk)
                 bar.update(chunk.shape[1])
-                if signals.requested:
-                    break
     ids = np.concatenate(drawn, axis=1)
     steady = time.perf_counter() - start
     print(f"decode: {ids.size} tokens ({args.num_samples} x {ids.shape[1]}) in {steady:.3f} s "
           f"= {ids.size / steady:,.0f} tokens/s", file=sys.stderr)
-    return ids, signals.requested
+    return ids, signals.requested if ids.shape[1] < args.max_new_tokens else None
 
 
 def run(argv=None) -> int:

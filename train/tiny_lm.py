@@ -2,11 +2,12 @@
 
 The default is nanoGPT's CPU "baby" Shakespeare run (configs/shakespeare_char_baby.toml).
 A directory that already holds a run is never replaced without --overwrite (--resume
-continues it); Ctrl-C or SIGTERM saves a checkpoint and exits 130, and --resume also
-finishes a run stopped during its final save or sample. The run prints its resolved config
-and runtime (kernels and devices, with the reason for each "auto"), a progress bar with loss and tokens/s, the evaluations, and at the end the
-final val loss, speed, peak memory and a sample; it writes config.json, metrics.jsonl, loss.png,
-result.json and checkpoints (latest and best) under train.out_dir.
+continues it); Ctrl-C or SIGTERM stops where nothing is lost and exits 130, and --resume
+also finishes a run stopped during its final save or sample. The run prints its resolved
+config and runtime (kernels and devices, with the reason for each "auto"), a progress bar
+with loss and tokens/s, the evaluations, and at the end the final val loss, speed, peak
+memory and a sample; it writes config.json, metrics.jsonl, loss.png, result.json and
+checkpoints (latest and best) under train.out_dir.
 
 Where the work is done: train.loop (the run), train.steps (the jitted programs),
 train.runtime (devices and kernels), train.checkpoint, train.plots.
@@ -18,7 +19,7 @@ import argparse
 import json
 
 from train import data as data_lib
-from train import distributed, outputs
+from train import distributed
 from train import runtime as runtime_lib
 from train.checkpoint import CheckpointError
 from train.cli import ArgumentParser, Stopped, UsageError, guard
@@ -80,8 +81,6 @@ def run(argv: list[str] | None) -> RunResult:
         config, processes = load_config(args.config, overrides(args)), cluster(args)
     except (ValueError, TypeError, FileNotFoundError) as err:
         raise UsageError(str(err)) from err
-    if args.loss_plot is not None:
-        outputs.check_image_file(args.loss_plot, "--loss-plot")
     if processes is not None:  # before anything starts JAX; every process must agree on these settings
         distributed.join(processes, {**config.to_dict(), "--resume": args.resume, "--overwrite": args.overwrite})
     try:
