@@ -2,7 +2,8 @@
 
 Shapes follow `jax.nn.dot_product_attention`:
 
-  query `[B, T, N, H]`, key `[B, S, K, H]`, value `[B, S, K, Hv]`
+  query `[B, T, N, H]`, key `[B, S, K, H]`, value `[B, S, K, Hv]` (or all three unbatched:
+  `[T, N, H]`, `[S, K, H]`, `[S, K, Hv]`)
 
 B batch, T queries, S keys, N query heads, K key/value heads (N a multiple of
 K), G = N // K query heads per key/value head, H head dim, Hv value head dim.
@@ -15,19 +16,28 @@ and GQA never materialise repeated keys and values (docs/theory.md §2-§5).
 `reference_attention` is the textbook formula `softmax(Q K^T / sqrt(d_k)) V`
 with an explicit `repeat_kv`, independent of the kernels: the oracle the tests
 compare every implementation against.
+
+Differences from `jax.nn.dot_product_attention`, whose arguments these share with its
+meaning otherwise: the causal mask and local windows are aligned to the END of the keys
+(query i sits at position i + S - T; jax.nn aligns at the start; the same when T == S);
+a query row with no key to attend to gives zeros (jax.nn: the mean of the values), and
+its residual is -inf; the residual is float32 (jax.nn: the input dtype). Everything
+here runs under `jax.numpy_rank_promotion("raise")`.
 """
 
 from __future__ import annotations
 
 import math
+import typing
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxattn import kernels
 from jaxattn._validate import (concrete_or_none, require_bool, require_broadcastable, require_float,
                                require_integer, require_positive_int, require_rank)
-from jaxattn.masks import causal_mask, padding_mask, sliding_window_mask
+from jaxattn.masks import causal_mask, local_window_mask, padding_mask, window_sides
 from jaxattn.softmax import softmax_dtype
 
 
@@ -44,86 +54,159 @@ def repeat_kv(x: jnp.ndarray, n_rep: int) -> jnp.ndarray:
     return x if n_rep == 1 else jnp.repeat(x, n_rep, axis=2)
 
 
-def _validate(query, key, value, mask, bias, dropout_rate):
-    require_rank("query", query, 4, "[B, T, N, H]")
-    require_rank("key", key, 4, "[B, S, K, H]")
-    require_rank("value", value, 4, "[B, S, K, Hv]")
+class _Arguments(typing.NamedTuple):
+    """The checked arguments, batched (a leading axis of 1 added to unbatched inputs)."""
+
+    query: jax.Array
+    key: jax.Array
+    value: jax.Array
+    bias: jax.Array | None
+    mask: jax.Array | None
+    query_lengths: jax.Array | None
+    key_lengths: jax.Array | None
+    window: tuple[int, int] | None
+    soft_cap: float | None
+    sinks: jax.Array | None
+    unbatched: bool
+
+
+def _positive_number(name: str, value) -> float:
+    """`value` as a float if it is a positive finite number known now (not traced), else a ValueError."""
+    known = concrete_or_none(value)
+    if (isinstance(value, bool) or known is None or known.ndim or not np.issubdtype(known.dtype, np.number)
+            or not np.isfinite(known) or known <= 0):
+        shown = "a traced value (pass it as a Python float, static under jit)" if known is None else repr(value)
+        raise ValueError(f"{name} must be a positive finite number known when tracing, got {shown}")
+    return float(known)
+
+
+def _lengths(name: str, lengths, B: int, bound: int, bound_name: str, shapes: str):
+    if lengths is None:
+        return None
+    lengths = jnp.asarray(lengths)
+    require_rank(name, lengths, 1, "[B]")
+    require_integer(name, lengths)
+    if lengths.shape[0] != B:
+        raise ValueError(f"{name} {lengths.shape} must be [B] = ({B},) for {shapes}")
+    known = concrete_or_none(lengths)
+    if known is not None and known.size and (known.min() < 0 or known.max() > bound):
+        raise ValueError(f"{name} must be in [0, {bound_name}={bound}] for {shapes}, got {known.tolist()}")
+    return lengths
+
+
+def _check(query, key, value, bias=None, mask=None, *, dropout_rate=0.0, local_window_size=None,
+           query_seq_lengths=None, key_value_seq_lengths=None, logits_soft_cap=None, sinks=None) -> _Arguments:
+    """The one check of the attention arguments: a ValueError or TypeError naming the argument and the
+    shapes, raised before tracing (values of lengths are checked when known, i.e. not under `jit`)."""
     for name, x in (("query", query), ("key", key), ("value", value)):
+        if not hasattr(x, "shape"):
+            raise TypeError(f"{name} must be an array, got {type(x).__name__}")
         require_float(name, x)
+    if query.ndim not in (3, 4):
+        raise ValueError(f"query must have rank 4 [B, T, N, H] or 3 [T, N, H] (unbatched), got shape {query.shape}")
+    unbatched = query.ndim == 3
+    layout = {"key": "[S, K, H]", "value": "[S, K, Hv]"} if unbatched else {"key": "[B, S, K, H]",
+                                                                           "value": "[B, S, K, Hv]"}
+    for name, x in (("key", key), ("value", value)):
+        if x.ndim != query.ndim:
+            raise ValueError(f"{name} must have rank {query.ndim} {layout[name]} like query {query.shape}, "
+                             f"got shape {x.shape}")
+    shapes = f"query {query.shape}, key {key.shape}, value {value.shape}"
+    if unbatched:
+        query, key, value = query[None], key[None], value[None]
     (B, T, N, H), (Bk, S, K, Hk) = query.shape, key.shape
     if Bk != B or value.shape[0] != B:
-        raise ValueError(
-            f"batch sizes differ: query {query.shape}, key {key.shape}, value {value.shape}"
-        )
+        raise ValueError(f"batch sizes differ: {shapes}")
     if value.shape[1:3] != (S, K):
-        raise ValueError(
-            f"value {value.shape} must match key {key.shape} in length S and heads K"
-        )
+        raise ValueError(f"value must match key in length S and heads K: {shapes}")
     if Hk != H:
-        raise ValueError(f"head dims differ: query {query.shape} has H={H}, key {key.shape} has H={Hk}")
+        raise ValueError(f"head dims differ: query has H={H}, key H={Hk}: {shapes}")
     if N % K:
-        raise ValueError(
-            f"query heads N={N} (query {query.shape}) must be a multiple of "
-            f"key/value heads K={K} (key {key.shape})"
-        )
-    target = (B, N, T, S)
-    if mask is not None:
-        require_bool("mask", mask)
-        require_broadcastable("mask", mask.shape, target, "[B, N, T, S]")
-    if bias is not None:
-        require_broadcastable("bias", bias.shape, target, "[B, N, T, S]")
+        raise ValueError(f"query heads N={N} must be a multiple of key/value heads K={K}: {shapes}")
+    target, desc = ((N, T, S), "[N, T, S]") if unbatched else ((B, N, T, S), "[B, N, T, S]")
+    arrays = {}
+    for name, x in (("mask", mask), ("bias", bias)):
+        if x is None:
+            continue
+        x = jnp.asarray(x)
+        if name == "mask":
+            require_bool("mask", x)
+        if unbatched and x.ndim == 4 and x.shape[0] == 1:  # jax.nn takes 4-D masks of unbatched calls
+            x = x[0]
+        require_broadcastable(name, x.shape, target, desc)
+        arrays[name] = x.reshape((1,) * (4 - x.ndim) + x.shape)  # rank 4, explicitly
     if not 0.0 <= dropout_rate < 1.0:
         raise ValueError(f"dropout_rate must be in [0, 1), got {dropout_rate}")
+    if sinks is not None:
+        sinks = jnp.asarray(sinks)
+        require_float("sinks", sinks)
+        if sinks.shape != (N,):
+            raise ValueError(f"sinks must be [N] = ({N},), one logit per query head, got shape {sinks.shape} "
+                             f"for {shapes}")
+    return _Arguments(
+        query, key, value, arrays.get("bias"), arrays.get("mask"),
+        _lengths("query_seq_lengths", query_seq_lengths, B, T, "T", shapes),
+        _lengths("key_value_seq_lengths", key_value_seq_lengths, B, S, "S", shapes),
+        None if local_window_size is None else window_sides(local_window_size),
+        None if logits_soft_cap is None else _positive_number("logits_soft_cap", logits_soft_cap),
+        sinks, unbatched)
 
 
-def _validate_structure(query, key, is_causal, local_window_size, key_value_seq_lengths):
-    """The structural masks: a causal sliding window and per-row key lengths `[B]` in [0, S]
-    (their values are checked when known now, i.e. not traced under `jit`)."""
-    if local_window_size is not None:
-        require_positive_int("local_window_size", local_window_size)
-        if not is_causal:
-            raise ValueError(f"local_window_size={local_window_size} needs is_causal=True: the window is "
-                             "the W - 1 keys before each query and the query itself")
-    if key_value_seq_lengths is not None:
-        require_rank("key_value_seq_lengths", key_value_seq_lengths, 1, "[B]")
-        require_integer("key_value_seq_lengths", key_value_seq_lengths)
-        if key_value_seq_lengths.shape[0] != query.shape[0]:
-            raise ValueError(f"key_value_seq_lengths {key_value_seq_lengths.shape} must be [B] = "
-                             f"({query.shape[0]},) for query {query.shape}")
-        lengths = concrete_or_none(key_value_seq_lengths)
-        S = key.shape[1]
-        if lengths is not None and lengths.size and (lengths.min() < 0 or lengths.max() > S):
-            raise ValueError(f"key_value_seq_lengths must be in [0, S={S}] for key {key.shape}, got "
-                             f"{lengths.tolist()}")
+def _results(a: _Arguments, out, weights, residual, return_weights: bool, return_residual: bool):
+    """Query rows past `query_seq_lengths` zeroed (their residual -inf), the batch axis of unbatched
+    inputs removed, and the tuple the flags ask for."""
+    if a.query_lengths is not None:
+        B, T = out.shape[:2]
+        valid = jnp.arange(T).reshape(1, T) < a.query_lengths.reshape(B, 1)  # [B, T]
+        out = jnp.where(valid.reshape(B, T, 1, 1), out, jnp.zeros((), out.dtype))
+        weights = None if weights is None else jnp.where(valid.reshape(B, 1, T, 1), weights, 0.0)
+        residual = None if residual is None else jnp.where(valid.reshape(B, T, 1), residual, -jnp.inf)
+    if a.unbatched:
+        out, weights, residual = (None if x is None else x[0] for x in (out, weights, residual))
+    results = (out,) + ((weights,) if return_weights else ()) + ((residual,) if return_residual else ())
+    return results[0] if len(results) == 1 else results
 
 
-def scaled_dot_product_attention(query, key, value, *, mask=None, bias=None,
-                                 is_causal=False, scale=None, dropout_rate=0.0,
-                                 dropout_rng=None, return_weights=False,
-                                 local_window_size=None, key_value_seq_lengths=None,
-                                 implementation="auto"):
-    """softmax(Q K^T * scale + bias, masked) V, grouped for MQA/GQA (docs/theory.md §2-§5).
+def scaled_dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
+                                 query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
+                                 logits_soft_cap=None, sinks=None, dropout_rate=0.0, dropout_rng=None,
+                                 return_weights=False, return_residual=False, implementation="auto"):
+    """softmax(cap(Q K^T * scale) + bias, masked, with sinks) V, grouped for MQA/GQA (docs/theory.md §2-§5).
+
+    The positional order and every argument `jax.nn.dot_product_attention` has mean what they
+    mean there, except the alignment when T != S and empty rows (module docstring).
 
     Args:
-      query: `[B, T, N, H]`.
+      query: `[B, T, N, H]`, or `[T, N, H]` unbatched (then key and value are unbatched too, and
+        so are the results).
       key: `[B, S, K, H]`, N a multiple of K (K = N is MHA, K = 1 MQA).
       value: `[B, S, K, Hv]`.
-      mask: boolean, True = attend, broadcastable to `[B, N, T, S]`.
-      bias: additive logits, broadcastable to `[B, N, T, S]`.
-      is_causal: also apply `causal_mask(T, S)`, aligned to the end of the keys.
+      bias: additive logits, broadcastable to `[B, N, T, S]` (`[N, T, S]` unbatched), added after
+        the soft cap; a key biased to -inf is hidden like a masked one.
+      mask: boolean, True = attend, broadcastable to `[B, N, T, S]` (`[N, T, S]` unbatched).
       scale: multiplies the logits; defaults to `1 / sqrt(H)`.
+      is_causal: query i sees keys `j <= i + S - T` (`causal_mask(T, S)`, aligned to the end of the keys).
+      query_seq_lengths: None, or `[B]` integers in [0, T]: query rows `t >= lengths[b]` give zero
+        outputs, weights and gradients (and a residual of -inf).
+      key_value_seq_lengths: None, or `[B]` integers in [0, S]: keys `j >= lengths[b]` of row b are
+        hidden (right padding, `jaxattn.masks.padding_mask`). Values outside their range are a
+        ValueError when known before tracing (under `jit` they are not checked).
+      local_window_size: None, an int w (meaning `(w, w)`), or `(left, right)` non-negative ints:
+        the query at position p sees keys `p - left .. p + right` (end-aligned:
+        `jaxattn.masks.local_window_mask`); with `is_causal` the right side is cut at p. The
+        model's sliding window W (the query and W - 1 keys back) is `(W - 1, 0)`.
+      logits_soft_cap: None or a positive number c: logits `c * tanh(scale * q.k / c)`, before the
+        bias and masks (Gemma 2; docs/theory.md §17). Must be known when tracing.
+      sinks: None or `[N]` float logits, one per query head (GPT-OSS; docs/theory.md §18): each joins
+        its rows' softmax denominator with no value, so a row's weights sum to less than 1.
+        Differentiable.
       dropout_rate: dropout on the attention weights, applied only when
         `dropout_rate > 0` and `dropout_rng` is given.
       dropout_rng: PRNG key for the dropout.
-      return_weights: also return the attention weights.
-      local_window_size: None, or a sliding window W (needs `is_causal=True`):
-        each query sees itself and the W - 1 keys before it, end-aligned like
-        `is_causal` (`jaxattn.masks.sliding_window_mask`; an int, where
-        `jax.nn.dot_product_attention` takes `(W - 1, 0)`).
-      key_value_seq_lengths: None, or `[B]` integers in [0, S]: keys `j >= lengths[b]`
-        of row b are hidden (right padding, `jaxattn.masks.padding_mask`); values
-        outside [0, S] are a ValueError when known before tracing (under `jit` they
-        are not checked: a negative length hides every key, one past S none).
+      return_weights: also return the attention weights `[B, N, T, S]` (float32, after dropout, as
+        used for the output; without the sink, whose weight is 1 minus the row's sum).
+      return_residual: also return the logsumexp of each row's logits and sink `[B, T, N]`
+        (float32, under `stop_gradient`; -inf for a row with no key and no sink): jax.nn's residual.
       implementation: "auto" (default: this process's platform rule, e.g.
         "auto_cpu", which picks per call, see `jaxattn.kernels.auto`) or a
         name of `jaxattn.kernels.choices("attention")`: "xla" (the reference,
@@ -132,36 +215,36 @@ def scaled_dot_product_attention(query, key, value, *, mask=None, bias=None,
         training), "chunked" (blockwise, O(T) memory, skips the blocks the
         causal mask or the window hides; docs/theory.md §10), "cudnn" (GPU)
         or "splash" (TPU). All but "xla" are reverse mode only and run the
-        reference for dropout and `return_weights`.
+        reference for dropout and `return_weights`; cuDNN and splash run it, with a
+        one-line `KernelFallbackWarning`, for what they cannot take (`jaxattn.kernels`).
 
     Returns:
-      `[B, T, N, Hv]` in the query's dtype, or `(out, weights [B, N, T, S])`
-      (float32, after dropout, as used for the output). Logits and softmax are
-      float32 whatever the input dtype (float64 inputs stay float64). A query
-      row with no key to attend to (masked, or biased to -inf) gives zeros,
-      never NaN.
+      `out` `[B, T, N, Hv]` in the query's dtype; `(out, weights)`, `(out, residual)` or
+      `(out, weights, residual)` as asked. Logits and softmax are float32 whatever the
+      input dtype (float64 inputs stay float64). A query row with no key to attend to
+      (masked, or biased to -inf) gives zeros, never NaN.
 
     Inputs must be finite, masked keys' values included: a masked key gets
     weight exactly 0, but 0 times NaN is NaN (padding and unwritten cache slots
     that this library writes are always finite).
     """
-    mask = None if mask is None else jnp.asarray(mask)
-    bias = None if bias is None else jnp.asarray(bias)
-    lengths = None if key_value_seq_lengths is None else jnp.asarray(key_value_seq_lengths)
-    _validate(query, key, value, mask, bias, dropout_rate)
-    _validate_structure(query, key, is_causal, local_window_size, lengths)
+    a = _check(query, key, value, bias, mask, dropout_rate=dropout_rate, local_window_size=local_window_size,
+               query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
+               logits_soft_cap=logits_soft_cap, sinks=sinks)
     if implementation == kernels.AUTO:
         implementation = kernels.select.attention_rule_here()
     attend = kernels.attention_kernel(implementation)
-    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
-    out, weights = attend(query, key, value, mask=mask, bias=bias, is_causal=is_causal, scale=scale,
-                          dropout_rate=dropout_rate, dropout_rng=dropout_rng, return_weights=return_weights,
-                          local_window_size=local_window_size, key_value_seq_lengths=lengths)
-    return (out, weights) if return_weights else out
+    scale = 1.0 / math.sqrt(a.query.shape[-1]) if scale is None else scale
+    out, weights, residual = attend(
+        a.query, a.key, a.value, mask=a.mask, bias=a.bias, is_causal=is_causal, scale=scale,
+        dropout_rate=dropout_rate, dropout_rng=dropout_rng, return_weights=return_weights,
+        local_window_size=a.window, key_value_seq_lengths=a.key_lengths, logits_soft_cap=a.soft_cap,
+        sinks=a.sinks, return_residual=return_residual)
+    return _results(a, out, weights, residual, return_weights, return_residual)
 
 
 def cached_attention(query, key_cache, value_cache, query_positions, *, scale=None, window=None,
-                     implementation="xla"):
+                     logits_soft_cap=None, sinks=None, implementation="xla"):
     """Attention of T new queries against a KV cache (prefill and decode steps, docs/theory.md §9).
 
     The cache is heads-major (`jaxattn.cache`): each (row, kv head) is one
@@ -176,7 +259,9 @@ def cached_attention(query, key_cache, value_cache, query_positions, *, scale=No
       value_cache: `[B, K, L, Hv]` values.
       query_positions: `[B, T]` integer absolute positions of the queries.
       scale: multiplies the logits; defaults to `1 / sqrt(H)`.
-      window: None, or a sliding window W: slot j is also hidden when `p - j >= W`.
+      window: None, or the model's sliding window W: slot j is also hidden when `p - j >= W`.
+      logits_soft_cap: None or a positive number c: logits `c * tanh(scale * q.k / c)` (§17).
+      sinks: None or `[N]` float logits joining each row's softmax denominator (§18).
       implementation: a name of `jaxattn.kernels.choices("decode")`.
 
     Returns:
@@ -198,48 +283,63 @@ def cached_attention(query, key_cache, value_cache, query_positions, *, scale=No
     scale = 1.0 / math.sqrt(H) if scale is None else scale
     if window is not None:
         require_positive_int("window", window)
-    return attend(query, key_cache, value_cache, query_positions, scale=scale, window=window)
+    cap = None if logits_soft_cap is None else _positive_number("logits_soft_cap", logits_soft_cap)
+    if sinks is not None:
+        sinks = jnp.asarray(sinks)
+        require_float("sinks", sinks)
+        if sinks.shape != (N,):
+            raise ValueError(f"sinks must be [N] = ({N},) for query {query.shape}, got shape {sinks.shape}")
+    return attend(query, key_cache, value_cache, query_positions, scale=scale, window=window,
+                  logits_soft_cap=cap, sinks=sinks)
 
 
-def reference_attention(query, key, value, *, mask=None, bias=None,
-                        is_causal=False, scale=None, return_weights=False,
-                        local_window_size=None, key_value_seq_lengths=None):
-    """The textbook formula, step by step (docs/theory.md §2-§5). Same contract as above.
+def reference_attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
+                        query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
+                        logits_soft_cap=None, sinks=None, return_weights=False, return_residual=False):
+    """The textbook formula, step by step (docs/theory.md §2-§5, §17, §18). Same contract as above.
 
     Slow on purpose and independent of `jaxattn.kernels` and of the masked
     softmax: it repeats K/V to every query head, moves heads in front
-    (`[B, N, T, H]`) and masks with -inf, exactly as the textbook writes it.
+    (`[B, N, T, H]`), caps, masks with -inf and appends each head's sink as one
+    more key with no value, exactly as the textbook writes it.
     """
-    mask = None if mask is None else jnp.asarray(mask)
-    bias = None if bias is None else jnp.asarray(bias)
-    lengths = None if key_value_seq_lengths is None else jnp.asarray(key_value_seq_lengths)
-    _validate(query, key, value, mask, bias, 0.0)
-    _validate_structure(query, key, is_causal, local_window_size, lengths)
-    B, T, N, H = query.shape
-    S, K = key.shape[1], key.shape[2]
+    a = _check(query, key, value, bias, mask, local_window_size=local_window_size,
+               query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
+               logits_soft_cap=logits_soft_cap, sinks=sinks)
+    B, T, N, H = a.query.shape
+    S, K = a.key.shape[1], a.key.shape[2]
     scale = 1.0 / math.sqrt(H) if scale is None else scale
 
-    k = repeat_kv(key, N // K).transpose(0, 2, 1, 3)  # [B, N, S, H]
-    v = repeat_kv(value, N // K).transpose(0, 2, 1, 3)  # [B, N, S, Hv]
-    q = query.transpose(0, 2, 1, 3)  # [B, N, T, H]
-    f32 = softmax_dtype(query.dtype)
-    scores = jnp.matmul(q.astype(f32), k.astype(f32).swapaxes(-1, -2)) * scale
-    if bias is not None:
-        scores = scores + bias.astype(f32)  # [B, N, T, S]
-    allowed = jnp.ones((T, S), bool) if mask is None else mask
+    k = repeat_kv(a.key, N // K).transpose(0, 2, 1, 3)  # [B, N, S, H]
+    v = repeat_kv(a.value, N // K).transpose(0, 2, 1, 3)  # [B, N, S, Hv]
+    q = a.query.transpose(0, 2, 1, 3)  # [B, N, T, H]
+    f32 = softmax_dtype(a.query.dtype)
+    scores = jnp.matmul(q.astype(f32), k.astype(f32).swapaxes(-1, -2)) * scale  # [B, N, T, S]
+    if a.soft_cap is not None:
+        scores = a.soft_cap * jnp.tanh(scores / a.soft_cap)
+    allowed = jnp.ones((B, N, T, S), bool)
+    if a.bias is not None:  # a key biased to -inf cannot be attended to
+        scores = scores + a.bias.astype(f32)
+        allowed = allowed & (a.bias != -jnp.inf)
+    if a.mask is not None:
+        allowed = allowed & a.mask
     if is_causal:
-        window = causal_mask(T, S) if local_window_size is None else sliding_window_mask(T, S, local_window_size)
-        allowed = jnp.logical_and(allowed, window)
-    if lengths is not None:
-        allowed = jnp.logical_and(allowed, padding_mask(lengths, S))  # [B, 1, 1, S]
-    if bias is not None:  # a key biased to -inf cannot be attended to
-        allowed = jnp.logical_and(allowed, bias != -jnp.inf)
-    allowed = jnp.broadcast_to(allowed, (B, N, T, S))
+        allowed = allowed & causal_mask(T, S)[None, None]
+    if a.window is not None:
+        allowed = allowed & local_window_mask(T, S, a.window)[None, None]
+    if a.key_lengths is not None:
+        allowed = allowed & padding_mask(a.key_lengths, S)  # [B, 1, 1, S]
     scores = jnp.where(allowed, scores, -jnp.inf)
-    # A row with every key masked is defined as zeros rather than 0/0.
+    if a.sinks is not None:  # one more key per head, always visible, with no value
+        sink = jnp.broadcast_to(a.sinks.astype(f32).reshape(1, N, 1, 1), (B, N, T, 1))
+        scores = jnp.concatenate([scores, sink], -1)
+        allowed = jnp.concatenate([allowed, jnp.ones(sink.shape, bool)], -1)
+    # A row with nothing to attend to is defined as zeros rather than 0/0.
     any_allowed = allowed.any(axis=-1, keepdims=True)
     scores = jnp.where(any_allowed, scores, 0.0)
-    weights = jnp.where(any_allowed, jax.nn.softmax(scores, axis=-1), 0.0)
+    weights = jnp.where(any_allowed, jax.nn.softmax(scores, axis=-1), 0.0)[..., :S]  # the sink has no value
+    lse = jnp.where(any_allowed[..., 0], jax.nn.logsumexp(scores, axis=-1), -jnp.inf)  # [B, N, T]
     out = jnp.matmul(weights, v.astype(f32))  # [B, N, T, Hv]
-    out = out.transpose(0, 2, 1, 3).astype(query.dtype)  # [B, T, N, Hv]
-    return (out, weights) if return_weights else out
+    out = out.transpose(0, 2, 1, 3).astype(a.query.dtype)  # [B, T, N, Hv]
+    residual = jax.lax.stop_gradient(lse.transpose(0, 2, 1))  # [B, T, N]
+    return _results(a, out, weights, residual, return_weights, return_residual)

@@ -4,13 +4,22 @@ Masks are `[T, S]` (query length by key length) or broadcastable to
 `[B, N, T, S]`. Causal masks are aligned to the *end* of the keys: query `i`
 sees key `j` iff `j <= i + (S - T)`, so a block of T new queries that follows
 S - T cached keys sees everything before it and nothing after
-(docs/theory.md §3). A cache is read by absolute position instead
+(docs/theory.md §3). Local windows are end-aligned the same way: query `i`
+sits at absolute position `p = i + S - T` (`local_window_mask`, jax.nn's
+`(left, right)` meaning; `sliding_window_mask` is the model's window W, the
+query and W - 1 keys back). A cache is read by absolute position instead
 (`visible_cache_slots`, docs/theory.md §9).
+
+Every function here builds its result from operands of equal rank, so it runs
+under `jax.numpy_rank_promotion("raise")`; `combine_masks` adds the leading axes
+of lower-rank masks explicitly.
 """
 
 from __future__ import annotations
 
 import jax.numpy as jnp
+
+import numpy as np
 
 from jaxattn._validate import require_bool, require_integer, require_positive_int, require_rank
 
@@ -39,13 +48,42 @@ def sliding_window_mask(q_len: int, kv_len: int, window: int) -> jnp.ndarray:
     """`[T, S]` causal mask that also hides keys `window` or more positions back.
 
     Each query sees itself and the `window - 1` keys before it (Mistral's
-    convention: a window of 1 is the diagonal alone).
+    convention, the model's `sliding_window`: a window of 1 is the diagonal alone).
+    The same mask as `local_window_mask(T, S, (window - 1, 0))`.
     """
     require_positive_int("q_len", q_len)
     require_positive_int("kv_len", kv_len)
     require_positive_int("window", window)
     offsets = _query_key_offsets(q_len, kv_len)
     return (offsets >= 0) & (offsets < window)
+
+
+def window_sides(window) -> tuple[int, int]:
+    """`local_window_size` as `(left, right)`: an int w is `(w, w)` (jax.nn's meaning); ValueError otherwise.
+
+    Each side must be a non-negative integer (a bool is refused).
+    """
+    sides = (window, window) if isinstance(window, (int, np.integer)) and not isinstance(window, bool) else window
+    if (not isinstance(sides, (tuple, list)) or len(sides) != 2
+            or not all(isinstance(w, (int, np.integer)) and not isinstance(w, bool) and w >= 0 for w in sides)):
+        raise ValueError("local_window_size must be a non-negative int w (meaning (w, w)) or a pair "
+                         f"(left, right) of non-negative ints, got {window!r}")
+    return int(sides[0]), int(sides[1])
+
+
+def local_window_mask(q_len: int, kv_len: int, window) -> jnp.ndarray:
+    """`[T, S]` mask of a local window `(left, right)`: the query at absolute position p sees keys
+    `p - left .. p + right` (an int w means `(w, w)`), jax.nn's `local_window_size`.
+
+    Positions are end-aligned like `causal_mask` (query i sits at `p = i + S - T`; jax.nn aligns
+    at the start, which differs only when T != S). Not causal by itself: `(W - 1, 0)` together with
+    a causal mask is `sliding_window_mask(T, S, W)`, and so is `(W - 1, 0)` alone.
+    """
+    require_positive_int("q_len", q_len)
+    require_positive_int("kv_len", kv_len)
+    left, right = window_sides(window)
+    offsets = _query_key_offsets(q_len, kv_len)  # p - j
+    return (offsets <= left) & (offsets >= -right)
 
 
 def padding_mask(lengths, max_len: int) -> jnp.ndarray:
@@ -93,6 +131,9 @@ def visible_cache_slots(query_positions, num_slots: int, window: int | None = No
 def combine_masks(*masks) -> jnp.ndarray | None:
     """Logical AND of boolean masks, broadcasting; `None` entries are ignored.
 
+    Masks of lower rank get leading axes of size 1 (numpy's rule, done explicitly so
+    that it holds under `jax.numpy_rank_promotion("raise")`): a `[T, S]` causal mask
+    combines with a `[B, 1, 1, S]` padding mask into `[B, 1, T, S]`.
     Returns None when every argument is None (no masking at all).
     """
     present = [jnp.asarray(m) for m in masks if m is not None]
@@ -101,6 +142,8 @@ def combine_masks(*masks) -> jnp.ndarray | None:
     for i, m in enumerate(masks):  # i is the caller's argument index
         if m is not None:
             require_bool(f"masks[{i}]", jnp.asarray(m))
+    rank = max(m.ndim for m in present)
+    present = [m.reshape((1,) * (rank - m.ndim) + m.shape) for m in present]
     combined = present[0]
     for m in present[1:]:
         combined = jnp.logical_and(combined, m)

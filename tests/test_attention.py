@@ -26,15 +26,25 @@ from jaxattn import (
     scaled_dot_product_attention,
     sliding_window_mask,
 )
+from jaxattn.masks import local_window_mask
 
 # Jitted once per shape: eager mode would compile every primitive separately,
 # which is several times slower on this small CPU. Error-path tests and the
 # chex variants call the plain functions.
-_STATIC = ("is_causal", "dropout_rate", "return_weights")
+_STATIC = ("is_causal", "dropout_rate", "return_weights", "return_residual", "local_window_size",
+           "logits_soft_cap", "implementation")
 sdpa = jax.jit(scaled_dot_product_attention, static_argnames=_STATIC)
-reference = jax.jit(reference_attention, static_argnames=_STATIC[::2])
+reference = jax.jit(reference_attention, static_argnames=tuple(n for n in _STATIC if n in (
+    "is_causal", "return_weights", "return_residual", "local_window_size", "logits_soft_cap")))
 jax_attention = jax.jit(jax.nn.dot_product_attention,
                         static_argnames=("is_causal", "local_window_size", "implementation"))
+
+
+@pytest.fixture(autouse=True)
+def no_rank_promotion():
+    """Everything here runs under JAX's strictest broadcasting, as JAX's own tests do."""
+    with jax.numpy_rank_promotion("raise"):
+        yield
 
 
 def qkv(B=2, T=5, S=5, N=4, K=4, H=8, Hv=None, dtype=np.float32, seed=0):
@@ -109,7 +119,7 @@ def test_dimension_walk_of_a_llama_layer():
 
 HEADS = {"mha": (4, 4), "gqa": (4, 2), "mqa": (4, 1)}
 LENGTHS = {"square": (6, 6), "t_lt_s": (3, 7)}
-MASKS = ("none", "causal", "padding", "window")
+MASKS = ("none", "causal", "padding", "window", "two_sided_window", "causal_window", "query_lengths")
 
 
 def _ours_and_jax_kwargs(kind, T, S, lengths):
@@ -125,6 +135,17 @@ def _ours_and_jax_kwargs(kind, T, S, lengths):
     if kind == "padding":
         return ({"mask": padding_mask(lengths, S)},
                 {"key_value_seq_lengths": lengths.astype(jnp.int32)})
+    if kind == "query_lengths":  # rows past each query length are zeros in both; keys hidden alike
+        q_lengths = jnp.array([T, T - 1], jnp.int32)
+        return ({"query_seq_lengths": q_lengths, "key_value_seq_lengths": lengths},
+                {"query_seq_lengths": q_lengths, "key_value_seq_lengths": lengths.astype(jnp.int32)})
+    if kind in ("two_sided_window", "causal_window"):  # the same arguments: jax.nn's meaning
+        ours = {"local_window_size": (2, 1), "is_causal": kind == "causal_window"}
+        if T == S:
+            return ours, dict(ours)
+        # jax.nn aligns the window (and causal mask) to the start of the keys: give it ours explicitly.
+        mask = local_window_mask(T, S, (2, 1)) & (causal_mask(T, S) if ours["is_causal"] else True)
+        return ours, {"mask": mask[None, None]}
     window = 3
     if T == S:  # jax's window (left, right) = (window - 1, 0) plus causal
         return ({"mask": sliding_window_mask(T, S, window)},
@@ -457,20 +478,23 @@ def test_dropout_preserves_the_mean_statistically():
 def test_errors(fn):
     q, k, v = qkv(B=1, T=2, S=3, N=4, K=2, H=8)
     with pytest.raises(ValueError,
-                       match=r"query must have rank 4 \[B, T, N, H\], got shape \(2, 4, 8\)"):
-        fn(q[0], k, v)
-    with pytest.raises(ValueError, match=r"key must have rank 4"):
+                       match=r"query must have rank 4 \[B, T, N, H\] or 3 \[T, N, H\] \(unbatched\), got shape \(8,\)"):
+        fn(q[0, 0, 0], k, v)
+    with pytest.raises(ValueError, match=r"key must have rank 3 \[S, K, H\] like query \(2, 4, 8\), got shape "
+                                         r"\(1, 3, 2, 8\)"):
+        fn(q[0], k, v)  # an unbatched query needs unbatched keys and values
+    with pytest.raises(ValueError, match=r"key must have rank 4 \[B, S, K, H\] like query"):
         fn(q, k[0], v)
     with pytest.raises(ValueError, match=r"value must have rank 4"):
         fn(q, k, v[..., None])
-    with pytest.raises(ValueError, match=r"head dims differ: query .* H=8, key .* H=4"):
+    with pytest.raises(ValueError, match=r"head dims differ: query has H=8, key H=4: query \(1, 2, 4, 8\), key "):
         fn(q, k[..., :4], v)
     with pytest.raises(ValueError, match=r"query heads N=4 .* multiple of key/value heads K=3"):
         q3, k3, v3 = qkv(B=1, T=2, S=3, N=4, K=3)
         fn(q3, k3, v3)
     with pytest.raises(ValueError, match=r"batch sizes differ"):
         fn(q, jnp.concatenate([k, k]), v)
-    with pytest.raises(ValueError, match=r"value .* must match key .* in length S and heads K"):
+    with pytest.raises(ValueError, match=r"value must match key in length S and heads K: .* value \(1, 2, 2, 8\)"):
         fn(q, k, v[:, :2])
     with pytest.raises(ValueError,
                        match=r"mask of shape \(2, 2\) is not broadcastable to \[B, N, T, S\]"):
@@ -519,7 +543,7 @@ def test_cached_attention_equals_masked_attention_on_the_same_cache(num_heads, n
     query = jax.random.normal(keys[0], (B, num_queries, num_heads, H))
     key_cache = jax.random.normal(keys[1], (B, num_kv_heads, L, H))
     value_cache = jax.random.normal(keys[2], (B, num_kv_heads, L, H))
-    positions = jnp.array([[2], [6]]) + jnp.arange(num_queries)  # rows at different lengths
+    positions = jnp.array([[2], [6]]) + jnp.arange(num_queries)[None]  # rows at different lengths
     out = cached_attention(query, key_cache, value_cache, positions, scale=0.3)
     expected = scaled_dot_product_attention(
         query, key_cache.transpose(0, 2, 1, 3), value_cache.transpose(0, 2, 1, 3),
@@ -569,3 +593,215 @@ def test_integer_inputs_are_refused():
     for name, args in (("query", (q.astype(jnp.int32), k, v)), ("value", (q, k, v.astype(jnp.int32)))):
         with pytest.raises(TypeError, match=f"{name} must be a floating-point array, got dtype int32"):
             scaled_dot_product_attention(*args)
+
+
+# --------------------------------------------------------------------------------------------
+# The rest of jax.nn.dot_product_attention's contract, soft caps and sinks (docs/theory.md §17, §18).
+# JAX's own attention tests run against this function in tests/test_jax_attention_contract.py.
+
+IMPLEMENTATIONS = ("xla", "custom_vjp", "chunked")
+
+
+def _sinks(N, seed=4):
+    return jnp.asarray(np.random.default_rng(seed).standard_normal(N).astype(np.float32))
+
+
+def test_bias_and_mask_are_positional_in_jax_nn_order():
+    q, k, v = qkv(B=2, T=3, S=4, N=2, K=2)
+    bias = jnp.asarray(np.random.default_rng(1).standard_normal((1, 2, 3, 4)), jnp.float32)
+    mask = padding_mask(jnp.array([4, 2]), 4)
+    for fn in (scaled_dot_product_attention, reference_attention):
+        np.testing.assert_array_equal(fn(q, k, v, bias, mask), fn(q, k, v, mask=mask, bias=bias))
+    theirs = jax.nn.dot_product_attention(q, k, v, bias, mask)
+    np.testing.assert_allclose(scaled_dot_product_attention(q, k, v, bias, mask), theirs, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_unbatched_inputs_give_unbatched_results(implementation):
+    """`[T, N, H]` inputs: the batched call's row 0, with `[N, T, S]` biases, `[T, S]` masks and every output."""
+    q, k, v = qkv(B=1, T=4, S=6, N=4, K=2, Hv=3)
+    bias = jnp.asarray(np.random.default_rng(2).standard_normal((4, 4, 6)), jnp.float32)  # [N, T, S]
+    kw = dict(is_causal=True, sinks=_sinks(4), logits_soft_cap=3.0, return_residual=True, implementation=implementation,
+              key_value_seq_lengths=jnp.array([5]), query_seq_lengths=jnp.array([3]))
+    out, residual = sdpa(q[0], k[0], v[0], bias, causal_mask(4, 6), **kw)
+    batched_out, batched_residual = sdpa(q, k, v, bias[None], causal_mask(4, 6)[None, None], **kw)
+    assert out.shape == (4, 4, 3) and residual.shape == (4, 4)
+    np.testing.assert_array_equal(out, batched_out[0])
+    np.testing.assert_array_equal(residual, batched_residual[0])
+    out, weights = sdpa(q[0], k[0], v[0], return_weights=True)
+    assert weights.shape == (4, 4, 6)
+    np.testing.assert_array_equal(weights, sdpa(q, k, v, return_weights=True)[1][0])
+    # jax.nn's 4-D masks and biases of unbatched calls are taken too.
+    np.testing.assert_array_equal(sdpa(q[0], k[0], v[0], bias[None]), sdpa(q, k, v, bias[None])[0])
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS + ("reference",))
+def test_query_seq_lengths_zero_outputs_weights_and_gradients_of_padding_rows(implementation):
+    q, k, v = qkv(B=2, T=5, S=6, N=4, K=2)
+    lengths = jnp.array([5, 2])
+    attend = (reference if implementation == "reference"
+              else functools.partial(sdpa, implementation=implementation))
+    out = attend(q, k, v, is_causal=True, query_seq_lengths=lengths)
+    np.testing.assert_array_equal(out[1, 2:], 0.0)
+    np.testing.assert_allclose(out[:, :2], attend(q, k, v, is_causal=True)[:, :2], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(out[0], attend(q, k, v, is_causal=True)[0], rtol=1e-6, atol=1e-6)
+    _, weights, residual = reference(q, k, v, is_causal=True, query_seq_lengths=lengths,
+                                     return_weights=True, return_residual=True)
+    np.testing.assert_array_equal(weights[1, :, 2:], 0.0)
+    assert np.all(residual[1, 2:] == -np.inf) and np.all(np.isfinite(residual[0]))
+    d_q, d_k = jax.grad(lambda q, k: (attend(q, k, v, is_causal=True, query_seq_lengths=lengths) ** 2).sum(),
+                        (0, 1))(q, k)
+    np.testing.assert_array_equal(d_q[1, 2:], 0.0)
+    # Keys only the padding rows see get no gradient: row 1's queries 0, 1 see keys <= 2.
+    np.testing.assert_array_equal(d_k[1, 3:], 0.0)
+    assert np.any(d_k[0, 3:] != 0.0)
+    np.testing.assert_array_equal(attend(q, k, v, query_seq_lengths=jnp.array([0, 0])), 0.0)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS + ("reference",))
+def test_the_residual_is_the_logsumexp_with_the_sink(implementation):
+    """log sum_j exp(logit_j) (+ exp(sink)) per row, float32, -inf for a row with nothing, no gradient."""
+    q, k, v = qkv(B=2, T=4, S=5, N=4, K=2)
+    attend = reference if implementation == "reference" else functools.partial(sdpa, implementation=implementation)
+    mask = padding_mask(jnp.array([5, 0]), 5)  # row 1 sees no key
+    bias = jnp.asarray(np.random.default_rng(3).standard_normal((1, 4, 4, 5)), jnp.float32)
+    out, residual = attend(q, k, v, bias, mask, scale=0.4, logits_soft_cap=2.0, return_residual=True)
+    assert residual.dtype == jnp.float32 and residual.shape == (2, 4, 4)
+    logits = 2.0 * np.tanh(0.4 * np.einsum("btnh,bsnh->bnts", q, np.repeat(k, 2, axis=2)) / 2.0) + np.asarray(bias)
+    expected = np.log(np.exp(logits[0]).sum(-1)).T  # [T, N]
+    np.testing.assert_allclose(residual[0], expected, rtol=1e-5, atol=1e-5)
+    assert np.all(residual[1] == -np.inf)
+    sinks = _sinks(4)
+    _, with_sink = attend(q, k, v, bias, mask, scale=0.4, logits_soft_cap=2.0, sinks=sinks, return_residual=True)
+    np.testing.assert_allclose(with_sink[0], np.logaddexp(expected, np.asarray(sinks)[None]), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(with_sink[1], np.broadcast_to(sinks, (4, 4)), rtol=1e-6)  # the sink alone
+    grads = jax.grad(lambda q: attend(q, k, v, return_residual=True)[1].sum())(q)
+    np.testing.assert_array_equal(grads, 0.0)
+
+
+def test_the_residual_matches_jax_nn_where_rows_see_keys():
+    q, k, v = qkv(B=2, T=6, S=6, N=4, K=2)
+    kw = dict(is_causal=True, local_window_size=(2, 1), key_value_seq_lengths=jnp.array([6, 4], jnp.int32))
+    _, ours = sdpa(q, k, v, return_residual=True, **kw)
+    _, theirs = jax.nn.dot_product_attention(q, k, v, return_residual=True, **kw)
+    np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_soft_cap_is_applied_after_the_scale_and_before_the_bias():
+    q, k, v = qkv(B=1, T=3, S=4, N=2, K=1, H=4, seed=3)
+    q = q * 4  # logits large enough for the cap to matter
+    bias = jnp.asarray(np.random.default_rng(5).standard_normal((1, 2, 3, 4)), jnp.float32)
+    _, weights = reference(q, k, v, bias, scale=0.5, logits_soft_cap=1.5, return_weights=True)
+    logits = 1.5 * np.tanh(0.5 * np.einsum("btnh,bsnh->bnts", q, np.repeat(k, 2, axis=2)) / 1.5) + np.asarray(bias)
+    expected = np.exp(logits - logits.max(-1, keepdims=True))
+    np.testing.assert_allclose(weights, expected / expected.sum(-1, keepdims=True), rtol=1e-5, atol=1e-6)
+    for implementation in IMPLEMENTATIONS:  # a negative control: the cap changes the result
+        capped = sdpa(q, k, v, bias, scale=0.5, logits_soft_cap=1.5, implementation=implementation)
+        np.testing.assert_allclose(capped, reference(q, k, v, bias, scale=0.5, logits_soft_cap=1.5), rtol=1e-5,
+                                   atol=1e-6)
+        assert not np.allclose(capped, reference(q, k, v, bias, scale=0.5), atol=1e-2)
+        assert not np.allclose(capped, reference(q, k, v, bias, scale=0.5, logits_soft_cap=1.5 / 0.5), atol=1e-2)
+
+
+def test_sinks_take_weight_without_a_value_and_a_row_with_nothing_gives_zeros():
+    q, k, v = qkv(B=2, T=4, S=5, N=4, K=2)
+    sinks = _sinks(4)
+    mask = padding_mask(jnp.array([5, 0]), 5)  # row 1: no key, only the sink
+    for implementation in IMPLEMENTATIONS:
+        out = sdpa(q, k, v, mask=mask, sinks=sinks, implementation=implementation)
+        np.testing.assert_allclose(out, reference(q, k, v, mask=mask, sinks=sinks), rtol=1e-5, atol=1e-6)
+        np.testing.assert_array_equal(out[1], 0.0)
+    _, weights, residual = reference(q, k, v, mask=mask, sinks=sinks, return_weights=True, return_residual=True)
+    sink_weight = np.exp(np.asarray(sinks)[None, :, None] - np.asarray(residual).transpose(0, 2, 1))  # [B, N, T]
+    np.testing.assert_allclose(np.asarray(weights[0]).sum(-1) + sink_weight[0], 1.0, rtol=1e-6)
+    np.testing.assert_array_equal(weights[1], 0.0)
+    # The negative control: a sink of -1e4 is no sink; a sink of 0 is not.
+    np.testing.assert_allclose(sdpa(q, k, v, sinks=jnp.full(4, -1e4)), sdpa(q, k, v), atol=1e-7)
+    assert not np.allclose(sdpa(q, k, v, sinks=jnp.zeros(4)), sdpa(q, k, v), atol=1e-3)
+
+
+@pytest.mark.parametrize("implementation", ["xla", "custom_vjp", "reference"])
+def test_soft_cap_and_sink_gradients_match_finite_differences(implementation):
+    """Float64 (softmax stays float64), sinks differentiable, with an empty row and a window."""
+    with jax.enable_x64(True):
+        q, k, v = (x.astype(jnp.float64) for x in qkv(B=2, T=3, S=4, N=4, K=2, H=4))
+        bias = jnp.asarray(np.random.default_rng(0).normal(size=(1, 4, 3, 4)))
+        sinks = jnp.asarray(np.random.default_rng(1).normal(size=4))
+        attend = (reference_attention if implementation == "reference" else
+                  functools.partial(scaled_dot_product_attention, implementation=implementation))
+        f = functools.partial(attend, is_causal=True, local_window_size=(1, 0), logits_soft_cap=1.2,
+                              key_value_seq_lengths=jnp.array([4, 0]))
+        check_grads(lambda q, k, v, b, s: f(q, k, v, b, sinks=s), (q, k, v, bias, sinks), order=1, modes=("rev",))
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS + ("reference",))
+def test_windows_have_jax_nns_meaning_and_need_no_causal_mask(implementation):
+    q, k, v = qkv(B=2, T=6, S=6, N=4, K=2)
+    attend = reference if implementation == "reference" else functools.partial(sdpa, implementation=implementation)
+    for ours, mask in (({"local_window_size": 2}, local_window_mask(6, 6, (2, 2))),
+                       ({"local_window_size": (0, 2)}, local_window_mask(6, 6, (0, 2))),
+                       ({"local_window_size": (3, 2), "is_causal": True}, sliding_window_mask(6, 6, 4))):
+        np.testing.assert_allclose(attend(q, k, v, **ours), sdpa(q, k, v, mask=mask), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(attend(q, k, v, **ours),
+                                   jax.nn.dot_product_attention(q, k, v, **ours), rtol=1e-5, atol=1e-6)
+    # The model's window W = 3 is (W - 1, 0); the former int meaning (W = the query and W - 1 back) is gone.
+    old = sdpa(q, k, v, mask=sliding_window_mask(6, 6, 3))
+    np.testing.assert_allclose(attend(q, k, v, local_window_size=(2, 0)), old, rtol=1e-5, atol=1e-6)
+    assert not np.allclose(attend(q, k, v, is_causal=True, local_window_size=3), old, atol=1e-3)
+
+
+def test_windows_are_end_aligned_when_there_are_fewer_queries_than_keys():
+    """A documented difference: jax.nn aligns windows at the first key, jaxattn at the last."""
+    q, k, v = qkv(B=1, T=2, S=6, N=2, K=2)
+    ours = sdpa(q, k, v, local_window_size=(1, 0))
+    np.testing.assert_allclose(ours, sdpa(q, k, v, mask=local_window_mask(2, 6, (1, 0))), rtol=1e-6)
+    assert not np.allclose(ours, jax.nn.dot_product_attention(q, k, v, local_window_size=(1, 0)), atol=1e-3)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_every_feature_at_once_is_rank_promotion_clean(implementation):
+    """A causal mask, a window, a dense mask, a bias, both lengths, a cap and sinks together (the
+    fixture raises on implicit rank promotion), values and gradients equal to the reference."""
+    q, k, v = qkv(B=2, T=5, S=7, N=4, K=2, Hv=3)
+    bias = jnp.asarray(np.random.default_rng(6).standard_normal((2, 1, 5, 7)), jnp.float32)
+    mask = np.random.default_rng(7).random((7,)) < 0.8  # rank 1: broadcast explicitly
+    kw = dict(is_causal=True, local_window_size=(3, 1), key_value_seq_lengths=jnp.array([7, 5]),
+              query_seq_lengths=jnp.array([5, 3]), logits_soft_cap=2.5)
+    target = jnp.asarray(np.random.default_rng(8).standard_normal((2, 5, 4, 3)), jnp.float32)
+
+    def loss(attend):
+        return lambda q, k, v, b, s: jnp.vdot(attend(q, k, v, b, mask, sinks=s, **kw), target)
+    args = (q, k, v, bias, _sinks(4))
+    value, grads = jax.value_and_grad(loss(functools.partial(scaled_dot_product_attention,
+                                                             implementation=implementation)), (0, 1, 2, 3, 4))(*args)
+    value_r, grads_r = jax.value_and_grad(loss(reference_attention), (0, 1, 2, 3, 4))(*args)
+    np.testing.assert_allclose(value, value_r, rtol=1e-5)
+    for name, g, g_r in zip("qkvbs", grads, grads_r):
+        np.testing.assert_allclose(g, g_r, rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+@pytest.mark.parametrize("fn", [scaled_dot_product_attention, reference_attention], ids=["fast", "reference"])
+def test_new_arguments_are_checked_before_tracing(fn):
+    q, k, v = qkv(B=2, T=3, S=4, N=4, K=2)
+    with pytest.raises(ValueError, match=r"local_window_size must be a non-negative int w .* got \(-1, 2\)"):
+        fn(q, k, v, local_window_size=(-1, 2))
+    with pytest.raises(ValueError, match=r"sinks must be \[N\] = \(4,\), one logit per query head, got shape \(2,\)"):
+        fn(q, k, v, sinks=jnp.zeros(2))
+    with pytest.raises(TypeError, match=r"sinks must be a floating-point array, got dtype int32"):
+        fn(q, k, v, sinks=jnp.zeros(4, jnp.int32))
+    for cap in (0.0, -1.0, float("inf"), True, jnp.ones(2)):
+        with pytest.raises(ValueError, match=r"logits_soft_cap must be a positive finite number known when tracing"):
+            fn(q, k, v, logits_soft_cap=cap)
+    with pytest.raises(ValueError, match=r"logits_soft_cap .* got a traced value"):
+        jax.jit(lambda c: fn(q, k, v, logits_soft_cap=c))(2.0)
+    with pytest.raises(ValueError, match=r"query_seq_lengths \(3,\) must be \[B\] = \(2,\) for query \(2, 3, 4, 8\)"):
+        fn(q, k, v, query_seq_lengths=jnp.array([1, 2, 3]))
+    with pytest.raises(ValueError, match=r"query_seq_lengths must be in \[0, T=3\] for query .* got \[4, 1\]"):
+        fn(q, k, v, query_seq_lengths=jnp.array([4, 1]))
+    with pytest.raises(TypeError, match=r"query_seq_lengths must be an integer array"):
+        fn(q, k, v, query_seq_lengths=jnp.array([1.0, 2.0]))
+    with pytest.raises(ValueError, match=r"mask of shape \(2, 4, 3, 4\) is not broadcastable to \[N, T, S\] = "
+                                         r"\(4, 3, 4\)"):
+        fn(q[0], k[0], v[0], mask=jnp.ones((2, 4, 3, 4), bool))  # unbatched: a leading 1 at most
+    with pytest.raises(ValueError, match=r"query_seq_lengths \(2,\) must be \[B\] = \(1,\)"):
+        fn(q[0], k[0], v[0], query_seq_lengths=jnp.array([1, 2]))  # unbatched: B = 1, as jax.nn

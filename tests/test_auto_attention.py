@@ -42,7 +42,10 @@ def qkv(B=1, T=8, S=8, N=4, K=2, H=16, dtype=jnp.float32, seed=0):
     (dict(S=4 * LONG, weights=True), "xla"),
     (dict(dropout=True), "xla"),
     (dict(mask=True, bias=True, S=2 * LONG), "chunked"),
-], ids=["short", "just-short", "long-keys", "long-f32", "weights", "dropout", "mask-and-bias"])
+    (dict(soft_cap=True, sinks=True, residual=True, window=(3, 2)), "custom_vjp"),
+    (dict(soft_cap=True, sinks=True, residual=True, window=(3, 2), S=LONG), "chunked"),
+], ids=["short", "just-short", "long-keys", "long-f32", "weights", "dropout", "mask-and-bias",
+        "features-short", "features-long"])
 def test_the_cpu_rule_is_dense_below_the_threshold_and_blockwise_from_it(changes, expected):
     name, reason = auto.cpu_rule(call(**changes))
     assert name == expected and reason
@@ -52,31 +55,42 @@ def test_the_cpu_rule_is_dense_below_the_threshold_and_blockwise_from_it(changes
     (dict(dtype="float32"), "float32 inputs"),
     (dict(H=256, Hv=256), "head dim H=256"),
     (dict(H=36, Hv=36), "head dim H=36"),
-    (dict(T=1, S=256), "causal with T=1 != S=256"),
+    (dict(T=1, S=256), "a causal mask or window with T=1 != S=256"),
     (dict(lengths=True), "key_value_seq_lengths"),
     (dict(weights=True), "attention weights requested"),
     (dict(dropout=True), "dropout"),
     (dict(mask=True), "a dense boolean mask"),
     (dict(bias=True), "an additive bias"),
     (dict(Hv=32), "value head dim Hv=32"),
+    (dict(soft_cap=True), "a logit soft cap"),
+    (dict(sinks=True), "attention sinks"),
+    (dict(is_causal=False, window=(3, 2)), "a window (3, 2) reaching right without is_causal"),
+    (dict(T=200, window=(3, 0)), "a causal mask or window with T=200 != S=256"),
 ])
 def test_the_gpu_rule_takes_cudnn_where_it_can_and_says_why_not(changes, why):
     assert auto.gpu_rule(call()) == ("cudnn", "cudnn takes this call")
     assert auto.gpu_rule(call(is_causal=False, T=3, S=700, window=None))[0] == "cudnn"
+    for window in ((3, 2), (3, 0)):  # causal cuts the right side; without it, left-only windows pass
+        assert auto.gpu_rule(call(window=window, residual=True))[0] == "cudnn"
+    assert auto.gpu_rule(call(is_causal=False, window=(5, 0)))[0] == "cudnn"
     name, reason = auto.gpu_rule(call(**changes))
     assert name in ("xla", "chunked") and why in reason and "\n" not in reason
     assert auto.gpu_rule(call(dtype="float32", S=2 * LONG, T=2 * LONG))[0] == "chunked"
 
 
 @pytest.mark.parametrize("changes, why", [
-    (dict(T=300, S=200), "causal with T=300 > S=200"),
+    (dict(T=300, S=200), "T=300 > S=200 with the causal mask leaves query rows with no key"),
     (dict(lengths=True), "key_value_seq_lengths"),
     (dict(mask=True), "a dense boolean mask"),
     (dict(weights=True), "attention weights requested"),
+    (dict(sinks=True), "attention sinks"),
+    (dict(residual=True), "the logsumexp residual"),
+    (dict(is_causal=False, window=(4, 3), T=260, S=256), "T=260 > S=256 with the window (4, 3) leaves"),
 ])
 def test_the_tpu_rule_takes_splash_where_it_can_and_says_why_not(changes, why):
     assert auto.tpu_rule(call(dtype="float32")) == ("splash", "splash takes this call")
-    assert auto.tpu_rule(call(window=64, T=100))[0] == "splash"
+    assert auto.tpu_rule(call(window=(63, 0), T=100))[0] == "splash"
+    assert auto.tpu_rule(call(is_causal=False, window=(4, 4), T=260, S=256, soft_cap=True))[0] == "splash"
     name, reason = auto.tpu_rule(call(**changes))
     assert name != "splash" and why in reason
 
@@ -130,20 +144,36 @@ def test_cudnn_asked_for_off_a_gpu_is_a_clear_error_and_falls_back_for_what_it_c
     assert weights.shape == (1, 4, 8, 8)
 
 
-@pytest.mark.parametrize("T, S, N, K, causal, window", [
-    (70, 100, 4, 1, True, None),   # MQA, end-aligned causal, T and S padded to a block
-    (40, 90, 2, 2, False, None),   # padded keys hidden by their segment id
-    (100, 100, 4, 2, True, 20),    # GQA, sliding window
-], ids=["mqa-causal-padded", "mha-full-padded", "gqa-window"])
-def test_splash_equals_the_reference_in_interpret_mode(T, S, N, K, causal, window):
+@pytest.mark.parametrize("T, S, N, K, causal, window, cap", [
+    (70, 100, 4, 1, True, None, None),    # MQA, end-aligned causal, T and S padded to a block
+    (40, 90, 2, 2, False, None, None),    # padded keys hidden by their segment id
+    (100, 100, 4, 2, True, (19, 0), None),  # GQA, the model's sliding window W = 20
+    (60, 90, 2, 1, False, (7, 5), 1.5),   # two-sided window reaching padded keys, soft cap
+], ids=["mqa-causal-padded", "mha-full-padded", "gqa-window", "two-sided-window-soft-cap"])
+def test_splash_equals_the_reference_in_interpret_mode(T, S, N, K, causal, window, cap):
     q, k, v = qkv(T=T, S=S, N=N, K=K, H=32, seed=T + S)
-    kwargs = dict(is_causal=causal, local_window_size=window)
+    kwargs = dict(is_causal=causal, local_window_size=window, logits_soft_cap=cap)
     loss = lambda impl: lambda q, k, v: (scaled_dot_product_attention(  # noqa: E731
         q, k, v, implementation=impl, **kwargs) * v[:, :1, :1].sum()).sum()
-    grads = jax.jit(jax.grad(loss("splash"), (0, 1, 2)))(q, k, v)
-    chex.assert_trees_all_close(grads, jax.grad(loss("xla"), (0, 1, 2))(q, k, v), atol=1e-5, rtol=1e-5)
-    out = jax.jit(lambda q, k, v: scaled_dot_product_attention(q, k, v, implementation="auto_tpu", **kwargs))(q, k, v)
+    with jax.numpy_rank_promotion("raise"):
+        grads = jax.jit(jax.grad(loss("splash"), (0, 1, 2)))(q, k, v)
+        chex.assert_trees_all_close(grads, jax.grad(loss("xla"), (0, 1, 2))(q, k, v), atol=1e-5, rtol=1e-5)
+        out = jax.jit(lambda q, k, v: scaled_dot_product_attention(q, k, v, implementation="auto_tpu",
+                                                                   **kwargs))(q, k, v)
     chex.assert_trees_all_close(out, reference_attention(q, k, v, **kwargs), atol=2e-6, rtol=2e-5)
+
+
+def test_splash_and_cudnn_fall_back_in_one_line_for_sinks_and_soft_caps():
+    q, k, v = qkv()
+    with pytest.warns(KernelFallbackWarning, match=r"splash attention cannot take this call: attention sinks \(splash "
+                                                   r"has none\); running the reference \(xla\)"):
+        out = scaled_dot_product_attention(q, k, v, sinks=jnp.zeros(4), implementation="splash")
+    chex.assert_trees_all_close(out, reference_attention(q, k, v, sinks=jnp.zeros(4)), atol=2e-6)
+    with pytest.warns(KernelFallbackWarning, match=r"cuDNN attention cannot take this call: float32 inputs"):
+        scaled_dot_product_attention(q, k, v, logits_soft_cap=2.0, implementation="cudnn")
+    q16, k16, v16 = qkv(dtype=jnp.bfloat16)
+    with pytest.warns(KernelFallbackWarning, match=r"cuDNN attention cannot take this call: a logit soft cap"):
+        scaled_dot_product_attention(q16, k16, v16, logits_soft_cap=2.0, implementation="cudnn")
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN needs a CUDA GPU")
@@ -162,12 +192,25 @@ def test_cudnn_on_a_gpu_equals_the_reference_in_bfloat16(causal):
         chex.assert_trees_all_close(g.astype(jnp.float32), e.astype(jnp.float32), atol=5e-2, rtol=5e-2)
 
 
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN needs a CUDA GPU")
+@pytest.mark.parametrize("causal, window", [(True, (3, 2)), (False, (5, 0))])
+def test_cudnn_on_a_gpu_takes_windows_and_returns_the_residual(causal, window):
+    q, k, v = qkv(B=2, T=256, S=256, N=8, K=2, H=64, dtype=jnp.bfloat16)
+    kw = dict(is_causal=causal, local_window_size=window, return_residual=True)
+    assert auto.choose("auto_gpu", q, k, v, **kw)[0] == "cudnn"
+    out, residual = scaled_dot_product_attention(q, k, v, implementation="cudnn", **kw)
+    ref, ref_residual = reference_attention(*(x.astype(jnp.float32) for x in (q, k, v)), **kw)
+    assert residual.dtype == jnp.float32
+    chex.assert_trees_all_close(out.astype(jnp.float32), ref, atol=2e-2, rtol=2e-2)
+    chex.assert_trees_all_close(residual, ref_residual, atol=5e-2, rtol=2e-2)  # rounded to bfloat16 by jax.nn
+
+
 @pytest.mark.skipif(jax.default_backend() != "tpu", reason="compiled splash needs a TPU")
 def test_splash_compiled_on_a_tpu_equals_the_reference():
     q, k, v = qkv(B=2, T=1024, S=1024, N=8, K=2, H=128)
     from jaxattn.kernels import splash
-    out, _ = splash.attention(q, k, v, mask=None, bias=None, is_causal=True, scale=128 ** -0.5, dropout_rate=0.0,
-                              dropout_rng=None, return_weights=False, interpret=False)
+    out, _, _ = splash.attention(q, k, v, mask=None, bias=None, is_causal=True, scale=128 ** -0.5, dropout_rate=0.0,
+                                 dropout_rng=None, return_weights=False, interpret=False)
     chex.assert_trees_all_close(out, reference_attention(q, k, v, is_causal=True), atol=2e-3, rtol=2e-3)
 
 

@@ -14,7 +14,7 @@ import pytest
 from jaxattn import decoding
 from jaxattn.attention import cached_attention
 from jaxattn.config import ModelConfig
-from jaxattn.kernels import Kernels, blocked_decode
+from jaxattn.kernels import Kernels, blocked_decode, xla, xla_cpu
 from jaxattn.kernels.blocked_decode import block_range, slots_read
 from jaxattn.model import DecoderLM
 
@@ -77,6 +77,29 @@ def test_queries_with_nothing_visible_give_zeros():
         np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
         np.testing.assert_array_equal(out[0], 0.0)
     np.testing.assert_array_equal(blocked(query, key_cache, value_cache, positions, 4)[2], 0.0)
+
+
+@pytest.mark.parametrize("heads, num_queries, window, cap, with_sinks", [
+    ("gqa", 1, None, 1.0, True), ("mha", 5, 3, None, True), ("mqa", 5, None, 2.0, False), ("gqa", 5, 6, 0.5, True)])
+def test_soft_cap_and_sinks_equal_the_reference(heads, num_queries, window, cap, with_sinks):
+    """"blocked" (sinks start its online softmax) and "xla_cpu" equal the reference ("xla") with soft caps
+    and sinks, with and without windows, rows of different lengths; a query that sees no slot gives
+    zeros even with a sink."""
+    query, key_cache, value_cache, positions = inputs(*HEADS[heads], num_queries)
+    positions = positions.at[0, 0].set(-1)  # sees nothing
+    N = query.shape[2]
+    sinks = jnp.asarray(np.linspace(-1.0, 2.0, N), jnp.float32) if with_sinks else None
+    kw = dict(scale=0.3, window=window, logits_soft_cap=cap)
+    with jax.numpy_rank_promotion("raise"):
+        expected = jax.jit(functools.partial(xla.cached_attention, **kw))(
+            query, key_cache, value_cache, positions, sinks=sinks)
+        outs = (jax.jit(functools.partial(blocked_decode.cached_attention, block_size=BLOCK, **kw))(
+                    query, key_cache, value_cache, positions, sinks=sinks),
+                jax.jit(functools.partial(xla_cpu.cached_attention, **kw))(
+                    query, key_cache, value_cache, positions, sinks=sinks))
+    for out in outs:
+        np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
+        np.testing.assert_array_equal(out[0, 0], 0.0)
 
 
 def test_block_range_follows_the_highest_position_and_the_window():

@@ -31,32 +31,51 @@ def qkv(B=2, T=5, S=6, N=4, K=2, H=8, Hv=4, seed=0):
     return tuple(jnp.asarray(rng.standard_normal(s, np.float32)) for s in ((B, T, N, H), (B, S, K, H), (B, S, K, Hv)))
 
 
+@pytest.fixture
+def no_rank_promotion():
+    with jax.numpy_rank_promotion("raise"):
+        yield
+
+
 MASKS = {
     "none": dict(),
     "causal": dict(is_causal=True),
     "padding_bias": dict(mask=padding_mask(jnp.array([6, 2]), 6), bias=True),
     "window": dict(mask=sliding_window_mask(5, 6, 3)),
     "empty_rows": dict(mask=padding_mask(jnp.array([6, 0]), 6), is_causal=True),  # row 1: no key at all
+    # The features of issue 22: two-sided windows, soft caps and sinks, alone and together.
+    "two_sided_window_lengths": dict(local_window_size=(1, 2), key_value_seq_lengths=jnp.array([6, 3])),
+    "causal_window_cap_bias": dict(is_causal=True, local_window_size=(2, 1), logits_soft_cap=1.5, bias=True),
+    "sinks_empty_rows": dict(mask=padding_mask(jnp.array([6, 0]), 6), is_causal=True, sinks=True),
+    "everything": dict(is_causal=True, local_window_size=(3, 0), key_value_seq_lengths=jnp.array([5, 6]),
+                       logits_soft_cap=2.0, sinks=True, bias=True, mask=padding_mask(jnp.array([6, 4]), 6)),
 }
 
 
 def _value_and_grads(implementation, q, k, v, case):
+    """The loss `<out, W>` and its gradients wrt q, k, v, the bias (zeros unless the case has one) and
+    the sinks (when the case has them), under rank promotion "raise"."""
     kw = dict(MASKS[case])
     bias = jnp.asarray(np.random.default_rng(2).standard_normal((1, q.shape[2], q.shape[1], k.shape[1]), np.float32))
     bias = bias if kw.pop("bias", False) else jnp.zeros_like(bias)
+    sinks = jnp.asarray(np.random.default_rng(3).standard_normal(q.shape[2]), jnp.float32) if kw.pop("sinks", False) \
+        else None
     weights = jnp.asarray(np.random.default_rng(5).standard_normal(q.shape[:3] + v.shape[-1:], np.float32))
 
-    def loss(q, k, v, bias):
-        out = scaled_dot_product_attention(q, k, v, bias=bias, implementation=implementation, **kw)
+    def loss(q, k, v, bias, sinks):
+        out = scaled_dot_product_attention(q, k, v, bias=bias, sinks=sinks, implementation=implementation, **kw)
         return jnp.vdot(out, weights)
-    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))(q, k, v, bias)
+    argnums = (0, 1, 2, 3) + ((4,) if sinks is not None else ())
+    with jax.numpy_rank_promotion("raise"):
+        return jax.jit(jax.value_and_grad(loss, argnums=argnums))(q, k, v, bias, sinks)
 
 
 @pytest.mark.parametrize("implementation", ATTENTION)
 @pytest.mark.parametrize("heads", HEADS)
 @pytest.mark.parametrize("case", MASKS)
 def test_attention_kernels_equal_the_reference(implementation, heads, case):
-    """Values and gradients (q, k, v, bias) equal to float32 summation order, every mask kind.
+    """Values and gradients (q, k, v, bias, sinks) equal to float32 summation order, every mask kind
+    and feature.
 
     The implementations contract in different orders (heads-major batched matmuls against the
     grouped einsum), so float32 rounding differs by a few ulp per sum: 1e-5 relative on the
@@ -66,36 +85,68 @@ def test_attention_kernels_equal_the_reference(implementation, heads, case):
     loss, grads = _value_and_grads("xla", q, k, v, case)
     loss_i, grads_i = _value_and_grads(implementation, q, k, v, case)
     np.testing.assert_allclose(loss_i, loss, rtol=1e-5)
-    for name, g, g_i in zip("qkvb", grads, grads_i):
+    for name, g, g_i in zip("qkvbs", grads, grads_i):
         assert np.all(np.isfinite(g_i)), name
         np.testing.assert_allclose(g_i, g, rtol=1e-4, atol=1e-5, err_msg=name)
 
 
 @pytest.mark.parametrize("implementation", RUNS_HERE)
-def test_every_attention_kernel_equals_the_textbook_reference(implementation):
+def test_every_attention_kernel_equals_the_textbook_reference(implementation, no_rank_promotion):
     q, k, v = qkv(N=4, K=1)
     mask = padding_mask(jnp.array([6, 4]), 6)
     out = scaled_dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation=implementation)
     np.testing.assert_allclose(out, reference_attention(q, k, v, mask=mask, is_causal=True), rtol=1e-5, atol=1e-6)
+    features = dict(mask=mask, local_window_size=(2, 1), logits_soft_cap=1.0, sinks=jnp.array([0.5, -1.0, 0.0, 2.0]),
+                    return_residual=True)
+    out, residual = scaled_dot_product_attention(q, k, v, implementation=implementation, **features)
+    out_r, residual_r = reference_attention(q, k, v, **features)
+    np.testing.assert_allclose(out, out_r, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(residual, residual_r, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("implementation", RUNS_HERE)
+def test_every_kernel_returns_the_contracts_three_results(implementation, no_rank_promotion):
+    """(out, weights or None, residual or None), each only when asked for; the residual of a row with no
+    key and no sink is -inf, as the reference's."""
+    q, k, v = qkv(N=4, K=2)
+    kw = dict(mask=padding_mask(jnp.array([6, 0]), 6), bias=None, is_causal=False, scale=0.3, dropout_rate=0.0,
+              dropout_rng=None, local_window_size=None, key_value_seq_lengths=None, logits_soft_cap=None,
+              sinks=None)
+    attend = kernels.attention_kernel(implementation)
+    out, weights, residual = attend(q, k, v, return_weights=False, return_residual=False, **kw)
+    assert out.shape == (2, 5, 4, 4) and weights is None and residual is None
+    _, _, residual = attend(q, k, v, return_weights=False, return_residual=True, **kw)
+    _, _, expected = kernels.attention_kernel("xla")(q, k, v, return_weights=False, return_residual=True, **kw)
+    assert residual.dtype == jnp.float32 and residual.shape == (2, 5, 4) and np.all(residual[1] == -np.inf)
+    np.testing.assert_allclose(residual, expected, rtol=1e-5, atol=1e-6)
+    _, weights, _ = attend(q, k, v, return_weights=True, return_residual=False, **kw)
+    assert weights.shape == (2, 4, 5, 6)
 
 
 @pytest.mark.parametrize("implementation", choices("decode"))
 @pytest.mark.parametrize("heads", HEADS)
 @pytest.mark.parametrize("num_queries", [1, 3])
-def test_cached_attention_kernels_equal_the_reference(implementation, heads, num_queries):
+@pytest.mark.parametrize("features", ["plain", "window_cap_sinks"])
+def test_cached_attention_kernels_equal_the_reference(implementation, heads, num_queries, features):
     """Against the reference decode kernel, and against attention on the transposed cache with the
-    visibility rule as its mask; rows at different positions, batch 1 and 2."""
+    visibility rule as its mask; rows at different positions, batch 1 and 2; soft cap and sinks."""
     N, K = HEADS[heads]
+    kw = dict(scale=0.3)
+    if features != "plain":
+        kw.update(window=3, logits_soft_cap=0.8, sinks=jnp.array([0.5, -1.0, 0.0, 2.0]))
     for B in (1, 2):
         keys = jax.random.split(jax.random.PRNGKey(3), 3)
         query = jax.random.normal(keys[0], (B, num_queries, N, 8))
         key_cache, value_cache = (jax.random.normal(kk, (B, K, 9, 8)) for kk in keys[1:])
-        positions = (jnp.array([[2], [6]]) + jnp.arange(num_queries))[:B]
-        out = cached_attention(query, key_cache, value_cache, positions, scale=0.3, implementation=implementation)
-        reference = cached_attention(query, key_cache, value_cache, positions, scale=0.3)
+        positions = (jnp.array([[2], [6]]) + jnp.arange(num_queries)[None])[:B]
+        with jax.numpy_rank_promotion("raise"):
+            out = cached_attention(query, key_cache, value_cache, positions, implementation=implementation, **kw)
+            reference = cached_attention(query, key_cache, value_cache, positions, **kw)
         np.testing.assert_allclose(out, reference, rtol=1e-6, atol=1e-6)
-        general = scaled_dot_product_attention(query, key_cache.transpose(0, 2, 1, 3), value_cache.transpose(0, 2, 1, 3),
-                                               mask=visible_cache_slots(positions, 9), scale=0.3)
+        general = scaled_dot_product_attention(
+            query, key_cache.transpose(0, 2, 1, 3), value_cache.transpose(0, 2, 1, 3),
+            mask=visible_cache_slots(positions, 9, kw.get("window")), scale=0.3,
+            logits_soft_cap=kw.get("logits_soft_cap"), sinks=kw.get("sinks"))
         np.testing.assert_allclose(out, general, rtol=1e-5, atol=1e-6)
 
 

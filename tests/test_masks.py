@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from jaxattn import causal_mask, combine_masks, mask_to_bias, padding_mask, sliding_window_mask
+from jaxattn.masks import local_window_mask, visible_cache_slots, window_sides
 
 
 class MaskShapeTest(chex.TestCase):
@@ -149,3 +150,61 @@ def test_non_bool_masks_raise():
         combine_masks(None, jnp.ones(3))  # names the caller's argument index
     with pytest.raises(TypeError, match=r"mask must be a boolean array"):
         mask_to_bias(jnp.ones(3, jnp.int32))
+
+
+# --------------------------------------------------------------------------------------------
+# Two-sided local windows, jax.nn's (left, right), end-aligned.
+
+
+@pytest.mark.parametrize("T,S,window", [(6, 6, (2, 1)), (6, 6, (0, 0)), (3, 8, (2, 3)), (5, 4, (1, 0)),
+                                        (4, 4, 2), (4, 7, (10, 10))])
+def test_local_window_mask_sees_left_keys_back_and_right_keys_ahead(T, S, window):
+    left, right = (window, window) if isinstance(window, int) else window
+    m = np.asarray(local_window_mask(T, S, window))
+    chex.assert_shape(m, (T, S))
+    for i in range(T):
+        p = i + S - T  # end-aligned: the last query sits at the last key
+        np.testing.assert_array_equal(np.flatnonzero(m[i]), [j for j in range(S) if p - left <= j <= p + right])
+
+
+def test_local_window_mask_relates_to_the_causal_masks():
+    # (W - 1, 0) is the model's sliding window W, with or without the causal mask.
+    np.testing.assert_array_equal(local_window_mask(5, 9, (2, 0)), sliding_window_mask(5, 9, 3))
+    np.testing.assert_array_equal(local_window_mask(5, 9, (2, 4)) & causal_mask(5, 9), sliding_window_mask(5, 9, 3))
+    np.testing.assert_array_equal(local_window_mask(4, 6, (6, 0)), causal_mask(4, 6))
+    # A window wide enough is no mask; T == S with an int w is jax.nn's symmetric (w, w).
+    assert np.asarray(local_window_mask(3, 5, (4, 4))).all()
+    i, j = np.indices((5, 5))
+    np.testing.assert_array_equal(local_window_mask(5, 5, 1), np.abs(i - j) <= 1)
+
+
+def test_local_window_mask_matches_jax_nn_when_the_lengths_agree():
+    """jax.nn's window is start-aligned: the same as ours at T == S, and shifted by S - T otherwise."""
+    import jax
+    rng = np.random.default_rng(0)
+    q, k = (jnp.asarray(rng.standard_normal((1, 6, 1, 6)), jnp.float32) for _ in "qk")
+    eye = jnp.eye(6, dtype=jnp.float32).reshape(1, 6, 1, 6)  # one-hot values: the output is the weights (Hv = H)
+    for window in ((2, 1), (0, 3), 1):
+        weights = jax.nn.dot_product_attention(q, k, eye, local_window_size=window)[0, :, 0]
+        np.testing.assert_array_equal(np.asarray(weights) > 0, local_window_mask(6, 6, window))
+    start_aligned = jax.nn.dot_product_attention(q[:, :3], k, eye, local_window_size=(1, 0))[0, :, 0]
+    assert not np.array_equal(np.asarray(start_aligned) > 0, local_window_mask(3, 6, (1, 0)))
+
+
+@pytest.mark.parametrize("window", [(-1, 2), (1, -2), (1, 2, 3), (1.5, 2), 2.0, True, (True, 1), None, "2"])
+def test_local_window_mask_refuses_anything_but_non_negative_ints(window):
+    with pytest.raises(ValueError, match=r"local_window_size must be a non-negative int w \(meaning \(w, w\)\) or a "
+                                         r"pair \(left, right\) of non-negative ints, got"):
+        local_window_mask(3, 3, window)
+    assert window_sides(3) == (3, 3) and window_sides([1, 0]) == (1, 0) and window_sides(np.int64(2)) == (2, 2)
+
+
+def test_mask_helpers_are_rank_promotion_clean():
+    """A `[T, S]` causal mask combined with a `[B, 1, 1, S]` padding mask, under rank promotion "raise"."""
+    import jax
+    with jax.numpy_rank_promotion("raise"):
+        combined = combine_masks(causal_mask(3, 4), padding_mask(jnp.array([4, 2]), 4), local_window_mask(3, 4, (1, 1)))
+        chex.assert_shape(combined, (2, 1, 3, 4))
+        expected = np.asarray(causal_mask(3, 4)) & np.asarray(local_window_mask(3, 4, (1, 1)))
+        np.testing.assert_array_equal(combined[1, 0], expected & (np.arange(4) < 2))
+        chex.assert_shape(visible_cache_slots(jnp.array([[1, 2]]), 5, window=2), (1, 1, 2, 5))

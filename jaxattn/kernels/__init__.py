@@ -12,6 +12,18 @@ tests/test_kernels.py:
 | matmul | `Linear`, the tied lm_head | "xla", "bfloat16", "bfloat16_cpu" |
 | mla | `MultiHeadLatentAttention.__call__` | "naive", "absorb" |
 
+Every attention implementation has the signature of `xla.attention` and returns
+`(out, weights | None, residual | None)` (`jaxattn.kernels._call`). What each takes of
+the features beyond masks and biases; what a fused kernel cannot take runs the
+reference with a one-line `KernelFallbackWarning`:
+
+| attention | soft cap | sinks | windows `(left, right)` | residual | weights, dropout |
+| --- | --- | --- | --- | --- | --- |
+| "xla" | yes | yes | yes | yes | yes |
+| "custom_vjp", "chunked" | yes | yes | yes | yes | the reference |
+| "cudnn" | no | no | left only (or causal), T == S | yes (rounded to the input dtype) | no |
+| "splash" | yes | no | yes | no | no |
+
 The choice is made once, when a program resolves a run for its platform
 (`resolve_kernels`, which also says why); building or applying a model never
 looks at the hardware, and a field left at "auto" raises until resolved.

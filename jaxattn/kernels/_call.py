@@ -1,4 +1,17 @@
-"""The static facts of one attention call: what the "auto" rules and the accelerator kernels check."""
+"""The kernel contract and the static facts of one attention call: what the "auto" rules and the fused kernels check.
+
+Every `jaxattn.kernels.*.attention` has the signature of `jaxattn.kernels.xla.attention`:
+
+    attention(query, key, value, *, mask, bias, is_causal, scale, dropout_rate, dropout_rng,
+              return_weights, local_window_size=None, key_value_seq_lengths=None,
+              logits_soft_cap=None, sinks=None, return_residual=False)
+      -> (out [B, T, N, Hv], weights [B, N, T, S] float32 | None, residual [B, T, N] float32 | None)
+
+with 4-D batched inputs, `local_window_size` already a `(left, right)` tuple or None, a
+concrete `logits_soft_cap`, `sinks` `[N]`, and weights (residual) only when asked for.
+`scaled_dot_product_attention` checks the arguments, adds and removes the batch axis of
+unbatched inputs and applies `query_seq_lengths` (no kernel sees them).
+"""
 
 from __future__ import annotations
 
@@ -14,7 +27,7 @@ from jaxattn.kernels import xla
 
 # The keyword arguments of the common kernel signature (`jaxattn.kernels.xla.attention`'s).
 CONTRACT = ("mask", "bias", "is_causal", "scale", "dropout_rate", "dropout_rng", "return_weights",
-            "local_window_size", "key_value_seq_lengths")
+            "local_window_size", "key_value_seq_lengths", "logits_soft_cap", "sinks", "return_residual")
 
 
 class KernelFallbackWarning(UserWarning):
@@ -26,7 +39,9 @@ class AttentionCall:
     """Shapes, dtype and features of a `scaled_dot_product_attention` call (all static under `jit`).
 
     Letters as in `jaxattn.attention`: T queries, S keys, N query heads, K key/value
-    heads, H head dim, Hv value head dim.
+    heads, H head dim, Hv value head dim. `window` is `(left, right)` (jax.nn's meaning,
+    end-aligned) or None; `soft_cap`, `sinks` and `residual` say whether a logit soft cap,
+    attention sinks or the logsumexp residual are asked for.
     """
 
     T: int
@@ -37,26 +52,39 @@ class AttentionCall:
     Hv: int
     dtype: str
     is_causal: bool = False
-    window: int | None = None
+    window: tuple[int, int] | None = None
     lengths: bool = False
     mask: bool = False
     bias: bool = False
     dropout: bool = False
     weights: bool = False
     traced_scale: bool = False
+    soft_cap: bool = False
+    sinks: bool = False
+    residual: bool = False
 
     @classmethod
     def of(cls, query, key, value, *, mask=None, bias=None, is_causal=False, scale=None, dropout_rate=0.0,
            dropout_rng=None, return_weights=False, local_window_size=None, key_value_seq_lengths=None,
-           **_) -> "AttentionCall":
+           logits_soft_cap=None, sinks=None, return_residual=False, **_) -> "AttentionCall":
         """The call made with these arguments (keyword names of the kernels' common signature)."""
         _, T, N, H = query.shape
         _, S, K, Hv = value.shape
+        window = None if local_window_size is None else tuple(int(w) for w in local_window_size)
         return cls(T=T, S=S, N=N, K=K, H=H, Hv=Hv, dtype=jnp.dtype(query.dtype).name, is_causal=is_causal,
-                   window=local_window_size, lengths=key_value_seq_lengths is not None,
+                   window=window, lengths=key_value_seq_lengths is not None,
                    mask=mask is not None, bias=bias is not None,
                    dropout=dropout_rate > 0.0 and dropout_rng is not None, weights=return_weights,
-                   traced_scale=not _is_concrete(scale))
+                   traced_scale=not _is_concrete(scale), soft_cap=logits_soft_cap is not None,
+                   sinks=sinks is not None, residual=return_residual)
+
+    def key_offsets(self) -> tuple[int | None, int | None]:
+        """`(lo, hi)`: the causal and window structure lets the query at position p see key j iff
+        lo <= j - p <= hi (None: no bound on that side)."""
+        lo, hi = (None, None) if self.window is None else (-self.window[0], self.window[1])
+        if self.is_causal:
+            hi = 0 if hi is None else min(hi, 0)
+        return lo, hi
 
     def common_refusal(self, kernel: str) -> str | None:
         """Why a fused kernel that returns only the output and has no dropout cannot take this call."""
@@ -88,15 +116,19 @@ def _is_concrete(x) -> bool:
 
 
 def weights_or_dropout(call: AttentionCall) -> str | None:
-    """The refusal of the kernels that return only the output and have no dropout, said in their docs."""
-    return "attention weights or dropout" if call.weights or call.dropout else None
+    """The refusal of the hand-written kernels ("custom_vjp", "chunked"), said in their docs: they return
+    only the output (and residual), have no dropout, and take the scale as a constant of their backward."""
+    if call.weights or call.dropout:
+        return "attention weights or dropout"
+    return "a traced scale" if call.traced_scale else None
 
 
 def reference_unless(refusal: Callable[[AttentionCall], str | None], warn_as: str | None = None):
     """Decorator: the kernel runs for the calls `refusal` accepts (None); any other call runs the
     reference ("xla"), with a one-line `KernelFallbackWarning` naming `warn_as` and the reason
     where `warn_as` is given (once per distinct reason, Python's default filter, at trace time).
-    Keywords beyond `CONTRACT` (block sizes, `interpret`) go to the kernel only."""
+    Keywords beyond `CONTRACT` (block sizes, `interpret`) go to the kernel only; every contract
+    keyword (soft cap, sinks, residual included) reaches the reference."""
     def wrap(kernel: Callable) -> Callable:
         @functools.wraps(kernel)
         def attention(query, key, value, **arguments):

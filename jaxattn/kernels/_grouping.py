@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from jaxattn.masks import causal_mask, padding_mask, sliding_window_mask
+from jaxattn.masks import causal_mask, local_window_mask, padding_mask
 
 
 def group_heads(x: jnp.ndarray, num_kv_heads: int) -> jnp.ndarray:
     """Mask or bias broadcastable to `[B, N, T, S]` -> broadcastable to `[B, K, G, T, S]`.
 
-    Query head n = k * G + g belongs to key/value head k = n // G.
+    Query head n = k * G + g belongs to key/value head k = n // G. The result has rank 5.
     """
     x = x.reshape((1,) * (4 - x.ndim) + x.shape)
     b, n, t, s = x.shape
@@ -20,24 +20,27 @@ def group_heads(x: jnp.ndarray, num_kv_heads: int) -> jnp.ndarray:
 
 
 def allowed_keys(mask, is_causal: bool, T: int, S: int, K: int, grouped_bias=None,
-                 window: int | None = None, lengths=None):
-    """The boolean mask to apply, broadcastable to `[B, K, G, T, S]`, or None (every key allowed).
+                 window: tuple[int, int] | None = None, lengths=None):
+    """The boolean mask to apply, broadcastable to `[B, K, G, T, S]` and of rank 5, or None (every key allowed).
 
-    `window` (with `is_causal`) is a sliding window and `lengths` (`[B]` int) hides keys
-    `j >= lengths[b]`: the structural arguments of `scaled_dot_product_attention` as a mask.
-    A key whose bias is -inf is masked too, so that a row biased to -inf everywhere has
-    nothing to attend to (zeros) rather than 0/0 (NaN).
+    `is_causal` (end-aligned), `window` (`(left, right)`, end-aligned: `jaxattn.masks.local_window_mask`)
+    and `lengths` (`[B]` int: keys `j >= lengths[b]` hidden) are the structural arguments of
+    `scaled_dot_product_attention` as a mask. A key whose bias is -inf is masked too, so that a row
+    biased to -inf everywhere has nothing to attend to (zeros) rather than 0/0 (NaN). Every operand
+    is made rank 5 first: nothing relies on implicit rank promotion.
     """
     grouped = None if mask is None else group_heads(mask, K)
+
+    def both(a, b):
+        return b if a is None else jnp.logical_and(a, b)
     if is_causal:  # [T, S], aligned to the end of the keys
-        causal = causal_mask(T, S) if window is None else sliding_window_mask(T, S, window)
-        grouped = causal if grouped is None else jnp.logical_and(grouped, causal)
+        grouped = both(grouped, causal_mask(T, S).reshape(1, 1, 1, T, S))
+    if window is not None:
+        grouped = both(grouped, local_window_mask(T, S, window).reshape(1, 1, 1, T, S))
     if lengths is not None:
-        valid = padding_mask(lengths, S)[:, None]  # [B, 1, 1, 1, S]
-        grouped = valid if grouped is None else jnp.logical_and(grouped, valid)
+        grouped = both(grouped, padding_mask(lengths, S)[:, None])  # [B, 1, 1, 1, S]
     if grouped_bias is not None:
-        finite = grouped_bias != -jnp.inf  # NaN stays visible: it is not -inf
-        grouped = finite if grouped is None else jnp.logical_and(grouped, finite)
+        grouped = both(grouped, grouped_bias != -jnp.inf)  # NaN stays visible: it is not -inf
     return grouped
 
 

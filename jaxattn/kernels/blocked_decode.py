@@ -11,7 +11,9 @@ holds the batch's highest query position (and, with a sliding window, from
 the block that holds its lowest visible slot). The blocks are combined by the
 online softmax (a running max, a running sum and a rescaled accumulator, all
 float32), so the result is the softmax over all visible slots, to float32
-summation order.
+summation order. A soft cap (docs/theory.md §17) caps each block's logits; sinks
+(§18) start every row's running max and sum (max = sink, sum = 1), so they join
+the denominator without a value.
 
 The cost follows the longest row of the batch: one loop serves every row.
 Forward only: reverse-mode differentiation through a loop with a traced trip
@@ -94,7 +96,8 @@ def _online_softmax_step(carry, logits, visible, value_block):
             acc * rescale[..., None] + block_out)
 
 
-def cached_attention(query, key_cache, value_cache, query_positions, *, scale, window=None, block_size=None):
+def cached_attention(query, key_cache, value_cache, query_positions, *, scale, window=None,
+                     logits_soft_cap=None, sinks=None, block_size=None):
     """Same arguments and result as `jaxattn.kernels.xla.cached_attention`, reading only `slots_read`.
 
     `block_size` defaults to `BLOCK_SIZE` (read at call time) and is capped at L.
@@ -109,10 +112,16 @@ def cached_attention(query, key_cache, value_cache, query_positions, *, scale, w
         start = block_start(index, L, size)
         keys, values = (jax.lax.dynamic_slice_in_dim(c, start, size, axis=2) for c in (key_cache, value_cache))
         logits = jnp.einsum("BKSH,BTKGH->BKGTS", keys, q, preferred_element_type=f32) * scale
+        if logits_soft_cap is not None:  # c * tanh(s / c), after the scale
+            logits = logits_soft_cap * jnp.tanh(logits / logits_soft_cap)
         return _online_softmax_step(carry, logits, _visible(query_positions, index, start, size, window), values)
 
     stats = jnp.zeros((B, K, N // K, T), f32)
-    carry = (jnp.full_like(stats, -jnp.inf), stats, jnp.zeros(stats.shape + value_cache.shape[-1:], f32))
+    if sinks is None:  # nothing seen yet: max -inf, sum 0
+        carry = (stats - jnp.inf, stats)
+    else:  # query head n = k * G + g; the sink is seen by every query, with no value
+        carry = (stats + jnp.reshape(sinks, (1, K, N // K, 1)).astype(f32), stats + 1.0)
+    carry += (jnp.zeros(stats.shape + value_cache.shape[-1:], f32),)
     first, stop = block_range(query_positions, L, size, window)
     _, total, acc = jax.lax.fori_loop(first, stop, body, carry)
     out = jnp.where(total[..., None] > 0, acc / jnp.where(total > 0, total, 1.0)[..., None], 0.0)

@@ -2,13 +2,13 @@
 
 Contract: `jaxattn.scaled_dot_product_attention`'s, reverse mode only (`jax.jvp`
 through it raises). Values and gradients equal the reference ("xla") to float32
-summation order (tests/test_chunked.py).
+summation order (tests/test_chunked.py, tests/test_chunked_features.py).
 
 Queries are cut into blocks of `block_q` rows and keys into blocks of
 `block_k`; T and S are padded up to whole blocks and the padding masked. For
 each query block a scan step runs the online softmax (Rabe & Staats 2021,
 FlashAttention) over the key blocks that can be visible to it: which block
-pairs the causal / sliding-window rule hides entirely is known from the static
+pairs the causal / window rule (one- or two-sided) hides entirely is known from the static
 T, S and window (`visible_blocks`), so those blocks are never computed, and key
 blocks past every row's `key_value_seq_lengths` are skipped at run time. The
 inner loop's bounds are per query block, so compile time does not grow with T.
@@ -16,10 +16,14 @@ inner loop's bounds are per query block, so compile time does not grow with T.
 The forward keeps per query row only the output and the logsumexp of its
 logits; the backward (FlashAttention-2's) walks the key blocks, recomputes each
 visible block of weights from that logsumexp and uses dS = P * (dP - rowsum(dO * O)).
+A soft cap (docs/theory.md §17) is recomputed per block too: the logits' gradient is dS times
+1 - tanh^2, then the scale. Sinks (§18) start each row's running max and sum (max = sink,
+sum = 1), so the logsumexp includes them; their gradient is -sum_t exp(sink - lse) * rowsum(dO * O).
 Residuals are the inputs, the output and the logsumexp: never a `[T, S]` array
 (a full-size `bias` is itself `[T, S]`, and so is its gradient). Heads go in
 front (`[B, K, G, T, H]`) as in `custom_vjp`; keys and values are never
-repeated for MQA/GQA. Dropout and `return_weights` use the reference.
+repeated for MQA/GQA. Dropout and `return_weights` use the reference. The logsumexp is
+returned as the residual on request (`return_residual`).
 """
 
 from __future__ import annotations
@@ -45,31 +49,44 @@ BLOCK_K = 256
 
 @reference_unless(weights_or_dropout)
 def attention(query, key, value, *, mask, bias, is_causal, scale, dropout_rate, dropout_rng,
-              return_weights, local_window_size=None, key_value_seq_lengths=None,
-              block_q=BLOCK_Q, block_k=BLOCK_K):
-    """Same arguments and results as `jaxattn.kernels.xla.attention`, plus the block sizes."""
-    T = query.shape[1]
+              return_weights, local_window_size=None, key_value_seq_lengths=None, logits_soft_cap=None,
+              sinks=None, return_residual=False, block_q=BLOCK_Q, block_k=BLOCK_K):
+    """Same arguments and results as `jaxattn.kernels.xla.attention`, plus the block sizes.
+
+    `local_window_size` is None or `(left, right)`; `sinks` `[N]`; returns `(out, None, lse or None)`.
+    """
+    T, N = query.shape[1:3]
     S, K = key.shape[1:3]
-    plan = Plan(T, S, min(block_q, T), min(block_k, S), is_causal, local_window_size, scale)
+    window = None if local_window_size is None else tuple(int(w) for w in local_window_size)
+    soft_cap = None if logits_soft_cap is None else float(logits_soft_cap)
+    plan = Plan(T, S, min(block_q, T), min(block_k, S), is_causal, window, scale, soft_cap)
     q, k, v = heads_major(query, key, value)  # [B,K,G,T,H], [B,K,S,H], [B,K,S,Hv]
     q, k, v = _pad(q, 3, plan.Tp), _pad(k, 2, plan.Sp), _pad(v, 2, plan.Sp)  # padded to whole blocks
     mask = None if mask is None else _pad_grouped(plan, group_heads(mask, K), False)
     bias = None if bias is None else _pad_grouped(plan, group_heads(bias, K), 0)
-    out = _attention(plan, q, k, v, bias, mask, key_value_seq_lengths)[:, :, :, :T]  # [B,K,G,T,Hv]
-    return heads_minor(out, query.dtype), None  # [B,T,N,Hv]
+    if sinks is not None:  # [N] -> [K, G]: query head n = k * G + g
+        sinks = jnp.reshape(jnp.asarray(sinks), (K, N // K)).astype(softmax_dtype(query.dtype))
+    out, lse = _attention(plan, q, k, v, bias, mask, key_value_seq_lengths, sinks)
+    out = heads_minor(out[:, :, :, :T], query.dtype)  # [B,K,G,Tp,Hv] -> [B,T,N,Hv]
+    if not return_residual:
+        return out, None, None
+    B = query.shape[0]
+    lse = jax.lax.stop_gradient(lse[:, :, :, :T]).transpose(0, 3, 1, 2).reshape(B, T, N)  # [B,T,N]
+    return out, None, lse
 
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """The static shape of one call: lengths, block sizes, the structural mask and the scale."""
+    """The static shape of one call: lengths, block sizes, the structural mask, the scale and soft cap."""
 
     T: int
     S: int
     bq: int
     bk: int
     is_causal: bool
-    window: int | None
+    window: tuple[int, int] | None  # (left, right): jax.nn's local_window_size
     scale: float
+    soft_cap: float | None = None
 
     @property
     def Tp(self) -> int:  # T padded to whole query blocks
@@ -80,21 +97,34 @@ class Plan:
         return -(-self.S // self.bk) * self.bk
 
 
-def visible_blocks(T: int, S: int, bq: int, bk: int, is_causal: bool, window: int | None) -> np.ndarray:
+def key_offsets(is_causal: bool, window: tuple[int, int] | None) -> tuple[int | None, int | None]:
+    """`(lo, hi)`: the structural rule lets query position p see key j iff lo <= j - p <= hi (None: no bound).
+
+    A window `(left, right)` bounds j - p to [-left, right]; causality also bounds it above by 0.
+    """
+    lo, hi = (None, None) if window is None else (-window[0], window[1])
+    if is_causal:
+        hi = 0 if hi is None else min(hi, 0)
+    return lo, hi
+
+
+def visible_blocks(T: int, S: int, bq: int, bk: int, is_causal: bool,
+                   window: tuple[int, int] | None) -> np.ndarray:
     """`[nq, nk]` bool: True where block pair (i, j) holds a (query, key) the causal/window rule allows.
 
-    Causal is end-aligned (query t sits at position t + S - T); a window W also hides keys
-    W or more positions back. Each row and each column of True is one interval (a band).
+    Positions are end-aligned (query t sits at p = t + S - T); the rule bounds j - p to an interval
+    (`key_offsets`), so each row and each column of True is one interval (a band).
     """
     nq, nk = -(-T // bq), -(-S // bk)
-    if not is_causal:
-        return np.ones((nq, nk), bool)
+    lo, hi = key_offsets(is_causal, window)
     q_first = np.arange(nq) * bq + (S - T)  # absolute positions of each block's first and last query
     q_last = np.minimum(np.arange(1, nq + 1) * bq, T) - 1 + (S - T)
     k_first, k_last = np.arange(nk) * bk, np.minimum(np.arange(1, nk + 1) * bk, S) - 1
-    visible = k_first[None, :] <= q_last[:, None]  # some key not after the block's last query
-    if window is not None:  # ... and some key less than W before its first query
-        visible &= k_last[None, :] > q_first[:, None] - window
+    visible = np.ones((nq, nk), bool)  # the pair's offsets j - p span [k_first - q_last, k_last - q_first]
+    if hi is not None:
+        visible &= k_first[None, :] - q_last[:, None] <= hi
+    if lo is not None:
+        visible &= k_last[None, :] - q_first[:, None] >= lo
     return visible
 
 
@@ -154,16 +184,20 @@ def _rows(x, start, size: int, axis: int):
 
 
 def _allowed(plan: Plan, i, j, mask, bias_block, lengths):
-    """Which (query, key) of block pair (i, j) may attend: broadcastable to `[B, K, G, bq, bk]`."""
-    rows = i * plan.bq + jnp.arange(plan.bq)[:, None] + (plan.S - plan.T)  # absolute query positions
-    cols = j * plan.bk + jnp.arange(plan.bk)[None, :]
+    """Which (query, key) of block pair (i, j) may attend: broadcastable to `[B, K, G, bq, bk]`.
+
+    Every operand is 5-D, so that no rank is promoted implicitly.
+    """
+    rows = i * plan.bq + jnp.arange(plan.bq).reshape(1, 1, 1, -1, 1) + (plan.S - plan.T)  # absolute positions
+    cols = j * plan.bk + jnp.arange(plan.bk).reshape(1, 1, 1, 1, -1)
     allowed = cols < plan.S  # the padding keys
-    if plan.is_causal:
-        allowed &= cols <= rows
-    if plan.window is not None:
-        allowed &= rows - cols < plan.window
+    lo, hi = key_offsets(plan.is_causal, plan.window)
+    if hi is not None:
+        allowed = allowed & (cols - rows <= hi)
+    if lo is not None:
+        allowed = allowed & (cols - rows >= lo)
     if lengths is not None:
-        allowed = allowed & (cols < lengths[:, None, None, None, None])
+        allowed = allowed & (cols < lengths.reshape(-1, 1, 1, 1, 1))
     if mask is not None:
         allowed = allowed & _block(plan, mask, i, j)
     if bias_block is not None:  # a key biased to -inf is hidden, as in the reference
@@ -172,20 +206,25 @@ def _allowed(plan: Plan, i, j, mask, bias_block, lengths):
 
 
 def _logits(plan: Plan, q_i, k, bias, mask, lengths, i, j):
-    """Block pair (i, j): logits `[B,K,G,bq,bk]` in float32 (float64 stays) and where they are allowed."""
+    """Block pair (i, j): logits `[B,K,G,bq,bk]` in float32 (float64 stays), where they are allowed,
+    and the soft cap's tanh (None without one: the backward's 1 - tanh^2)."""
     k_j = _rows(k, j * plan.bk, plan.bk, 2)
     s = jnp.einsum("BKGTH,BKSH->BKGTS", q_i, k_j, preferred_element_type=softmax_dtype(q_i.dtype))
     s = s * plan.scale
+    tanh = None
+    if plan.soft_cap is not None:  # c * tanh(s / c), before the bias and masks (§17)
+        tanh = jnp.tanh(s / plan.soft_cap)
+        s = plan.soft_cap * tanh
     bias_block = None if bias is None else _block(plan, bias, i, j)
     if bias_block is not None:
         s = s + bias_block.astype(s.dtype)
-    return s, _allowed(plan, i, j, mask, bias_block, lengths)
+    return s, _allowed(plan, i, j, mask, bias_block, lengths), tanh
 
 
 def _online_step(plan: Plan, q_i, k, v, bias, mask, lengths, i, j, carry):
     """One key block of the online softmax: running max m, sum l and unnormalised output acc."""
     m, l, acc = carry
-    s, allowed = _logits(plan, q_i, k, bias, mask, lengths, i, j)
+    s, allowed, _ = _logits(plan, q_i, k, bias, mask, lengths, i, j)
     s = jnp.where(allowed, s, -jnp.inf)
     m_new = jnp.maximum(m, s.max(axis=-1))
     m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # nothing visible yet: exp(-inf - 0) = 0, not NaN
@@ -196,23 +235,27 @@ def _online_step(plan: Plan, q_i, k, v, bias, mask, lengths, i, j, carry):
     return m_new, alpha * l + p.sum(axis=-1), alpha[..., None] * acc + pv
 
 
-def _forward_blocks(plan: Plan, q, k, v, bias, mask, lengths):
-    """`out [B,K,G,Tp,Hv]` (float32) and `lse [B,K,G,Tp]` (+inf on rows that see no key)."""
+def _forward_blocks(plan: Plan, q, k, v, bias, mask, lengths, sinks):
+    """`out [B,K,G,Tp,Hv]` (float32) and `lse [B,K,G,Tp]` (-inf on rows that see no key and no sink)."""
     B, K, G, _, _ = q.shape
     f32 = softmax_dtype(q.dtype)
     start, stop = _key_block_ranges(plan, lengths)
 
     def one_query_block(_, i):
         q_i = _rows(q, i * plan.bq, plan.bq, 3)
-        init = (jnp.full((B, K, G, plan.bq), -jnp.inf, f32), jnp.zeros((B, K, G, plan.bq), f32),
-                jnp.zeros((B, K, G, plan.bq, v.shape[-1]), f32))
+        stats = jnp.zeros((B, K, G, plan.bq), f32)
+        if sinks is None:  # nothing seen yet: max -inf, sum 0
+            m, l = stats - jnp.inf, stats
+        else:  # the sink is a logit every row sees, with no value: max = sink, sum = exp(0)
+            m, l = stats + sinks.reshape(1, K, G, 1).astype(f32), stats + 1.0
+        init = (m, l, jnp.zeros((B, K, G, plan.bq, v.shape[-1]), f32))
         step = functools.partial(_online_step, plan, q_i, k, v, bias, mask, lengths, i)
         m, l, acc = jax.lax.fori_loop(start[i], stop[i], step, init)
-        # A row with no visible key gives zeros, and lse = +inf makes its P = exp(s - inf) = 0 in the
-        # backward. (l == 0, not l > 0: a NaN input stays NaN, as in the reference.)
+        # A row with no visible key (and no sink) has l = 0 and acc = 0: zeros, and lse = -inf (its P is
+        # zeroed by `allowed` in the backward). (l == 0, not l > 0: a NaN input stays NaN, as in the reference.)
         empty = l == 0
-        l = jnp.where(empty, 1.0, l)
-        return None, (jnp.where(empty[..., None], 0.0, acc / l[..., None]), jnp.where(empty, jnp.inf, m + jnp.log(l)))
+        safe = jnp.where(empty, 1.0, l)
+        return None, (acc / safe[..., None], jnp.where(empty, -jnp.inf, m + jnp.log(safe)))
 
     _, (out, lse) = jax.lax.scan(one_query_block, None, jnp.arange(plan.Tp // plan.bq))
     out = jnp.moveaxis(out, 0, 3).reshape(B, K, G, plan.Tp, v.shape[-1])  # [nq,B,K,G,bq,Hv] -> [B,K,G,Tp,Hv]
@@ -220,31 +263,34 @@ def _forward_blocks(plan: Plan, q, k, v, bias, mask, lengths):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention(plan, q, k, v, bias, mask, lengths):
-    return _forward_blocks(plan, q, k, v, bias, mask, lengths)[0]
+def _attention(plan, q, k, v, bias, mask, lengths, sinks):
+    """`(out, lse)`; lse's cotangent is ignored (the residual is returned under stop_gradient)."""
+    return _forward_blocks(plan, q, k, v, bias, mask, lengths, sinks)
 
 
-def _forward(plan, q, k, v, bias, mask, lengths):
-    out, lse = _forward_blocks(plan, q, k, v, bias, mask, lengths)
-    return out, (q, k, v, bias, mask, lengths, out, lse)  # O(T) residuals: no block of weights is kept
+def _forward(plan, q, k, v, bias, mask, lengths, sinks):
+    out, lse = _forward_blocks(plan, q, k, v, bias, mask, lengths, sinks)
+    return (out, lse), (q, k, v, bias, mask, lengths, sinks, out, lse)  # O(T): no block of weights is kept
 
 
 def _backward_step(plan, res, d_out, delta, j, i, carry):
     """Query block i against key block j: recompute P from the logsumexp, accumulate every gradient."""
-    q, k, v, bias, mask, lengths, _, lse = res
+    q, k, v, bias, mask, lengths, _, _, lse = res
     d_k, d_v, d_q, d_bias = carry
     q_i, do_i = _rows(q, i * plan.bq, plan.bq, 3), _rows(d_out, i * plan.bq, plan.bq, 3)
-    s, allowed = _logits(plan, q_i, k, bias, mask, lengths, i, j)
+    s, allowed, tanh = _logits(plan, q_i, k, bias, mask, lengths, i, j)
     p = jnp.where(allowed, jnp.exp(s - _rows(lse, i * plan.bq, plan.bq, 3)[..., None]), 0.0)
     v_j, k_j = _rows(v, j * plan.bk, plan.bk, 2), _rows(k, j * plan.bk, plan.bk, 2)
     d_v = d_v + jnp.einsum("BKGTS,BKGTH->BKSH", p, do_i)
     d_p = jnp.einsum("BKGTH,BKSH->BKGTS", do_i, v_j, preferred_element_type=p.dtype)
     d_s = p * (d_p - _rows(delta, i * plan.bq, plan.bq, 3)[..., None])  # 0 where masked
+    if d_bias is not None:  # the bias is added after the cap: its gradient is dS itself
+        d_bias = _add_block(plan, d_bias, d_s, i, j)
+    if tanh is not None:  # through c * tanh(x / c): times 1 - tanh^2 (the scale comes at the end)
+        d_s = d_s * (1.0 - tanh * tanh)
     d_k = d_k + jnp.einsum("BKGTS,BKGTH->BKSH", d_s, q_i, preferred_element_type=p.dtype)
     d_q_i = jnp.einsum("BKGTS,BKSH->BKGTH", d_s, k_j, preferred_element_type=p.dtype)
     d_q = jax.lax.dynamic_update_slice_in_dim(d_q, _rows(d_q, i * plan.bq, plan.bq, 3) + d_q_i, i * plan.bq, 3)
-    if d_bias is not None:
-        d_bias = _add_block(plan, d_bias, d_s, i, j)
     return d_k, d_v, d_q, d_bias
 
 
@@ -256,8 +302,9 @@ def _add_block(plan: Plan, acc, d_s, i, j):
     return jax.lax.dynamic_update_slice(acc, jax.lax.dynamic_slice(acc, index, shape) + part, index)
 
 
-def _backward(plan, res, d_out):
-    q, k, v, bias, mask, lengths, out, lse = res
+def _backward(plan, res, cotangents):
+    q, k, v, bias, mask, lengths, sinks, out, lse = res
+    d_out, _ = cotangents  # lse's cotangent: the residual is returned under stop_gradient
     f32 = out.dtype
     d_out = d_out.astype(f32)
     delta = jnp.einsum("BKGTH,BKGTH->BKGT", d_out, out)  # rowsum(dO * O) = rowsum(dP * P), §15
@@ -277,8 +324,12 @@ def _backward(plan, res, d_out):
                                              jnp.arange(plan.Sp // plan.bk))
     d_k, d_v = (jnp.moveaxis(x, 0, 2).reshape(B, K, plan.Sp, -1) for x in (d_k, d_v))  # [nk,B,K,bk,H] -> [B,K,Sp,H]
     d_bias = None if bias is None else d_bias.astype(bias.dtype)
+    d_sinks = None
+    if sinks is not None:  # the sink's weight exp(sink - lse) times dP_sink - delta, with dP_sink = 0 (no value)
+        p_sink = jnp.where(lse == -jnp.inf, 0.0, jnp.exp(sinks.reshape(1, K, -1, 1) - lse))  # [B,K,G,Tp]
+        d_sinks = -(p_sink * delta).sum(axis=(0, 3)).astype(sinks.dtype)  # [K, G]
     return ((d_q * plan.scale).astype(q.dtype), (d_k * plan.scale).astype(k.dtype), d_v.astype(v.dtype),
-            d_bias, None, None)
+            d_bias, None, None, d_sinks)
 
 
 _attention.defvjp(_forward, _backward)

@@ -9,7 +9,13 @@ dS = P * (dP - rowsum(dP * P)), and rowsum(dP * P) = rowsum(dO * O), which needs
 only the output, not a second `[T, S]` product. Heads go in front
 (`[B, K, G, T, H]`) so that every product is a matmul batched over (B, K), a
 form XLA:CPU runs faster than contracting the grouped layout in place
-(docs/performance.md). Dropout and `return_weights` use the reference.
+(docs/performance.md). Dropout, `return_weights` and a traced scale use the reference.
+
+A soft cap `c * tanh(z / c)` of the scaled logits z (docs/theory.md §17) multiplies
+dS by `1 - tanh^2` before the products with q and k (the bias, added after the cap,
+gets dS itself); the tanh is kept from the forward. A sink (§18) is a logit with no
+value: its dP is 0, so its gradient is `-sum over rows of p_sink * rowsum(dO * O)`, with
+`p_sink = exp(sink - logsumexp)`. Without either the program is the plain one.
 """
 
 from __future__ import annotations
@@ -21,47 +27,63 @@ import jax.numpy as jnp
 
 from jaxattn.kernels._call import reference_unless, weights_or_dropout
 from jaxattn.kernels._grouping import allowed_keys, group_heads, heads_major, heads_minor
-from jaxattn.softmax import masked_softmax, softmax_dtype
+from jaxattn.softmax import grouped_sinks, logsumexp, masked_softmax, softmax_dtype
 
 
 @reference_unless(weights_or_dropout)
 def attention(query, key, value, *, mask, bias, is_causal, scale, dropout_rate, dropout_rng,
-              return_weights, local_window_size=None, key_value_seq_lengths=None):
+              return_weights, local_window_size=None, key_value_seq_lengths=None, logits_soft_cap=None,
+              sinks=None, return_residual=False):
     """Same arguments and results as `jaxattn.kernels.xla.attention`."""
-    T = query.shape[1]
+    B, T, N = query.shape[:3]
     S, K = key.shape[1:3]
     q, k, v = heads_major(query, key, value)  # [B,K,G,T,H], [B,K,S,H], [B,K,S,Hv]
     bias = None if bias is None else group_heads(bias, K)
     allowed = allowed_keys(mask, is_causal, T, S, K, bias, local_window_size, key_value_seq_lengths)
-    out = _attention(q, k, v, bias, allowed, scale)  # [B,K,G,T,Hv]
-    return heads_minor(out, query.dtype), None  # [B,T,N,Hv]
+    if sinks is not None:
+        sinks = grouped_sinks(jnp.asarray(sinks), K).astype(softmax_dtype(query.dtype))  # [1,K,G,1]
+    cap = None if logits_soft_cap is None else float(logits_soft_cap)
+    out, lse = _attention(q, k, v, bias, allowed, sinks, scale, cap, return_residual)  # [B,K,G,T,Hv]
+    residual = None
+    if return_residual:  # [B,K,G,T] -> [B,T,N]
+        residual = jax.lax.stop_gradient(lse).transpose(0, 3, 1, 2).reshape(B, T, N)
+    return heads_minor(out, query.dtype), None, residual  # [B,T,N,Hv]
 
 
-def _weights(q, k, bias, allowed, scale):
-    """`[B,K,G,T,S]` weights in float32 (float64 for float64 inputs)."""
+def _logits(q, k, bias, scale, cap):
+    """`[B,K,G,T,S]` logits in float32 (float64 for float64 inputs), and the soft cap's tanh (or None)."""
     logits = jnp.einsum("BKGTH,BKSH->BKGTS", q, k, preferred_element_type=softmax_dtype(q.dtype)) * scale
+    tanh = None
+    if cap is not None:  # c * tanh(z / c), before the bias (§17)
+        tanh = jnp.tanh(logits / cap)
+        logits = cap * tanh
     if bias is not None:
         logits = logits + bias.astype(logits.dtype)
-    return masked_softmax(logits, allowed)
+    return logits, tanh
 
 
 def _weighted_values(weights, v):
     return jnp.einsum("BKGTS,BKSH->BKGTH", weights.astype(v.dtype), v)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _attention(q, k, v, bias, allowed, scale):
-    return _forward(q, k, v, bias, allowed, scale)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+def _attention(q, k, v, bias, allowed, sinks, scale, cap, want_lse):
+    """`(out [B,K,G,T,Hv], lse [B,K,G,T] or None)`; lse's cotangent is ignored (returned under stop_gradient)."""
+    return _forward(q, k, v, bias, allowed, sinks, scale, cap, want_lse)[0]
 
 
-def _forward(q, k, v, bias, allowed, scale):
-    weights = _weights(q, k, bias, allowed, scale)
+def _forward(q, k, v, bias, allowed, sinks, scale, cap, want_lse):
+    logits, tanh = _logits(q, k, bias, scale, cap)
+    weights = masked_softmax(logits, allowed, sinks=sinks)
+    # The sink's gradient needs its weight exp(sink - lse): finite, as the sink is.
+    lse = logsumexp(logits, allowed, sinks=sinks) if want_lse or sinks is not None else None
     out = _weighted_values(weights, v)
-    return out, (q, k, v, bias, allowed, weights, out)
+    return (out, lse if want_lse else None), (q, k, v, bias, allowed, sinks, weights, tanh, out, lse)
 
 
-def _backward(scale, residuals, d_out):
-    q, k, v, bias, allowed, weights, out = residuals
+def _backward(scale, cap, want_lse, residuals, cotangents):
+    q, k, v, bias, allowed, sinks, weights, tanh, out, lse = residuals
+    d_out = cotangents[0]  # the logsumexp's cotangent: it is returned under stop_gradient
     f32 = weights.dtype
     d_out = d_out.astype(f32)
     d_v = jnp.einsum("BKGTS,BKGTH->BKSH", weights, d_out)
@@ -70,14 +92,20 @@ def _backward(scale, residuals, d_out):
     # dO V^T library call and the step ran slower (docs/performance.md).
     delta = jnp.einsum("BKGTH,BKGTH->BKGT", d_out, out.astype(f32))[..., None]  # [B,K,G,T,1]
     d_logits = weights * (d_weights - delta)  # masked keys and empty rows have weight 0: 0 here
+    d_bias = None if bias is None else _sum_to_shape(d_logits, bias.shape).astype(bias.dtype)  # 0 where masked
+    if tanh is not None:  # through c * tanh(z / c): times 1 - tanh^2
+        d_logits = d_logits * (1.0 - tanh * tanh)
     d_q = jnp.einsum("BKGTS,BKSH->BKGTH", d_logits, k, preferred_element_type=f32) * scale
     d_k = jnp.einsum("BKGTS,BKGTH->BKSH", d_logits, q, preferred_element_type=f32) * scale
-    d_bias = None if bias is None else _sum_to_shape(d_logits, bias.shape).astype(bias.dtype)  # 0 where masked
-    return d_q.astype(q.dtype), d_k.astype(k.dtype), d_v.astype(v.dtype), d_bias, None
+    d_sinks = None
+    if sinks is not None:  # dP_sink = 0 (no value): d_sink = p_sink * (0 - delta), summed over B and T
+        p_sink = jnp.exp(sinks.astype(f32) - lse)  # [B,K,G,T]
+        d_sinks = _sum_to_shape(-(p_sink * delta[..., 0]), sinks.shape).astype(sinks.dtype)
+    return d_q.astype(q.dtype), d_k.astype(k.dtype), d_v.astype(v.dtype), d_bias, None, d_sinks
 
 
 def _sum_to_shape(x, shape):
-    """Sums a `[B,K,G,T,S]` cotangent down to the broadcast `shape` of a bias."""
+    """Sums a cotangent down to the broadcast `shape` of a bias (`[B,K,G,T,S]`) or of sinks (`[1,K,G,1]`)."""
     axes = tuple(i for i, (n, m) in enumerate(zip(x.shape, shape)) if m == 1 and n != 1)
     return x.sum(axis=axes, keepdims=True).reshape(shape)
 

@@ -4,14 +4,18 @@ Contract: `jaxattn.scaled_dot_product_attention`'s for the calls `refusal` accep
 any other call runs the reference ("xla") with a one-line `KernelFallbackWarning`.
 Reverse mode only. On a TPU it compiles with Mosaic; anywhere else it runs in
 Pallas's interpret mode (slow: for tests, which is how CPU CI checks it against
-the reference, tests/test_accelerator_kernels.py).
+the reference, tests/test_auto_attention.py).
 
 Layout: the splash MQA kernel takes the G query heads of one key/value head
 (`[G, T, H]` against `[S, H]`), so it is vmapped over (B, K) and keys and values
 are never repeated. T and S are padded to whole blocks; the end-aligned causal
 or window mask (an `offset` of S - T) hides padded keys from every real query,
-and without a causal mask a key segment id hides them. The queries are scaled
-before the kernel, which has no `scale` argument (one rounding in the input dtype).
+and where a real query could reach them (no causal mask, and no window or one reaching
+right) a key segment id hides them. Windows `(left, right)` are splash's `LocalMask`
+with the same end-aligned offset. The queries are scaled before the kernel, which has
+no `scale` argument (one rounding in the input dtype); the soft cap is splash's
+`attn_logits_soft_cap`, applied to those scaled logits as here (docs/theory.md §17).
+Sinks and the residual are refused (the reference runs).
 """
 
 from __future__ import annotations
@@ -25,10 +29,17 @@ from jaxattn.kernels._grouping import heads_major, heads_minor
 
 def refusal(call: AttentionCall) -> str | None:
     """Why splash cannot take `call` here (None: it can)."""
-    if call.is_causal and call.T > call.S:
-        return f"causal with T={call.T} > S={call.S} leaves rows with no key"
+    _, hi = call.key_offsets()
+    if hi is not None and call.T - call.S > hi:  # the first query sits at S - T and sees up to S - T + hi
+        structure = " and ".join(([] if call.window is None else [f"the window {call.window}"])
+                                 + (["the causal mask"] if call.is_causal else []))
+        return f"T={call.T} > S={call.S} with {structure} leaves query rows with no key"
     if call.lengths:
         return "key_value_seq_lengths (not passed to splash as segment ids here)"
+    if call.sinks:
+        return "attention sinks (splash has none)"
+    if call.residual:
+        return "the logsumexp residual (not returned by splash here)"
     return call.common_refusal("splash")
 
 
@@ -41,12 +52,13 @@ def _round_up(n: int, block: int) -> int:
     return -(-n // block) * block
 
 
-def _kernel(G: int, Tp: int, Sp: int, T: int, S: int, is_causal: bool, window, block: int, interpret: bool):
+def _kernel(G: int, Tp: int, Sp: int, T: int, S: int, is_causal: bool, window, soft_cap, block: int,
+            interpret: bool):
     """The splash MQA kernel for one key/value head's G query heads (built per trace: it holds arrays)."""
     from jax.experimental.pallas.ops.tpu import splash_attention as sa
     shape = (Tp, Sp)
-    if window is not None:
-        head_mask = sa.LocalMask(shape, window_size=(window - 1, 0), offset=S - T)
+    if window is not None:  # causality cuts the right side to 0
+        head_mask = sa.LocalMask(shape, window_size=(window[0], 0 if is_causal else window[1]), offset=S - T)
     elif is_causal:
         head_mask = sa.CausalMask(shape, offset=S - T)
     else:
@@ -54,26 +66,30 @@ def _kernel(G: int, Tp: int, Sp: int, T: int, S: int, is_causal: bool, window, b
     sizes = dict.fromkeys(("block_q", "block_kv", "block_kv_compute", "block_q_dkv", "block_kv_dkv",
                            "block_kv_dkv_compute", "block_q_dq", "block_kv_dq"), block)
     return sa.make_splash_mqa(sa.MultiHeadMask([head_mask] * G), block_sizes=sa.BlockSizes(**sizes),
-                              head_shards=1, q_seq_shards=1, interpret=interpret)
+                              head_shards=1, q_seq_shards=1, attn_logits_soft_cap=soft_cap, interpret=interpret)
 
 
 @reference_unless(refusal, warn_as="splash")
 def attention(query, key, value, *, mask, bias, is_causal, scale, dropout_rate, dropout_rng,
-              return_weights, local_window_size=None, key_value_seq_lengths=None, interpret=None):
+              return_weights, local_window_size=None, key_value_seq_lengths=None, logits_soft_cap=None,
+              sinks=None, return_residual=False, interpret=None):
     """Same arguments and results as `jaxattn.kernels.xla.attention`; `interpret` None: unless on a TPU."""
     interpret = jax.default_backend() != "tpu" if interpret is None else interpret
     T, S, G = query.shape[1], key.shape[1], query.shape[2] // key.shape[2]
     block = block_size(max(T, S))
     Tp, Sp = _round_up(T, block), _round_up(S, block)
-    kernel = _kernel(G, Tp, Sp, T, S, is_causal, local_window_size, block, interpret)
+    window = None if local_window_size is None else tuple(int(w) for w in local_window_size)
+    soft_cap = None if logits_soft_cap is None else float(logits_soft_cap)
+    kernel = _kernel(G, Tp, Sp, T, S, is_causal, window, soft_cap, block, interpret)
     scaled = (query.astype(jnp.float32) * scale).astype(query.dtype)
     q, k, v = heads_major(scaled, key, value.astype(query.dtype))  # [B,K,G,T,H], [B,K,S,H], [B,K,S,H]
     q = jnp.pad(q, [(0, 0)] * 3 + [(0, Tp - T), (0, 0)])
     k, v = (jnp.pad(x, [(0, 0), (0, 0), (0, Sp - S), (0, 0)]) for x in (k, v))
     segments = None
-    if not is_causal and Sp != S:  # padded keys get their own segment, which no query is in
+    reaches_right = not is_causal and (window is None or window[1] > 0)  # a real query could see a padded key
+    if reaches_right and Sp != S:  # padded keys get their own segment, which no query is in
         from jax.experimental.pallas.ops.tpu.splash_attention import SegmentIds
         segments = SegmentIds(q=jnp.zeros((Tp,), jnp.int32), kv=(jnp.arange(Sp) >= S).astype(jnp.int32))
     per_kv_head = lambda q, k, v: kernel(q, k, v, segment_ids=segments)  # noqa: E731  [G,Tp,H],[Sp,H]
     out = jax.vmap(jax.vmap(per_kv_head))(q, k, v)  # [B, K, G, Tp, H]
-    return heads_minor(out[:, :, :, :T], query.dtype), None
+    return heads_minor(out[:, :, :, :T], query.dtype), None, None

@@ -21,17 +21,21 @@ import jax.numpy as jnp
 
 from jaxattn.kernels._grouping import merge_heads
 from jaxattn.masks import visible_cache_slots
-from jaxattn.softmax import masked_softmax, softmax_dtype
+from jaxattn.softmax import grouped_sinks, masked_softmax, soft_cap, softmax_dtype
 
 
-def cached_attention(query, key_cache, value_cache, query_positions, *, scale, window=None):
+def cached_attention(query, key_cache, value_cache, query_positions, *, scale, window=None,
+                     logits_soft_cap=None, sinks=None):
     """Same arguments and result as `jaxattn.kernels.xla.cached_attention`."""
     B, T, N, H = query.shape
     K, L = key_cache.shape[1:3]
     q = query.reshape(B, T, K, N // K, H)
     logits = jnp.einsum("BKSH,BTKGH->BKGTS", key_cache, q,
                         preferred_element_type=softmax_dtype(query.dtype)) * scale
-    weights = masked_softmax(logits, visible_cache_slots(query_positions, L, window)[:, :, None])  # [B,K,G,T,L]
+    logits = soft_cap(logits, logits_soft_cap)
+    sinks = None if sinks is None else grouped_sinks(sinks, K)  # [1, K, G, 1]
+    weights = masked_softmax(logits, visible_cache_slots(query_positions, L, window)[:, :, None],
+                             sinks=sinks)  # [B,K,G,T,L]
     return merge_heads(_weighted_values(weights.astype(value_cache.dtype), value_cache), query.dtype)
 
 
