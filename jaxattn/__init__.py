@@ -2,7 +2,7 @@
 
 The functional core (pure, jit-able; docs/theory.md derives each formula):
 
-* `scaled_dot_product_attention`, `reference_attention`, `repeat_kv`
+* `scaled_dot_product_attention`, `cached_attention` (against a cache), `reference_attention`, `repeat_kv`
 * `masked_softmax` (the one softmax every attention uses)
 * masks: `causal_mask`, `padding_mask`, `sliding_window_mask`,
   `combine_masks`, `mask_to_bias`
@@ -13,9 +13,11 @@ The functional core (pure, jit-able; docs/theory.md derives each formula):
 The Flax modules and the model (built from one `ModelConfig`, the maths, and
 an optional `Kernels`, which implementations run it):
 
-* `Attention` (MHA/MQA/GQA), `MultiHeadLatentAttention` (`MLAConfig`), `MLP`,
-  `RMSNorm`, `LayerNorm`
-* `Block`, `DecoderLM`, `count_params`
+* `Attention` (MHA/MQA/GQA, `jaxattn.gqa`), `MultiHeadLatentAttention`
+  (`MLAConfig`, `jaxattn.mla`), peers over one skeleton (`jaxattn.attention_layer`);
+  `MLP`, `RMSNorm`, `LayerNorm` (`jaxattn.primitives`)
+* per-layer attention: `LayerKind` (`ModelConfig.layer_pattern`), `AttentionSpec`
+* `Block`, `DecoderLM`, `count_params`, `attention_weights`
 * caches: `KVCache`, `LatentCache`, `DecodeCache`, `init_cache`, `cache_bytes_per_token`
 
 Decoding: `generate` (prefill + `jax.lax.scan` over one-token steps),
@@ -32,15 +34,15 @@ on one.
 """
 
 from jaxattn.additive import additive_attention
-from jaxattn.attention import reference_attention, repeat_kv, scaled_dot_product_attention
+from jaxattn.attention import cached_attention, reference_attention, repeat_kv, scaled_dot_product_attention
 from jaxattn.cache import DecodeCache, KVCache, LatentCache, cache_bytes_per_token, init_cache
-from jaxattn.config import MLAConfig, ModelConfig
+from jaxattn.config import AttentionSpec, LayerKind, MLAConfig, ModelConfig
 from jaxattn.decoding import GenerateOutput, generate
 from jaxattn.windowed import generate_windowed, windows
 from jaxattn.kernels import Kernels, Platform, resolve_kernels
-from jaxattn.layers import (
+from jaxattn.gqa import Attention
+from jaxattn.primitives import (
     MLP,
-    Attention,
     LayerNorm,
     RMSNorm,
     fused_to_separate_qkv,
@@ -54,13 +56,14 @@ from jaxattn.masks import (
     sliding_window_mask,
 )
 from jaxattn.mla import MultiHeadLatentAttention, latent_attention
-from jaxattn.model import Block, DecoderLM, count_params
+from jaxattn.model import Block, DecoderLM, attention_weights, count_params
 from jaxattn.positions import sinusoidal_positions
 from jaxattn.rope import RopeScaling, apply_rope, rope_attention_factor, rope_frequencies
 from jaxattn.softmax import masked_softmax
 
 __all__ = [
     "Attention",
+    "AttentionSpec",
     "Block",
     "DecodeCache",
     "DecoderLM",
@@ -68,6 +71,7 @@ __all__ = [
     "KVCache",
     "Kernels",
     "LatentCache",
+    "LayerKind",
     "LayerNorm",
     "MLAConfig",
     "MLP",
@@ -78,7 +82,9 @@ __all__ = [
     "RopeScaling",
     "additive_attention",
     "apply_rope",
+    "attention_weights",
     "cache_bytes_per_token",
+    "cached_attention",
     "causal_mask",
     "combine_masks",
     "count_params",

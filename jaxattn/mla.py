@@ -24,18 +24,16 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from jaxattn import kernels as kernels_lib
-from jaxattn.attention import scaled_dot_product_attention
+from jaxattn.attention_layer import AttentionLayer
 from jaxattn.cache import LatentCache, write_rows
-from jaxattn.config import ModelConfig
-from jaxattn.kernels import Kernels
-from jaxattn.layers import RMSNorm, check_config, logical, make_linear, window_mask
-from jaxattn.masks import causal_mask, combine_masks, visible_cache_slots
-from jaxattn.rope import apply_rope, rope_attention_factor, rope_frequencies, yarn_softmax_mscale
-from jaxattn.softmax import dropout_weights, masked_softmax
+from jaxattn.masks import causal_mask, combine_masks, sliding_window_mask, visible_cache_slots
+from jaxattn.primitives import check_config, logical, make_linear, make_rms_norm
+from jaxattn.rope import apply_rope, yarn_softmax_mscale
+from jaxattn.softmax import dropout_weights, masked_softmax, soft_cap
 
 
-def latent_attention(q_latent, q_rope, c_kv, k_rope, *, scale, mask=None, is_causal=False,
-                     dropout_rate=0.0, dropout_rng=None):
+def latent_attention(q_latent, q_rope, c_kv, k_rope, *, scale, mask=None, is_causal=False, window=None,
+                     logits_soft_cap=None, sinks=None, dropout_rate=0.0, dropout_rng=None):
     """Softmax attention of absorbed queries against the latent cache, as einsums.
 
     The latent acts as one key/value head shared by every query head (MQA with
@@ -47,6 +45,11 @@ def latent_attention(q_latent, q_rope, c_kv, k_rope, *, scale, mask=None, is_cau
       c_kv: `[B, S, R]` latents; k_rope: `[B, S, E]` rotated shared rotary keys.
       scale: softmax scale; mask: bool, True = attend, broadcastable to `[B, N, T, S]`;
       is_causal: also `causal_mask(T, S)`.
+      window: W: each query sees itself and the W - 1 keys before it (end-aligned,
+        `sliding_window_mask(T, S, W)`; causal by itself).
+      logits_soft_cap: c: logits become `c * tanh(logits / c)` after the scale, before
+        the masks (docs/theory.md §17).
+      sinks: `[N]` one logit per head in every softmax's denominator (docs/theory.md §18).
 
     Returns:
       `(o_latent [B, T, N, R], weights [B, N, T, S] float32)`; a query with no
@@ -55,61 +58,61 @@ def latent_attention(q_latent, q_rope, c_kv, k_rope, *, scale, mask=None, is_cau
     f32 = jnp.float32
     logits = (jnp.einsum("BTNR,BSR->BNTS", q_latent, c_kv, preferred_element_type=f32)
               + jnp.einsum("BTNE,BSE->BNTS", q_rope, k_rope, preferred_element_type=f32)) * scale
+    logits = soft_cap(logits, logits_soft_cap)
     T, S = logits.shape[-2:]
-    allowed = combine_masks(mask, causal_mask(T, S) if is_causal else None)
-    weights = dropout_weights(masked_softmax(logits, allowed), dropout_rate, dropout_rng)  # [B, N, T, S]
+    structure = sliding_window_mask(T, S, window) if window is not None else causal_mask(T, S) if is_causal else None
+    allowed = combine_masks(mask, structure)
+    sinks = None if sinks is None else jnp.asarray(sinks, f32)[:, None]  # [N, 1]: the logits' [B, N, T] less S
+    weights = dropout_weights(masked_softmax(logits, allowed, sinks=sinks), dropout_rate, dropout_rng)
     o_latent = jnp.einsum("BNTS,BSR->BTNR", weights.astype(c_kv.dtype), c_kv)
     return o_latent, weights
 
 
-class MultiHeadLatentAttention(nn.Module):
-    """MLA with N heads. Parameters (biases only where `qkv_bias`/`out_bias` ask, on `wq_a`, `wkv_a`, `wo`, as DeepSeek's `attention_bias`):
+class MultiHeadLatentAttention(AttentionLayer):
+    """MLA with N heads, for one layer of a model. Parameters (biases only where `qkv_bias`/`out_bias`
+    ask, on `wq_a`, `wkv_a`, `wo`, as DeepSeek's `attention_bias`):
 
     `wq` `[D, N(P+E)]`, or with query compression `wq_a` `[D, Q]`, `q_norm`,
     `wq_b` `[Q, N(P+E)]`; `wkv_a` `[D, R+E]`; `kv_norm`; `wkv_b` `[R, N, P+V]`
-    (W_UK and W_UV side by side); `wo` `[N V, D]`.
+    (W_UK and W_UV side by side); `wo` `[N V, D]`; `sinks` `[N]` when
+    `config.attn_sinks`.
 
-    RoPE rotates only the E decoupled dims and only when `config.positions ==
-    "rope"` (other schemes add positions to the embeddings instead). Under
-    YaRN, as DeepSeek's reference code and transformers: the rotated dims are
-    multiplied by the attention factor (on queries and keys, so their logits by
-    its square) and the softmax scale `1/sqrt(P+E)` by
-    `mscale(factor, mscale_all_dim)^2` (docs/theory.md §8). Full sequences
-    run `kernels.mla` ("naive" or "absorb", equal in the tests); cached
-    decoding always absorbs.
+    RoPE rotates only the E decoupled dims (partial rotary is built in, so
+    `rotary_fraction` is refused by the config) and only when this layer's
+    `AttentionSpec` has RoPE. Under YaRN, as DeepSeek's reference code and
+    transformers: the rotated dims are multiplied by the attention factor (on
+    queries and keys, so their logits by its square) and the softmax scale
+    `1/sqrt(P+E)` (or `attn_scale`) by `mscale(factor, mscale_all_dim)^2`
+    (docs/theory.md §8). Full sequences run `kernels.mla` ("naive" or
+    "absorb", equal in the tests); cached decoding always absorbs. A local
+    layer's window goes structurally to either (`local_window_size`, or the
+    window of `latent_attention`). Self-attention only.
     """
 
-    config: ModelConfig
-    kernels: Kernels = Kernels()
-
     def setup(self):
-        c, k, m = self.config, self.kernels, self.config.mla
+        c, k = self.config, self.kernels
         check_config(c, k)
+        m, spec = c.mla, self.spec
         if m is None:
             raise ValueError("MultiHeadLatentAttention needs ModelConfig.mla (a jaxattn.MLAConfig)")
         N, P, E, V, R = c.num_heads, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.kv_lora_rank
-        dtypes = dict(dtype=jnp.dtype(c.dtype), param_dtype=jnp.dtype(c.param_dtype))
         if m.q_lora_rank is None:
             self.wq = make_linear(c, k, N * (P + E), ("embed", "heads"), use_bias=False)
         else:
             self.wq_a = make_linear(c, k, m.q_lora_rank, ("embed", "latent"), use_bias=c.qkv_bias)
-            self.q_norm = RMSNorm(eps=c.norm_eps, axis="latent", **dtypes)
+            self.q_norm = make_rms_norm(c, "latent")
             self.wq_b = make_linear(c, k, N * (P + E), ("latent", "heads"), use_bias=False)
         # [c_kv | k_rope] columns: "latent" (never split over the tensor axis: every head reads all of it).
         self.wkv_a = make_linear(c, k, R + E, ("embed", "latent"), use_bias=c.qkv_bias)
-        self.kv_norm = RMSNorm(eps=c.norm_eps, axis="latent", **dtypes)
+        self.kv_norm = make_rms_norm(c, "latent")
         # A 3-D parameter because both paths use it: as one [R, N(P+V)] matmul
         # (naive) and split per head into W_UK, W_UV (absorb).
         self.wkv_b = self.param("wkv_b", logical(nn.initializers.normal(c.init_std), "latent", "heads", "head_dim"),
                                 (R, N, P + V), jnp.dtype(c.param_dtype))
         self.wo = make_linear(c, k, c.d_model, ("heads", "embed"), residual=True, use_bias=c.out_bias)
-        self.resid_dropout = nn.Dropout(c.dropout)
-        self.use_rope = c.positions == "rope"
-        if self.use_rope:
-            self.inv_freq = rope_frequencies(E, theta=c.rope_theta, scaling=c.rope_scaling)
-        scaling = c.rope_scaling if self.use_rope else None
-        self.rope_factor = rope_attention_factor(scaling)  # on the rotary dims only
-        self.scale = yarn_softmax_mscale(scaling) ** 2 / math.sqrt(P + E)
+        self.setup_shared(N, E, all_rotated=False)  # the factor stays on the rotary dims
+        mscale = yarn_softmax_mscale(spec.rope_scaling) ** 2
+        self.scale = mscale / math.sqrt(P + E) if c.attn_scale is None else mscale * c.attn_scale
 
     # -- the named steps -------------------------------------------------------------------
 
@@ -127,26 +130,42 @@ class MultiHeadLatentAttention(nn.Module):
         R = self.config.mla.kv_lora_rank
         return self.kv_norm(kv[..., :R]), kv[..., R:]
 
-    def rotate(self, q_rope, k_rope, positions):
-        """RoPE on `[B, T, N, E]` queries and the shared `[B, S, E]` key (one head); identity without RoPE."""
-        if not self.use_rope:
-            return q_rope, k_rope
+    def project(self, x, context=None):
+        """x `[B, T, D]` -> `((q_nope, q_rope), (c_kv, k_rope))`; the latent norms are part of it."""
+        return self.project_query(x), self.compress_kv(x)
+
+    def rotate(self, q, kv, q_positions, k_positions):
+        """RoPE on the `[B, T, N, E]` rotary queries and the shared `[B, S, E]` rotary key (one head);
+        identity for a layer without RoPE."""
+        (q_nope, q_rope), (c_kv, k_rope) = q, kv
+        if not self.spec.rope:
+            return q, kv
         rope = dict(interleaved=self.config.rope_interleaved, inv_freq=self.inv_freq)
-        k_rope = apply_rope(k_rope[:, :, None, :], positions, **rope)[:, :, 0, :]
-        q_rope = apply_rope(q_rope, positions, **rope)
+        k_rope = apply_rope(k_rope[:, :, None, :], k_positions, **rope)[:, :, 0, :]
+        q_rope = apply_rope(q_rope, q_positions, **rope)
         if self.rope_factor != 1.0:  # YaRN's temperature, applied where transformers applies it
             q_rope, k_rope = q_rope * self.rope_factor, k_rope * self.rope_factor
-        return q_rope, k_rope
+        return (q_nope, q_rope), (c_kv, k_rope)
 
-    def update_cache(self, cache: LatentCache, c_kv, k_rope, starts) -> LatentCache:
+    def update_cache(self, cache: LatentCache, kv, starts) -> LatentCache:
         """Writes row b's new latents and rotary keys at slots `starts[b] + arange(T)`."""
+        c_kv, k_rope = kv
         write = dict(axis=1, implementation=self.kernels.decode)
         return LatentCache(c_kv=write_rows(cache.c_kv, c_kv, starts, **write),
                            k_rope=write_rows(cache.k_rope, k_rope, starts, **write))
 
-    def attend_naive(self, q_nope, q_rope, c_kv, k_rope, *, mask=None, is_causal=False,
-                     deterministic=True, return_weights=False):
+    def attend(self, q, kv, *, mask=None, is_causal=False, window=None, deterministic=True,
+               return_weights=False):
+        """`kernels.mla`'s path: `attend_naive` or `attend_absorbed` -> `(out [B, T, N, V], weights or None)`."""
+        path = kernels_lib.check_mla_path(self.kernels.mla)
+        attend = self.attend_naive if path == "naive" else self.attend_absorbed
+        return attend(q, kv, mask=mask, is_causal=is_causal, window=window, deterministic=deterministic,
+                      return_weights=return_weights)
+
+    def attend_naive(self, q, kv, *, mask=None, is_causal=False, window=None, deterministic=True,
+                     return_weights=False):
         """Decompresses per-head keys and values, then `scaled_dot_product_attention` (K = N)."""
+        (q_nope, q_rope), (c_kv, k_rope) = q, kv
         c = self.config
         B, S, R = c_kv.shape
         N, P = c.num_heads, c.mla.qk_nope_head_dim
@@ -156,77 +175,35 @@ class MultiHeadLatentAttention(nn.Module):
         k_rope = jnp.broadcast_to(k_rope[:, :, None, :], (B, S, N, k_rope.shape[-1]))
         q = jnp.concatenate([q_nope, q_rope], axis=-1)  # [B, T, N, P + E]
         k = jnp.concatenate([k_nope, k_rope.astype(k_nope.dtype)], axis=-1)  # [B, S, N, P + E]
-        rate, rng = self._dropout(deterministic)
-        return scaled_dot_product_attention(q, k, v, mask=mask, is_causal=is_causal,
-                                            scale=self.scale, dropout_rate=rate, dropout_rng=rng,
-                                            return_weights=return_weights,
-                                            implementation=self.kernels.attention)
+        return self.attend_heads(q, k, v, mask=mask, is_causal=is_causal, window=window,
+                                 deterministic=deterministic, return_weights=return_weights)
 
-    def attend_absorbed(self, q_nope, q_rope, c_kv, k_rope, *, mask=None, is_causal=False,
-                        deterministic=True, return_weights=False):
-        """W_UK folded into the query, attention on the latent, W_UV applied after: `[B, T, N, V]`."""
+    def attend_absorbed(self, q, kv, *, mask=None, is_causal=False, window=None, deterministic=True,
+                        return_weights=False):
+        """W_UK folded into the query, `latent_attention` on the latent, W_UV applied after: `[B, T, N, V]`."""
+        (q_nope, q_rope), (c_kv, k_rope) = q, kv
         P = self.config.mla.qk_nope_head_dim
         w_uk = self.wkv_b[..., :P].astype(q_nope.dtype)  # [R, N, P]
         w_uv = self.wkv_b[..., P:].astype(q_nope.dtype)  # [R, N, V]
         q_latent = jnp.einsum("BTNP,RNP->BTNR", q_nope, w_uk)
-        rate, rng = self._dropout(deterministic)
+        rate, rng = self.dropout(deterministic)
         o_latent, weights = latent_attention(
-            q_latent, q_rope, c_kv.astype(q_nope.dtype), k_rope.astype(q_nope.dtype),
-            scale=self.scale, mask=mask, is_causal=is_causal, dropout_rate=rate, dropout_rng=rng)
+            q_latent, q_rope, c_kv.astype(q_nope.dtype), k_rope.astype(q_nope.dtype), scale=self.scale,
+            mask=mask, is_causal=is_causal, window=window, dropout_rate=rate, dropout_rng=rng, **self.features())
         out = jnp.einsum("BTNR,RNV->BTNV", o_latent, w_uv)
-        return (out, weights) if return_weights else out
+        return out, (weights if return_weights else None)
+
+    def attend_cached(self, q, cache: LatentCache, positions):
+        """Absorbed attention of queries at `positions [B, T]` to the slots they may see (window included)."""
+        mask = visible_cache_slots(positions, cache.c_kv.shape[1], self.spec.window)  # [B, 1, T, L]
+        return self.attend_absorbed(q, (cache.c_kv, cache.k_rope), mask=mask)[0]
 
     def project_out(self, out, *, deterministic=True):
         """`[B, T, N, V] -> [B, T, D]` through W_O, then residual dropout."""
         B, T = out.shape[:2]
-        y = self.wo(out.reshape(B, T, -1))
-        return self.resid_dropout(y, deterministic=deterministic)
+        return self.resid_dropout(self.wo(out.reshape(B, T, -1)), deterministic=deterministic)
 
-    # -- whole sequences and cached extension ----------------------------------------------
-
-    def __call__(self, x, *, positions=None, mask=None, is_causal=False, deterministic=True,
-                 return_weights=False, path=None):
-        """Self-attention over x `[B, T, D]`; same arguments as `Attention.__call__`.
-
-        `path` ("naive" or "absorb") overrides `kernels.mla`.
-        Returns `[B, T, D]`, or `(out, weights [B, N, T, T])`.
-        """
-        if not hasattr(x, "ndim") or x.ndim != 3:
-            raise ValueError(f"x must be [B, T, D], got shape {getattr(x, 'shape', type(x))}")
-        path = kernels_lib.check_mla_path(self.kernels.mla if path is None else path)
-        positions = jnp.arange(x.shape[1]) if positions is None else positions
-        q_nope, q_rope = self.project_query(x)
-        c_kv, k_rope = self.compress_kv(x)
-        q_rope, k_rope = self.rotate(q_rope, k_rope, positions)
-        if is_causal:
-            mask = combine_masks(mask, window_mask(self.config, x.shape[1], x.shape[1]))
-        attend = self.attend_naive if path == "naive" else self.attend_absorbed
-        result = attend(q_nope, q_rope, c_kv, k_rope, mask=mask, is_causal=is_causal,
-                        deterministic=deterministic, return_weights=return_weights)
-        out, weights = result if return_weights else (result, None)
-        y = self.project_out(out, deterministic=deterministic)
-        return (y, weights) if return_weights else y
-
-    def extend(self, x, cache: LatentCache, starts):
-        """Appends x's tokens to the latent cache and attends (always absorbed).
-
-        Args:
-          x: `[B, T, D]`, token t of row b at absolute position `starts[b] + t`.
-          cache: this layer's `LatentCache` (`[B, L, R]`, `[B, L, E]`), `starts[b] + T <= L`.
-          starts: `[B]` int, tokens of each row already in the cache.
-
-        Returns:
-          `([B, T, D], new_cache)`.
-        """
-        positions = starts[:, None] + jnp.arange(x.shape[1])  # [B, T]
-        q_nope, q_rope = self.project_query(x)
-        c_kv, k_rope = self.compress_kv(x)
-        q_rope, k_rope = self.rotate(q_rope, k_rope, positions)
-        cache = self.update_cache(cache, c_kv, k_rope, starts)
-        mask = visible_cache_slots(positions, cache.c_kv.shape[1], self.config.sliding_window)  # [B, 1, T, L]
-        out = self.attend_absorbed(q_nope, q_rope, cache.c_kv, cache.k_rope, mask=mask)
-        return self.project_out(out), cache
-
-    def _dropout(self, deterministic):
-        rate = 0.0 if deterministic else self.config.dropout
-        return rate, (self.make_rng("dropout") if rate > 0.0 else None)
+    def check_inputs(self, x, context) -> None:
+        super().check_inputs(x, context)
+        if context is not None:
+            raise ValueError("MultiHeadLatentAttention is self-attention only; context must be None")

@@ -1,20 +1,27 @@
-"""A decoder-only language model from one `ModelConfig` (GPT-2 / Llama / DeepSeek shapes).
+"""A decoder-only language model from one `ModelConfig` (GPT-2 / Llama / Gemma / DeepSeek shapes).
 
-tokens `[B, T]` -> embeddings (+ learned or sinusoidal positions) `[B, T, D]`
--> N pre-norm blocks -> final norm -> lm_head -> float32 logits `[B, T, V]`.
+tokens `[B, T]` -> embeddings (times `embed_multiplier`, + learned or sinusoidal
+positions) `[B, T, D]` -> `num_layers` blocks, each with its own attention
+(`ModelConfig.layer_attention`) -> final norm -> lm_head -> float32 logits
+`[B, T, V]` (soft-capped when `final_logits_soft_cap`).
 
 `__call__` runs whole sequences (training, scoring). `extend` appends tokens
 to a `DecodeCache` (prefill and one-token decode steps) and returns the new
 cache; the cache goes in and comes out, the module keeps no state.
 `DecoderLM(config, kernels)`: the config is the maths, the optional
 `jaxattn.kernels.Kernels` says which implementations run it.
+`attention_weights(model, variables, tokens)` returns the logits and every
+layer's attention weights (sown by the layers into "intermediates").
 """
 
 from __future__ import annotations
 
+import re
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from flax.traverse_util import flatten_dict
 from jax.experimental import checkify
 
 from jaxattn import kernels as kernels_lib
@@ -22,9 +29,12 @@ from jaxattn._validate import concrete_or_none
 from jaxattn.cache import DecodeCache, KVCache, LatentCache
 from jaxattn.config import ModelConfig
 from jaxattn.kernels import Kernels
-from jaxattn.layers import MLP, Attention, check_config, logical, make_linear, make_norm
+from jaxattn.attention_layer import WEIGHTS
+from jaxattn.gqa import Attention
 from jaxattn.mla import MultiHeadLatentAttention
 from jaxattn.positions import sinusoidal_positions
+from jaxattn.primitives import MLP, check_config, leading_ones, logical, make_linear, make_norm
+from jaxattn.softmax import soft_cap
 
 
 # The logical axes of the residual stream `[B, T, D]`. Under `nn.logical_axis_rules` and a mesh
@@ -35,35 +45,67 @@ RESIDUAL_AXES = ("activation_batch", "activation_length", "activation_embed")
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block: `x + attn(norm(x))`, then `x + mlp(norm(x))`.
+    """Transformer block `layer` of a model: attention and MLP branches on the residual stream.
 
-    Residual dropout is inside the attention layer and the MLP.
+    `config.norm_placement` (docs/theory.md §20): "pre" `x + f(attn_norm(x))`;
+    "sandwich" `x + post_attn_norm(f(attn_norm(x)))` (Gemma 2/3); "post"
+    `x + post_attn_norm(f(x))` (OLMo 2), likewise for the MLP with `mlp_norm`,
+    `post_mlp_norm`. `config.residual`: "sequential" feeds the MLP branch the
+    stream after attention; "parallel" feeds both branches the same x,
+    `x + attn_branch(x) + mlp_branch(x)` (GPT-NeoX). Residual dropout is inside
+    the attention layer and the MLP.
     """
 
     config: ModelConfig
     kernels: Kernels = Kernels()
+    layer: int = 0
 
     def setup(self):
         c, k = self.config, self.kernels
-        self.attn_norm = make_norm(c)
-        self.attn = Attention(c, k) if c.mla is None else MultiHeadLatentAttention(c, k)
-        self.mlp_norm = make_norm(c)
+        if c.norm_placement != "post":
+            self.attn_norm = make_norm(c)
+        attention = Attention if c.mla is None else MultiHeadLatentAttention
+        self.attn = attention(c, k, layer=self.layer)
+        if c.norm_placement != "post":
+            self.mlp_norm = make_norm(c)
         self.mlp = MLP(c, k)
+        if c.norm_placement != "pre":
+            self.post_attn_norm = make_norm(c)
+            self.post_mlp_norm = make_norm(c)
 
-    def __call__(self, x, *, positions, mask=None, deterministic=True, return_weights=False):
-        """`[B, T, D] -> ([B, T, D], weights [B, N, T, T] or None)`, causal."""
-        result = self.attn(self.attn_norm(x), positions=positions, mask=mask, is_causal=True,
-                           deterministic=deterministic, return_weights=return_weights)
-        attn_out, weights = result if return_weights else (result, None)
-        x = x + attn_out
-        x = x + self.mlp(self.mlp_norm(x), deterministic=deterministic)
-        return x, weights
+    def __call__(self, x, *, positions, mask=None, deterministic=True):
+        """`[B, T, D] -> [B, T, D]`, causal."""
+        attend = lambda h: self.attn(h, positions=positions, mask=mask, is_causal=True,  # noqa: E731
+                                     deterministic=deterministic)
+        return self.residuals(x, attend, deterministic)
 
     def extend(self, x, cache, starts):
         """`[B, T, D]` new tokens at positions `starts[b] + t` -> (`[B, T, D]`, new layer cache)."""
-        attn_out, cache = self.attn.extend(self.attn_norm(x), cache, starts)
+        caches = []
+
+        def attend(h):
+            out, new_cache = self.attn.extend(h, cache, starts)
+            caches.append(new_cache)
+            return out
+
+        return self.residuals(x, attend, True), caches[0]
+
+    def residuals(self, x, attend, deterministic):
+        """The two branches around `attend` (`[B, T, D] -> [B, T, D]`) and the MLP, per the config."""
+        c = self.config
+        pre = c.norm_placement != "post"
+        post = c.norm_placement != "pre"
+
+        def branch(h, f, pre_norm, post_norm):
+            y = f(pre_norm(h) if pre else h)
+            return post_norm(y) if post else y
+
+        mlp = lambda h: self.mlp(h, deterministic=deterministic)  # noqa: E731
+        attn_out = branch(x, attend, lambda h: self.attn_norm(h), lambda h: self.post_attn_norm(h))
+        if c.residual == "parallel":
+            return x + attn_out + branch(x, mlp, lambda h: self.mlp_norm(h), lambda h: self.post_mlp_norm(h))
         x = x + attn_out
-        return x + self.mlp(self.mlp_norm(x)), cache
+        return x + branch(x, mlp, lambda h: self.mlp_norm(h), lambda h: self.post_mlp_norm(h))
 
 
 def _check_model_config(config: ModelConfig, kernels: Kernels) -> None:
@@ -96,7 +138,7 @@ class DecoderLM(nn.Module):
         elif c.positions == "sinusoidal":
             self.sinusoid = sinusoidal_positions(c.max_seq_len, c.d_model)  # [P, D], not a param
         self.embed_dropout = nn.Dropout(c.dropout)
-        self.blocks = [Block(c, k) for _ in range(c.num_layers)]
+        self.blocks = [Block(c, k, layer=i) for i in range(c.num_layers)]
         self.final_norm = make_norm(c)
         if not c.tie_embeddings:
             self.lm_head = make_linear(c, k, c.vocab_size, ("embed", "vocab"), use_bias=False)
@@ -114,26 +156,30 @@ class DecoderLM(nn.Module):
         table = nn.with_logical_constraint(self.wte.embedding, ("activation_vocab", "activation_embed"))
         x = jnp.take(table.astype(self.wte.dtype), tokens, axis=0)
         c = self.config
+        if c.embed_multiplier != 1.0:  # Gemma's sqrt(D), rounded to the compute dtype as Gemma does
+            x = x * jnp.asarray(c.embed_multiplier, x.dtype)
         if c.positions == "learned":
-            x = x + self.wpe(positions)
+            x = x + leading_ones(self.wpe(positions), x.ndim)  # [T, D] or [B, T, D]
         elif c.positions == "sinusoidal":
-            x = x + self.sinusoid[positions].astype(x.dtype)
+            x = x + leading_ones(self.sinusoid[positions].astype(x.dtype), x.ndim)
         return self.embed_dropout(x, deterministic=deterministic)
 
     def logits(self, x):
-        """Final norm and lm_head: `[B, T, D] -> [B, T, V]` float32 (one 2-D matmul)."""
+        """Final norm and lm_head: `[B, T, D] -> [B, T, V]` float32 (one 2-D matmul), soft-capped
+        by `final_logits_soft_cap` (docs/theory.md §17)."""
         x = self.final_norm(x)
         if not self.config.tie_embeddings:
-            return self.lm_head(x).astype(jnp.float32)
-        B, T, D = x.shape
-        head = self.wte.embedding.T.astype(x.dtype)  # [D, V], shared with wte
-        logits = kernels_lib.matmul_kernel(self.kernels.matmul)(x.reshape(B * T, D), head)  # [B*T, V] float32
-        return logits.reshape(B, T, -1)
+            logits = self.lm_head(x).astype(jnp.float32)
+        else:
+            B, T, D = x.shape
+            head = self.wte.embedding.T.astype(x.dtype)  # [D, V], shared with wte
+            logits = kernels_lib.matmul_kernel(self.kernels.matmul)(x.reshape(B * T, D), head)  # [B*T, V] float32
+            logits = logits.reshape(B, T, -1)
+        return soft_cap(logits, self.config.final_logits_soft_cap)
 
     # -- whole sequences -------------------------------------------------------------------
 
-    def __call__(self, tokens, *, positions=None, padding_mask=None, deterministic=True,
-                 return_weights=False, check=False):
+    def __call__(self, tokens, *, positions=None, padding_mask=None, deterministic=True, check=False):
         """Causal forward pass.
 
         Args:
@@ -141,10 +187,9 @@ class DecoderLM(nn.Module):
           positions: `[B, T]` or `[T]` absolute positions (default arange(T)).
           padding_mask: `[B, T]` bool, True = real token; padding keys are hidden.
           deterministic: no dropout when True; else pass rngs={'dropout': key}.
-          return_weights: also return a tuple over layers of `[B, N, T, T]` weights.
 
         Returns:
-          logits `[B, T, V]` float32, or `(logits, weights)`.
+          logits `[B, T, V]` float32 (`attention_weights` also gives every layer's weights).
 
         Token ids must be in `[0, vocab_size)`: checked here when their values are
         known (outside `jit`); under `jit` an id outside gives NaN logits unless
@@ -163,14 +208,10 @@ class DecoderLM(nn.Module):
                                  f"{padding_mask.dtype} {padding_mask.shape}")
             mask = padding_mask[:, None, None, :]  # [B, 1, 1, S]
         x = nn.with_logical_constraint(self.embed(tokens, positions, deterministic=deterministic), RESIDUAL_AXES)
-        all_weights = []
         for block in self.blocks:
-            x, weights = block(x, positions=positions, mask=mask, deterministic=deterministic,
-                               return_weights=return_weights)
+            x = block(x, positions=positions, mask=mask, deterministic=deterministic)
             x = nn.with_logical_constraint(x, RESIDUAL_AXES)
-            all_weights.append(weights)
-        logits = self.logits(x)
-        return (logits, tuple(all_weights)) if return_weights else logits
+        return self.logits(x)
 
     # -- cached extension ------------------------------------------------------------------
 
@@ -204,7 +245,7 @@ class DecoderLM(nn.Module):
             raise ValueError(f"num_new must be [B] = {(B,)}, got {num_new.shape}")
         self._check_capacity(T, cache, num_new, check)
         starts = cache.lengths
-        positions = starts[:, None] + jnp.arange(T)  # [B, T] absolute
+        positions = starts[:, None] + jnp.arange(T)[None, :]  # [B, T] absolute
         x = self.embed(tokens, positions)
         layers = []
         for block, layer_cache in zip(self.blocks, cache.layers):
@@ -254,6 +295,25 @@ class DecoderLM(nn.Module):
                              f"tokens {tokens.shape}")
         if tokens.shape[1] > cache.max_len:
             raise ValueError(f"{tokens.shape[1]} tokens do not fit a cache of max_len={cache.max_len}")
+
+
+def attention_weights(model: nn.Module, variables, tokens, **kwargs):
+    """`(logits, weights)`: `model.apply(variables, tokens, **kwargs)` with every attention layer's
+    weights, a tuple in layer order of `[B, N, T, S]` float32 (docs/theory.md §14).
+
+    The layers sow them into the "intermediates" collection, made mutable here (any
+    "intermediates" in `variables` are ignored); a model without them gives `()`.
+    """
+    variables = {name: value for name, value in variables.items() if name != WEIGHTS[0]}
+    logits, state = model.apply(variables, tokens, mutable=[WEIGHTS[0]], **kwargs)
+    sown = flatten_dict(state.get(WEIGHTS[0], {}))
+
+    def layer_order(path):
+        found = [int(m.group(1)) for part in path for m in [re.fullmatch(r"\w*?_(\d+)", str(part))] if m]
+        return found, path
+
+    paths = sorted((p for p in sown if p[-1] == WEIGHTS[1]), key=layer_order)
+    return logits, tuple(w for p in paths for w in sown[p])
 
 
 def count_params(params) -> int:

@@ -22,5 +22,5 @@ def sinusoidal_positions(num_positions: int, dim: int, *, base: float = 10000.0)
         raise ValueError(f"sinusoidal_positions needs an even dim, got dim={dim}")
     pos = jnp.arange(num_positions, dtype=jnp.float32)[:, None]  # [P, 1]
     inv_freq = base ** (-jnp.arange(0, dim, 2, dtype=jnp.float32) / dim)  # [dim/2]
-    angles = pos * inv_freq  # [P, dim/2]
+    angles = pos * inv_freq[None, :]  # [P, dim/2]
     return jnp.stack([jnp.sin(angles), jnp.cos(angles)], axis=-1).reshape(num_positions, dim)

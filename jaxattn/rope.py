@@ -8,6 +8,12 @@ Pair p of a head vector is rotated by the angle `position * inv_freq[p]`,
 
 They are the same rotation up to a fixed permutation of the head dimensions.
 RoPE is applied to queries and keys, never to values, identically on every head.
+
+Partial rotary (GPT-NeoX's `rotary_pct`, Phi-3's `partial_rotary_factor`,
+docs/theory.md §19): only the first R = `rotary_dims(H, f)` dims of each head are
+rotated, with frequencies computed over those R dims (`rope_frequencies(R)`, as
+transformers computes them with dim = R), and the other H - R pass through.
+Both pairings apply within the first R dims.
 """
 
 from __future__ import annotations
@@ -66,6 +72,11 @@ class RopeScaling:
             raise ValueError(f"RopeScaling.factor must be positive, got {self.factor}")
         if self.attention_factor is not None and not self.attention_factor > 0:
             raise ValueError(f"RopeScaling.attention_factor must be positive or None, got {self.attention_factor}")
+
+
+def rotary_dims(head_dim: int, fraction: float = 1.0) -> int:
+    """R, how many of a head's dims RoPE rotates: int(head_dim * fraction), rounded down to even."""
+    return int(head_dim * fraction) // 2 * 2
 
 
 def _check_head_dim(head_dim: int) -> None:
@@ -143,25 +154,26 @@ def rope_attention_factor(scaling: RopeScaling | None) -> float:
 
 
 def apply_rope(x, positions, *, theta: float = 10000.0, interleaved: bool,
-               scaling: RopeScaling | None = None, inv_freq=None):
+               scaling: RopeScaling | None = None, inv_freq=None, rotary_dim: int | None = None):
     """Rotates each head vector of x by its position.
 
     Args:
-      x: `[B, T, N, H]` queries or keys, H even.
+      x: `[B, T, N, H]` queries or keys.
       positions: `[B, T]` or `[T]` integer positions.
       theta: the RoPE base.
       interleaved: True pairs `(x[2p], x[2p+1])` (Meta Llama);
-        False pairs `(x[p], x[p + H/2])` (GPT-NeoX, Hugging Face Llama).
+        False pairs `(x[p], x[p + R/2])` (GPT-NeoX, Hugging Face Llama).
       scaling: optional context-extension scaling of the frequencies.
-      inv_freq: precomputed `rope_frequencies(H, theta=..., scaling=...)`;
-        overrides theta and scaling when given.
+      inv_freq: precomputed `rope_frequencies(R, theta=..., scaling=...)`;
+        overrides theta and scaling when given. R = 2 * len(inv_freq) <= H
+        dims are rotated (partial rotary), the rest passed through unchanged.
+      rotary_dim: R when inv_freq is not given (default H); even, 2 <= R <= H.
 
     Returns:
       x rotated, same shape and dtype (computed in float32).
     """
     require_rank("x", x, 4, "[B, T, N, H]")
     B, T, N, H = x.shape
-    _check_head_dim(H)
     positions = jnp.asarray(positions)
     require_integer("positions", positions)
     if positions.shape not in ((B, T), (T,)):
@@ -170,22 +182,33 @@ def apply_rope(x, positions, *, theta: float = 10000.0, interleaved: bool,
             f"got {positions.shape}"
         )
     if inv_freq is None:
-        inv_freq = rope_frequencies(H, theta=theta, scaling=scaling)
-    elif jnp.shape(inv_freq) != (H // 2,):
+        R = H if rotary_dim is None else rotary_dim
+        if rotary_dim is None:
+            _check_head_dim(H)
+        elif not isinstance(R, (int, np.integer)) or isinstance(R, bool) or not 0 < R <= H or R % 2:
+            raise ValueError(f"rotary_dim must be an even integer in [2, H={H}], got {rotary_dim!r}")
+        inv_freq = rope_frequencies(R, theta=theta, scaling=scaling)
+    elif len(jnp.shape(inv_freq)) != 1 or not 0 < 2 * jnp.shape(inv_freq)[0] <= H:
         raise ValueError(
-            f"inv_freq must be [H/2] = {(H // 2,)} for x {x.shape}, got {jnp.shape(inv_freq)}"
+            f"inv_freq must be [R/2] with 2 <= R <= H = {H} (R = H: every dim rotated) for x {x.shape}, "
+            f"got {jnp.shape(inv_freq)}"
         )
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B?, T, H/2]
-    cos = jnp.cos(angles)[..., None, :]  # [B?, T, 1, H/2]
+    R = 2 * jnp.shape(inv_freq)[0]
+    positions = positions.reshape((-1, T)).astype(jnp.float32)  # [B or 1, T]
+    angles = positions[:, :, None] * inv_freq[None, None, :]  # [B or 1, T, R/2]
+    cos = jnp.cos(angles)[..., None, :]  # [B or 1, T, 1, R/2]
     sin = jnp.sin(angles)[..., None, :]
     xf = x.astype(jnp.float32)
+    rotary = xf if R == H else xf[..., :R]  # [B, T, N, R]
     if interleaved:
-        x1, x2 = xf[..., 0::2], xf[..., 1::2]
+        x1, x2 = rotary[..., 0::2], rotary[..., 1::2]
         out = jnp.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
-        out = out.reshape(x.shape)
+        out = out.reshape(rotary.shape)
     else:
-        x1, x2 = xf[..., : H // 2], xf[..., H // 2:]
+        x1, x2 = rotary[..., : R // 2], rotary[..., R // 2:]
         out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    if R < H:  # partial rotary: the other dims pass through
+        out = jnp.concatenate([out, xf[..., R:]], axis=-1)
     return out.astype(x.dtype)
 
 

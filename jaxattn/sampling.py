@@ -54,7 +54,7 @@ def _top_p_keep_sorted(sorted_logits: jnp.ndarray, top_p) -> jnp.ndarray:
     top_p = jnp.asarray(top_p, jnp.float32)
     probs = jax.nn.softmax(sorted_logits, axis=-1)
     mass_before = jnp.cumsum(probs, axis=-1) - probs  # [B, V] probability of the strictly better ranks
-    is_best = jnp.arange(sorted_logits.shape[-1]) == 0
+    is_best = (jnp.arange(sorted_logits.shape[-1]) == 0)[None, :]  # [1, V]
     return (mass_before < top_p) | is_best | (top_p >= 1.0)
 
 
@@ -70,7 +70,7 @@ def support_mask(logits: jnp.ndarray, *, top_k=0, top_p=1.0) -> jnp.ndarray:
     """
     order, ranks = _descending_order(logits)
     sorted_logits = jnp.take_along_axis(logits, order, axis=-1)  # [B, V] descending
-    keep_k = _top_k_keep_sorted(logits.shape[-1], top_k)
+    keep_k = _top_k_keep_sorted(logits.shape[-1], top_k)[None, :]  # [1, V]
     sorted_logits = jnp.where(keep_k, sorted_logits, _NEG_INF)
     keep_sorted = keep_k & _top_p_keep_sorted(sorted_logits, top_p)  # [B, V] by rank
     return jnp.take_along_axis(keep_sorted, ranks, axis=-1)  # [B, V] by token id

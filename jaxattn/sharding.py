@@ -9,7 +9,7 @@ The mesh has three axes, `MESH_AXES`, each of any size (1 = unused):
 * `tensor`: attention heads, MLP hidden units and the vocabulary are split
   (Megatron's column/row split); XLA's SPMD partitioner adds the all-reduces.
 
-Every parameter carries the logical names of its axes (`jaxattn.layers`), and
+Every parameter carries the logical names of its axes (`jaxattn.primitives`), and
 `RULES` maps each name to mesh axes. Where a mesh axis does not divide what a
 name counts (GQA's 2 kv heads on a tensor axis of 4, a 65-character vocabulary,
 MLA's latent), that parameter axis is replicated instead, and `ParamLayout.notes`

@@ -12,7 +12,7 @@ jax.config.update("jax_num_cpu_devices", 8)
 import numpy as np  # noqa: E402
 
 from jaxattn import sharding  # noqa: E402
-from jaxattn.config import MLAConfig, ModelConfig  # noqa: E402
+from jaxattn.config import LayerKind, MLAConfig, ModelConfig  # noqa: E402
 from jaxattn.decoding import generate  # noqa: E402
 from jaxattn.sharding import MeshShape  # noqa: E402
 from train import runtime as runtime_lib  # noqa: E402
@@ -23,25 +23,34 @@ STEPS = 5
 # Pure data parallelism replicates every parameter, whatever the attention: MHA alone covers it.
 MESHES = {"mha": ("data:1", "data:8", "data:2,tensor:4", "fsdp:4", "data:2,fsdp:2,tensor:2"),
           "gqa": ("data:1", "data:2,tensor:4", "fsdp:4", "data:2,fsdp:2,tensor:2"),
-          "mla": ("data:1", "data:2,tensor:4", "fsdp:4", "data:2,fsdp:2,tensor:2")}
+          "mla": ("data:1", "data:2,tensor:4", "fsdp:4", "data:2,fsdp:2,tensor:2"),
+          "layer_kinds": ("data:1", "data:2,tensor:4", "data:2,fsdp:2,tensor:2")}
 SAMPLED = {"mha": ("data:2,fsdp:2,tensor:2",), "gqa": ("data:2,tensor:4", "data:2,fsdp:2,tensor:2"),
-           "mla": ("data:2,fsdp:2,tensor:2",)}
+           "mla": ("data:2,fsdp:2,tensor:2",), "layer_kinds": ("data:2,fsdp:2,tensor:2",)}
 MODELS = {
     "mha": dict(),
     "gqa": dict(num_kv_heads=2, fused_qkv=False),  # 2 kv heads: replicated on a tensor axis of 4
     "mla": dict(mla=MLAConfig(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
                               q_lora_rank=16), positions="rope"),
+    # Issue 22's parameters on a mesh: sinks [N] and the full-width q/k norms split over tensor with the
+    # heads, sandwich norms, a local and a global layer.
+    "layer_kinds": dict(num_layers=2, num_kv_heads=2, positions="rope", norm="rmsnorm", sliding_window=4,
+                        layer_pattern=(LayerKind(local=True, rope_theta=100.0), LayerKind()), attn_sinks=True,
+                        attn_logits_soft_cap=5.0, final_logits_soft_cap=10.0, qk_norm="full",
+                        norm_placement="sandwich", norm_unit_offset=True, embed_multiplier=2.0),
 }
 # Arrays whose layout the test checks: model -> name -> path in the params.
 WATCHED = {"mha": {"qkv": ("blocks_0", "attn", "qkv", "kernel"), "c_proj": ("blocks_0", "mlp", "c_proj", "kernel"),
                    "wte": ("wte", "embedding")},
            "gqa": {"key": ("blocks_0", "attn", "key", "kernel"), "query": ("blocks_0", "attn", "query", "kernel")},
-           "mla": {"wkv_a": ("blocks_0", "attn", "wkv_a", "kernel"), "wkv_b": ("blocks_0", "attn", "wkv_b")}}
+           "mla": {"wkv_a": ("blocks_0", "attn", "wkv_a", "kernel"), "wkv_b": ("blocks_0", "attn", "wkv_b")},
+           "layer_kinds": {"sinks": ("blocks_0", "attn", "sinks"), "q_norm": ("blocks_0", "attn", "q_norm", "scale"),
+                           "k_norm": ("blocks_0", "attn", "k_norm", "scale")}}
 
 
 def experiment(kind: str, mesh: str) -> ExperimentConfig:
-    model = ModelConfig(vocab_size=65, d_model=32, num_layers=1, num_heads=4, max_seq_len=16, mlp_hidden=64,
-                        **{"positions": "learned", **MODELS[kind]})
+    model = ModelConfig(vocab_size=65, d_model=32, num_heads=4, max_seq_len=16, mlp_hidden=64,
+                        **{"positions": "learned", "num_layers": 1, **MODELS[kind]})
     train = TrainConfig(batch_size=8, block_size=16, warmup_iters=2, lr=3e-3, lr_decay_iters=20, eval_iters=1)
     return ExperimentConfig(name=kind, model=model, train=train,
                             runtime=RuntimeConfig(mesh=mesh, attention="xla", matmul="xla"))

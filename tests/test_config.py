@@ -70,6 +70,12 @@ def test_overrides_coerce_types():
     ("runtime.mesh=data:0", ValueError, "mesh axis data must have a positive integer size, got 0"),
     ("runtime.cpu_devices=0", ValueError, "cpu_devices must be a positive integer or 'auto'"),
     ("train.block_size=128", ValueError, r"model.max_seq_len=64 is shorter than train.block_size=128"),
+    ("model.layer_pattern={local = true}", TypeError, "model.layer_pattern must be an array"),
+    ("model.layer_pattern=[{locl = true}]", ValueError, r"unknown model.layer_pattern\[0\] keys \['locl'\]"),
+    ("model.layer_pattern=[{rope = 1}]", TypeError, r"model.layer_pattern\[0\].rope must be a bool"),
+    ("model.layer_pattern=[{local = true}]", ValueError, "local layers but sliding_window is None"),
+    ("model.qk_norm=both", TypeError, r"model.qk_norm must be one of"),
+    ("model.norm_placement=after", ValueError, r"model.norm_placement must be one of \('pre', 'sandwich', 'post'\)"),
 ])
 def test_validation_errors(override, error, match):
     with pytest.raises(error, match=match):
@@ -114,3 +120,21 @@ def test_parse_override_values():
     assert parse_override("train.out_dir=runs/x") == ("train", "out_dir", "runs/x")
     assert parse_override("model.dropout=0.1") == ("model", "dropout", 0.1)
     assert TrainConfig().replace(seed=3).seed == 3
+
+
+def test_layer_kinds_as_arrays_of_tables(tmp_path):
+    """Gemma 3's pattern written once in a file: `[[model.layer_pattern]]` tables, the new model fields."""
+    path = tmp_path / "gemma_like.toml"
+    path.write_text('base = "shakespeare_char_baby"\n[model]\nnorm = "rmsnorm"\nsliding_window = 16\n'
+                    'qk_norm = true\nnorm_placement = "sandwich"\nnorm_unit_offset = true\n'
+                    'attn_logits_soft_cap = 50\nresidual = "parallel"\n'
+                    + '[[model.layer_pattern]]\nlocal = true\nrope_theta = 10000\nrope_scaling = "none"\n' * 5
+                    + '[[model.layer_pattern]]\nrope_theta = 1e6\nrope_scaling = {kind = "linear", factor = 8}\n')
+    cfg = load_config(path)
+    m = cfg.model
+    assert len(m.layer_pattern) == 6 and m.qk_norm == "head" and m.attn_logits_soft_cap == 50.0
+    assert [m.layer_attention(i).window for i in range(4)] == [16, 16, 16, 16]
+    assert m.layer_pattern[5].rope_scaling.factor == 8.0 and m.layer_pattern[0].rope_scaling == "none"
+    assert ExperimentConfig.from_dict(json.loads(cfg.to_json())) == cfg  # what a run saves loads back
+    inline = load_config(overrides=["model.sliding_window=8", "model.layer_pattern=[{local = true}, {rope = false}]"])
+    assert [k.local for k in inline.model.layer_pattern] == [True, False] and not inline.model.layer_pattern[1].rope

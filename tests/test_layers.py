@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from jaxattn.config import ModelConfig
+from jaxattn.gqa import Attention
 from jaxattn.kernels import Kernels
-from jaxattn.layers import (
+from jaxattn.primitives import (
     MLP,
-    Attention,
     LayerNorm,
     RMSNorm,
     fused_to_separate_qkv,
@@ -33,6 +33,12 @@ def run(config, params, *args, method=None, **kwargs):
     return Attention(config).apply({"params": params}, *args, method=method, **kwargs)
 
 
+def run_with_weights(config, params, *args, **kwargs):
+    """`(out, weights [B, N, T, S])`: the weights the layer sows into "intermediates"."""
+    out, state = Attention(config).apply({"params": params}, *args, mutable=["intermediates"], **kwargs)
+    return out, state["intermediates"]["attention_weights"][0]
+
+
 def inputs(*shape, seed=0):
     return jax.random.normal(jax.random.PRNGKey(seed), shape)
 
@@ -42,12 +48,13 @@ def test_dimension_walk_through_the_named_steps():
     x = inputs(1, 50, 512)  # [B, T, D]
     attn = Attention(config)
     params = nn.unbox(attn.init(jax.random.PRNGKey(0), x)["params"])
-    q, k, v = attn.apply({"params": params}, x, method=Attention.project)
+    q, (k, v) = attn.apply({"params": params}, x, method=Attention.project)
     chex.assert_shape([q, k, v], (1, 50, 8, 64))  # split heads: [B, T, N, H]
+    q, (k, v) = attn.apply({"params": params}, q, (k, v), method=Attention.normalise)  # no q/k norm: identity
     positions = jnp.arange(50)
-    q, k = attn.apply({"params": params}, q, k, positions, positions, method=Attention.rotate)
+    q, (k, v) = attn.apply({"params": params}, q, (k, v), positions, positions, method=Attention.rotate)
     chex.assert_shape(q.transpose(0, 2, 1, 3), (1, 8, 50, 64))  # the textbook [B, N, T, H] view
-    out, weights = attn.apply({"params": params}, q, k, v, is_causal=True, return_weights=True,
+    out, weights = attn.apply({"params": params}, q, (k, v), is_causal=True, return_weights=True,
                               method=Attention.attend)
     chex.assert_shape(weights, (1, 8, 50, 50))  # scores [B, N, T, S]
     chex.assert_shape(out, (1, 50, 8, 64))  # our layout keeps heads after time: no transpose back
@@ -136,7 +143,7 @@ def test_head_dim_is_independent_of_d_model_and_weights_are_returned():
     params = init(config, x)
     chex.assert_shape(params["qkv"]["kernel"], (32, (4 + 2 * 2) * 8))
     chex.assert_shape(params["out"]["kernel"], (4 * 8, 32))
-    y, weights = run(config, params, x, is_causal=True, return_weights=True)
+    y, weights = run_with_weights(config, params, x, is_causal=True)
     chex.assert_shape(y, (2, 5, 32))
     chex.assert_shape(weights, (2, 4, 5, 5))
     np.testing.assert_allclose(weights.sum(-1), 1.0, atol=1e-6)

@@ -35,7 +35,7 @@ def meshes():
     return json.loads(done.stdout)
 
 
-@pytest.mark.parametrize("kind", ["mha", "gqa", "mla"])
+@pytest.mark.parametrize("kind", ["mha", "gqa", "mla", "layer_kinds"])
 def test_every_mesh_gives_the_one_device_losses(meshes, kind):
     one = meshes[kind]["data:1"]["losses"]
     assert len(one) == 5 and one[-1] < one[0]
@@ -68,6 +68,13 @@ def test_gqa_kv_heads_split_only_where_the_tensor_axis_divides_them(meshes):
     assert gqa["data:2,fsdp:2,tensor:2"]["watched"]["key"] == {"spec": ["fsdp", "tensor"], "shard": [16, 8]}
 
 
+def test_sinks_and_full_width_qk_norms_split_with_their_heads(meshes):
+    run = meshes["layer_kinds"]["data:2,tensor:4"]["watched"]
+    assert run["sinks"] == {"spec": ["tensor"], "shard": [1]}  # [N] = 4 heads over tensor 4
+    assert run["q_norm"] == {"spec": ["tensor"], "shard": [8]}  # [N*H] = 32: each device its heads' dims
+    assert run["k_norm"] == {"spec": [None], "shard": [16]}  # 2 kv heads do not split over 4: replicated
+
+
 def test_mla_latent_is_never_split_over_tensor(meshes):
     mla = meshes["mla"]
     assert mla["data:2,tensor:4"]["watched"]["wkv_a"]["spec"] == [None, None]
@@ -84,7 +91,7 @@ def test_fsdp_and_tensor_divide_the_memory_per_device(meshes):
     assert meshes["mha"]["data:8"]["bytes_per_device"] == meshes["mha"]["data:1"]["bytes_per_device"]
 
 
-@pytest.mark.parametrize("kind", ["mha", "gqa", "mla"])
+@pytest.mark.parametrize("kind", ["mha", "gqa", "mla", "layer_kinds"])
 def test_sampling_on_a_mesh_equals_one_device(meshes, kind):
     samples = meshes[kind]["samples"]
     one = samples.pop("data:1")

@@ -33,8 +33,15 @@ def setup_mla(config, seed=0):
     return x, params
 
 
-def run(config, params, *args, **kwargs):
-    return MultiHeadLatentAttention(config).apply({"params": params}, *args, **kwargs)
+def run(config, params, *args, path="naive", **kwargs):
+    return MultiHeadLatentAttention(config, Kernels(mla=path)).apply({"params": params}, *args, **kwargs)
+
+
+def run_with_weights(config, params, *args, path, **kwargs):
+    """`(out, weights [B, N, T, S])`: the weights the layer sows into "intermediates"."""
+    out, state = MultiHeadLatentAttention(config, Kernels(mla=path)).apply(
+        {"params": params}, *args, mutable=["intermediates"], **kwargs)
+    return out, state["intermediates"]["attention_weights"][0]
 
 
 @pytest.mark.parametrize("q_lora_rank", [None, 12])
@@ -42,12 +49,10 @@ def test_absorbed_equals_naive(q_lora_rank):
     config = mla_config(q_lora_rank=q_lora_rank)
     x, params = setup_mla(config)
     assert ("wq_a" in params) == (q_lora_rank is not None)
-    mask = (jnp.arange(T) < jnp.array([[T], [4]]))[:, None, None, :]  # padding [B, 1, 1, S]
+    mask = (jnp.arange(T)[None, :] < jnp.array([[T], [4]]))[:, None, None, :]  # padding [B, 1, 1, S]
     for causal in (True, False):
-        naive, w_naive = run(config, params, x, path="naive", mask=mask, is_causal=causal,
-                             return_weights=True)
-        absorb, w_absorb = run(config, params, x, path="absorb", mask=mask, is_causal=causal,
-                               return_weights=True)
+        naive, w_naive = run_with_weights(config, params, x, path="naive", mask=mask, is_causal=causal)
+        absorb, w_absorb = run_with_weights(config, params, x, path="absorb", mask=mask, is_causal=causal)
         chex.assert_shape([w_naive, w_absorb], (B, 4, T, T))
         assert float(w_naive.std()) > 0.05  # far from uniform: a real check
         np.testing.assert_allclose(absorb, naive, atol=1e-5, rtol=1e-5)
@@ -107,9 +112,7 @@ def test_yarn_attention_factor_reaches_only_the_rotary_logits():
     positions = jnp.arange(x.shape[1])
 
     def logits(m):
-        q_nope, q_rope = m.project_query(x)
-        c_kv, k_rope = m.compress_kv(x)
-        q_rope, k_rope = m.rotate(q_rope, k_rope, positions)
+        (q_nope, q_rope), (c_kv, k_rope) = m.rotate(*m.project(x), positions, positions)
         w_uk = m.wkv_b[..., :config.mla.qk_nope_head_dim]
         k_nope = jnp.einsum("BSR,RNP->BSNP", c_kv, w_uk)
         return (jnp.einsum("BTNP,BSNP->BNTS", q_nope, k_nope), jnp.einsum("BTNE,BSE->BNTS", q_rope, k_rope))
@@ -141,7 +144,11 @@ def test_the_kernels_choose_the_path_and_a_bad_path_raises():
     x, params = setup_mla(config)
     absorbed = MultiHeadLatentAttention(config, Kernels(mla="absorb")).apply({"params": params}, x, is_causal=True)
     np.testing.assert_allclose(absorbed, run(config, params, x, path="absorb", is_causal=True), atol=0, rtol=0)
-    with pytest.raises(ValueError, match=r"mla implementation must be one of \('naive', 'absorb'\), got 'fast'"):
-        run(config, params, x, path="fast")
+    with pytest.raises(ValueError, match=r"Kernels.mla is \"auto\": resolve it for a platform first"):
+        run(config, params, x, path="auto")  # never detected by a model
+    with pytest.raises(ValueError, match=r"Kernels.mla must be one of \('naive', 'absorb', 'auto'\), got 'fast'"):
+        Kernels(mla="fast")
+    with pytest.raises(ValueError, match="self-attention only"):
+        run(config, params, x, x)
     with pytest.raises(ValueError, match="needs ModelConfig.mla"):
         MultiHeadLatentAttention(config.replace(mla=None)).init(jax.random.PRNGKey(0), x)

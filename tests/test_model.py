@@ -11,7 +11,7 @@ import pytest
 
 from jaxattn.config import MLAConfig, ModelConfig
 from jaxattn.kernels import Kernels
-from jaxattn.model import DecoderLM, count_params
+from jaxattn.model import DecoderLM, attention_weights, count_params
 from tiny_models import (FAST_KERNELS, KINDS, POSITIONS, T, VOCAB, learned_params, params_for, tiny_config,
                          tiny_kernels)
 
@@ -135,10 +135,12 @@ def test_right_padding_does_not_change_the_real_tokens(kind):
 
 
 @pytest.mark.parametrize("kind", ["mha", "mqa", "mla_naive"])
-def test_return_weights_is_one_causal_distribution_per_layer(kind):
+def test_attention_weights_are_one_causal_distribution_per_layer(kind):
     config = tiny_config(kind)
     params, tokens = init(config)
-    logits, weights = forward(config, tiny_kernels(kind), return_weights=True)(params, tokens)
+    model = DecoderLM(config, tiny_kernels(kind))
+    logits, weights = attention_weights(model, {"params": params}, tokens)
+    np.testing.assert_array_equal(logits, model.apply({"params": params}, tokens))  # the same forward pass
     assert len(weights) == config.num_layers
     for w in weights:
         chex.assert_shape(w, (2, config.num_heads, T, T))

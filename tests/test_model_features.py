@@ -9,8 +9,9 @@ import pytest
 
 from jaxattn.cache import init_cache
 from jaxattn.config import ModelConfig
-from jaxattn.layers import MLP, Attention
+from jaxattn.gqa import Attention
 from jaxattn.model import DecoderLM
+from jaxattn.primitives import MLP
 from tiny_models import TINY_MLA, VOCAB, tiny_config
 
 T = 10
@@ -103,15 +104,16 @@ def test_mlp_forms_follow_their_formulas(mlp, approximate):
     x = jax.random.normal(jax.random.PRNGKey(0), (2, 3, 8))
     params = nn.unbox(MLP(config).init(jax.random.PRNGKey(1), x)["params"])
     params = jax.tree_util.tree_map(lambda p: p + 0.5, params)
-    out = MLP(config).apply({"params": params}, x)
-    if mlp == "gelu":
-        h = jax.nn.gelu(x @ params["c_fc"]["kernel"] + params["c_fc"]["bias"], approximate=approximate)
-        expected = h @ params["c_proj"]["kernel"] + params["c_proj"]["bias"]
-    else:
-        gate_up = x @ params["gate_up"]["kernel"] + params["gate_up"]["bias"]
-        gate, up = gate_up[..., :12], gate_up[..., 12:]
-        act = jax.nn.silu(gate) if mlp == "swiglu" else jax.nn.gelu(gate, approximate=approximate)
-        expected = (act * up) @ params["down"]["kernel"] + params["down"]["bias"]
+    out = MLP(config).apply({"params": params}, x)  # the library, rank-promotion clean
+    with jax.numpy_rank_promotion("allow"):  # the formula as written, biases broadcast implicitly
+        if mlp == "gelu":
+            h = jax.nn.gelu(x @ params["c_fc"]["kernel"] + params["c_fc"]["bias"], approximate=approximate)
+            expected = h @ params["c_proj"]["kernel"] + params["c_proj"]["bias"]
+        else:
+            gate_up = x @ params["gate_up"]["kernel"] + params["gate_up"]["bias"]
+            gate, up = gate_up[..., :12], gate_up[..., 12:]
+            act = jax.nn.silu(gate) if mlp == "swiglu" else jax.nn.gelu(gate, approximate=approximate)
+            expected = (act * up) @ params["down"]["kernel"] + params["down"]["bias"]
     np.testing.assert_allclose(out, expected, atol=1e-5, rtol=1e-5)
 
 

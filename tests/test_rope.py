@@ -266,8 +266,11 @@ def test_rope_errors():
         apply_rope(x, jnp.zeros((2, 3), jnp.int32), interleaved=True)
     with pytest.raises(TypeError, match=r"positions must be an integer array, got dtype float32"):
         apply_rope(x, jnp.arange(3.0), interleaved=True)
-    with pytest.raises(ValueError, match=r"inv_freq must be \[H/2\] = \(4,\) .* got \(3,\)"):
-        apply_rope(x, jnp.arange(3), interleaved=True, inv_freq=jnp.ones(3))
+    with pytest.raises(ValueError, match=r"inv_freq must be \[R/2\] with 2 <= R <= H = 8 .* got \(5,\)"):
+        apply_rope(x, jnp.arange(3), interleaved=True, inv_freq=jnp.ones(5))
+    for bad in (3, 10, 0):
+        with pytest.raises(ValueError, match=rf"rotary_dim must be an even integer in \[2, H=8\], got {bad}"):
+            apply_rope(x, jnp.arange(3), interleaved=True, rotary_dim=bad)
     with pytest.raises(TypeError, match=r"interleaved"):  # the pairing must be chosen
         apply_rope(x, jnp.arange(3))
 

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import jaxattn
 from jaxattn.model import DecoderLM
 from train import outputs
 from train.checkpoint import CheckpointError, load_for_sampling
@@ -27,7 +28,7 @@ from train.plots import plot_attention_maps
 
 def attention_weights(params, model_config, token_ids: np.ndarray) -> np.ndarray:
     """Weights of every layer and head for one sequence: [L, N, T, T] float32 (docs/theory.md §14)."""
-    apply = jax.jit(functools.partial(DecoderLM(model_config).apply, return_weights=True))  # one compile
+    apply = jax.jit(functools.partial(jaxattn.attention_weights, DecoderLM(model_config)))  # one compile
     _, weights = apply({"params": params}, jnp.asarray(token_ids)[None])
     return np.stack([np.asarray(w[0], np.float32) for w in weights])  # [L, N, T, T]
 

@@ -3,7 +3,8 @@
 A config file has up to three tables:
 
 * `[model]`: the maths, `jaxattn.ModelConfig` fields (`mla = {kv_lora_rank = 32, ...}`
-  for Multi-head Latent Attention);
+  for Multi-head Latent Attention; per-layer kinds as `[[model.layer_pattern]]` tables
+  or `layer_pattern = [{local = true}, {}]`);
 * `[train]`: how to train, `TrainConfig`;
 * `[runtime]`: how this machine runs it, `RuntimeConfig` (kernels, devices, XLA
   flags); every field defaults to "auto", resolved when the run starts.
@@ -243,7 +244,11 @@ def _coerce(name: str, value: Any, hint: Any) -> Any:
         if not isinstance(value, str):
             raise TypeError(f"{name} must be a string, got {value!r}")
         return value
-    if dataclasses.is_dataclass(hint):  # RopeScaling, MLAConfig: a TOML table
+    if origin is tuple and len(args) == 2 and args[1] is Ellipsis:  # layer_pattern: an array (of tables)
+        if not isinstance(value, (list, tuple)):
+            raise TypeError(f"{name} must be an array, got {value!r}")
+        return tuple(_coerce(f"{name}[{i}]", item, args[0]) for i, item in enumerate(value))
+    if dataclasses.is_dataclass(hint):  # RopeScaling, MLAConfig, LayerKind: a TOML table
         if isinstance(value, hint):
             return value
         if not isinstance(value, Mapping):
