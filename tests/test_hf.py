@@ -93,14 +93,17 @@ CASES = {
 }
 
 
-def randomize_(model: torch.nn.Module, std: float = 0.1) -> None:
-    """Redraws every parameter: norm weights 1 + N(0, std), everything else N(0, std)."""
+def randomize_(model: torch.nn.Module, std: float = 0.1, norm_center: float = 1.0) -> None:
+    """Redraws every parameter: norm weights norm_center + N(0, std), everything else N(0, std).
+
+    `norm_center` 0 for norms that scale by (1 + w) (Gemma), whose weights are initialised to 0.
+    """
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=generator) * std
             is_norm = name.endswith("weight") and p.ndim == 1
-            p.copy_((1.0 + noise) if is_norm else noise)
+            p.copy_((norm_center + noise) if is_norm else noise)
 
 
 def torch_model(case: str) -> torch.nn.Module:
@@ -138,12 +141,13 @@ def max_diff(a: np.ndarray, b: np.ndarray) -> float:
 def random_params(config: jaxattn.ModelConfig, seed: int = 0, std: float = 0.1):
     """DecoderLM params drawn with numpy (norm scales 1 + N(0, std), the rest N(0, std)).
 
+    With `norm_unit_offset` (norms scale by 1 + w) the norm scales w are N(0, std), around their init.
     The shapes come from `jax.eval_shape`: no initialiser runs, so nothing is compiled.
     """
     init = lambda: jaxattn.DecoderLM(config).init(jax.random.PRNGKey(0), jnp.zeros((1, 2), jnp.int32))  # noqa: E731
     shapes = flatten_dict(nn.unbox(jax.eval_shape(init)["params"]))
-    rng = np.random.default_rng(seed)
-    return unflatten_dict({path: jnp.asarray((path[-1] == "scale") + std * rng.standard_normal(leaf.shape),
+    rng, center = np.random.default_rng(seed), 0.0 if config.norm_unit_offset else 1.0
+    return unflatten_dict({path: jnp.asarray(center * (path[-1] == "scale") + std * rng.standard_normal(leaf.shape),
                                              leaf.dtype) for path, leaf in shapes.items()})
 
 
@@ -159,14 +163,13 @@ class Loaded:
     logits: np.ndarray  # transformers' logits of tokens()
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    """case -> `Loaded`, each transformers model built, saved and loaded once per module."""
+def checkpoints(tmp_path_factory, build):
+    """case -> `Loaded`: the transformers model `build(case)`, saved and loaded once per module."""
     cache = {}
 
     def get(case: str) -> Loaded:
         if case not in cache:
-            model = torch_model(case)
+            model = build(case)
             path = tmp_path_factory.mktemp(case)
             model.save_pretrained(path)
             cache[case] = Loaded(model, path, *hf.load_pretrained(path), torch_logits(model, tokens()))
@@ -174,12 +177,21 @@ def checkpoint(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_logits_equal_transformers(checkpoint, case):
-    loaded = checkpoint(case)
+def check_logits(loaded: Loaded, case: str) -> None:
     diff = max_diff(jax_logits(loaded.config, loaded.params, tokens()), loaded.logits)
     print(f"{case}: max |logit difference| {diff:.1e}")
     assert diff <= TOL
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return checkpoints(tmp_path_factory, torch_model)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_logits_equal_transformers(checkpoint, case):
+    loaded = checkpoint(case)
+    check_logits(loaded, case)
     assert {leaf.dtype for leaf in jax.tree_util.tree_leaves(loaded.params)} == {jnp.dtype("float32")}
 
 
@@ -193,7 +205,7 @@ EXPECTED_FIELDS = {  # what each checkpoint must become (the features the tests 
     "llama_biases_geglu": dict(mlp="geglu", gelu_approximate=True, qkv_bias=True, out_bias=True, mlp_bias=True),
     "mistral_window": dict(sliding_window=8, qkv_bias=False),
     "qwen2_qkv_bias": dict(qkv_bias=True, out_bias=False, mlp_bias=False, sliding_window=None),
-    "qwen3_qk_norm": dict(qk_norm=True, qkv_bias=False),
+    "qwen3_qk_norm": dict(qk_norm="head", qkv_bias=False),
     "deepseek_v2": dict(rope_interleaved=True, qkv_bias=False),
     "deepseek_v3_half_split": dict(rope_interleaved=False),
     "gpt_neox": dict(norm="layernorm", positions="rope", qkv_bias=True, mlp_bias=True, gelu_approximate=False),
@@ -237,7 +249,7 @@ NEGATIVE_CONTROLS = {
         "deepseek_v3_half_split", lambda c, p: (c.replace(rope_interleaved=True), p)),
     "llama half-split pairs read interleaved": ("llama_gqa", lambda c, p: (c.replace(rope_interleaved=True), p)),
     "qwen3 without qk_norm": ("qwen3_qk_norm", lambda c, p: (
-        c.replace(qk_norm=False), _without(p, "q_norm", "k_norm"))),
+        c.replace(qk_norm="none"), _without(p, "q_norm", "k_norm"))),
     "qwen2 without its qkv biases": ("qwen2_qkv_bias", lambda c, p: (
         c.replace(qkv_bias=False), _without(p, "query/bias", "key/bias", "value/bias"))),
     "mistral without its sliding window": ("mistral_window", lambda c, p: (c.replace(sliding_window=None), p)),
@@ -253,23 +265,27 @@ NEGATIVE_CONTROLS = {
 }
 
 
-@pytest.mark.parametrize("name", list(NEGATIVE_CONTROLS))
-def test_negative_controls_fail_the_tolerance(checkpoint, name):
-    case, spoil = NEGATIVE_CONTROLS[name]
-    loaded = checkpoint(case)
+def spoiled_difference(loaded: Loaded, spoil, name: str) -> float:
+    """Max |logit difference| from transformers of the loaded model with `spoil` applied to (config, params)."""
     config, params = spoil(loaded.config, loaded.params)
     diff = max_diff(jax_logits(config, params, tokens()), loaded.logits)
     print(f"{name}: max |logit difference| {diff:.1e}")
-    assert diff > TOL  # the right model is within ~3e-6; tanh vs erf GELU, the closest spoil, is ~6e-4
+    return diff
+
+
+@pytest.mark.parametrize("name", list(NEGATIVE_CONTROLS))
+def test_negative_controls_fail_the_tolerance(checkpoint, name):
+    case, spoil = NEGATIVE_CONTROLS[name]
+    # The right model is within ~3e-6; tanh vs erf GELU, the closest spoil, is ~6e-4.
+    assert spoiled_difference(checkpoint(case), spoil, name) > TOL
 
 
 # ---------------------------------------------------------------- cached greedy generation
 
 
-@pytest.mark.parametrize("case", ["gpt2", "llama_gqa", "mistral_window", "deepseek_v3_yarn_mscale"])
-def test_cached_greedy_generation_equals_transformers(checkpoint, case):
-    # Mistral's prompt plus new tokens (26) run well past its window (8).
-    loaded, prompt, new = checkpoint(case), tokens(1, 6, seed=3), 20
+def check_greedy_generation(loaded: Loaded) -> None:
+    """20 cached greedy tokens after a 6-token prompt equal transformers' `generate`."""
+    prompt, new = tokens(1, 6, seed=3), 20
     with torch.no_grad():
         expected = loaded.model.generate(torch.as_tensor(prompt), do_sample=False, max_new_tokens=new,
                                          min_new_tokens=new, pad_token_id=0)[0, prompt.shape[1]:].numpy()
@@ -277,6 +293,11 @@ def test_cached_greedy_generation_equals_transformers(checkpoint, case):
                            rng=jax.random.PRNGKey(0), temperature=0.0)
     chex.assert_shape(out.tokens, (1, new))
     np.testing.assert_array_equal(np.asarray(out.tokens[0]), expected)
+
+
+@pytest.mark.parametrize("case", ["gpt2", "llama_gqa", "mistral_window", "deepseek_v3_yarn_mscale"])
+def test_cached_greedy_generation_equals_transformers(checkpoint, case):
+    check_greedy_generation(checkpoint(case))  # Mistral's 26 tokens run well past its window (8)
 
 
 # ---------------------------------------------------------------- export: transformers loads the same model
@@ -318,9 +339,9 @@ EXPORTS = {
 }
 
 
-@pytest.mark.parametrize("name", list(EXPORTS))
-def test_export_loads_in_transformers_as_the_same_model(tmp_path, name):
-    config, architecture = EXPORTS[name]
+def check_export(tmp_path, name, config, architecture):
+    """Export `config` with random parameters; transformers loads it as `architecture`, equal in logits,
+    and loading it back gives the same function."""
     params, ids = random_params(config), tokens(vocab=config.vocab_size)
     expected = jax_logits(config, params, ids)
     path = hf.save_pretrained(tmp_path / "out", config, params).directory
@@ -333,6 +354,11 @@ def test_export_loads_in_transformers_as_the_same_model(tmp_path, name):
     assert diff <= TOL
     again, again_params = hf.load_pretrained(path)  # and back: the same function
     assert max_diff(jax_logits(again, again_params, ids), expected) <= TOL
+
+
+@pytest.mark.parametrize("name", list(EXPORTS))
+def test_export_loads_in_transformers_as_the_same_model(tmp_path, name):
+    check_export(tmp_path, name, *EXPORTS[name])
 
 
 def test_the_default_model_exports_with_tied_embeddings_and_no_biases(tmp_path):
@@ -432,17 +458,32 @@ UNSUPPORTED = {  # (case, config.json changes, words the message must hold)
     "a model without its head": ("llama_gqa", dict(architectures=["LlamaForSequenceClassification"]),
                                  ["LlamaForSequenceClassification"]),
     "deepseek_v3 mixture of experts": ("deepseek_v3_yarn_mscale", dict(first_k_dense_replace=1),
-                                       ["n_routed_experts", "[1]"]),
-    "deepseek_v2 mixture of experts": ("deepseek_v2", dict(first_k_dense_replace=0), ["n_routed_experts", "[0, 1]"]),
+                                       ["mixture-of-experts", "n_routed_experts", "[1]"]),
+    "deepseek_v2 mixture of experts": ("deepseek_v2", dict(first_k_dense_replace=0),
+                                       ["mixture-of-experts", "n_routed_experts", "[0, 1]"]),
+    "qwen2-moe": ("llama_gqa", dict(model_type="qwen2_moe", architectures=["Qwen2MoeForCausalLM"], num_experts=8),
+                  ["mixture-of-experts", "num_experts=8", "Qwen2MoeForCausalLM"]),
+    "qwen3-moe": ("qwen3_qk_norm", dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], num_experts=4),
+                  ["mixture-of-experts", "num_experts=4"]),
+    "mixtral": ("mistral_window", dict(model_type="mixtral", architectures=["MixtralForCausalLM"],
+                                       num_local_experts=8), ["mixture-of-experts", "num_local_experts=8"]),
+    "gpt-oss": ("llama_gqa", dict(model_type="gpt_oss", architectures=["GptOssForCausalLM"], num_local_experts=32),
+                ["mixture-of-experts", "num_local_experts=32", "GptOssForCausalLM"]),
+    "experts in a dense family": ("llama_gqa", dict(num_local_experts=4), ["mixture-of-experts", "LlamaForCausalLM"]),
     "dynamic rope": ("llama_gqa", dict(rope_parameters=dict(ROPE, rope_type="dynamic", factor=2.0)), ["dynamic"]),
     "longrope": ("llama_gqa", dict(rope_parameters=dict(ROPE, rope_type="longrope", short_factor=[1.0] * 8,
                                                         long_factor=[1.0] * 8)), ["longrope"]),
-    "partial rotary": ("gpt_neox", dict(rope_parameters=dict(ROPE, rope_type="default", partial_rotary_factor=0.25)),
-                       ["partial_rotary_factor"]),
-    "parallel residual": ("gpt_neox", dict(use_parallel_residual=True), ["use_parallel_residual"]),
-    "mixed sliding layers": ("qwen3_qk_norm", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1,
-                                                   layer_types=["full_attention", "sliding_attention"]),
-                             ["layer_types"]),
+    "partial rotary in llama": ("llama_gqa", dict(rope_parameters=dict(ROPE, rope_type="default",
+                                                                       partial_rotary_factor=0.25)),
+                                ["LlamaForCausalLM", "partial_rotary_factor"]),
+    "an odd number of rotated dims": ("gpt_neox", dict(rope_parameters=dict(ROPE, rope_type="default",
+                                                                             partial_rotary_factor=0.2)),
+                                      ["partial_rotary_factor", "= 3 rotated dims"]),
+    "mistral mixed sliding layers": ("mistral_window", dict(layer_types=["full_attention", "sliding_attention"]),
+                                     ["layer_types"]),
+    "an unknown layer type": ("qwen3_qk_norm", dict(use_sliding_window=True, sliding_window=8,
+                                                    layer_types=["full_attention", "chunked_attention"]),
+                              ["layer_types", "chunked_attention"]),
     "gpt2 inverse layer scaling": ("gpt2", dict(scale_attn_by_inverse_layer_idx=True),
                                    ["scale_attn_by_inverse_layer_idx"]),
     "gpt2 reordered upcast": ("gpt2", dict(reorder_and_upcast_attn=True), ["reorder_and_upcast_attn"]),
@@ -490,7 +531,7 @@ def test_load_refuses_other_dtypes_and_directories_without_a_checkpoint(checkpoi
 
 NO_COUNTERPART = {  # a config no transformers architecture computes, and the field the message names
     "sinusoidal positions": (small(positions="sinusoidal", norm="layernorm", mlp="gelu"), "positions"),
-    "no positions": (small(positions="none"), "positions"),
+    "no positions with layernorm": (small(positions="none", norm="layernorm", mlp="gelu"), "positions"),
     "rmsnorm with a plain gelu mlp": (small(mlp="gelu"), "mlp"),
     "rmsnorm with learned positions": (small(positions="learned", mlp="gelu"), "norm"),
     "layernorm rope with gqa": (small(norm="layernorm", mlp="gelu", num_kv_heads=2), "num_kv_heads"),
@@ -499,7 +540,7 @@ NO_COUNTERPART = {  # a config no transformers architecture computes, and the fi
     "mla without rope": (small(mla=MLA, positions="learned"), "positions"),
     "mla with another eps": (small(mla=MLA, norm_eps=1e-5), "norm_eps"),
     "static ntk scaling": (small(rope_scaling=jaxattn.RopeScaling("ntk", 2.0)), "ntk"),
-    "a window with an output bias": (small(sliding_window=8, out_bias=True), "out_bias"),
+    "a window, qk norm and mlp biases": (small(sliding_window=8, qk_norm="head", mlp_bias=True), "mlp_bias"),
     "gpt2 with a window": (small(positions="learned", norm="layernorm", mlp="gelu", sliding_window=8),
                            "sliding_window"),
 }

@@ -8,23 +8,35 @@ report = hf.save_pretrained(out_dir, config, params, tokenizer=None)  # AutoMode
 tok = hf.load_tokenizer(path)                                 # encode, decode, eos_token_id, vocab_size
 ```
 
-Supported, both ways (load and export), with the transformers 5.23 classes:
+Supported, both ways (load and export), with the transformers 5.23 classes
+(one record per family in `jaxattn.hf.families`; `jaxattn.hf.family` describes it):
 
 | family | transformers class | jaxattn features |
 | --- | --- | --- |
 | GPT-2 | `GPT2LMHeadModel` | learned positions, LayerNorm, GELU MLP, biases, fused QKV |
 | Llama 1/2/3, SmolLM | `LlamaForCausalLM` | RoPE (default, linear, llama3, yarn), RMSNorm, gated MLP, GQA/MQA |
-| Mistral | `MistralForCausalLM` | Llama + `sliding_window` |
-| Qwen2 / Qwen2.5 | `Qwen2ForCausalLM` | Llama + q/k/v biases (+ one window for every layer) |
-| Qwen3 | `Qwen3ForCausalLM` | Llama + `qk_norm` |
+| Mistral | `MistralForCausalLM` | Llama + one `sliding_window` for every layer |
+| Qwen2 / Qwen2.5 | `Qwen2ForCausalLM` | Llama + q/k/v biases, sliding windows on the layers `layer_types` names |
+| Qwen3 | `Qwen3ForCausalLM` | Qwen2's windows + per-head q/k RMSNorm (`qk_norm="head"`) |
 | DeepSeek-V2 | `DeepseekV2ForCausalLM` | MLA (with or without `q_lora_rank`), YaRN with mscale, dense MLPs |
 | DeepSeek-V3 | `DeepseekV3ForCausalLM` | the same, RoPE interleaved or half-split |
-| GPT-NeoX | `GPTNeoXForCausalLM` | RoPE, LayerNorm, GELU MLP, sequential residual, rotary_pct 1.0 |
+| GPT-NeoX, Pythia | `GPTNeoXForCausalLM` | RoPE on `rotary_pct` of a head, LayerNorm, GELU MLP, parallel residual |
+| Gemma 2 | `Gemma2ForCausalLM` | sandwich (1 + w) RMSNorms, sqrt(D) embeddings, soft-caps, local/global layers (*) |
+| Gemma 3 (text) | `Gemma3ForCausalLM` | Gemma 2 + per-head q/k norm, 5 local layers per global, a RoPE per kind (*) |
+| Phi-3 | `Phi3ForCausalLM` | fused `qkv_proj` and `gate_up_proj`, partial rotary, `sliding_window` |
+| OLMo 2 | `Olmo2ForCausalLM` | norms after attention and MLP only (post-norm), full-width q/k RMSNorm |
+| SmolLM3 | `SmolLM3ForCausalLM` | NoPE layers (`no_rope_layers`), sliding windows per `layer_types` |
 
-Not supported (`UnsupportedCheckpoint`): mixture-of-experts layers, dynamic or
-longrope RoPE, partial rotary, per-layer windows, parallel residuals, GPT-2's
-per-layer attention scaling, quantized checkpoints (`quantization_config`, FP8
-and smaller float tensors), and every other architecture.
+(*) Gemma: a softmax scale `query_pre_attn_scalar ** -0.5`, a gated tanh-GELU MLP, the final-logit
+soft-cap; Gemma 2 also caps attention logits (Gemma 3's transformers class ignores that key).
+
+Not supported (`UnsupportedCheckpoint`): mixture-of-experts layers (the
+message names "mixture-of-experts" and the key: DeepSeek's `n_routed_experts`,
+Qwen-MoE's `num_experts`, Mixtral's and GPT-OSS's `num_local_experts`),
+dynamic or longrope RoPE, a partial rotary fraction of an odd number of dims
+(or in a family that rotates whole heads), GPT-2's per-layer attention scaling,
+bidirectional Gemma, quantized checkpoints (`quantization_config`, FP8 and
+smaller float tensors), and every other architecture.
 
 Errors: every failure to read a checkpoint is an `HFCheckpointError` (a
 ValueError): `UnsupportedCheckpoint` for what jaxattn does not implement,

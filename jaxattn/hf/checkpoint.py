@@ -23,17 +23,17 @@ import jax.numpy as jnp
 import numpy as np
 from flax.traverse_util import flatten_dict, unflatten_dict
 
+from jaxattn import DecoderLM, fused_to_separate_qkv, separate_to_fused_qkv
 from jaxattn.config import ModelConfig
-from jaxattn.hf.architectures import ARCHITECTURES, config_from_hf
+from jaxattn.hf.architectures import config_from_hf
 from jaxattn.hf.errors import InvalidCheckpoint, UnsupportedCheckpoint
 from jaxattn.hf.export import hf_config
+from jaxattn.hf.family import Family
 from jaxattn.hf.fields import Fields, read_json_object
-from jaxattn.hf.layouts import FAMILIES, is_ignored, layout
+from jaxattn.hf.layouts import is_ignored, layout, stored_names
 from jaxattn.hf.safetensors_io import INDEX_FILE, SINGLE_FILE, CheckpointReader, write_safetensors
 from jaxattn.hf.tokenizer import TOKENIZER_FILES, HFTokenizer, as_tokenizer, tokenizer_files
 from jaxattn.hf.weights import Entry
-from jaxattn.layers import fused_to_separate_qkv, separate_to_fused_qkv
-from jaxattn.model import DecoderLM
 
 DTYPES = ("float32", "bfloat16")
 MAX_LISTED = 8  # problems listed in one error message
@@ -58,20 +58,6 @@ def read_config_json(directory: Path) -> Fields:
         raise InvalidCheckpoint(directory, None, "does not exist" if not directory.exists() else "is not a directory")
     path = directory / "config.json"
     return Fields(read_json_object(path, ": not a Hugging Face checkpoint directory"), path)
-
-
-def _stored_names(reader: CheckpointReader, family: str) -> dict[str, str]:
-    """`{current name: stored name}`: legacy names renamed, the base-model prefix added where a hub file lacks it."""
-    info = FAMILIES[family]
-    aliases, names = dict(info.aliases), reader.names()
-    prefixed = any(name.startswith(info.prefix) for name in names)
-    mapping = {}
-    for name in names:
-        current = aliases.get(name, name)
-        if not prefixed and not current.startswith("lm_head."):
-            current = info.prefix + current
-        mapping[current] = name
-    return mapping
 
 
 def _problems(entries: list[Entry], stored: dict[str, str], reader: CheckpointReader,
@@ -110,11 +96,11 @@ def _check_dtypes(entries: list[Entry], stored: dict[str, str], reader: Checkpoi
                                 f"read from {', '.join(WEIGHT_DTYPES)}")
 
 
-def _check_layout(family: str, entries: list[Entry], model: dict) -> None:
+def _check_layout(family: Family, entries: list[Entry], model: dict) -> None:
     """The layout and `DecoderLM` agree on the parameters (else a bug in the layout, not in a file)."""
     paths = {e.path for e in entries}
     if paths != set(model):
-        raise AssertionError(f"the {family} layout and DecoderLM disagree: only in the layout "
+        raise AssertionError(f"the {family.model_type} layout and DecoderLM disagree: only in the layout "
                              f"{sorted(paths - set(model))}, only in the model {sorted(set(model) - paths)}")
 
 
@@ -155,10 +141,10 @@ def load_pretrained(path, dtype: str = "float32", *, allow_nonfinite: bool = Fal
     family, config = config_from_hf(hf, dtype)
     entries, model = layout(family, config), abstract_params(config)
     _check_layout(family, entries, model)
-    extra_layers = hf.integer("num_nextn_predict_layers", 0, minimum=0) if family == "deepseek_v3" else 0
+    extra_layers = family.extra_layers(hf)
     np_dtype = jnp.dtype(dtype)
     with CheckpointReader(directory) as reader:
-        stored = _stored_names(reader, family)
+        stored = stored_names(family, reader.names())
         ignored = lambda name: is_ignored(family, name, config, extra_layers)  # noqa: E731
         _raise_problems(reader, _problems(entries, stored, reader, ignored))
         _check_dtypes(entries, stored, reader)
@@ -173,7 +159,7 @@ def _unwrap(params) -> dict:
 
 
 def _match_qkv(params: dict, config: ModelConfig, fused: bool) -> tuple[dict, ModelConfig]:
-    """Params and config with attention projections fused (GPT-2, GPT-NeoX) or separate (the rest)."""
+    """Params and config with attention projections fused (GPT-2, GPT-NeoX, Phi-3) or separate (the rest)."""
     if config.mla is not None or config.fused_qkv == fused:
         return params, config
     convert = (lambda a: separate_to_fused_qkv(a)) if fused else (lambda a: fused_to_separate_qkv(a, config))
@@ -302,9 +288,9 @@ class SaveReport:
     replaced: tuple[Path, ...]
 
 
-def _contents(config: ModelConfig, params, family: str, hf: dict, tokenizer, eos_token_id) -> dict:
+def _contents(config: ModelConfig, params, family: Family, hf: dict, tokenizer, eos_token_id) -> dict:
     """`{file name: write(path)}` of a save, the weights first."""
-    params, config = _match_qkv(params, config, fused=family in ("gpt2", "gpt_neox"))
+    params, config = _match_qkv(params, config, fused=family.fused_qkv)
     tensors = _hf_tensors(layout(family, config), flatten_dict(params), jnp.dtype(config.param_dtype))
     contents = {SINGLE_FILE: lambda path: write_safetensors(path, tensors),
                 "config.json": lambda path: _write_json(path, hf),
@@ -337,5 +323,5 @@ def save_pretrained(path, config: ModelConfig, params, tokenizer=None, *, overwr
     replaced = [directory / name for name in names if (directory / name).exists()] + stale
     contents = _contents(config, unflatten_dict(flat_in), family, hf, tokenizer, eos_token_id)
     _write_all(directory, contents, stale)
-    return SaveReport(directory, ARCHITECTURES[family], tuple(sorted(directory / name for name in names)),
+    return SaveReport(directory, family.architecture, tuple(sorted(directory / name for name in names)),
                       tuple(sorted(replaced)))

@@ -67,13 +67,16 @@ def permuted(codec: Codec, columns: np.ndarray | None) -> Codec:
     return Codec(lambda t: codec.to_jax(t)[..., inverse], lambda a: codec.to_hf(a[..., columns]))
 
 
-def half_split_columns(heads: int, head_dim: int) -> np.ndarray:
-    """Columns that turn interleaved RoPE pairs `(x[2p], x[2p+1])` into half-split `(y[p], y[p + H/2])`.
+def half_split_columns(heads: int, head_dim: int, rotary_dim: int | None = None) -> np.ndarray:
+    """Columns that turn interleaved RoPE pairs `(x[2p], x[2p+1])` into half-split `(y[p], y[p + R/2])`.
 
     Applied to the query and key projections (and their biases and norms),
-    it leaves every `q . k` unchanged: the same rotation, dims renamed.
+    it leaves every `q . k` unchanged: the same rotation, dims renamed. Only
+    the first `rotary_dim` R (default: all) dims of each head rotate (partial
+    rotary, docs/theory.md §19); the others keep their place.
     """
-    one = np.concatenate([np.arange(0, head_dim, 2), np.arange(1, head_dim, 2)])
+    R = head_dim if rotary_dim is None else rotary_dim
+    one = np.concatenate([np.arange(0, R, 2), np.arange(1, R, 2), np.arange(R, head_dim)])
     return np.concatenate([h * head_dim + one for h in range(heads)])
 
 
