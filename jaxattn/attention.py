@@ -94,6 +94,18 @@ def _lengths(name: str, lengths, B: int, bound: int, bound_name: str, shapes: st
     return lengths
 
 
+def _sinks(sinks, N: int, shapes: str):
+    """None, or `sinks` as an array once it is known to be `[N]` floats (one logit per query head)."""
+    if sinks is None:
+        return None
+    sinks = jnp.asarray(sinks)
+    require_float("sinks", sinks)
+    if sinks.shape != (N,):
+        raise ValueError(f"sinks must be [N] = ({N},), one logit per query head, got shape {sinks.shape} "
+                         f"for {shapes}")
+    return sinks
+
+
 def _check(query, key, value, bias=None, mask=None, *, dropout_rate=0.0, local_window_size=None,
            query_seq_lengths=None, key_value_seq_lengths=None, logits_soft_cap=None, sinks=None) -> _Arguments:
     """The one check of the attention arguments: a ValueError or TypeError naming the argument and the
@@ -137,12 +149,7 @@ def _check(query, key, value, bias=None, mask=None, *, dropout_rate=0.0, local_w
         arrays[name] = x.reshape((1,) * (4 - x.ndim) + x.shape)  # rank 4, explicitly
     if not 0.0 <= dropout_rate < 1.0:
         raise ValueError(f"dropout_rate must be in [0, 1), got {dropout_rate}")
-    if sinks is not None:
-        sinks = jnp.asarray(sinks)
-        require_float("sinks", sinks)
-        if sinks.shape != (N,):
-            raise ValueError(f"sinks must be [N] = ({N},), one logit per query head, got shape {sinks.shape} "
-                             f"for {shapes}")
+    sinks = _sinks(sinks, N, shapes)
     return _Arguments(
         query, key, value, arrays.get("bias"), arrays.get("mask"),
         _lengths("query_seq_lengths", query_seq_lengths, B, T, "T", shapes),
@@ -284,11 +291,7 @@ def cached_attention(query, key_cache, value_cache, query_positions, *, scale=No
     if window is not None:
         require_positive_int("window", window)
     cap = None if logits_soft_cap is None else _positive_number("logits_soft_cap", logits_soft_cap)
-    if sinks is not None:
-        sinks = jnp.asarray(sinks)
-        require_float("sinks", sinks)
-        if sinks.shape != (N,):
-            raise ValueError(f"sinks must be [N] = ({N},) for query {query.shape}, got shape {sinks.shape}")
+    sinks = _sinks(sinks, N, f"query {query.shape}")
     return attend(query, key_cache, value_cache, query_positions, scale=scale, window=window,
                   logits_soft_cap=cap, sinks=sinks)
 

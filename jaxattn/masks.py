@@ -51,11 +51,8 @@ def sliding_window_mask(q_len: int, kv_len: int, window: int) -> jnp.ndarray:
     convention, the model's `sliding_window`: a window of 1 is the diagonal alone).
     The same mask as `local_window_mask(T, S, (window - 1, 0))`.
     """
-    require_positive_int("q_len", q_len)
-    require_positive_int("kv_len", kv_len)
     require_positive_int("window", window)
-    offsets = _query_key_offsets(q_len, kv_len)
-    return (offsets >= 0) & (offsets < window)
+    return local_window_mask(q_len, kv_len, (window - 1, 0))
 
 
 def window_sides(window) -> tuple[int, int]:
