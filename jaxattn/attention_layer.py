@@ -6,6 +6,8 @@ window, RoPE on or off and its settings, soft cap, sinks; docs/theory.md §21). 
 defines the steps; this class runs them in the one order both share:
 
     project     x (and a context) -> queries q, keys/values kv (pytrees the layer chooses)
+    mix_values  a value embedding mixed into the values (self-attention, layers with a table of
+                `ModelConfig.value_embeddings`; identity without one; docs/theory.md §23)
     normalise   q/k norms that act on whole projections (identity unless the layer has them)
     rotate      RoPE on the rotary part of q and of the keys (identity for a NoPE layer)
     update_cache  (extend only) writes kv into the layer's cache
@@ -57,6 +59,13 @@ class AttentionLayer(nn.Module):
         """x `[B, T, D]` (and context `[B, S, D]`) -> (q, kv)."""
         raise NotImplementedError
 
+    def mix_values(self, kv, value_embedding):
+        """Mixes a value embedding `[B, S, K, Hv]` into kv's values; identity for None. A layer
+        without value embeddings (the default) refuses one."""
+        if value_embedding is not None:
+            raise ValueError(f"value_embedding: {type(self).__name__} has no value embeddings")
+        return kv
+
     def normalise(self, q, kv):
         """Norms over whole projections; identity by default."""
         return q, kv
@@ -94,7 +103,7 @@ class AttentionLayer(nn.Module):
     # -- whole sequences and cached extension, written once ---------------------------------
 
     def __call__(self, x, context=None, *, positions=None, context_positions=None, mask=None,
-                 is_causal=False, deterministic=True):
+                 is_causal=False, deterministic=True, value_embedding=None):
         """Self-attention over x, or cross-attention from x to `context` (where the layer has it).
 
         Args:
@@ -108,15 +117,20 @@ class AttentionLayer(nn.Module):
           is_causal: hide keys after each query (aligned to the end of the keys); a
             local layer's window applies to causal self-attention.
           deterministic: no dropout when True; else needs rngs={'dropout': key}.
+          value_embedding: `[B, T, K, Hv]`, this layer's value embedding of x's tokens (`mix_values`);
+            self-attention only.
 
         Returns:
           `[B, T, D]`; the weights are sown into "intermediates" when it is mutable.
         """
         self.check_inputs(x, context)
+        if context is not None and value_embedding is not None:
+            raise ValueError("value_embedding applies to self-attention; it was given with a context")
         positions = jnp.arange(x.shape[1]) if positions is None else positions
         if context_positions is None:
             context_positions = positions if context is None else jnp.arange(context.shape[1])
-        q, kv = self.normalise(*self.project(x, context))
+        q, kv = self.project(x, context)
+        q, kv = self.normalise(q, self.mix_values(kv, value_embedding))
         q, kv = self.rotate(q, kv, positions, context_positions)
         window = self.spec.window if is_causal and context is None else None
         capture = self.is_mutable_collection(WEIGHTS[0]) and not self.is_initializing()
@@ -126,20 +140,22 @@ class AttentionLayer(nn.Module):
             self.sow(*WEIGHTS, weights)
         return self.project_out(out, deterministic=deterministic)
 
-    def extend(self, x, cache, starts):
+    def extend(self, x, cache, starts, *, value_embedding=None):
         """Appends the T tokens of x to the cache and attends causally to all of row b's tokens.
 
         Args:
           x: `[B, T, D]`; token t of row b sits at absolute position `starts[b] + t`.
           cache: this layer's cache (`KVCache` or `LatentCache`), `starts[b] + T <= L`.
           starts: `[B]` int, tokens of each row already in the cache.
+          value_embedding: `[B, T, K, Hv]` or None, as in `__call__`; the cache keeps the mixed values.
 
         Returns:
           `([B, T, D], new_cache)`. Deterministic (no dropout).
         """
         self.check_inputs(x, None)
         positions = starts[:, None] + jnp.arange(x.shape[1])[None, :]  # [B, T] absolute
-        q, kv = self.normalise(*self.project(x))
+        q, kv = self.project(x)
+        q, kv = self.normalise(q, self.mix_values(kv, value_embedding))
         q, kv = self.rotate(q, kv, positions, positions)
         cache = self.update_cache(cache, kv, starts)
         return self.project_out(self.attend_cached(q, cache, positions)), cache

@@ -15,7 +15,7 @@ from jaxattn.rope import RopeScaling, rotary_dims
 
 PositionKind = Literal["learned", "sinusoidal", "rope", "none"]
 NormKind = Literal["layernorm", "rmsnorm"]
-MlpKind = Literal["gelu", "swiglu", "geglu"]
+MlpKind = Literal["gelu", "relu2", "swiglu", "geglu"]
 DType = Literal["float32", "bfloat16"]
 QkNormKind = Literal["none", "head", "full"]
 ResidualKind = Literal["sequential", "parallel"]
@@ -24,7 +24,7 @@ NormPlacement = Literal["pre", "sandwich", "post"]
 _CHOICES = {
     "positions": ("learned", "sinusoidal", "rope", "none"),
     "norm": ("layernorm", "rmsnorm"),
-    "mlp": ("gelu", "swiglu", "geglu"),
+    "mlp": ("gelu", "relu2", "swiglu", "geglu"),
     "dtype": ("float32", "bfloat16"),
     "param_dtype": ("float32", "bfloat16"),
     "qk_norm": ("none", "head", "full"),
@@ -158,8 +158,9 @@ class ModelConfig:
       rope_scaling: optional context extension of RoPE.
       norm: "layernorm" or "rmsnorm" (the norms of the blocks and the final norm).
       norm_eps: epsilon of the norms.
-      mlp: "gelu" (Linear-GELU-Linear), "swiglu" (silu(x W_gate) * x W_up, then W_down)
-        or "geglu" (the same gated MLP with GELU).
+      mlp: "gelu" (Linear-GELU-Linear), "relu2" (Linear-ReLU²-Linear, relu(x)**2: the
+        modded-nanoGPT speedrun's; docs/theory.md §23), "swiglu" (silu(x W_gate) * x W_up,
+        then W_down) or "geglu" (the same gated MLP with GELU).
       gelu_approximate: every GELU in the tanh form (GPT-2's "gelu_new") when True,
         the exact erf form (Hugging Face's "gelu") when False.
       mlp_hidden: MLP hidden width (None = 4 * d_model).
@@ -199,6 +200,12 @@ class ModelConfig:
       dtype: compute dtype; softmax and losses stay float32.
       param_dtype: parameter storage dtype.
       init_std: standard deviation of the weight initialisation.
+      zero_init_out: the matrices that write into the residual stream (attention and MLP
+        output projections) and an untied lm_head start at zero (docs/theory.md §23): each
+        block starts as the identity and the first logits are uniform.
+      value_embeddings: E token tables `[V, K*H]` mixed into the values of the first and last E
+        layers (modded-nanoGPT; docs/theory.md §23): v = lam_0 v + lam_1 table[token], layer i's
+        table `value_embedding_table(i)`; 0 <= 2E <= num_layers, standard attention only.
 
     `num_kv_heads`, `head_dim`, `mlp_hidden` and the three bias switches given as
     None are derived when the config is built, so they always read as integers
@@ -245,6 +252,8 @@ class ModelConfig:
     dtype: DType = "float32"
     param_dtype: DType = "float32"
     init_std: float = 0.02
+    zero_init_out: bool = False
+    value_embeddings: int = 0
 
     def __post_init__(self):
         if isinstance(self.qk_norm, bool):  # older configs: a switch of the per-head norm
@@ -315,6 +324,11 @@ class ModelConfig:
         if self.mla is not None and fractions != {1.0}:
             raise ValueError(f"ModelConfig.rotary_fraction applies to standard attention; MLA's rotary dims are "
                              f"already separate (mla.qk_rope_head_dim), got rotary_fraction {sorted(fractions)}")
+        E, mla = self.value_embeddings, self.mla is not None
+        if isinstance(E, bool) or not isinstance(E, int) or not 0 <= 2 * E <= self.num_layers or (E and mla):
+            raise ValueError(f"ModelConfig.value_embeddings must be an integer with 0 <= 2 * value_embeddings <= "
+                             f"num_layers={self.num_layers}, and 0 with MLA (mla is {'set' if mla else 'None'}: "
+                             f"its values come from the latent), got {E!r}")
         if self.positions == "rope" and self.mla is None:
             for fraction in fractions:
                 if rotary_dims(self.head_dim, fraction) == 0:
@@ -336,6 +350,13 @@ class ModelConfig:
             rope_scaling=None if not rope or scaling == "none" else scaling,
             rotary_fraction=pick(kind.rotary_fraction, self.rotary_fraction),
             logits_soft_cap=self.attn_logits_soft_cap, sinks=self.attn_sinks)
+
+    def value_embedding_table(self, layer: int) -> int | None:
+        """The value-embedding table of `layer` (U-net sharing): i for i < E, i - (L - E) for i >= L - E, else None."""
+        E, L = self.value_embeddings, self.num_layers
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < L:
+            raise ValueError(f"layer must be an integer in [0, num_layers={L}), got {layer!r}")
+        return layer if layer < E else layer - (L - E) if layer >= L - E else None
 
     @property
     def attention(self) -> Literal["standard", "mla"]:

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import math
 
+import flax.linen as nn
 import jax.numpy as jnp
 
 from jaxattn.attention import cached_attention
 from jaxattn.attention_layer import AttentionLayer
 from jaxattn.cache import KVCache, write_rows
-from jaxattn.primitives import check_config, make_linear, make_rms_norm
+from jaxattn.primitives import check_config, logical, make_linear, make_rms_norm
 from jaxattn.rope import apply_rope, rotary_dims
 
 
@@ -28,7 +29,8 @@ class Attention(AttentionLayer):
     (biases when `config.qkv_bias`); output projection `out` (`[N H, D]`, bias
     when `config.out_bias`); `q_norm`, `k_norm` when `config.qk_norm` is "head"
     (RMSNorm over H, scale `[H]`) or "full" (over the whole N*H / K*H projection,
-    scale `[N*H]` / `[K*H]`); `sinks` `[N]` when `config.attn_sinks`.
+    scale `[N*H]` / `[K*H]`); `sinks` `[N]` when `config.attn_sinks`; `value_lambdas` `[2]`
+    (initialised to 1/2 each) in a layer with a value-embedding table (`config.value_embedding_table`).
 
     Its `AttentionSpec` (`config.layer_attention(layer)`) decides the rest: RoPE on
     the first `rotary_dims(H, rotary_fraction)` dims with this layer's base and
@@ -57,6 +59,9 @@ class Attention(AttentionLayer):
             self.q_norm = make_rms_norm(c, "heads" if full else "head_dim")
             self.k_norm = make_rms_norm(c, "kv_heads" if full else "head_dim")
         self.out = make_linear(c, k, c.d_model, ("heads", "embed"), residual=True, use_bias=c.out_bias)
+        if c.value_embedding_table(self.layer) is not None:
+            self.value_lambdas = self.param("value_lambdas", logical(nn.initializers.constant(0.5), None), (2,),
+                                            jnp.dtype(c.param_dtype))
         self.rotary = rotary_dims(H, spec.rotary_fraction) if spec.rope else 0
         self.setup_shared(N, self.rotary, all_rotated=self.rotary == H)
         if c.attn_scale is None:
@@ -84,6 +89,24 @@ class Attention(AttentionLayer):
             q, k, v = self.query(x), self.key(source), self.value(source)
         S = k.shape[1]
         return q.reshape(B, T, N, H), (k.reshape(B, S, K, H), v.reshape(B, S, K, H))
+
+    def mix_values(self, kv, value_embedding):
+        """Value embeddings (modded-nanoGPT, docs/theory.md §23): v `[B, S, K, H]` ->
+        `lam[0] * v + lam[1] * value_embedding` (`[B, S, K, H]`, lam = `value_lambdas`), in v's dtype.
+
+        Identity for None; a ValueError for one of another shape or in a layer without a table.
+        """
+        if value_embedding is None:
+            return kv
+        k, v = kv
+        if self.config.value_embedding_table(self.layer) is None:
+            raise ValueError(f"value_embedding: layer {self.layer} has no value-embedding table "
+                             f"(value_embeddings={self.config.value_embeddings}, num_layers={self.config.num_layers})")
+        if getattr(value_embedding, "shape", None) != v.shape:
+            raise ValueError(f"value_embedding must be [B, S, K, H] = {v.shape}, "
+                             f"got {getattr(value_embedding, 'shape', type(value_embedding))}")
+        lam = self.value_lambdas.astype(v.dtype)
+        return k, lam[0] * v + lam[1] * value_embedding.astype(v.dtype)
 
     def normalise(self, q, kv):
         """q/k RMSNorm before RoPE: per head (Qwen3, Gemma 3) or over the whole projection (OLMo 2)."""

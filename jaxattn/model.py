@@ -2,7 +2,8 @@
 
 tokens `[B, T]` -> embeddings (times `embed_multiplier`, + learned or sinusoidal
 positions) `[B, T, D]` -> `num_layers` blocks, each with its own attention
-(`ModelConfig.layer_attention`) -> final norm -> lm_head -> float32 logits
+(`ModelConfig.layer_attention`) and value embedding (`ModelConfig.value_embeddings`:
+`embed_values`) -> final norm -> lm_head -> float32 logits
 `[B, T, V]` (soft-capped when `final_logits_soft_cap`).
 
 `__call__` runs whole sequences (training, scoring). `extend` appends tokens
@@ -73,18 +74,18 @@ class Block(nn.Module):
             self.post_attn_norm = make_norm(c)
             self.post_mlp_norm = make_norm(c)
 
-    def __call__(self, x, *, positions, mask=None, deterministic=True):
-        """`[B, T, D] -> [B, T, D]`, causal."""
+    def __call__(self, x, *, positions, mask=None, deterministic=True, value_embedding=None):
+        """`[B, T, D] -> [B, T, D]`, causal; `value_embedding` `[B, T, K, H]` goes to the values (or None)."""
         attend = lambda h: self.attn(h, positions=positions, mask=mask, is_causal=True,  # noqa: E731
-                                     deterministic=deterministic)
+                                     deterministic=deterministic, value_embedding=value_embedding)
         return self.residuals(x, attend, deterministic)
 
-    def extend(self, x, cache, starts):
+    def extend(self, x, cache, starts, *, value_embedding=None):
         """`[B, T, D]` new tokens at positions `starts[b] + t` -> (`[B, T, D]`, new layer cache)."""
         caches = []
 
         def attend(h):
-            out, new_cache = self.attn.extend(h, cache, starts)
+            out, new_cache = self.attn.extend(h, cache, starts, value_embedding=value_embedding)
             caches.append(new_cache)
             return out
 
@@ -122,7 +123,8 @@ def _check_tokens(tokens) -> None:
 
 
 class DecoderLM(nn.Module):
-    """Token embedding `wte`, optional position table `wpe`, blocks `blocks_i`, `final_norm`, lm_head."""
+    """Token embedding `wte`, optional position table `wpe`, value-embedding tables `value_embed_j`
+    (`[V, K*H]`, logical axes ("vocab", "kv_heads")), blocks `blocks_i`, `final_norm`, lm_head."""
 
     config: ModelConfig
     kernels: Kernels = Kernels()
@@ -133,6 +135,9 @@ class DecoderLM(nn.Module):
         dtypes = dict(dtype=jnp.dtype(c.dtype), param_dtype=jnp.dtype(c.param_dtype))
         table = lambda rows: logical(nn.initializers.normal(c.init_std), rows, "embed")  # noqa: E731
         self.wte = nn.Embed(c.vocab_size, c.d_model, embedding_init=table("vocab"), **dtypes)
+        values = logical(nn.initializers.normal(c.init_std), "vocab", "kv_heads")
+        self.value_embed = [nn.Embed(c.vocab_size, c.num_kv_heads * c.head_dim, embedding_init=values, **dtypes)
+                            for _ in range(c.value_embeddings)]  # params value_embed_0 .. value_embed_{E-1}
         if c.positions == "learned":
             self.wpe = nn.Embed(c.max_seq_len, c.d_model, embedding_init=table("position"), **dtypes)
         elif c.positions == "sinusoidal":
@@ -141,7 +146,8 @@ class DecoderLM(nn.Module):
         self.blocks = [Block(c, k, layer=i) for i in range(c.num_layers)]
         self.final_norm = make_norm(c)
         if not c.tie_embeddings:
-            self.lm_head = make_linear(c, k, c.vocab_size, ("embed", "vocab"), use_bias=False)
+            self.lm_head = make_linear(c, k, c.vocab_size, ("embed", "vocab"), use_bias=False,
+                                       residual=c.zero_init_out)  # zero-initialised with zero_init_out
 
     # -- the named steps -------------------------------------------------------------------
 
@@ -163,6 +169,21 @@ class DecoderLM(nn.Module):
         elif c.positions == "sinusoidal":
             x = x + leading_ones(self.sinusoid[positions].astype(x.dtype), x.ndim)
         return self.embed_dropout(x, deterministic=deterministic)
+
+    def embed_values(self, tokens) -> list:
+        """tokens `[B, T]` -> per layer its value embedding `[B, T, K, H]` (compute dtype) or None.
+
+        Layer i looks `tokens` up in table `config.value_embedding_table(i)` (docs/theory.md §23); each
+        table is looked up once and shared by its two layers.
+        """
+        c = self.config
+        looked_up = []
+        for embed in self.value_embed:  # gathered whole first, as in `embed`
+            table = nn.with_logical_constraint(embed.embedding, ("activation_vocab", None))
+            rows = jnp.take(table.astype(embed.dtype), tokens, axis=0)  # [B, T, K*H]
+            looked_up.append(rows.reshape(*tokens.shape, c.num_kv_heads, c.head_dim))  # [B, T, K, H]
+        which = [c.value_embedding_table(i) for i in range(c.num_layers)]
+        return [None if j is None else looked_up[j] for j in which]
 
     def logits(self, x):
         """Final norm and lm_head: `[B, T, D] -> [B, T, V]` float32 (one 2-D matmul), soft-capped
@@ -208,8 +229,8 @@ class DecoderLM(nn.Module):
                                  f"{padding_mask.dtype} {padding_mask.shape}")
             mask = padding_mask[:, None, None, :]  # [B, 1, 1, S]
         x = nn.with_logical_constraint(self.embed(tokens, positions, deterministic=deterministic), RESIDUAL_AXES)
-        for block in self.blocks:
-            x = block(x, positions=positions, mask=mask, deterministic=deterministic)
+        for block, value_embedding in zip(self.blocks, self.embed_values(tokens)):
+            x = block(x, positions=positions, mask=mask, deterministic=deterministic, value_embedding=value_embedding)
             x = nn.with_logical_constraint(x, RESIDUAL_AXES)
         return self.logits(x)
 
@@ -248,8 +269,8 @@ class DecoderLM(nn.Module):
         positions = starts[:, None] + jnp.arange(T)[None, :]  # [B, T] absolute
         x = self.embed(tokens, positions)
         layers = []
-        for block, layer_cache in zip(self.blocks, cache.layers):
-            x, layer_cache = block.extend(x, layer_cache, starts)
+        for block, layer_cache, value_embedding in zip(self.blocks, cache.layers, self.embed_values(tokens)):
+            x, layer_cache = block.extend(x, layer_cache, starts, value_embedding=value_embedding)
             layers.append(layer_cache)
         return self.logits(x), DecodeCache(layers=tuple(layers), lengths=starts + num_new)
 

@@ -140,18 +140,21 @@ def make_rms_norm(config: ModelConfig, axis: str | None, name: str | None = None
 
 def make_linear(config: ModelConfig, kernels: Kernels, features: int, axes: tuple[str | None, str | None], *,
                 residual: bool = False, use_bias: bool | None = None, name: str | None = None) -> Linear:
-    """A `Linear` with the config's dtypes and init (`residual`: scaled init), the kernels' matmul
+    """A `Linear` with the config's dtypes and init (`residual`: a projection into the residual
+    stream, initialised scaled down, or to zero with `zero_init_out`), the kernels' matmul
     and W's logical axis names `axes` (input, output)."""
     return Linear(features, axes=tuple(axes), use_bias=config.use_bias if use_bias is None else use_bias,
-                  init_std=residual_init_std(config) if residual else config.init_std,
+                  init_std=(0.0 if config.zero_init_out else residual_init_std(config)) if residual
+                  else config.init_std,
                   dtype=jnp.dtype(config.dtype), param_dtype=jnp.dtype(config.param_dtype),
                   matmul=kernels.matmul, name=name)
 
 
 class MLP(nn.Module):
-    """Plain (`c_fc`, GELU, `c_proj`) or gated (`gate_up`, act(gate) * up, `down`) MLP, then dropout.
+    """Plain (`c_fc`, act, `c_proj`) or gated (`gate_up`, act(gate) * up, `down`) MLP, then dropout.
 
-    `config.mlp`: "gelu" plain, "swiglu" gated with SiLU, "geglu" gated with GELU;
+    `config.mlp`: "gelu" plain, "relu2" plain with relu(x)**2, "swiglu" gated with SiLU,
+    "geglu" gated with GELU;
     GELU is the tanh form when `config.gelu_approximate`, else the exact erf form.
     Biases when `config.mlp_bias`.
     """
@@ -179,6 +182,8 @@ class MLP(nn.Module):
     def activation(self, x: jnp.ndarray) -> jnp.ndarray:
         if self.config.mlp == "swiglu":
             return nn.silu(x)
+        if self.config.mlp == "relu2":
+            return jnp.square(nn.relu(x))
         # GPT-2's tanh form by default; nanoGPT and transformers' "gelu" use erf (differ by < 1e-3).
         return nn.gelu(x, approximate=self.config.gelu_approximate)
 

@@ -79,13 +79,14 @@ FEATURES: dict[str, tuple[Any, bool]] = {
     "attn_scale": (_DEFAULT_SCALE, False),
     "attn_sinks": (False, False),
     "rotary_fraction": (1.0, False),
+    "value_embeddings": (0, False),  # modded-nanoGPT's; no transformers family has them
 }
 # The fields families write, convert (interleaved RoPE by renaming dims, fused q/k/v by splitting)
 # or check themselves (sizes, biases, windows by `layers`), and those without effect on the function.
 CONVERTED = ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "rope_theta",
              "rope_interleaved", "rope_scaling", "norm_eps", "gelu_approximate", "mlp_hidden", "use_bias",
              "qkv_bias", "out_bias", "mlp_bias", "sliding_window", "layer_pattern", "fused_qkv", "max_seq_len",
-             "tie_embeddings", "dtype", "param_dtype", "dropout", "init_std")
+             "tie_embeddings", "dtype", "param_dtype", "dropout", "init_std", "zero_init_out")
 
 
 def features(c: ModelConfig, architecture: str, **needs) -> list[Problem]:
