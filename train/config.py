@@ -43,11 +43,21 @@ class TrainConfig:
       max_iters: optimizer steps.
       lr, min_lr: peak and final learning rate.
       warmup_iters: linear warmup from 0 to lr.
-      lr_decay_iters: cosine decay from lr to min_lr ends here (then min_lr).
-      beta1, beta2, weight_decay: AdamW.
+      lr_decay_iters: the schedule reaches min_lr here (then stays).
+      schedule: "cosine" (nanoGPT's) or "wsd": warmup-stable-decay, flat at lr, then linear
+        to min_lr over the last `decay_fraction` of lr_decay_iters (docs/theory.md §22).
+      optimizer: "adamw", or "muon": Muon for the hidden matrices at `muon_lr` (same schedule),
+        AdamW at lr for embeddings, head, norms and biases (train.optim).
+      muon_momentum, muon_momentum_start, muon_momentum_warmup: Muon's Nesterov momentum,
+        linear from start to muon_momentum over the first muon_momentum_warmup steps.
+      beta1, beta2, weight_decay: AdamW (weight_decay also Muon's, decoupled).
       decay_embeddings: apply weight decay to embedding tables too (nanoGPT does).
       grad_clip: clip_by_global_norm threshold (0 = off).
       eval_interval, eval_iters: evaluate every N steps on eval_iters fixed batches per split.
+      eval_whole_val: the val loss over every token of the validation split instead (windows
+        of block_size), the train loss still on eval_iters batches.
+      target_loss: report the training seconds and step of the first evaluation whose val
+        loss is at or below this (`--target-loss`).
       log_interval: steps between progress-bar/metrics updates.
       steps_per_dispatch: optimizer steps fused into one jitted call with lax.scan.
       seed: the one seed of params, batches and dropout.
@@ -67,6 +77,13 @@ class TrainConfig:
     min_lr: float = 1e-4
     warmup_iters: int = 100
     lr_decay_iters: int = 2000
+    schedule: Literal["cosine", "wsd"] = "cosine"
+    decay_fraction: float = 0.2
+    optimizer: Literal["adamw", "muon"] = "adamw"
+    muon_lr: float = 0.02
+    muon_momentum: float = 0.95
+    muon_momentum_start: float = 0.85
+    muon_momentum_warmup: int = 300
     beta1: float = 0.9
     beta2: float = 0.99
     weight_decay: float = 0.1
@@ -74,6 +91,8 @@ class TrainConfig:
     grad_clip: float = 1.0
     eval_interval: int = 250
     eval_iters: int = 20
+    eval_whole_val: bool = False
+    target_loss: float | None = None
     log_interval: int = 10
     steps_per_dispatch: int = 1
     seed: int = 1337
@@ -92,22 +111,28 @@ class TrainConfig:
                      "log_interval", "steps_per_dispatch", "lr_decay_iters"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"TrainConfig.{name} must be positive, got {getattr(self, name)}")
-        for name in ("warmup_iters", "sample_tokens", "weight_decay", "grad_clip", "min_lr"):
+        for name in ("warmup_iters", "sample_tokens", "weight_decay", "grad_clip", "min_lr", "muon_momentum_warmup"):
             if getattr(self, name) < 0:
                 raise ValueError(f"TrainConfig.{name} must be >= 0, got {getattr(self, name)}")
         if not 0 < self.lr:
             raise ValueError(f"TrainConfig.lr must be positive, got {self.lr}")
         if self.min_lr > self.lr:
             raise ValueError(f"TrainConfig.min_lr={self.min_lr} exceeds lr={self.lr}")
-        for name in ("beta1", "beta2", "val_fraction"):
+        if not 0 < self.muon_lr:
+            raise ValueError(f"TrainConfig.muon_lr must be positive, got {self.muon_lr}")
+        for name in ("beta1", "beta2", "val_fraction", "muon_momentum", "muon_momentum_start"):
             if not 0.0 < getattr(self, name) < 1.0:
                 raise ValueError(f"TrainConfig.{name} must be in (0, 1), got {getattr(self, name)}")
+        if not 0.0 <= self.decay_fraction <= 1.0:
+            raise ValueError(f"TrainConfig.decay_fraction must be in [0, 1], got {self.decay_fraction}")
         if not self.sample_temperature >= 0:
             raise ValueError(f"TrainConfig.sample_temperature must be >= 0, got {self.sample_temperature}")
         if not 0 <= self.seed < 2 ** 63:
             raise ValueError(f"TrainConfig.seed must be in [0, 2**63), got {self.seed}")
-        if self.tokenizer not in ("char", "byte"):
-            raise ValueError(f"TrainConfig.tokenizer must be one of ('char', 'byte'), got {self.tokenizer!r}")
+        for name, allowed in (("tokenizer", ("char", "byte")), ("schedule", ("cosine", "wsd")),
+                              ("optimizer", ("adamw", "muon"))):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"TrainConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}")
 
     def replace(self, **changes) -> "TrainConfig":
         return dataclasses.replace(self, **changes)

@@ -173,3 +173,32 @@ def get_batch(data: jax.Array, key: jax.Array, batch_size: int,
     starts = jax.random.randint(key, (batch_size,), 0, data.shape[0] - block_size)
     window = jax.vmap(lambda s: jax.lax.dynamic_slice(data, (s,), (block_size + 1,)))(starts)
     return window[:, :-1], window[:, 1:]  # [B, T], [B, T]
+
+
+def windows_at(data: jax.Array, starts: jax.Array, block_size: int) -> tuple[jax.Array, jax.Array]:
+    """The windows of `data` [N] beginning at `starts` [R]: inputs and targets, both [R, block_size]."""
+    window = jax.vmap(lambda s: jax.lax.dynamic_slice(data, (s,), (block_size + 1,)))(starts)
+    return window[:, :-1], window[:, 1:]
+
+
+def whole_split_windows(num_tokens: int, block_size: int, rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """Windows that predict every token of a split once: starts `[batches, rows]` and target weights
+    `[batches, rows, block_size]` (1 = counted).
+
+    Windows begin at 0, T, 2T, ...; the tokens after the last whole window are predicted by one more
+    window ending at the split's end, counting only those. Padding windows (weight 0) fill the last row
+    group. The weighted mean of the losses is the split's loss over its `num_tokens - 1` targets.
+    """
+    if num_tokens <= block_size:
+        raise ValueError(f"a split of {num_tokens} tokens has no window of block_size={block_size} + 1")
+    starts = list(range(0, num_tokens - block_size, block_size))
+    weights = [np.ones(block_size, np.float32) for _ in starts]
+    left = num_tokens - 1 - (starts[-1] + block_size)  # targets after the last whole window
+    if left > 0:
+        starts.append(num_tokens - 1 - block_size)
+        weights.append((np.arange(block_size) >= block_size - left).astype(np.float32))
+    pad = -len(starts) % rows
+    starts += [0] * pad
+    weights += [np.zeros(block_size, np.float32)] * pad
+    return (np.asarray(starts, np.int32).reshape(-1, rows),
+            np.stack(weights).reshape(-1, rows, block_size))

@@ -42,7 +42,7 @@ from train import runtime as runtime_lib
 from train.checkpoint import Checkpointer, CheckpointError, check_compatible, check_tokenizer
 from train.cli import StopSignals
 from train.config import ExperimentConfig, TrainConfig
-from train.metrics import MetricsLog, RunResult, Throughput, peak_memory, speeds
+from train.metrics import MetricsLog, RunResult, Throughput, first_at_or_below, peak_memory, speeds
 from train.plots import plot_losses
 from train.rundir import claim, repair_metrics
 from train.steps import build_programs
@@ -96,7 +96,8 @@ class Run:
         self.start_step = int(self.state["step"])
         self.metrics = MetricsLog(self.out / "metrics.jsonl", tc.log_interval, meta.get("interval_losses", []),
                                   write=self.main)
-        self.throughput = Throughput(tc.batch_size * tc.block_size, meta.get("step_seconds", []))
+        self.throughput = Throughput(tc.batch_size * tc.block_size, meta.get("step_seconds", []),
+                                     meta.get("train_seconds", 0.0))
 
     def _resume(self) -> dict:
         """Restores the newest valid checkpoint that matches this run; returns its meta."""
@@ -212,7 +213,7 @@ class Run:
                                                                 self.val_data).items()}
         if not all(math.isfinite(v) for v in losses.values()):
             self.diverged(f"the evaluated losses are {losses} at step {step}")
-        self.metrics.add_eval(step, losses)
+        self.metrics.add_eval(step, losses, self.throughput.seconds)
         if not self.quiet:
             self.bar.write(f"step {step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
         improved = losses["val"] < self.best_val
@@ -230,7 +231,8 @@ class Run:
         self.checkpoints.save(kind, step, self.state, config=self.config, tokenizer=self.corpus.tokenizer,
                               val_loss=val_loss, best_val_loss=self.best_val,
                               extra={"interval_losses": self.metrics.pending(),
-                                     "step_seconds": self.throughput.step_seconds()})
+                                     "step_seconds": self.throughput.step_seconds(),
+                                     "train_seconds": self.throughput.seconds})
 
     def stop(self, step: int) -> None:
         """After a stop signal: a checkpoint at `step` (unless one exists), then `Interrupted`."""
@@ -374,10 +376,13 @@ def _finish(run: Run, compile_s: float, wall_start: float, *, sample: bool, loss
     if tc.plot and run.main:
         plot_losses(run.metrics.records(), Path(loss_plot) if loss_plot else run.out / "loss.png", title=config.name)
     last = run.last_eval or {"train": math.nan, "val": math.nan}
+    reached = None if tc.target_loss is None or not run.main else first_at_or_below(run.metrics.records(),
+                                                                                     tc.target_loss)
     result = RunResult(
         final_val_loss=last["val"], final_train_loss=last["train"], best_val_loss=run.best_val,
         steps=tc.max_iters, **speeds(run.throughput.step_seconds(), tc.batch_size * tc.block_size),
-        compile_s=compile_s, wall_s=time.perf_counter() - wall_start, **peak_memory(),
+        compile_s=compile_s, wall_s=time.perf_counter() - wall_start, train_seconds=run.throughput.seconds,
+        target_loss=tc.target_loss, target_reached=reached, **peak_memory(),
         num_params=count_params(run.state["params"]), sample=text, out_dir=str(run.out), stopped=stopped,
         config=config, params=run.state["params"])
     if run.main:

@@ -40,8 +40,10 @@ class MetricsLog:
                 self._append({"step": step, "loss": float(np.mean(self._interval)), "lr": float(lrs[i])})
                 self._interval.clear()
 
-    def add_eval(self, step: int, losses: dict) -> None:
-        self._append({"step": step, "train_loss": losses["train"], "val_loss": losses["val"]})
+    def add_eval(self, step: int, losses: dict, train_seconds: float) -> None:
+        """`train_seconds`: the training time so far, compile and evaluations excluded."""
+        self._append({"step": step, "train_loss": losses["train"], "val_loss": losses["val"],
+                      "train_seconds": round(train_seconds, 3)})
 
     def records(self) -> list[dict]:
         return [json.loads(line) for line in self.path.read_text().splitlines()]
@@ -54,8 +56,10 @@ class Throughput:
     the figures of a resumed run cover all of it.
     """
 
-    def __init__(self, tokens_per_step: int, earlier: list[float] = ()):
+    def __init__(self, tokens_per_step: int, earlier: list[float] = (), earlier_seconds: float = 0.0):
+        """`earlier_seconds`: the training seconds of the run before a resume."""
         self.tokens_per_step, self.earlier, self.laps = tokens_per_step, list(earlier), []
+        self.seconds = earlier_seconds  # every dispatch's time, the first included
         self.tick = time.perf_counter()
 
     def restart(self) -> None:
@@ -64,6 +68,7 @@ class Throughput:
     def lap(self, steps: int) -> None:
         now = time.perf_counter()
         self.laps.append((now - self.tick) / steps)
+        self.seconds += now - self.tick
         self.tick = now
 
     def step_seconds(self) -> list[float]:
@@ -72,6 +77,15 @@ class Throughput:
 
     def recent_tokens_per_s(self) -> float:
         return self.tokens_per_step / statistics.median(self.laps[-20:])
+
+
+def first_at_or_below(records: list[dict], target: float) -> dict | None:
+    """The first evaluation in `metrics.jsonl` records whose val loss is at or below `target`:
+    `{"step", "val_loss", "train_seconds"}`, or None."""
+    for record in records:
+        if "val_loss" in record and record["val_loss"] <= target:
+            return {key: record.get(key) for key in ("step", "val_loss", "train_seconds")}
+    return None
 
 
 def speeds(step_seconds: list[float], tokens_per_step: int) -> dict:
@@ -97,12 +111,15 @@ class RunResult:
     fastest_ms_per_iter: float | None  # the fastest dispatch: the least disturbed by other processes
     compile_s: float
     wall_s: float
+    train_seconds: float  # training time, compile and evaluations excluded (resumed runs: all of it)
     peak_rss_gib: float  # the process's peak resident memory (the arrays, on a CPU)
     device_peak_gib: float | None  # an accelerator's peak bytes in use, where JAX reports it
     num_params: int
     sample: str
     out_dir: str
     stopped: str | None = None  # why the run ended before its sample was complete (a signal), else None
+    target_loss: float | None = None  # train.target_loss
+    target_reached: dict | None = None  # first_at_or_below(records, target_loss), None if never
     config: Any = dataclasses.field(repr=False, default=None)  # the resolved ExperimentConfig
     params: Any = dataclasses.field(repr=False, default=None)  # the final parameters
 

@@ -1,4 +1,12 @@
-"""The optimizer of the tiny LM: nanoGPT's AdamW, learning-rate schedule and weight-decay mask."""
+"""The optimizers of the tiny LM: nanoGPT's AdamW, or Muon for the hidden matrices with AdamW for the
+rest; the learning-rate schedules (cosine, warmup-stable-decay); the weight-decay mask.
+
+Muon (docs/theory.md §22) orthogonalises each hidden matrix's Nesterov momentum with a Newton-Schulz
+iteration (`optax.contrib.scale_by_muon`) and scales it as `optax.contrib.muon` does. Which
+parameters it takes is decided by their logical axis names (`jaxattn.sharding.logical_names`), never
+by their paths: a matrix whose axes name no token or position table (`TABLE_AXES`) is hidden and
+goes to Muon; embeddings, the head, norms, biases and sinks go to AdamW.
+"""
 
 from __future__ import annotations
 
@@ -12,16 +20,65 @@ import optax
 
 from train.config import TrainConfig
 
+TABLE_AXES = frozenset({"vocab", "position", "length"})  # rows looked up by token or position
+MUON, ADAM = "muon", "adam"
 
-def lr_schedule(tc: TrainConfig) -> Callable[[jax.Array], jax.Array]:
-    """nanoGPT's get_lr: linear warmup to lr, cosine decay to min_lr at lr_decay_iters, then min_lr."""
+
+def lr_schedule(tc: TrainConfig, peak: float | None = None) -> Callable[[jax.Array], jax.Array]:
+    """The learning rate at each step: linear warmup to `peak` (default `tc.lr`), then cosine
+    (nanoGPT's get_lr) or warmup-stable-decay (flat, then linear over the last `decay_fraction` of
+    `lr_decay_iters`), down to `min_lr` scaled like the peak at `lr_decay_iters`, and there after."""
+    peak = tc.lr if peak is None else peak
+    low = tc.min_lr if peak == tc.lr else tc.min_lr * peak / tc.lr
+
     def schedule(step):
         step = jnp.asarray(step, jnp.float32)
-        warmup = tc.lr * (step + 1) / (tc.warmup_iters + 1)
-        ratio = jnp.clip((step - tc.warmup_iters) / max(tc.lr_decay_iters - tc.warmup_iters, 1), 0.0, 1.0)
-        cosine = tc.min_lr + 0.5 * (1.0 + jnp.cos(math.pi * ratio)) * (tc.lr - tc.min_lr)
-        return jnp.where(step < tc.warmup_iters, warmup, cosine)
+        warmup = peak * (step + 1) / (tc.warmup_iters + 1)
+        if tc.schedule == "wsd":
+            decay_start = tc.lr_decay_iters * (1.0 - tc.decay_fraction)
+            window = max(tc.lr_decay_iters - decay_start, 1e-9)  # decay_fraction 0: a step down at the end
+            ratio = jnp.where(step >= tc.lr_decay_iters, 1.0, jnp.clip((step - decay_start) / window, 0.0, 1.0))
+            after = peak - ratio * (peak - low)
+        else:
+            ratio = jnp.clip((step - tc.warmup_iters) / max(tc.lr_decay_iters - tc.warmup_iters, 1), 0.0, 1.0)
+            after = low + 0.5 * (1.0 + jnp.cos(math.pi * ratio)) * (peak - low)
+        return jnp.where(step < tc.warmup_iters, warmup, after)
     return schedule
+
+
+def momentum_schedule(tc: TrainConfig) -> Callable[[jax.Array], jax.Array]:
+    """Muon's momentum: linear from `muon_momentum_start` to `muon_momentum` over `muon_momentum_warmup` steps."""
+    def momentum(step):
+        if tc.muon_momentum_warmup == 0:
+            return jnp.asarray(tc.muon_momentum, jnp.float32)
+        ratio = jnp.clip(jnp.asarray(step, jnp.float32) / tc.muon_momentum_warmup, 0.0, 1.0)
+        return tc.muon_momentum_start + ratio * (tc.muon_momentum - tc.muon_momentum_start)
+    return momentum
+
+
+def param_group(names: tuple[str | None, ...]) -> str:
+    """MUON for a hidden matrix (rank >= 2, no axis of `TABLE_AXES`), else ADAM."""
+    return MUON if len(names) >= 2 and not TABLE_AXES.intersection(names) else ADAM
+
+
+def param_groups(logical_names: Any) -> Any:
+    """The params tree with each leaf `param_group` of its names; `logical_names` is the tree
+    `jaxattn.sharding.logical_names(config)` gives ((names, shape) pairs)."""
+    is_pair = lambda x: isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], tuple)  # noqa: E731
+    return jax.tree.map(lambda pair: param_group(pair[0]), logical_names, is_leaf=is_pair)
+
+
+def muon_dimensions(x: jax.Array) -> optax.contrib.MuonDimensionNumbers:
+    """A kernel's first axis is its input (`x @ W`): the reduction axis; the rest are its outputs
+    (MLA's `[latent, heads, head_dim]` is orthogonalised as one `latent x (heads * head_dim)` matrix)."""
+    return optax.contrib.MuonDimensionNumbers(reduction_axis=0, output_axis=tuple(range(1, x.ndim)))
+
+
+def shape_scale(shape: tuple[int, ...]) -> float:
+    """`sqrt(max(1, fan_out / fan_in))`, fan_in the first axis (`muon_dimensions`): what
+    `optax.contrib.muon` multiplies an orthogonalised update by, so that its RMS per output
+    unit does not shrink as a matrix gets wider (Jordan's Muon)."""
+    return math.sqrt(max(1.0, math.prod(shape[1:]) / shape[0]))
 
 
 def _is_embedding(path) -> bool:
@@ -35,10 +92,36 @@ def decay_mask(params: Any, decay_embeddings: bool) -> Any:
         lambda path, p: p.ndim >= 2 and (decay_embeddings or not _is_embedding(path)), params)
 
 
-def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
-    """AdamW with nanoGPT's schedule, global-norm clipping and decay on matrices only."""
-    adamw = optax.adamw(lr_schedule(tc), b1=tc.beta1, b2=tc.beta2, weight_decay=tc.weight_decay,
-                        mask=partial(decay_mask, decay_embeddings=tc.decay_embeddings))
+def _adamw(tc: TrainConfig) -> optax.GradientTransformation:
+    return optax.adamw(lr_schedule(tc), b1=tc.beta1, b2=tc.beta2, weight_decay=tc.weight_decay,
+                       mask=partial(decay_mask, decay_embeddings=tc.decay_embeddings))
+
+
+def _muon(tc: TrainConfig) -> optax.GradientTransformation:
+    """Nesterov momentum (warmed up), Newton-Schulz orthogonalisation, `shape_scale`, decoupled
+    weight decay, the scheduled `muon_lr`."""
+    dimensions = lambda updates: jax.tree.map(muon_dimensions, updates)  # noqa: E731 (masked leaves skip)
+    orthogonalise = optax.inject_hyperparams(
+        optax.contrib.scale_by_muon, static_args=("ns_coeffs", "ns_steps", "eps", "mu_dtype", "nesterov",
+                                                  "adaptive", "preconditioning", "weight_dimension_numbers"))
+    return optax.chain(
+        orthogonalise(beta=momentum_schedule(tc), nesterov=True, weight_dimension_numbers=dimensions),
+        optax.stateless(lambda updates, params: jax.tree.map(lambda u: u * shape_scale(u.shape), updates)),
+        optax.add_decayed_weights(tc.weight_decay),
+        optax.scale_by_learning_rate(lr_schedule(tc, tc.muon_lr)))
+
+
+def make_optimizer(tc: TrainConfig, logical_names: Any = None) -> optax.GradientTransformation:
+    """`tc.optimizer`: "adamw" (nanoGPT's: AdamW, decay on matrices only) or "muon" (Muon for the
+    hidden matrices, that AdamW for the rest; needs the model's `logical_names`), after global-norm
+    clipping when `grad_clip > 0`."""
+    if tc.optimizer == "muon":
+        if logical_names is None:
+            raise ValueError("make_optimizer: optimizer 'muon' needs the model's logical_names "
+                             "(jaxattn.sharding.logical_names(config))")
+        optimizer = optax.partition({MUON: _muon(tc), ADAM: _adamw(tc)}, param_groups(logical_names))
+    else:
+        optimizer = _adamw(tc)
     if tc.grad_clip > 0:
-        return optax.chain(optax.clip_by_global_norm(tc.grad_clip), adamw)
-    return adamw
+        return optax.chain(optax.clip_by_global_norm(tc.grad_clip), optimizer)
+    return optimizer

@@ -35,10 +35,15 @@ from train.runtime import Runtime
 EVAL_SPLITS = {"train": 2, "val": 3}  # rng split ids of the fixed eval batches (0, 1: training batches)
 
 
+def token_losses(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """Next-token losses in float32 `[B*T]`; logits `[B, T, V]`, targets `[B, T]`."""
+    logits = logits.reshape(-1, logits.shape[-1]).astype(jnp.float32)  # [B*T, V]
+    return optax.softmax_cross_entropy_with_integer_labels(logits, targets.reshape(-1))
+
+
 def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
     """Mean next-token loss in float32; logits `[B, T, V]`, targets `[B, T]`."""
-    logits = logits.reshape(-1, logits.shape[-1]).astype(jnp.float32)  # [B*T, V]
-    return optax.softmax_cross_entropy_with_integer_labels(logits, targets.reshape(-1)).mean()
+    return token_losses(logits, targets).mean()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,9 +97,10 @@ class Programs:
 
 def build_programs(config: ExperimentConfig, runtime: Runtime) -> Programs:
     model, tc = DecoderLM(config.model, runtime.kernels), config.train
-    optimizer, schedule = make_optimizer(tc), lr_schedule(tc)
+    optimizer, schedule = make_optimizer(tc, sharding.logical_names(config.model)), lr_schedule(tc)
     dropout = config.model.dropout > 0
     B, T = tc.batch_size, tc.block_size
+    eval_rows = B * max(1, 256 // B)  # whole-split evaluation: about 256 windows a batch, split like B
 
     def init_state(seed):
         params_key, dropout_key = jax.random.split(jax.random.PRNGKey(seed))
@@ -138,8 +144,17 @@ def build_programs(config: ExperimentConfig, runtime: Runtime) -> Programs:
                 x, y = batch(split_data, split_id, i)
                 return None, cross_entropy(forward(params, x), y)
             return jax.lax.scan(batch_loss, None, jnp.arange(tc.eval_iters))[1].mean()
-        return {name: split_loss(data, EVAL_SPLITS[name])
-                for name, data in (("train", train_data), ("val", val_data))}
+
+        def whole_split_loss(split_data):  # every target once (train.data.whole_split_windows)
+            starts, weights = data_lib.whole_split_windows(split_data.shape[0], T, eval_rows)
+
+            def batch_loss(_, batch):
+                x, y = data_lib.windows_at(split_data, batch[0], T)
+                x, y = jax.lax.with_sharding_constraint((x, y), (layout.batch, layout.batch))
+                return None, jnp.sum(token_losses(forward(params, x), y) * batch[1].reshape(-1))
+            return jax.lax.scan(batch_loss, None, (starts, weights))[1].sum() / weights.sum()
+        val = whole_split_loss(val_data) if tc.eval_whole_val else split_loss(val_data, EVAL_SPLITS["val"])
+        return {"train": split_loss(train_data, EVAL_SPLITS["train"]), "val": val}
 
     init = jax.jit(init_state, static_argnums=(0,), out_shardings=layout.state)
     place = lambda tree: sharding.place(tree, jax.tree.map(lambda _: replicated, tree))  # noqa: E731
