@@ -3,6 +3,9 @@
     PYTHONPATH=$PWD python bench/train.py [--set train.max_iters=500 ...] \
         [--nanogpt-python /path/to/python-with-torch [--nanogpt-max-iters N]] [--float32-too]
     PYTHONPATH=$PWD python bench/train.py --mesh [--iters 10 ...]   # bench/mesh.py: meshes, memory per device
+    PYTHONPATH=$PWD python bench/train.py --race [--rounds 3] [--nanogpt-python PY]   # bench/speedrun.py
+    PYTHONPATH=$PWD python bench/train.py --ablation [--budget 15]                    # bench/speedrun.py
+    PYTHONPATH=$PWD python3 bench/train.py --gpu-race [--rounds 1] [--max-iters N]    # bench/speedrun.py
 
 Runs configs/shakespeare_char_baby.toml (2000 iters) and writes bench/results/train.json and
 train.md: median tokens/s and ms/iter (excluding compile), compile time, final val loss, wall time,
@@ -13,6 +16,10 @@ alternating), and the table shows both as measured in this run. Without it, nano
 quoted from measurements of the same 2-core CPU type made outside this repository, and the column
 says so. --float32-too also trains the same config with the reference kernels
 (`runtime.matmul=xla runtime.attention=xla`), to show what the chosen kernels give.
+
+--race, --ablation and --gpu-race (bench/speedrun.py, its own flags): the speedrun config's time to
+nanoGPT's val loss against nanoGPT in rounds of turns (bench/results/speedrun.md), the recipe with
+each switch off (ablation.md), and the same race with nanoGPT's GPU config (speedrun_gpu.md).
 """
 
 from __future__ import annotations
@@ -108,6 +115,9 @@ def main(argv=None) -> dict:
     if "--mesh" in argv:  # the mesh benchmark: its own processes and flags (bench/mesh.py)
         from bench import mesh
         return mesh.main([a for a in argv if a != "--mesh"])
+    if {"--race", "--ablation", "--gpu-race"} & set(argv):  # the speedrun benchmarks (bench/speedrun.py)
+        from bench import speedrun
+        return speedrun.main(argv)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mesh", action="store_true",
                         help="instead: speed and memory per device on device meshes (bench/mesh.py's flags)")
