@@ -15,7 +15,7 @@ ifneq ($(wildcard $(SHARED_DATA)),)
 export JAXATTN_SHAKESPEARE ?= $(SHARED_DATA)
 endif
 
-.PHONY: setup test train bench sample clean
+.PHONY: setup test train bench sample clean chromium
 
 setup: $(STAMP)
 
@@ -29,8 +29,25 @@ $(TEST_STAMP): $(STAMP)
 	$(PY) -m pip install --quiet -e '.[dev,test]'
 	touch $(TEST_STAMP)
 
-test: $(TEST_STAMP)
+test: $(TEST_STAMP) chromium
 	$(PY) -m pytest -n 2 tests
+
+# The browser tests (tests/test_viewer_browser.py) drive Debian's chromium through Playwright
+# (tests/browser.py). Installed here when it is missing and the machine allows (root and apt-get);
+# otherwise the tests are skipped with the reason, except under CI=true, where it must be installed.
+chromium:
+	@if [ -n "$$JAXATTN_CHROMIUM" ] || command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1; then \
+	  :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	  echo "installing Debian's chromium for the browser tests (apt-get install -y chromium)"; \
+	  export DEBIAN_FRONTEND=noninteractive; \
+	  { apt-get install -y -q --no-install-recommends chromium >/dev/null 2>&1 \
+	    || { apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends chromium >/dev/null; }; } \
+	  || { echo "could not install chromium: the browser tests will be skipped (under CI=true: an error)"; [ "$$CI" != true ]; }; \
+	else \
+	  echo "no chromium, and no apt-get as root to install it: the browser tests will be skipped (under CI=true: an error)"; \
+	  [ "$$CI" != true ]; \
+	fi
 
 train: $(STAMP)
 	$(PY) -m train.tiny_lm $(ARGS)
