@@ -1,0 +1,356 @@
+"""The on-disk format of a prepared corpus (written by `python -m train.prepare`, read with memory maps).
+
+A prepared directory holds:
+
+* `train_00000.bin`, `train_00001.bin`, ... and `val_00000.bin`, ...: token shards. The
+  concatenation of a split's shards, in name order, is that split's token stream.
+* `tokenizer.json`: the tokenizer. Its kind is named in the manifest: `char` and `byte` are this
+  project's own JSON (`train.tokenizer.to_json`), `bpe` (trained by `train.prepare`) and `hf`
+  (copied from a directory) are a Hugging Face `tokenizers` tokenizer.json.
+* `prepared.json`: the manifest (format version, tokenizer kind, hash and vocabulary size, the
+  dtype, the split rule and val fraction, token and shard counts per split, the source files with
+  their sizes and token counts). It is what tells the loader how to read tokenizer.json.
+
+A shard is a fixed 64-byte little-endian header, then `count` tokens of its dtype (no padding):
+
+    offset size  field
+    0      8     magic b"JXATTOK1"
+    8      2     header version (1)
+    10     2     dtype code: 2 = uint16, 4 = uint32 (the itemsize)
+    12     4     vocabulary size
+    16     8     token count
+    24     16    tokenizer hash: sha256 of tokenizer.json's canonical JSON, first 16 bytes
+    40     24    reserved, zero
+
+uint16 when the vocabulary has at most 65536 ids, else uint32. The canonical JSON of a tokenizer
+is its JSON parsed and written again with sorted keys, no spaces and UTF-8 (`canonical_json`), so
+the hash does not depend on how a file was indented. Every failure to read a prepared directory is
+a `train.data.DataError` with one line naming the file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import re
+import struct
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from train.data import DataError
+
+MAGIC = b"JXATTOK1"
+VERSION = 1
+HEADER = struct.Struct("<8sHHIQ16s24x")  # 64 bytes: the tokens start 64-byte aligned
+HEADER_SIZE = HEADER.size
+DTYPES = {2: np.dtype("<u2"), 4: np.dtype("<u4")}  # dtype code (= itemsize) -> dtype
+MAX_UINT16_VOCAB = 1 << 16
+MAX_VOCAB = (1 << 32) - 1  # the header's field
+HASH_BYTES = 16
+MANIFEST = "prepared.json"
+TOKENIZER = "tokenizer.json"
+SPLITS = ("train", "val")
+TOKENIZER_KINDS = ("char", "byte", "bpe", "hf")
+SHARD_NAME = re.compile(r"^(train|val)_(\d{5})\.bin$")
+
+
+def dtype_for(vocab_size: int) -> np.dtype:
+    """uint16 when every id of a `vocab_size` vocabulary fits, else uint32."""
+    if not 0 < vocab_size <= MAX_VOCAB:
+        raise ValueError(f"vocab_size must be in [1, {MAX_VOCAB}], got {vocab_size}")
+    return DTYPES[2] if vocab_size <= MAX_UINT16_VOCAB else DTYPES[4]
+
+
+def shard_name(split: str, index: int) -> str:
+    return f"{split}_{index:05d}.bin"
+
+
+def canonical_json(value: str | dict[str, Any]) -> bytes:
+    """A JSON text or object as sorted-key, space-free UTF-8 JSON (what the tokenizer hash is of)."""
+    obj = json.loads(value) if isinstance(value, str) else value
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+
+
+def tokenizer_hash(tokenizer_json: str | dict[str, Any]) -> bytes:
+    """The 16-byte hash a shard header carries: sha256 of the tokenizer's canonical JSON, truncated."""
+    return hashlib.sha256(canonical_json(tokenizer_json)).digest()[:HASH_BYTES]
+
+
+def _hash_bytes(value: bytes | str) -> bytes:
+    """A hash given as 16 bytes or as 32 hex digits, as bytes."""
+    raw = bytes.fromhex(value) if isinstance(value, str) else bytes(value)
+    if len(raw) != HASH_BYTES:
+        raise ValueError(f"a tokenizer hash is {HASH_BYTES} bytes ({2 * HASH_BYTES} hex digits), got {value!r}")
+    return raw
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardHeader:
+    """A shard's header: `count` tokens of `dtype` at offset HEADER_SIZE of `path`."""
+
+    path: Path
+    version: int
+    dtype: np.dtype
+    vocab_size: int
+    count: int
+    tokenizer_hash: bytes
+
+
+def _pack(dtype: np.dtype, vocab_size: int, count: int, hash_: bytes) -> bytes:
+    return HEADER.pack(MAGIC, VERSION, dtype.itemsize, vocab_size, count, _hash_bytes(hash_))
+
+
+def _as_ids(tokens, vocab_size: int, dtype: np.dtype, where: str) -> np.ndarray:
+    """`tokens` as a 1-D array of `dtype`; ValueError for ids outside [0, vocab_size)."""
+    ids = np.asarray(tokens)
+    if ids.ndim != 1 or not (ids.size == 0 or np.issubdtype(ids.dtype, np.integer)):
+        raise ValueError(f"{where}: tokens must be a 1-D integer array, got {ids.dtype} {ids.shape}")
+    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+        raise ValueError(f"{where}: token ids {int(ids.min())}..{int(ids.max())} are outside the "
+                         f"vocabulary [0, {vocab_size})")
+    return ids.astype(dtype, copy=False)
+
+
+def write_shard(path: str | os.PathLike, tokens, vocab_size: int, tokenizer_hash: bytes | str) -> Path:
+    """Writes `tokens` (1-D, ids in [0, vocab_size), at least one) as a shard at `path`, atomically."""
+    path, dtype = Path(path), dtype_for(vocab_size)
+    ids = _as_ids(tokens, vocab_size, dtype, str(path))
+    if ids.size == 0:
+        raise ValueError(f"{path}: a shard holds at least one token")
+    part = path.with_name(path.name + ".part")
+    with open(part, "wb") as f:
+        f.write(_pack(dtype, vocab_size, ids.size, tokenizer_hash))
+        ids.tofile(f)
+    os.replace(part, path)
+    return path
+
+
+class SplitWriter:
+    """Streams one split's tokens into `{split}_NNNNN.bin` shards of `shard_tokens` tokens (the last fewer).
+
+    `write(ids)` appends; `close()` finishes the last shard and returns the shard paths. A shard is
+    written as `NAME.part` and renamed once its header holds its count; no shard is ever empty.
+    """
+
+    def __init__(self, directory: str | os.PathLike, split: str, vocab_size: int, tokenizer_hash: bytes,
+                 shard_tokens: int):
+        if split not in SPLITS or shard_tokens < 1:
+            raise ValueError(f"split must be one of {SPLITS} and shard_tokens >= 1, got {split!r}, {shard_tokens}")
+        self.directory, self.split, self.vocab_size = Path(directory), split, vocab_size
+        self.hash, self.shard_tokens, self.dtype = _hash_bytes(tokenizer_hash), shard_tokens, dtype_for(vocab_size)
+        self.paths: list[Path] = []
+        self.tokens = 0
+        self._file, self._in_shard = None, 0
+
+    def write(self, tokens) -> None:
+        ids = _as_ids(tokens, self.vocab_size, self.dtype, f"{self.split} tokens")
+        while ids.size:
+            if self._file is None:
+                self._open()
+            take = min(ids.size, self.shard_tokens - self._in_shard)
+            ids[:take].tofile(self._file)
+            self._in_shard += take
+            self.tokens += take
+            ids = ids[take:]
+            if self._in_shard == self.shard_tokens:
+                self._finish()
+
+    def _open(self) -> None:
+        path = self.directory / shard_name(self.split, len(self.paths))
+        self._file = open(path.with_name(path.name + ".part"), "wb")
+        self._file.write(_pack(self.dtype, self.vocab_size, 0, self.hash))
+        self.paths.append(path)
+        self._in_shard = 0
+
+    def _finish(self) -> None:
+        self._file.seek(0)
+        self._file.write(_pack(self.dtype, self.vocab_size, self._in_shard, self.hash))
+        self._file.close()
+        os.replace(self._file.name, self.paths[-1])
+        self._file = None
+
+    def close(self) -> list[Path]:
+        if self._file is not None:
+            self._finish()
+        return list(self.paths)
+
+
+def read_header(path: str | os.PathLike) -> ShardHeader:
+    """The header of the shard at `path`, checked against the file; DataError naming it if it is no shard."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            raw = f.read(HEADER_SIZE)
+    except OSError as err:
+        raise DataError(f"shard {path} cannot be read: {err.strerror or err}") from None
+    if len(raw) < HEADER_SIZE or raw[:8] != MAGIC:
+        raise DataError(f"{path} is not a token shard (no {MAGIC.decode()} header of {HEADER_SIZE} bytes)")
+    magic, version, code, vocab_size, count, hash_ = HEADER.unpack(raw)
+    if version != VERSION:
+        raise DataError(f"shard {path} has header version {version}; this jaxattn reads version {VERSION}")
+    if code not in DTYPES:
+        raise DataError(f"shard {path} has dtype code {code}; known: 2 (uint16), 4 (uint32)")
+    dtype = DTYPES[code]
+    if vocab_size < 1 or dtype != dtype_for(vocab_size):
+        raise DataError(f"shard {path} stores a vocabulary of {vocab_size} as {dtype.name}; expected "
+                        f"{dtype_for(max(vocab_size, 1)).name}")
+    expected = HEADER_SIZE + count * dtype.itemsize
+    if size != expected:
+        kind = "truncated" if size < expected else "longer than its header says"
+        raise DataError(f"shard {path} is {kind}: {size} bytes, but its header of {count} {dtype.name} "
+                        f"tokens needs {expected} bytes")
+    if count == 0:
+        raise DataError(f"shard {path} holds no tokens")
+    return ShardHeader(path, version, dtype, vocab_size, count, hash_)
+
+
+def open_shard(path: str | os.PathLike) -> np.memmap:
+    """The tokens of a shard as a read-only memory map `[count]` (nothing is read until it is indexed)."""
+    header = read_header(path)
+    return np.memmap(header.path, dtype=header.dtype, mode="r", offset=HEADER_SIZE, shape=(header.count,))
+
+
+@dataclasses.dataclass(frozen=True)
+class PreparedCorpus:
+    """A prepared directory opened for reading: each split is a list of shard memory maps.
+
+    Attributes:
+      directory: the prepared directory.
+      tokenizer: `train.tokenizer.CharTokenizer`/`ByteTokenizer` (kind char, byte) or a
+        `jaxattn.hf.tokenizer.HFTokenizer` (kind bpe, hf).
+      tokenizer_kind: "char", "byte", "bpe" or "hf".
+      tokenizer_hash: the 16-byte hash every shard header carries.
+      vocab_size: the tokenizer's vocabulary size (ids are below it).
+      train, val: the shards of each split, in order; their concatenation is the split's stream.
+      manifest: prepared.json as read.
+    """
+
+    directory: Path
+    tokenizer: Any
+    tokenizer_kind: str
+    tokenizer_hash: bytes
+    vocab_size: int
+    train: list[np.memmap]
+    val: list[np.memmap]
+    manifest: dict[str, Any]
+
+    @property
+    def train_tokens(self) -> int:
+        return sum(len(s) for s in self.train)
+
+    @property
+    def val_tokens(self) -> int:
+        return sum(len(s) for s in self.val)
+
+    def stream(self, split: str) -> np.ndarray:
+        """The whole stream of `split` as one int64 array in memory (tests and small corpora only)."""
+        return np.concatenate([np.asarray(s, dtype=np.int64) for s in getattr(self, split)])
+
+
+def shard_paths(directory: str | os.PathLike, split: str) -> list[Path]:
+    """The shards of `split` in `directory`, in order; DataError if their numbers are not 0, 1, 2, ..."""
+    directory = Path(directory)
+    found = sorted(p for p in directory.iterdir() if (m := SHARD_NAME.match(p.name)) and m.group(1) == split)
+    for index, path in enumerate(found):
+        if path.name != shard_name(split, index):
+            raise DataError(f"prepared corpus {directory}: {shard_name(split, index)} is missing "
+                            f"(the {split} shards go on with {path.name})")
+    return found
+
+
+def _read_manifest(directory: Path) -> dict[str, Any]:
+    path = directory / MANIFEST
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise DataError(f"prepared corpus {directory} has shards but no {MANIFEST} "
+                        "(prepare it again with python -m train.prepare)") from None
+    except (OSError, ValueError) as err:
+        raise DataError(f"{path} cannot be read as JSON: {err}") from None
+    kind = manifest.get("tokenizer", {}).get("kind") if isinstance(manifest, dict) else None
+    if kind not in TOKENIZER_KINDS:
+        raise DataError(f"{path}: tokenizer.kind must be one of {TOKENIZER_KINDS}, got {kind!r}")
+    return manifest
+
+
+def _load_tokenizer(directory: Path, kind: str, text: str):
+    path = directory / TOKENIZER
+    try:
+        if kind in ("char", "byte"):
+            from train.tokenizer import from_json
+            tokenizer = from_json(text)
+            if tokenizer.kind != kind:
+                raise ValueError(f"it holds a {tokenizer.kind} tokenizer, but {MANIFEST} says {kind}")
+            return tokenizer
+        from tokenizers import Tokenizer
+        from jaxattn.hf.tokenizer import HFTokenizer
+        return HFTokenizer(Tokenizer.from_str(text))
+    except Exception as err:  # noqa: BLE001: `tokenizers` raises a bare Exception
+        raise DataError(f"{path} is not a {kind} tokenizer this jaxattn reads: {err}") from None
+
+
+def open_prepared(directory: str | os.PathLike,
+                  expected_tokenizer_hash: bytes | str | None = None) -> PreparedCorpus:
+    """Opens a prepared directory: checks every shard header against tokenizer.json and the manifest.
+
+    DataError (one line naming the file) for: a missing directory, no shards of a split, a gap in
+    the shard numbers, a damaged or truncated shard, shards of different tokenizers or
+    vocabularies, a tokenizer.json whose hash is not the shards', a token count that is not the
+    manifest's, or a tokenizer other than `expected_tokenizer_hash` (16 bytes or 32 hex digits).
+    """
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise DataError(f"prepared corpus {directory} is not a directory (make one with python -m train.prepare)")
+    paths = {split: shard_paths(directory, split) for split in SPLITS}
+    for split in SPLITS:
+        if not paths[split]:
+            raise DataError(f"prepared corpus {directory} has no {split} shards ({split}_00000.bin ...): "
+                            "make it with python -m train.prepare")
+    manifest = _read_manifest(directory)
+    try:
+        text = (directory / TOKENIZER).read_text(encoding="utf-8")
+        hash_ = tokenizer_hash(text)
+    except (OSError, ValueError) as err:
+        raise DataError(f"{directory / TOKENIZER} cannot be read: {err}") from None
+    kind = manifest["tokenizer"]["kind"]
+    tokenizer = _load_tokenizer(directory, kind, text)
+    headers = {split: [read_header(p) for p in paths[split]] for split in SPLITS}
+    first = headers["train"][0]
+    for header in headers["train"] + headers["val"]:
+        if header.tokenizer_hash != first.tokenizer_hash:
+            raise DataError(f"prepared corpus {directory} mixes tokenizers: {header.path.name} has tokenizer "
+                            f"hash {header.tokenizer_hash.hex()}, {first.path.name} {first.tokenizer_hash.hex()}")
+        if header.vocab_size != first.vocab_size:
+            raise DataError(f"prepared corpus {directory} mixes vocabularies: {header.path.name} has "
+                            f"{header.vocab_size} ids, {first.path.name} {first.vocab_size}")
+    if first.tokenizer_hash != hash_:
+        raise DataError(f"the shards in {directory} were written with another tokenizer: their hash is "
+                        f"{first.tokenizer_hash.hex()}, {TOKENIZER}'s is {hash_.hex()}")
+    if first.vocab_size != tokenizer.vocab_size:
+        raise DataError(f"the shards in {directory} have a vocabulary of {first.vocab_size}, "
+                        f"{TOKENIZER} one of {tokenizer.vocab_size}")
+    if expected_tokenizer_hash is not None and _hash_bytes(expected_tokenizer_hash) != hash_:
+        raise DataError(f"prepared corpus {directory} was made with another tokenizer (hash {hash_.hex()}, "
+                        f"expected {_hash_bytes(expected_tokenizer_hash).hex()})")
+    for split in SPLITS:
+        counted = sum(h.count for h in headers[split])
+        said = manifest.get(split, {}).get("tokens")
+        if said != counted:
+            raise DataError(f"prepared corpus {directory}: its {split} shards hold {counted} tokens, "
+                            f"{MANIFEST} says {said}")
+    maps = {split: [np.memmap(h.path, dtype=h.dtype, mode="r", offset=HEADER_SIZE, shape=(h.count,))
+                    for h in headers[split]] for split in SPLITS}
+    return PreparedCorpus(directory, tokenizer, kind, hash_, first.vocab_size, maps["train"], maps["val"],
+                          manifest)
+
+
+def check_vocab(prepared: PreparedCorpus, model_vocab_size: int) -> None:
+    """DataError unless every id of the prepared corpus is below the model's `model_vocab_size`."""
+    if prepared.vocab_size > model_vocab_size:
+        raise DataError(f"the tokenizer of {prepared.directory} has {prepared.vocab_size} ids, more than the "
+                        f"model's vocab_size {model_vocab_size}: set model.vocab_size >= {prepared.vocab_size}")
