@@ -45,6 +45,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.machine import portable_command, write_results  # noqa: E402
 from train.config import DEFAULT_CONFIG, ExperimentConfig, TrainConfig, load_config  # noqa: E402
+from train.metrics import first_at_or_below  # noqa: E402
 
 TARGET = 1.8857  # nanoGPT's val loss after its 2000-iter baby run (bench/results/train.md)
 SPEEDRUN = "shakespeare_char_speedrun"
@@ -186,10 +187,6 @@ def loss_at_budget(evals: list[dict], budget: float) -> dict | None:
     """The last evaluation whose train_seconds is within `budget` (metrics.jsonl eval records)."""
     within = [e for e in evals if e.get("train_seconds") is not None and e["train_seconds"] <= budget]
     return within[-1] if within else None
-
-
-def first_at_or_below(evals: list[dict], target: float) -> dict | None:
-    return next((e for e in evals if e.get("val_loss") is not None and e["val_loss"] <= target), None)
 
 
 def race_summary(runs: list[dict]) -> dict:

@@ -22,14 +22,12 @@ training builds it: `--data`, the config's data_path, then train.data's defaults
 from __future__ import annotations
 
 import argparse
-import functools
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-import jaxattn
 from jaxattn.model import DecoderLM
 from train import outputs
 from train.checkpoint import CheckpointError, load_for_sampling
@@ -43,10 +41,10 @@ HTML_SUFFIXES = (".html", ".htm")
 
 
 def attention_weights(params, model_config, token_ids: np.ndarray) -> np.ndarray:
-    """Weights of every layer and head for one sequence: [L, N, T, T] float32 (docs/theory.md §14)."""
-    apply = jax.jit(functools.partial(jaxattn.attention_weights, DecoderLM(model_config)))  # one compile
-    _, weights = apply({"params": params}, jnp.asarray(token_ids)[None])
-    return np.stack([np.asarray(w[0], np.float32) for w in weights])  # [L, N, T, T]
+    """Weights of every layer and head for one sequence: [L, N, T, T] float32 (docs/theory.md §14);
+    the viewer's `model_weights`, jitted once per config, so the PNG and the page share it."""
+    from jaxattn.viewer.page import model_weights
+    return model_weights(model_config, params, token_ids)
 
 
 def random_init(args: argparse.Namespace):
