@@ -42,4 +42,4 @@ def test_bad_kind():
     with pytest.raises(ValueError, match="'char' or 'byte'"):
         build_tokenizer("bpe", "abc")
     with pytest.raises(ValueError, match="unknown tokenizer kind"):
-        from_json('{"kind": "bpe"}')
+        from_json('{"kind": "word"}')  # bpe and hf are kinds now (JSONTokenizer)

@@ -35,7 +35,8 @@ from orbax.checkpoint.checkpoint_managers import LatestN
 from jaxattn.config import ModelConfig
 from jaxattn.model import DecoderLM
 from train.config import ExperimentConfig
-from train.tokenizer import Tokenizer, from_dict as tokenizer_from_dict
+from train.shards import tokenizer_hash
+from train.tokenizer import JSON_KINDS, Tokenizer, from_dict as tokenizer_from_dict
 
 FORMAT_VERSION = 2
 KINDS = ("latest", "best")
@@ -280,6 +281,10 @@ def check_tokenizer(meta: dict, tokenizer: Tokenizer, corpus: str) -> None:
         added, missing = sorted(set(tokenizer.chars) - set(saved.chars)), sorted(set(saved.chars) - set(tokenizer.chars))
         detail = (f"its characters differ from the run's ({saved.vocab_size} then, {tokenizer.vocab_size} now; "
                   f"new {''.join(added)!r}, gone {''.join(missing)!r})")
+    elif saved.kind == tokenizer.kind and saved.kind in JSON_KINDS:
+        detail = (f"it is another {saved.kind} tokenizer ({saved.vocab_size} ids then, {tokenizer.vocab_size} now; "
+                  f"hash (prepared.json's tokenizer.hash) {tokenizer_hash(saved.json).hex()} then, "
+                  f"{tokenizer_hash(tokenizer.json).hex()} now)")
     else:
         detail = f"it is a {tokenizer.kind} tokenizer and the run's is a {saved.kind} tokenizer"
     was = meta["config"]["train"].get("data_path") or "the default corpus"

@@ -4,7 +4,9 @@
     python -m train.export --checkpoint runs/NAME --out DIR --overwrite   # replace an earlier export
 
 DIR then holds config.json, model.safetensors, generation_config.json, tokenizer.json (the
-run's character or byte tokenizer, same ids) and tokenizer_config.json, and loads with
+run's tokenizer with the same ids: its character or byte tokenizer as a `tokenizers` one, or the
+BPE or Hugging Face tokenizer.json of its prepared corpus as it is) and tokenizer_config.json,
+and loads with
 `transformers.AutoModelForCausalLM.from_pretrained(DIR)`
 and `AutoTokenizer.from_pretrained(DIR)`, or here with
 `python -m train.sample --hf DIR` and `python -m train.attention_maps --hf DIR`.

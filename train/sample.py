@@ -1,8 +1,9 @@
-"""Sample text from a trained (or randomly initialised) character LM.
+"""Sample text from a trained (or randomly initialised) LM.
 
     python -m train.sample --checkpoint runs/shakespeare_char_baby --prompt "ROMEO:" --max-new-tokens 500
     echo "JULIET:" | python -m train.sample --checkpoint DIR --num-samples 3 --temperature 0.8 --top-k 40
     python -m train.sample --random-init shakespeare_char_baby_mla --prompt "ROMEO:"   # --data FILE: its characters
+    python -m train.sample --random-init CONFIG.toml --data data/texts_bpe   # a prepared corpus's tokenizer
     python -m train.sample --hf exports/baby --prompt "ROMEO:"   # a transformers directory with tokenizer.json
     python -m train.sample --checkpoint DIR --num-samples 8 --cpu-devices 8 --mesh data:2,fsdp:2,tensor:2
 
@@ -24,6 +25,7 @@ import argparse
 import os
 import sys
 import time
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -38,6 +40,7 @@ from train import config as config_lib
 from train import data as data_lib
 from train import export as export_lib
 from train import runtime as runtime_lib
+from train import shards
 from train.checkpoint import CheckpointError
 from train.config import RuntimeConfig
 from train.cli import ArgumentParser, StopSignals, Stopped, UsageError, guard
@@ -50,17 +53,25 @@ BYTES_PER_TOKEN = 16  # a generous estimate of the host memory one drawn token t
 
 
 def random_init(name: str, seed: int = 0, data: str | None = None) -> tuple[dict, ModelConfig, Tokenizer]:
-    """(params, model config, tokenizer) of configs/NAME.toml, randomly initialised, with the
-    characters of `data` (default: Tiny Shakespeare, found or downloaded as `train.data` does)."""
+    """(params, model config, tokenizer) of configs/NAME.toml (or a .toml file), randomly initialised.
+
+    The tokenizer is that of `data` when it is a directory prepared by `python -m train.prepare`
+    (any kind: char, byte, bpe, hf), else the characters of the text file `data` (default: Tiny
+    Shakespeare, found or downloaded as `train.data` does). UsageError for an unknown config or a
+    vocab_size other than the tokenizer's; DataError for a missing or damaged `data`.
+    """
     try:
         config = config_lib.load_config(name).model
     except (FileNotFoundError, ValueError, TypeError) as err:
         raise UsageError(str(err)) from err
-    tokenizer = CharTokenizer.from_text(data_lib.read_text(data_lib.resolve_data_path(data)))
+    if data is not None and Path(data).expanduser().is_dir():
+        tokenizer, where = shards.open_prepared(Path(data).expanduser()).tokenizer, f"the prepared corpus --data {data}"
+    else:
+        tokenizer = CharTokenizer.from_text(data_lib.read_text(data_lib.resolve_data_path(data)))
+        where = f"the characters of --data {data}" if data else "the characters of Tiny Shakespeare"
     if tokenizer.vocab_size != config.vocab_size:
-        where = f"--data {data}" if data else "Tiny Shakespeare"
-        raise UsageError(f"config {name!r} has vocab_size {config.vocab_size}, but the characters of {where} "
-                         f"number {tokenizer.vocab_size}")
+        raise UsageError(f"config {name!r} has vocab_size {config.vocab_size}, but the tokenizer of {where} "
+                         f"has {tokenizer.vocab_size} ids")
     params = jax.jit(DecoderLM(config).init)(jax.random.PRNGKey(seed), np.zeros((1, 1), np.int32))["params"]
     return params, config, tokenizer
 
@@ -96,7 +107,7 @@ def encode_prompt(tokenizer: Tokenizer, prompt: str, config: ModelConfig) -> np.
     """Prompt ids `[P]`; UsageError for characters the tokenizer does not know."""
     try:
         ids = tokenizer.encode(prompt)
-    except ValueError as err:  # unknown characters (both tokenizer kinds raise ValueError)
+    except ValueError as err:  # text outside the vocabulary (every tokenizer kind raises ValueError)
         raise UsageError(f"the prompt cannot be encoded: {err}") from err
     if len(ids) >= config.max_seq_len:
         print(f"note: the prompt is {len(ids)} tokens and the model's context {config.max_seq_len}: "
@@ -154,8 +165,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     source.add_argument("--hf", metavar="DIR", help="a transformers directory with a tokenizer.json "
                         "(e.g. written by python -m train.export)")
     source.add_argument("--random-init", metavar="CONFIG", help="a config name from configs/, randomly initialised")
-    parser.add_argument("--data", metavar="FILE", help="with --random-init: the text whose characters are the "
-                        "vocabulary (default: Tiny Shakespeare)")
+    parser.add_argument("--data", metavar="FILE_OR_DIR", help="with --random-init: the text whose characters are "
+                        "the vocabulary (default: Tiny Shakespeare), or a directory prepared by python -m "
+                        "train.prepare, whose tokenizer is used")
     parser.add_argument("--allow-nonfinite", action="store_true",
                         help="with --hf: load weights holding NaN or infinity (refused otherwise)")
     parser.add_argument("--prompt", help="prompt text; '-' or absent (with piped stdin) reads stdin")

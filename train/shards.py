@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 
 from train.data import DataError
+from train.tokenizer import JSONTokenizer, canonical_json, from_json  # canonical_json: what the hash is of
 
 MAGIC = b"JXATTOK1"
 VERSION = 1
@@ -67,12 +68,6 @@ def dtype_for(vocab_size: int) -> np.dtype:
 
 def shard_name(split: str, index: int) -> str:
     return f"{split}_{index:05d}.bin"
-
-
-def canonical_json(value: str | dict[str, Any]) -> bytes:
-    """A JSON text or object as sorted-key, space-free UTF-8 JSON (what the tokenizer hash is of)."""
-    obj = json.loads(value) if isinstance(value, str) else value
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
 
 
 def tokenizer_hash(tokenizer_json: str | dict[str, Any]) -> bytes:
@@ -221,8 +216,9 @@ class PreparedCorpus:
 
     Attributes:
       directory: the prepared directory.
-      tokenizer: `train.tokenizer.CharTokenizer`/`ByteTokenizer` (kind char, byte) or a
-        `jaxattn.hf.tokenizer.HFTokenizer` (kind bpe, hf).
+      tokenizer: a `train.tokenizer.CharTokenizer` or `ByteTokenizer` (kind char, byte) or a
+        `train.tokenizer.JSONTokenizer` of tokenizer.json (kind bpe, hf): what a run stores in its
+        checkpoints.
       tokenizer_kind: "char", "byte", "bpe" or "hf".
       tokenizer_hash: the 16-byte hash every shard header carries.
       vocab_size: the tokenizer's vocabulary size (ids are below it).
@@ -282,15 +278,12 @@ def _load_tokenizer(directory: Path, kind: str, text: str):
     path = directory / TOKENIZER
     try:
         if kind in ("char", "byte"):
-            from train.tokenizer import from_json
             tokenizer = from_json(text)
             if tokenizer.kind != kind:
                 raise ValueError(f"it holds a {tokenizer.kind} tokenizer, but {MANIFEST} says {kind}")
             return tokenizer
-        from tokenizers import Tokenizer
-        from jaxattn.hf.tokenizer import HFTokenizer
-        return HFTokenizer(Tokenizer.from_str(text))
-    except Exception as err:  # noqa: BLE001: `tokenizers` raises a bare Exception
+        return JSONTokenizer(kind, text)
+    except Exception as err:  # noqa: BLE001: unreadable JSON, or no `tokenizers` package
         raise DataError(f"{path} is not a {kind} tokenizer this jaxattn reads: {err}") from None
 
 
@@ -349,8 +342,9 @@ def open_prepared(directory: str | os.PathLike,
                           manifest)
 
 
-def check_vocab(prepared: PreparedCorpus, model_vocab_size: int) -> None:
-    """DataError unless every id of the prepared corpus is below the model's `model_vocab_size`."""
-    if prepared.vocab_size > model_vocab_size:
-        raise DataError(f"the tokenizer of {prepared.directory} has {prepared.vocab_size} ids, more than the "
-                        f"model's vocab_size {model_vocab_size}: set model.vocab_size >= {prepared.vocab_size}")
+def check_vocab_size(directory: str | os.PathLike, vocab_size: int, model_vocab_size: int) -> None:
+    """DataError unless every id of a prepared corpus's `vocab_size` is below the model's `model_vocab_size`."""
+    if vocab_size > model_vocab_size:
+        raise DataError(f"the tokenizer of {directory} has {vocab_size} ids, more than the model's vocab_size "
+                        f"{model_vocab_size}: set model.vocab_size >= {vocab_size} (--set model.vocab_size="
+                        f"{vocab_size})")
