@@ -57,6 +57,7 @@ def time_training(runtime, rounds: int) -> list[dict]:
     import numpy as np
 
     from train import data as data_lib
+    from train.batches import RunBatches
     from train.loop import with_vocabulary
     from train.steps import build_programs
 
@@ -67,9 +68,10 @@ def time_training(runtime, rounds: int) -> list[dict]:
     calls = {}
     for name, kernels in training_variants(runtime).items():
         programs = build_programs(config, dataclasses.replace(runtime, kernels=kernels))
-        data = programs.place(np.asarray(corpus.train))
+        data = RunBatches(corpus.train, corpus.val, config.train, programs.layout.windows,
+                          programs.eval_rows).train_chunk(0, steps)  # [steps, B, T + 1], read once
         state = {"s": programs.init(config.train.seed)}
-        compiled = programs.train_steps.lower(state["s"], data, steps).compile()
+        compiled = programs.train_steps.lower(state["s"], data).compile()
 
         def call(compiled=compiled, state=state, data=data):
             state["s"], (losses, _) = compiled(state["s"], data)

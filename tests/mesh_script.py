@@ -16,6 +16,7 @@ from jaxattn.config import LayerKind, MLAConfig, ModelConfig  # noqa: E402
 from jaxattn.decoding import generate  # noqa: E402
 from jaxattn.sharding import MeshShape  # noqa: E402
 from train import runtime as runtime_lib  # noqa: E402
+from train.batches import RunBatches  # noqa: E402
 from train.config import ExperimentConfig, RuntimeConfig, TrainConfig  # noqa: E402
 from train.steps import build_programs  # noqa: E402
 
@@ -83,7 +84,8 @@ def train_on(kind: str, mesh: str, corpus, initial=None) -> dict:
     state = programs.init(config.train.seed) if initial is None else sharding.place(initial, programs.layout.state)
     host = jax.tree.map(np.asarray, state)
     held = sharding.per_device_bytes((state["params"], state["opt_state"]))
-    state, (losses, _) = programs.train_steps(state, programs.place(corpus), STEPS)
+    windows = RunBatches(corpus, corpus, config.train, programs.layout.windows, programs.eval_rows).train_chunk(0, STEPS)
+    state, (losses, _) = programs.train_steps(state, windows)
     watched = {name: layout_of(leaf(state["params"], path)) for name, path in WATCHED[kind].items()}
     first = next(iter(WATCHED[kind].values()))
     return {"losses": np.asarray(losses).tolist(), "watched": watched, "bytes_per_device": held,

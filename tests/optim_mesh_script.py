@@ -21,6 +21,7 @@ from jaxattn import sharding  # noqa: E402
 from jaxattn.config import MLAConfig, ModelConfig  # noqa: E402
 from jaxattn.sharding import MeshShape  # noqa: E402
 from train import runtime as runtime_lib  # noqa: E402
+from train.batches import RunBatches  # noqa: E402
 from train.config import ExperimentConfig, RuntimeConfig, TrainConfig  # noqa: E402
 from train.optim import ADAM, MUON  # noqa: E402
 from train.steps import build_programs  # noqa: E402
@@ -79,7 +80,8 @@ def train_on(kind: str, mesh: str, corpus, initial=None) -> dict:
     programs = build_programs(config, runtime)
     state = programs.init(config.train.seed) if initial is None else sharding.place(initial, programs.layout.state)
     host = jax.tree.map(np.asarray, state)
-    state, (losses, lrs) = programs.train_steps(state, programs.place(corpus), STEPS)
+    windows = RunBatches(corpus, corpus, config.train, programs.layout.windows, programs.eval_rows).train_chunk(0, STEPS)
+    state, (losses, lrs) = programs.train_steps(state, windows)
     layout = programs.layout
     watched = {}
     for group, path in WATCHED[kind].items():

@@ -55,7 +55,7 @@ def test_overrides_coerce_types():
     ("train.lr=fast", TypeError, "train.lr must be a number"),
     ("train.checkpoint=1", TypeError, "must be a bool"),
     ("model.positions=alibi", ValueError, r"model.positions must be one of \('learned'"),
-    ("train.tokenizer=bpe", ValueError, "train.tokenizer must be one of"),
+    ("train.tokenizer=word", ValueError, "train.tokenizer must be one of"),
     ("train.beta2=1.5", ValueError, r"beta2 must be in \(0, 1\)"),
     ("train.batch_size=0", ValueError, "batch_size must be positive"),
     ("model.num_kv_heads=3", ValueError, "multiple of"),

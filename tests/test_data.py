@@ -3,8 +3,6 @@ import http.server
 import os
 import threading
 
-import jax.numpy as jnp
-import numpy as np
 import pytest
 
 from train import data
@@ -126,13 +124,3 @@ def test_offline_message_says_where_to_put_the_file(http_server, no_shakespeare_
     assert os.listdir(no_shakespeare_env.parent) == []
 
 
-def test_batches_are_a_function_of_seed_split_step():
-    ids = jnp.arange(1000, dtype=jnp.int32)
-    x1, y1 = data.get_batch(ids, data.batch_key(3, data.TRAIN, 7), 4, 16)
-    x2, y2 = data.get_batch(ids, data.batch_key(3, data.TRAIN, 7), 4, 16)
-    x3, _ = data.get_batch(ids, data.batch_key(3, data.TRAIN, 8), 4, 16)
-    assert x1.shape == (4, 16) and y1.shape == (4, 16)
-    np.testing.assert_array_equal(x1, x2)
-    np.testing.assert_array_equal(y1, x1 + 1)  # targets are the inputs shifted by one
-    assert not np.array_equal(x1, x3)
-    assert int(y1.max()) < 1000

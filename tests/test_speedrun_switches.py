@@ -16,6 +16,7 @@ from jaxattn.model import DecoderLM
 from jaxattn.primitives import MLP
 from train import data as data_lib
 from train import runtime as runtime_lib
+from train.batches import RunBatches
 from train.config import ExperimentConfig, RuntimeConfig, TrainConfig, load_config
 from train.loop import train
 from train.metrics import RunResult, first_at_or_below
@@ -122,8 +123,9 @@ def test_zero_init_out_keeps_a_tied_embedding_and_is_a_switch():
     (23, 7, 5),
 ])
 def test_whole_split_windows_count_every_target_once(num_tokens, block_size, rows):
-    starts, weights = data_lib.whole_split_windows(num_tokens, block_size, rows)
-    assert starts.dtype == np.int32 and weights.dtype == np.float32
+    starts, counted_from = data_lib.whole_split_windows(num_tokens, block_size, rows)
+    weights = data_lib.target_weights(counted_from, block_size)
+    assert starts.dtype == np.int64 and weights.dtype == np.float32
     batches = starts.shape[0]
     assert starts.shape == (batches, rows) and weights.shape == (batches, rows, block_size)
     starts, weights = starts.reshape(-1), weights.reshape(-1, block_size)
@@ -162,7 +164,8 @@ def test_whole_split_evaluation_equals_the_loss_of_every_val_token():
     train_data = rng.integers(0, 65, 300).astype(np.int32)
     # 262 whole windows and a tail of 7 targets: two scanned batches of 256 windows (eval_rows), padded.
     val = rng.integers(0, 65, T * 262 + 8).astype(np.int32)
-    got = programs.evaluate(params, *programs.place((train_data, val)))
+    got = RunBatches(train_data, val, tc, programs.layout.windows, programs.eval_rows).evaluate(
+        lambda windows, weights: programs.evaluate(params, windows, weights))
 
     # Directly: windows at 0, T, 2T, ... and one ending at the split's end for the targets left.
     n = len(val)

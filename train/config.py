@@ -63,9 +63,11 @@ class TrainConfig:
       seed: the one seed of params, batches and dropout.
       out_dir: where checkpoints, metrics.jsonl, config.json and loss.png go.
       checkpoint: save latest and best-by-val-loss checkpoints at each eval.
-      data_path: the corpus (None: see train.data).
-      tokenizer: "char" or "byte".
-      val_fraction: the last fraction of the corpus held out.
+      data_path: the corpus: a text file or a directory made by `python -m train.prepare`
+        (None: Tiny Shakespeare, see train.data).
+      tokenizer: "char" or "byte" (built from a text file when the run starts), "bpe" or "hf"
+        (a prepared directory's, which must be of this kind).
+      val_fraction: the last fraction of a text file held out (a prepared directory keeps its split).
       sample_tokens, sample_temperature, sample_prompt: the sample printed at the end.
       plot: write the loss curve PNG at the end.
     """
@@ -99,7 +101,7 @@ class TrainConfig:
     out_dir: str = "runs/shakespeare_char_baby"
     checkpoint: bool = True
     data_path: str | None = None
-    tokenizer: Literal["char", "byte"] = "char"
+    tokenizer: Literal["char", "byte", "bpe", "hf"] = "char"
     val_fraction: float = 0.1
     sample_tokens: int = 300
     sample_temperature: float = 0.8
@@ -129,7 +131,7 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.sample_temperature must be >= 0, got {self.sample_temperature}")
         if not 0 <= self.seed < 2 ** 63:
             raise ValueError(f"TrainConfig.seed must be in [0, 2**63), got {self.seed}")
-        for name, allowed in (("tokenizer", ("char", "byte")), ("schedule", ("cosine", "wsd")),
+        for name, allowed in (("tokenizer", ("char", "byte", "bpe", "hf")), ("schedule", ("cosine", "wsd")),
                               ("optimizer", ("adamw", "muon"))):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"TrainConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}")

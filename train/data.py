@@ -1,5 +1,9 @@
 """The training corpus: where it comes from, how it is split and how batches are drawn.
 
+`train.data_path` (`--data`) is a text file, tokenized (characters or bytes) when the run
+starts, or a directory prepared by `python -m train.prepare` (any tokenizer, a corpus of any
+size: its shards are read as the run goes; `open_corpus`).
+
 Resolution of the text file, first match wins:
   1. an explicit path (`--data PATH` or `train.data_path` in the config);
   2. the environment variable JAXATTN_SHAKESPEARE (the Makefile sets it when the
@@ -7,8 +11,8 @@ Resolution of the text file, first match wins:
   3. the cache: $XDG_CACHE_HOME/jaxattn/tinyshakespeare.txt (default ~/.cache/jaxattn);
   4. a download of Tiny Shakespeare into the cache, checked against its sha256.
 
-Batches are a pure function of (seed, split, step), computed on device inside the
-jitted step, so a resumed run sees exactly the batches an uninterrupted run sees.
+Batches are a pure function of (seed, split, step) (`batch_key`), read on the host by
+`train.batches`, so a resumed run sees exactly the batches an uninterrupted run sees.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import tempfile
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np
@@ -97,7 +102,7 @@ def _existing_file(path: str | os.PathLike, source: str) -> Path:
 
 def resolve_data_path(path: str | os.PathLike | None = None, *, url: str | None = None,
                       download_if_missing: bool = True) -> Path:
-    """The corpus file, following the resolution order of this module's docstring."""
+    """The corpus text file, following the resolution order of this module's docstring."""
     if path:
         return _existing_file(path, "--data / train.data_path")
     if os.environ.get(ENV_PATH):
@@ -128,12 +133,21 @@ def read_text(path: str | os.PathLike) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Corpus:
-    """A tokenized text split into train (first part) and val (last part) int32 id arrays."""
+    """A tokenized corpus split into train and val.
 
-    train: np.ndarray
-    val: np.ndarray
-    tokenizer: Tokenizer
+    Attributes:
+      train, val: the splits: int32 id arrays (a text file) or `train.batches.ShardStream`s (a
+        prepared directory); `len()` of each is its token count.
+      tokenizer: the tokenizer the ids are of.
+      path: the text file or prepared directory.
+      prepared: a prepared directory's manifest (`train.shards`), else None.
+    """
+
+    train: Any
+    val: Any
+    tokenizer: Any
     path: str
+    prepared: dict | None = None
 
 
 def load_corpus(path: str | os.PathLike | None = None, *, tokenizer: str | Tokenizer = "char",
@@ -153,6 +167,56 @@ def load_corpus(path: str | os.PathLike | None = None, *, tokenizer: str | Token
     return Corpus(train=train, val=val, tokenizer=tok, path=str(file))
 
 
+def open_corpus(path: str | os.PathLike | None = None, *, tokenizer: str = "char",
+                val_fraction: float = 0.1) -> Corpus:
+    """The corpus of a run: a prepared directory (`python -m train.prepare`), whose shards are read
+    as the run goes, or a text file read and tokenized now (`load_corpus`).
+
+    A prepared directory fixes its tokenizer and split: DataError when its tokenizer kind is not
+    `tokenizer` (the run's `train.tokenizer`), or the directory is not a whole prepared corpus.
+    """
+    if path is not None and Path(path).expanduser().is_dir():
+        return _prepared_corpus(Path(path).expanduser(), tokenizer)
+    if tokenizer not in ("char", "byte"):
+        raise DataError(f"train.tokenizer = {tokenizer!r} needs a prepared corpus: python -m train.prepare "
+                        f"--data FILE_OR_DIR --tokenizer {'bpe:VOCAB' if tokenizer == 'bpe' else 'hf:DIR'} "
+                        "--out DIR, then --data DIR")
+    return load_corpus(path, tokenizer=tokenizer, val_fraction=val_fraction)
+
+
+def _prepared_corpus(directory: Path, tokenizer: str) -> Corpus:
+    from train.batches import ShardStream  # (train.batches reads this module)
+    from train.shards import open_prepared
+
+    prepared = open_prepared(directory)
+    if prepared.tokenizer_kind != tokenizer:
+        raise DataError(f"the prepared corpus {directory} has a {prepared.tokenizer_kind} tokenizer and "
+                        f"train.tokenizer is {tokenizer!r}: set train.tokenizer = \"{prepared.tokenizer_kind}\" "
+                        f"(--set train.tokenizer={prepared.tokenizer_kind})")
+    return Corpus(train=ShardStream.of_maps(prepared.train), val=ShardStream.of_maps(prepared.val),
+                  tokenizer=prepared.tokenizer, path=str(directory), prepared=prepared.manifest)
+
+
+def describe(corpus: Corpus) -> str:
+    """"PATH, N train / M val tokens", with a prepared corpus's tokenizer and its hash."""
+    counts = f"{len(corpus.train):,} train / {len(corpus.val):,} val tokens"
+    if corpus.prepared is None:
+        return f"{corpus.path}, {counts}"
+    tok = corpus.prepared["tokenizer"]
+    return (f"{corpus.path}, prepared: {tok['spec']} tokenizer of {tok['vocab_size']:,} ids, hash {tok['hash']}, "
+            f"{counts}")
+
+
+def unused_settings(corpus: Corpus, tc) -> list[str]:
+    """Warnings for the `TrainConfig` settings a prepared corpus overrides (its split is fixed)."""
+    if corpus.prepared is None:
+        return []
+    kept = corpus.prepared["split"]["val_fraction"]
+    return [] if kept == tc.val_fraction else [
+        f"train.val_fraction={tc.val_fraction} is not used: the prepared corpus {corpus.path} keeps its split "
+        f"(val_fraction {kept}, python -m train.prepare --val-fraction)"]
+
+
 def check_block_size(corpus: Corpus, block_size: int) -> None:
     """Each split must hold one input block plus its shifted target."""
     shortest = min(len(corpus.train), len(corpus.val))
@@ -167,38 +231,29 @@ def batch_key(seed: int | jax.Array, split: int, step: int | jax.Array) -> jax.A
     return jax.random.fold_in(key, step)
 
 
-def get_batch(data: jax.Array, key: jax.Array, batch_size: int,
-              block_size: int) -> tuple[jax.Array, jax.Array]:
-    """Random windows of `data` [N]: inputs and next-token targets, both [batch_size, block_size]."""
-    starts = jax.random.randint(key, (batch_size,), 0, data.shape[0] - block_size)
-    window = jax.vmap(lambda s: jax.lax.dynamic_slice(data, (s,), (block_size + 1,)))(starts)
-    return window[:, :-1], window[:, 1:]  # [B, T], [B, T]
-
-
-def windows_at(data: jax.Array, starts: jax.Array, block_size: int) -> tuple[jax.Array, jax.Array]:
-    """The windows of `data` [N] beginning at `starts` [R]: inputs and targets, both [R, block_size]."""
-    window = jax.vmap(lambda s: jax.lax.dynamic_slice(data, (s,), (block_size + 1,)))(starts)
-    return window[:, :-1], window[:, 1:]
-
-
 def whole_split_windows(num_tokens: int, block_size: int, rows: int) -> tuple[np.ndarray, np.ndarray]:
-    """Windows that predict every token of a split once: starts `[batches, rows]` and target weights
-    `[batches, rows, block_size]` (1 = counted).
+    """Windows that predict every token of a split once: starts `[batches, rows]` and, per window, the
+    first of its `block_size` targets that counts `[batches, rows]` (`target_weights` makes the weights).
 
-    Windows begin at 0, T, 2T, ...; the tokens after the last whole window are predicted by one more
-    window ending at the split's end, counting only those. Padding windows (weight 0) fill the last row
-    group. The weighted mean of the losses is the split's loss over its `num_tokens - 1` targets.
+    Windows begin at 0, T, 2T, ... (every target counts); the tokens after the last whole window are
+    predicted by one more window ending at the split's end, counting only those. Padding windows (start
+    0, no target counts) fill the last row group. The weighted mean of the losses is the split's loss
+    over its `num_tokens - 1` targets.
     """
     if num_tokens <= block_size:
         raise ValueError(f"a split of {num_tokens} tokens has no window of block_size={block_size} + 1")
-    starts = list(range(0, num_tokens - block_size, block_size))
-    weights = [np.ones(block_size, np.float32) for _ in starts]
-    left = num_tokens - 1 - (starts[-1] + block_size)  # targets after the last whole window
+    starts = np.arange(0, num_tokens - block_size, block_size, dtype=np.int64)
+    counted_from = np.zeros(len(starts), np.int64)
+    left = num_tokens - 1 - (int(starts[-1]) + block_size)  # targets after the last whole window
     if left > 0:
-        starts.append(num_tokens - 1 - block_size)
-        weights.append((np.arange(block_size) >= block_size - left).astype(np.float32))
+        starts = np.append(starts, num_tokens - 1 - block_size)
+        counted_from = np.append(counted_from, block_size - left)
     pad = -len(starts) % rows
-    starts += [0] * pad
-    weights += [np.zeros(block_size, np.float32)] * pad
-    return (np.asarray(starts, np.int32).reshape(-1, rows),
-            np.stack(weights).reshape(-1, rows, block_size))
+    starts = np.append(starts, np.zeros(pad, np.int64))
+    counted_from = np.append(counted_from, np.full(pad, block_size, np.int64))
+    return starts.reshape(-1, rows), counted_from.reshape(-1, rows)
+
+
+def target_weights(counted_from: np.ndarray, block_size: int) -> np.ndarray:
+    """Weights `[..., block_size]` (float32): 1 for the targets from `counted_from` `[...]` on, else 0."""
+    return (np.arange(block_size) >= np.asarray(counted_from)[..., None]).astype(np.float32)

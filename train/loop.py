@@ -38,13 +38,14 @@ from jaxattn.windowed import windows
 from jaxattn.model import count_params
 from train import data as data_lib
 from train import distributed, outputs
+from train.batches import Feed, RunBatches
 from train import runtime as runtime_lib
 from train.checkpoint import Checkpointer, CheckpointError, check_compatible, check_tokenizer
 from train.cli import StopSignals
 from train.config import ExperimentConfig, TrainConfig
 from train.metrics import MetricsLog, RunResult, Throughput, first_at_or_below, peak_memory, speeds
 from train.plots import plot_losses
-from train.rundir import claim, repair_metrics
+from train.rundir import claim_on_main, repair_metrics
 from train.steps import build_programs
 from train.tokenizer import Tokenizer
 
@@ -87,7 +88,8 @@ class Run:
         self.log = (lambda *a: None) if self.quiet else partial(print, flush=True)
         self.warn = partial(print, file=sys.stderr, flush=True) if self.main else (lambda *a: None)  # even --quiet
         self.programs = build_programs(config, runtime)
-        self.train_data, self.val_data = self.programs.place((np.asarray(corpus.train), np.asarray(corpus.val)))
+        self.batches = RunBatches(corpus.train, corpus.val, tc, self.programs.layout.windows, self.programs.eval_rows)
+        self.feed: Feed | None = None  # reads the training batches ahead, from compile() on
         self.state = self.programs.init(tc.seed)  # created where it lives on the mesh
         self.checkpoints = Checkpointer(self.out) if tc.checkpoint or resume else None
         self.best_val, self.last_eval, meta = math.inf, None, {}
@@ -142,12 +144,15 @@ class Run:
             self.warn(f"warning: resumed run differs from the checkpoint ({warning}); it will not replay exactly")
 
     def compile(self) -> float:
-        """Compiles every train-steps program the run needs, and the evaluation; returns seconds."""
+        """Compiles every train-steps program the run needs, and the evaluation, while the first
+        batches are read; returns seconds."""
         start, tc = time.perf_counter(), self.config.train
-        sizes = sorted({b - a for a, b in chunks(self.start_step, tc.max_iters, tc)})
-        self.compiled = {n: self.programs.train_steps.lower(self.state, self.train_data, n).compile() for n in sizes}
-        self.evaluate_program = self.programs.evaluate.lower(
-            self.state["params"], self.train_data, self.val_data).compile()
+        self.feed = Feed(self.batches.train_chunk, chunks(self.start_step, tc.max_iters, tc))
+        sizes, inputs = sorted({b - a for a, b in chunks(self.start_step, tc.max_iters, tc)}), self.programs.inputs
+        self.compiled = {n: self.programs.train_steps.lower(self.state, inputs(n, tc.batch_size)[0]).compile()
+                         for n in sizes}
+        self.evaluators = {shape: self.programs.evaluate.lower(self.state["params"], *inputs(*shape)).compile()
+                           for shape in self.batches.eval_shapes()}
         self.log(f"compiled {sizes}-step train programs and eval in {time.perf_counter() - start:.1f}s")
         if self.signals.requested:
             self._stop_before_training()
@@ -174,7 +179,7 @@ class Run:
             self.evaluate(self.start_step)
         pending = None  # (first step, outputs) of the chunk in flight
         for first, last in chunks(self.start_step, tc.max_iters, tc):
-            self.state, outputs = self.compiled[last - first](self.state, self.train_data)
+            self.state, outputs = self.compiled[last - first](self.state, self.feed.next())
             if pending is not None:
                 self.record(*pending)
             pending = (first, outputs)
@@ -188,6 +193,11 @@ class Run:
         if pending is not None:
             self.record(*pending)
         self.bar.close()
+
+    @property
+    def input_wait_s(self) -> float:
+        """Seconds the steps waited for their batches (this process; 0 before training)."""
+        return 0.0 if self.feed is None else self.feed.waited
 
     def record(self, first_step: int, outputs) -> None:
         """Waits for a chunk's (losses, lrs), then logs them and advances the bar."""
@@ -209,8 +219,9 @@ class Run:
 
     def evaluate(self, step: int) -> None:
         """Losses on the fixed eval batches; checkpoints (latest, and best by val loss) after the first."""
-        losses = {k: float(v) for k, v in self.evaluate_program(self.state["params"], self.train_data,
-                                                                self.val_data).items()}
+        params = self.state["params"]
+        losses = self.batches.evaluate(lambda windows, weights: self.evaluators[windows.shape[:2]](
+            params, windows, weights))
         if not all(math.isfinite(v) for v in losses.values()):
             self.diverged(f"the evaluated losses are {losses} at step {step}")
         self.metrics.add_eval(step, losses, self.throughput.seconds)
@@ -266,6 +277,9 @@ class Run:
         return text, f"jaxattn.generate_windowed, KV cache{on}", stopped
 
     def close(self) -> None:
+        if self.feed is not None:
+            self.feed.close()
+        self.batches.close()
         if self.checkpoints is not None:
             self.checkpoints.close()
 
@@ -307,19 +321,19 @@ def train(config: ExperimentConfig, *, runtime: runtime_lib.Runtime | None = Non
     tc = config.train
     if loss_plot is not None:
         outputs.check_image_file(loss_plot, "--loss-plot")
-    corpus = data_lib.load_corpus(tc.data_path, tokenizer=tc.tokenizer, val_fraction=tc.val_fraction)
+    corpus = data_lib.open_corpus(tc.data_path, tokenizer=tc.tokenizer, val_fraction=tc.val_fraction)
     data_lib.check_block_size(corpus, tc.block_size)
     _check_sample_prompt(config, corpus.tokenizer)
     runtime = runtime or runtime_lib.start(config.runtime, tc.batch_size, model=config.model)
     config = with_vocabulary(config, corpus.tokenizer).replace(runtime=runtime.config)
     main = distributed.is_main()
     log = (lambda *a: None) if quiet or not main else partial(print, flush=True)
-    for warning in runtime.warnings if main else ():
+    for warning in (*runtime.warnings, *data_lib.unused_settings(corpus, tc)) if main else ():
         print(f"warning: {warning}", file=sys.stderr)
-    log(f"config {config.name} (data {corpus.path}, {len(corpus.train):,} train / {len(corpus.val):,} val tokens):")
+    log(f"config {config.name} (data {data_lib.describe(corpus)}):")
     log(config.to_json())
     log("\n".join(runtime.describe()))
-    lock = _claim_on_main(Path(tc.out_dir), resume=resume, overwrite=overwrite)
+    lock = claim_on_main(Path(tc.out_dir), resume=resume, overwrite=overwrite)
     run = None
     try:
         with StopSignals() as signals:  # from here a signal asks; the run stops where nothing is lost
@@ -336,20 +350,6 @@ def train(config: ExperimentConfig, *, runtime: runtime_lib.Runtime | None = Non
             run.close()
         if lock is not None:
             lock.release()
-
-
-def _claim_on_main(out_dir: Path, *, resume: bool, overwrite: bool):
-    """Process 0 claims and locks the run directory (None elsewhere); every process learns whether it could."""
-    if not distributed.is_main():
-        distributed.agree(True, "claim the run directory")
-        return None
-    try:
-        lock = claim(out_dir, resume=resume, overwrite=overwrite)
-    except BaseException:
-        distributed.agree(False, "claim the run directory")
-        raise
-    distributed.agree(True, "claim the run directory")
-    return lock
 
 
 def describe_layout(layout, state) -> list[str]:
@@ -382,7 +382,7 @@ def _finish(run: Run, compile_s: float, wall_start: float, *, sample: bool, loss
         final_val_loss=last["val"], final_train_loss=last["train"], best_val_loss=run.best_val,
         steps=tc.max_iters, **speeds(run.throughput.step_seconds(), tc.batch_size * tc.block_size),
         compile_s=compile_s, wall_s=time.perf_counter() - wall_start, train_seconds=run.throughput.seconds,
-        target_loss=tc.target_loss, target_reached=reached, **peak_memory(),
+        target_loss=tc.target_loss, target_reached=reached, input_wait_s=run.input_wait_s, **peak_memory(),
         num_params=count_params(run.state["params"]), sample=text, out_dir=str(run.out), stopped=stopped,
         config=config, params=run.state["params"])
     if run.main:

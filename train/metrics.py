@@ -120,6 +120,7 @@ class RunResult:
     stopped: str | None = None  # why the run ended before its sample was complete (a signal), else None
     target_loss: float | None = None  # train.target_loss
     target_reached: dict | None = None  # first_at_or_below(records, target_loss), None if never
+    input_wait_s: float = 0.0  # seconds training waited for its batches (read ahead in a thread; this process)
     config: Any = dataclasses.field(repr=False, default=None)  # the resolved ExperimentConfig
     params: Any = dataclasses.field(repr=False, default=None)  # the final parameters
 

@@ -182,6 +182,16 @@ def build(kind: str, arg, files: list[Path]) -> tuple[str, Callable[[str], np.nd
         hf.get_vocab_size(with_added_tokens=True)
 
 
+def _encoded(encode: Callable[[str], np.ndarray], text: str, path: Path, kind: str) -> np.ndarray:
+    """`encode(text)`; DataError naming the file when the tokenizer cannot encode it (e.g. a word-level
+    tokenizer.json without an unknown token meeting a word it lacks)."""
+    try:
+        return encode(text)
+    except Exception as err:  # noqa: BLE001: `tokenizers` raises a bare Exception
+        first = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
+        raise DataError(f"the {kind} tokenizer cannot encode {path}: {first}") from None
+
+
 def _check_out(out: Path, overwrite: bool) -> None:
     if out.exists() and not out.is_dir():
         raise DataError(f"--out {out} is a file, not a directory")
@@ -258,7 +268,7 @@ def _prepare_into(tmp: Path, files: list[Path], kind: str, arg, shard_tokens: in
             n = 0
             with open(spool, "wb") as f:
                 for text in read_chunks(path, bar.update):
-                    ids = encode(text)
+                    ids = _encoded(encode, text, path, kind)
                     if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
                         raise DataError(f"the tokenizer gave ids outside [0, {vocab_size}) for {path}")
                     ids.astype(dtype).tofile(f)

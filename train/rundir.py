@@ -95,3 +95,18 @@ def repair_metrics(path: Path, step: int, *, evaluates_again: bool) -> None:
         if record["step"] < step or (record["step"] == step and ("loss" in record or not evaluates_again)):
             kept.append(json.dumps(record))
     path.write_text("".join(line + "\n" for line in kept))
+
+
+def claim_on_main(out_dir: Path, *, resume: bool, overwrite: bool) -> "RunLock | None":
+    """Process 0 claims and locks the run directory (None elsewhere); every process learns whether it could."""
+    from train import distributed
+    if not distributed.is_main():
+        distributed.agree(True, "claim the run directory")
+        return None
+    try:
+        lock = claim(out_dir, resume=resume, overwrite=overwrite)
+    except BaseException:
+        distributed.agree(False, "claim the run directory")
+        raise
+    distributed.agree(True, "claim the run directory")
+    return lock

@@ -340,11 +340,3 @@ def open_prepared(directory: str | os.PathLike,
                     for h in headers[split]] for split in SPLITS}
     return PreparedCorpus(directory, tokenizer, kind, hash_, first.vocab_size, maps["train"], maps["val"],
                           manifest)
-
-
-def check_vocab_size(directory: str | os.PathLike, vocab_size: int, model_vocab_size: int) -> None:
-    """DataError unless every id of a prepared corpus's `vocab_size` is below the model's `model_vocab_size`."""
-    if vocab_size > model_vocab_size:
-        raise DataError(f"the tokenizer of {directory} has {vocab_size} ids, more than the model's vocab_size "
-                        f"{model_vocab_size}: set model.vocab_size >= {vocab_size} (--set model.vocab_size="
-                        f"{vocab_size})")

@@ -1,15 +1,14 @@
 """The jitted programs of a training run: init, `steps_per_dispatch` optimizer steps, evaluation.
 
-One call of `train_steps` runs n optimizer steps inside `lax.scan`; batches are
-drawn on the device from (seed, step), so nothing happens on the host between
-steps and a resumed run replays exactly the batches of an uninterrupted one.
+One call of `train_steps` runs n optimizer steps inside `lax.scan` over the n batches of
+the chunk, read on the host beforehand (`train.batches`): windows `[n, B, T + 1]` whose
+first T tokens are the inputs and last T the targets. Evaluation takes windows the same
+way, with a weight per target, and returns the weighted sums of the losses.
 
 Every program is one `jax.jit` over the run's mesh (`jaxattn.sharding`): the
 state goes in and comes out with the shardings of `StateLayout` (parameters and
-Adam's moments split by the logical-axis rules), the batch is split over data x
-fsdp, and XLA's SPMD partitioner adds the collectives. Each device gathers only
-its own rows of the batch from the (replicated) corpus, so the processes of a
-multi-process run each feed their slice of the global batch. The losses equal
+Adam's moments split by the logical-axis rules), the windows are split by rows over
+data x fsdp, and XLA's SPMD partitioner adds the collectives. The losses equal
 one device's up to the order of float sums.
 """
 
@@ -27,13 +26,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxattn import sharding
 from jaxattn.model import DecoderLM
-from train import data as data_lib
 from train.config import ExperimentConfig
 from train.optim import lr_schedule, make_optimizer
 from train.runtime import Runtime
-
-EVAL_SPLITS = {"train": 2, "val": 3}  # rng split ids of the fixed eval batches (0, 1: training batches)
-
 
 def token_losses(logits: jax.Array, targets: jax.Array) -> jax.Array:
     """Next-token losses in float32 `[B*T]`; logits `[B, T, V]`, targets `[B, T]`."""
@@ -48,7 +43,7 @@ def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
 
 @dataclasses.dataclass(frozen=True)
 class StateLayout:
-    """Where the train state {'params', 'opt_state', 'step', 'rng'} lives on the mesh.
+    """Where the train state {'params', 'opt_state', 'step', 'rng'} and the batches live on the mesh.
 
     Attributes:
       mesh: the run's device mesh.
@@ -65,6 +60,10 @@ class StateLayout:
     @property
     def replicated(self) -> NamedSharding:
         return NamedSharding(self.mesh, P())
+
+    def windows(self, rows: int) -> NamedSharding:
+        """The sharding of windows `[n, rows, T + 1]` (and weights `[n, rows, T]`): rows over data x fsdp."""
+        return NamedSharding(self.mesh, P(None, *sharding.batch_spec(sharding.MeshShape.of(self.mesh), rows)))
 
     def abstract(self, state_shapes: Any) -> Any:
         """`state_shapes` (ShapeDtypeStructs) with this layout's shardings: what a restore fills in."""
@@ -86,13 +85,31 @@ def state_layout(config: ExperimentConfig, mesh: Mesh, init_state: Callable) -> 
 
 @dataclasses.dataclass(frozen=True)
 class Programs:
-    """The jitted functions of a run (`train_steps` compiles once per distinct number of steps)."""
+    """The jitted functions of a run (each compiles once per distinct input shape).
 
-    init: Callable  # (seed) -> state {'params', 'opt_state', 'step', 'rng'}, laid out on the mesh
-    train_steps: Callable  # (state, train_data, num_steps) -> (state, (losses, lrs) [num_steps] each)
-    evaluate: Callable  # (params, train_data, val_data) -> {'train': loss, 'val': loss}
-    place: Callable  # (host arrays) -> replicated on the mesh, in every process
+    Attributes:
+      init: (seed) -> state {'params', 'opt_state', 'step', 'rng'}, laid out on the mesh.
+      train_steps: (state, windows [n, B, T + 1] int32) -> (state, (losses, lrs) [n] each): one
+        optimizer step per batch of the chunk.
+      evaluate: (params, windows [n, R, T + 1] int32, weights [n, R, T] float32) -> [n] float32, the
+        weighted sum of each batch's next-token losses.
+      eval_rows: R of whole-split evaluation (about 256 windows a batch, split like B).
+      layout: where everything lives.
+    """
+
+    init: Callable
+    train_steps: Callable
+    evaluate: Callable
+    eval_rows: int
     layout: StateLayout
+    block_size: int
+
+    def inputs(self, n: int, rows: int) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:
+        """The abstract windows `[n, rows, T + 1]` and target weights `[n, rows, T]` the programs
+        take, laid out on the mesh (what they are compiled for ahead of time)."""
+        sharded, T = self.layout.windows(rows), self.block_size
+        return (jax.ShapeDtypeStruct((n, rows, T + 1), jnp.int32, sharding=sharded),
+                jax.ShapeDtypeStruct((n, rows, T), jnp.float32, sharding=sharded))
 
 
 def build_programs(config: ExperimentConfig, runtime: Runtime) -> Programs:
@@ -100,7 +117,7 @@ def build_programs(config: ExperimentConfig, runtime: Runtime) -> Programs:
     optimizer, schedule = make_optimizer(tc, sharding.logical_names(config.model)), lr_schedule(tc)
     dropout = config.model.dropout > 0
     B, T = tc.batch_size, tc.block_size
-    eval_rows = B * max(1, 256 // B)  # whole-split evaluation: about 256 windows a batch, split like B
+    eval_rows = B * max(1, 256 // B)
 
     def init_state(seed):
         params_key, dropout_key = jax.random.split(jax.random.PRNGKey(seed))
@@ -110,10 +127,6 @@ def build_programs(config: ExperimentConfig, runtime: Runtime) -> Programs:
     layout = state_layout(config, runtime.mesh, init_state)
     params_sharding, replicated = layout.state["params"], layout.replicated
 
-    def batch(split_data, split_id, i):
-        x, y = data_lib.get_batch(split_data, data_lib.batch_key(tc.seed, split_id, i), B, T)
-        return jax.lax.with_sharding_constraint((x, y), (layout.batch, layout.batch))  # [B, T] rows split
-
     def forward(params, x, **kwargs):
         with sharding.activation_rules(layout.mesh):  # rows split through every layer
             return model.apply({"params": params}, x, **kwargs)
@@ -122,9 +135,9 @@ def build_programs(config: ExperimentConfig, runtime: Runtime) -> Programs:
         rngs = {"dropout": dropout_key} if dropout else None
         return cross_entropy(forward(params, x, deterministic=not dropout, rngs=rngs), y)
 
-    def one_step(state, train_data):
+    def one_step(state, window):
         step = state["step"]
-        x, y = batch(train_data, data_lib.TRAIN, step)
+        x, y = window[:, :-1], window[:, 1:]  # [B, T] inputs and next-token targets
         loss, grads = jax.value_and_grad(loss_fn)(state["params"], x, y, jax.random.fold_in(state["rng"], step))
         grads = jax.lax.with_sharding_constraint(grads, params_sharding)  # FSDP: reduce-scattered
         updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
@@ -132,30 +145,19 @@ def build_programs(config: ExperimentConfig, runtime: Runtime) -> Programs:
         # The lr comes back with the loss so that logging it needs no extra device call.
         return {**state, "params": params, "opt_state": opt_state, "step": step + 1}, (loss, schedule(step))
 
-    @partial(jax.jit, static_argnums=(2,), donate_argnums=(0,), in_shardings=(layout.state, replicated),
+    @partial(jax.jit, donate_argnums=(0,), in_shardings=(layout.state, layout.windows(B)),
              out_shardings=(layout.state, replicated))
-    def train_steps(state, train_data, num_steps):
-        return jax.lax.scan(lambda s, _: one_step(s, train_data), state, None, length=num_steps)
+    def train_steps(state, windows):
+        return jax.lax.scan(one_step, state, windows)
 
-    @partial(jax.jit, in_shardings=(params_sharding, replicated, replicated), out_shardings=replicated)
-    def evaluate(params, train_data, val_data):
-        def split_loss(split_data, split_id):
-            def batch_loss(_, i):
-                x, y = batch(split_data, split_id, i)
-                return None, cross_entropy(forward(params, x), y)
-            return jax.lax.scan(batch_loss, None, jnp.arange(tc.eval_iters))[1].mean()
+    def batch_loss(params, window, weight):  # [R, T + 1], [R, T] -> the weighted sum of R * T losses
+        losses = token_losses(forward(params, window[:, :-1]), window[:, 1:])
+        return jnp.sum(losses * weight.reshape(-1))
 
-        def whole_split_loss(split_data):  # every target once (train.data.whole_split_windows)
-            starts, weights = data_lib.whole_split_windows(split_data.shape[0], T, eval_rows)
-
-            def batch_loss(_, batch):
-                x, y = data_lib.windows_at(split_data, batch[0], T)
-                x, y = jax.lax.with_sharding_constraint((x, y), (layout.batch, layout.batch))
-                return None, jnp.sum(token_losses(forward(params, x), y) * batch[1].reshape(-1))
-            return jax.lax.scan(batch_loss, None, (starts, weights))[1].sum() / weights.sum()
-        val = whole_split_loss(val_data) if tc.eval_whole_val else split_loss(val_data, EVAL_SPLITS["val"])
-        return {"train": split_loss(train_data, EVAL_SPLITS["train"]), "val": val}
+    @partial(jax.jit, in_shardings=(params_sharding, None, None), out_shardings=replicated)
+    def evaluate(params, windows, weights):
+        return jax.lax.map(lambda batch: batch_loss(params, *batch), (windows, weights))
 
     init = jax.jit(init_state, static_argnums=(0,), out_shardings=layout.state)
-    place = lambda tree: sharding.place(tree, jax.tree.map(lambda _: replicated, tree))  # noqa: E731
-    return Programs(init=init, train_steps=train_steps, evaluate=evaluate, place=place, layout=layout)
+    return Programs(init=init, train_steps=train_steps, evaluate=evaluate, eval_rows=eval_rows, layout=layout,
+                    block_size=T)

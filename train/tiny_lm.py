@@ -107,7 +107,7 @@ def final_line(result: RunResult) -> str:
     """"final: val loss 1.7930 at iter 2000 | 16,616 tokens/s median (...) | compile ... | peak memory ..."."""
     speed = ("speed not measured" if result.median_ms_per_iter is None else
              f"{result.median_tokens_per_s:,.0f} tokens/s median ({result.median_ms_per_iter:.1f} ms/iter, "
-             "excluding compile)")
+             f"excluding compile; {result.input_wait_s:.2f}s waiting for input)")
     return (f"final: val loss {result.final_val_loss:.4f} at iter {result.steps} | {speed} | "
             f"compile {result.compile_s:.1f}s | wall {result.wall_s:.1f}s | " + describe_memory(result.figures())
             + target_part(result))
