@@ -202,17 +202,18 @@ def _check_out(out: Path, overwrite: bool) -> None:
 
 
 def _split_file(spool: Path, n: int, dtype, val_fraction: float, writers: dict) -> int:
-    """Copies a file's spooled tokens to the train writer (its first part) and the val writer; the train count."""
+    """Copies a file's spooled tokens to the train writer (its first part) and the val writer; the train count.
+
+    Read in chunks, not through a memory map, whose pages would count toward the process's resident
+    memory up to the size of the file."""
     n_train = int(n * (1.0 - val_fraction))  # train.data.load_corpus's rule
-    if n:
-        ids = np.memmap(spool, dtype=dtype, mode="r", shape=(n,))
+    with open(spool, "rb") as f:
         for start in range(0, n, COPY_TOKENS):
-            stop = min(start + COPY_TOKENS, n)
+            ids = np.fromfile(f, dtype=dtype, count=min(COPY_TOKENS, n - start))
             if start < n_train:
-                writers["train"].write(ids[start:min(stop, n_train)])
-            if stop > n_train:
-                writers["val"].write(ids[max(start, n_train):stop])
-        del ids
+                writers["train"].write(ids[:n_train - start])
+            if start + len(ids) > n_train:
+                writers["val"].write(ids[max(0, n_train - start):])
     return n_train
 
 
