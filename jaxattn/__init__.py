@@ -17,6 +17,8 @@ an optional `Kernels`, which implementations run it):
   (`MLAConfig`, `jaxattn.mla`), peers over one skeleton (`jaxattn.attention_layer`);
   `MLP`, `RMSNorm`, `LayerNorm` (`jaxattn.primitives`)
 * per-layer attention: `LayerKind` (`ModelConfig.layer_pattern`), `AttentionSpec`
+* mixture-of-experts MLPs: `MoE`, `MoEConfig` (`ModelConfig.moe`, `dense_layers`; `jaxattn.moe`:
+  the router, the router losses; the routed experts' implementations behind `Kernels.moe`)
 * `Block`, `DecoderLM`, `count_params`, `attention_weights`
 * caches: `KVCache`, `LatentCache`, `DecodeCache`, `init_cache`, `cache_bytes_per_token`
 
@@ -36,7 +38,7 @@ on one.
 from jaxattn.additive import additive_attention
 from jaxattn.attention import cached_attention, reference_attention, repeat_kv, scaled_dot_product_attention
 from jaxattn.cache import DecodeCache, KVCache, LatentCache, cache_bytes_per_token, init_cache
-from jaxattn.config import AttentionSpec, LayerKind, MLAConfig, ModelConfig
+from jaxattn.config import AttentionSpec, LayerKind, MLAConfig, ModelConfig, MoEConfig
 from jaxattn.decoding import GenerateOutput, generate
 from jaxattn.windowed import generate_windowed, windows
 from jaxattn.kernels import Kernels, Platform, resolve_kernels
@@ -56,6 +58,7 @@ from jaxattn.masks import (
     sliding_window_mask,
 )
 from jaxattn.mla import MultiHeadLatentAttention, latent_attention
+from jaxattn.moe import MoE
 from jaxattn.model import Block, DecoderLM, attention_weights, count_params
 from jaxattn.positions import sinusoidal_positions
 from jaxattn.rope import RopeScaling, apply_rope, rope_attention_factor, rope_frequencies
@@ -76,6 +79,8 @@ __all__ = [
     "MLAConfig",
     "MLP",
     "ModelConfig",
+    "MoE",
+    "MoEConfig",
     "MultiHeadLatentAttention",
     "Platform",
     "RMSNorm",

@@ -6,6 +6,7 @@ and cost nothing at run time.
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import jax.numpy as jnp
@@ -64,3 +65,22 @@ def require_integer(name: str, x) -> None:
 def require_positive_int(name: str, value) -> None:
     if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value <= 0:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def require_field_positive_int(owner: str, name: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{owner}.{name} must be a positive integer, got {value!r}")
+
+
+def require_field_positive_number(owner: str, name: str, value, *, none_ok: bool = True) -> None:
+    if value is None and none_ok:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{owner}.{name} must be a positive number{' or None' if none_ok else ''}, got {value!r}")
+
+
+def require_field_fraction(owner: str, name: str, value, *, none_ok: bool) -> None:
+    if value is None and none_ok:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value <= 1.0:
+        raise ValueError(f"{owner}.{name} must be a number in (0, 1]{' or None' if none_ok else ''}, got {value!r}")

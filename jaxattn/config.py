@@ -8,9 +8,10 @@ and a checkpoint mean the same model on every CPU, GPU or TPU.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, Literal, Mapping
 
+from jaxattn._validate import require_field_fraction, require_field_positive_int, require_field_positive_number
+from jaxattn.layer_config import AttentionSpec, LayerKind, MLAConfig, MoEConfig
 from jaxattn.rope import RopeScaling, rotary_dims
 
 PositionKind = Literal["learned", "sinusoidal", "rope", "none"]
@@ -34,110 +35,6 @@ _CHOICES = {
 # Fields that None derives from others; `replace` derives them again unless they are given.
 _DERIVED = ("num_kv_heads", "head_dim", "mlp_hidden", "qkv_bias", "out_bias", "mlp_bias")
 _BIASES = ("qkv_bias", "out_bias", "mlp_bias")
-
-
-def _require_positive_int(owner: str, name: str, value) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"{owner}.{name} must be a positive integer, got {value!r}")
-
-
-@dataclasses.dataclass(frozen=True)
-class MLAConfig:
-    """Multi-head Latent Attention's sizes (DeepSeek-V2/V3, docs/theory.md §6).
-
-    Attributes:
-      kv_lora_rank: R, the joint key/value latent (what the cache stores per token, with E).
-      q_lora_rank: Q, the query compression rank (None = queries projected directly).
-      qk_nope_head_dim: P, per-head query/key dims that carry no position.
-      qk_rope_head_dim: E, the decoupled rotary dims (one rotary key shared by all heads).
-      v_head_dim: per-head value dim.
-    """
-
-    kv_lora_rank: int = 64
-    q_lora_rank: int | None = None
-    qk_nope_head_dim: int = 32
-    qk_rope_head_dim: int = 16
-    v_head_dim: int = 32
-
-    def __post_init__(self):
-        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
-            _require_positive_int("MLAConfig", name, getattr(self, name))
-        if self.q_lora_rank is not None:
-            _require_positive_int("MLAConfig", "q_lora_rank", self.q_lora_rank)
-        if self.qk_rope_head_dim % 2:
-            raise ValueError(f"MLAConfig.qk_rope_head_dim must be even (RoPE rotates pairs), "
-                             f"got {self.qk_rope_head_dim}")
-
-    def replace(self, **changes) -> "MLAConfig":
-        return dataclasses.replace(self, **changes)
-
-
-def _require_positive_number(owner: str, name: str, value, *, none_ok: bool = True) -> None:
-    if value is None and none_ok:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{owner}.{name} must be a positive number{' or None' if none_ok else ''}, got {value!r}")
-
-
-def _require_fraction(owner: str, name: str, value, *, none_ok: bool) -> None:
-    if value is None and none_ok:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value <= 1.0:
-        raise ValueError(f"{owner}.{name} must be a number in (0, 1]{' or None' if none_ok else ''}, got {value!r}")
-
-
-@dataclasses.dataclass(frozen=True)
-class LayerKind:
-    """What may differ between the layers of one model (docs/theory.md §21); None = the model's setting.
-
-    Attributes:
-      local: True = a sliding-window layer of `ModelConfig.sliding_window` W (the
-        query and the W - 1 tokens before it); False = a global layer.
-      rope: False = a layer without positions (NoPE, SmolLM3 and Llama 4 every k-th layer).
-      rope_theta: this layer's RoPE base (Gemma 3: 10 000 local, 1 000 000 global).
-      rope_scaling: this layer's scaling; "none" = unscaled (Gemma 3's local layers).
-      rotary_fraction: the part of each head that is rotated.
-    """
-
-    local: bool = False
-    rope: bool = True
-    rope_theta: float | None = None
-    rope_scaling: RopeScaling | Literal["none"] | None = None
-    rotary_fraction: float | None = None
-
-    def __post_init__(self):
-        for name in ("local", "rope"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"LayerKind.{name} must be true or false, got {getattr(self, name)!r}")
-        _require_positive_number("LayerKind", "rope_theta", self.rope_theta)
-        if isinstance(self.rope_scaling, Mapping):
-            object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
-        if not (self.rope_scaling is None or self.rope_scaling == "none" or isinstance(self.rope_scaling, RopeScaling)):
-            raise TypeError(f"LayerKind.rope_scaling must be a jaxattn.RopeScaling, \"none\" or None, "
-                            f"got {self.rope_scaling!r}")
-        _require_fraction("LayerKind", "rotary_fraction", self.rotary_fraction, none_ok=True)
-
-
-@dataclasses.dataclass(frozen=True)
-class AttentionSpec:
-    """One layer's attention, resolved from the model's settings and its `LayerKind` (`ModelConfig.layer_attention`).
-
-    Attributes:
-      window: W for a sliding-window layer (the query and W - 1 tokens back), None for a global one.
-      rope: RoPE is applied (positions == "rope" and the kind's `rope`).
-      rope_theta, rope_scaling, rotary_fraction: the RoPE of this layer (meaningless without `rope`;
-        rope_scaling is None there).
-      logits_soft_cap: c of `c * tanh(logits / c)` on the attention logits, or None.
-      sinks: the layer has a learned sink logit per query head.
-    """
-
-    window: int | None
-    rope: bool
-    rope_theta: float
-    rope_scaling: RopeScaling | None
-    rotary_fraction: float
-    logits_soft_cap: float | None
-    sinks: bool
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,6 +61,10 @@ class ModelConfig:
       gelu_approximate: every GELU in the tanh form (GPT-2's "gelu_new") when True,
         the exact erf form (Hugging Face's "gelu") when False.
       mlp_hidden: MLP hidden width (None = 4 * d_model).
+      moe: a `MoEConfig`: the MLP of every layer not in `dense_layers` is a mixture of
+        experts (routed, and shared when it says so) instead of `mlp`; None = every MLP dense.
+      dense_layers: with `moe`, the layers that keep the dense `mlp` of width `mlp_hidden`
+        (DeepSeek's first_k_dense_replace and moe_layer_freq, Qwen-MoE's mlp_only_layers).
       use_bias: biases in the linear layers and LayerNorm; `qkv_bias`, `out_bias`
         and `mlp_bias` (None = follow `use_bias`) override it per projection group:
         queries/keys/values (MLA: the down-projections `wq_a`, `wkv_a`), the
@@ -229,6 +130,8 @@ class ModelConfig:
     mlp: MlpKind = "gelu"
     gelu_approximate: bool = True
     mlp_hidden: int | None = None
+    moe: MoEConfig | None = None
+    dense_layers: tuple[int, ...] = ()
     use_bias: bool = False
     qkv_bias: bool | None = None
     out_bias: bool | None = None
@@ -262,7 +165,7 @@ class ModelConfig:
             if getattr(self, name) not in choices:
                 raise ValueError(f"ModelConfig.{name} must be one of {choices}, got {getattr(self, name)!r}")
         for name in ("vocab_size", "d_model", "num_layers", "num_heads", "max_seq_len"):
-            _require_positive_int("ModelConfig", name, getattr(self, name))
+            require_field_positive_int("ModelConfig", name, getattr(self, name))
         if self.mla is not None and not isinstance(self.mla, MLAConfig):
             raise TypeError(f"ModelConfig.mla must be a jaxattn.MLAConfig or None, got {type(self.mla).__name__}")
         self._derive()
@@ -272,10 +175,11 @@ class ModelConfig:
         if self.positions == "rope" and self.mla is None and self.head_dim % 2:
             raise ValueError(f"RoPE needs an even head_dim, got {self.head_dim}")
         if self.sliding_window is not None:
-            _require_positive_int("ModelConfig", "sliding_window", self.sliding_window)
+            require_field_positive_int("ModelConfig", "sliding_window", self.sliding_window)
         if self.qk_norm != "none" and self.mla is not None:
             raise ValueError("ModelConfig.qk_norm applies to standard attention; MLA normalises its latents instead")
         self._check_layer_features()
+        self._check_moe()
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"ModelConfig.dropout must be in [0, 1), got {self.dropout}")
 
@@ -296,7 +200,7 @@ class ModelConfig:
             if getattr(self, name) is None:
                 object.__setattr__(self, name, self.use_bias)
         for name in ("num_kv_heads", "head_dim", "mlp_hidden"):
-            _require_positive_int("ModelConfig", name, getattr(self, name))
+            require_field_positive_int("ModelConfig", name, getattr(self, name))
         for name in ("use_bias", "gelu_approximate", "attn_sinks", "norm_unit_offset", *_BIASES):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"ModelConfig.{name} must be true or false, got {getattr(self, name)!r}")
@@ -314,10 +218,10 @@ class ModelConfig:
                 if self.sliding_window is None else
                 f"ModelConfig.sliding_window={self.sliding_window} but no kind of layer_pattern is local; "
                 "mark the local layers LayerKind(local=True) or set sliding_window to None")
-        _require_fraction("ModelConfig", "rotary_fraction", self.rotary_fraction, none_ok=False)
+        require_field_fraction("ModelConfig", "rotary_fraction", self.rotary_fraction, none_ok=False)
         for name in ("attn_logits_soft_cap", "final_logits_soft_cap", "attn_scale"):
-            _require_positive_number("ModelConfig", name, getattr(self, name))
-        _require_positive_number("ModelConfig", "embed_multiplier", self.embed_multiplier, none_ok=False)
+            require_field_positive_number("ModelConfig", name, getattr(self, name))
+        require_field_positive_number("ModelConfig", "embed_multiplier", self.embed_multiplier, none_ok=False)
         if self.norm_unit_offset and self.norm != "rmsnorm":
             raise ValueError(f"ModelConfig.norm_unit_offset scales RMSNorm by (1 + w); norm={self.norm!r}")
         fractions = {self.rotary_fraction} | {k.rotary_fraction for k in pattern if k.rotary_fraction is not None}
@@ -334,6 +238,22 @@ class ModelConfig:
                 if rotary_dims(self.head_dim, fraction) == 0:
                     raise ValueError(f"ModelConfig.rotary_fraction={fraction} of head_dim={self.head_dim} "
                                      "rotates no pair of dims")
+
+    def _check_moe(self) -> None:
+        if self.moe is not None and not isinstance(self.moe, MoEConfig):
+            raise TypeError(f"ModelConfig.moe must be a jaxattn.MoEConfig or None, got {type(self.moe).__name__}")
+        layers = self.dense_layers
+        if isinstance(layers, list):
+            object.__setattr__(self, "dense_layers", layers := tuple(layers))
+        if not isinstance(layers, tuple) or any(isinstance(i, bool) or not isinstance(i, int) or
+                                                not 0 <= i < self.num_layers for i in layers) \
+                or list(layers) != sorted(set(layers)) or (layers and self.moe is None):
+            raise ValueError(f"ModelConfig.dense_layers must be increasing distinct layers in [0, num_layers="
+                             f"{self.num_layers}), and empty without moe, got {layers!r}")
+
+    def layer_is_moe(self, i: int) -> bool:
+        """Whether layer i's MLP is a mixture of experts (`moe` set and i not in `dense_layers`)."""
+        return self.moe is not None and i not in self.dense_layers
 
     def layer_attention(self, i: int) -> AttentionSpec:
         """Layer i's attention: the model's settings with `layer_pattern[i % len]` applied."""
@@ -379,7 +299,7 @@ class ModelConfig:
         if unknown:
             raise ValueError(f"unknown ModelConfig keys {unknown}; known keys: {sorted(known)}")
         values = dict(values)
-        for name, kind in (("rope_scaling", RopeScaling), ("mla", MLAConfig)):
+        for name, kind in (("rope_scaling", RopeScaling), ("mla", MLAConfig), ("moe", MoEConfig)):
             if isinstance(values.get(name), Mapping):
                 values[name] = kind(**values[name])
         if isinstance(values.get("layer_pattern"), (list, tuple)):

@@ -12,7 +12,9 @@ cache; the cache goes in and comes out, the module keeps no state.
 `DecoderLM(config, kernels)`: the config is the maths, the optional
 `jaxattn.kernels.Kernels` says which implementations run it.
 `attention_weights(model, variables, tokens)` returns the logits and every
-layer's attention weights (sown by the layers into "intermediates").
+layer's attention weights (sown by the layers into "intermediates"). A layer's
+MLP is dense or, where `ModelConfig.layer_is_moe`, a mixture of experts
+(`jaxattn.moe.MoE`), whose training losses are sown into `jaxattn.moe.LOSSES`.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from jaxattn.kernels import Kernels
 from jaxattn.attention_layer import WEIGHTS
 from jaxattn.gqa import Attention
 from jaxattn.mla import MultiHeadLatentAttention
+from jaxattn.moe import MoE
 from jaxattn.positions import sinusoidal_positions
 from jaxattn.primitives import MLP, check_config, leading_ones, logical, make_linear, make_norm
 from jaxattn.softmax import soft_cap
@@ -69,16 +72,17 @@ class Block(nn.Module):
         self.attn = attention(c, k, layer=self.layer)
         if c.norm_placement != "post":
             self.mlp_norm = make_norm(c)
-        self.mlp = MLP(c, k)
+        self.mlp = MoE(c, c.moe, k) if c.layer_is_moe(self.layer) else MLP(c, k)
         if c.norm_placement != "pre":
             self.post_attn_norm = make_norm(c)
             self.post_mlp_norm = make_norm(c)
 
-    def __call__(self, x, *, positions, mask=None, deterministic=True, value_embedding=None):
-        """`[B, T, D] -> [B, T, D]`, causal; `value_embedding` `[B, T, K, H]` goes to the values (or None)."""
+    def __call__(self, x, *, positions, mask=None, deterministic=True, value_embedding=None, token_mask=None):
+        """`[B, T, D] -> [B, T, D]`, causal; `value_embedding` `[B, T, K, H]` goes to the values (or None);
+        `token_mask [B, T]` (True = real) keeps padding out of a mixture-of-experts MLP's losses."""
         attend = lambda h: self.attn(h, positions=positions, mask=mask, is_causal=True,  # noqa: E731
                                      deterministic=deterministic, value_embedding=value_embedding)
-        return self.residuals(x, attend, deterministic)
+        return self.residuals(x, attend, deterministic, token_mask)
 
     def extend(self, x, cache, starts, *, value_embedding=None):
         """`[B, T, D]` new tokens at positions `starts[b] + t` -> (`[B, T, D]`, new layer cache)."""
@@ -91,7 +95,13 @@ class Block(nn.Module):
 
         return self.residuals(x, attend, True), caches[0]
 
-    def residuals(self, x, attend, deterministic):
+    def feed_forward(self, h, deterministic, token_mask=None):
+        """The MLP branch `[B, T, D] -> [B, T, D]`: dense, or a mixture of experts (whose losses it sows)."""
+        if isinstance(self.mlp, MoE):
+            return self.mlp(h, token_mask, deterministic=deterministic)[0]
+        return self.mlp(h, deterministic=deterministic)
+
+    def residuals(self, x, attend, deterministic, token_mask=None):
         """The two branches around `attend` (`[B, T, D] -> [B, T, D]`) and the MLP, per the config."""
         c = self.config
         pre = c.norm_placement != "post"
@@ -101,7 +111,7 @@ class Block(nn.Module):
             y = f(pre_norm(h) if pre else h)
             return post_norm(y) if post else y
 
-        mlp = lambda h: self.mlp(h, deterministic=deterministic)  # noqa: E731
+        mlp = lambda h: self.feed_forward(h, deterministic, token_mask)  # noqa: E731
         attn_out = branch(x, attend, lambda h: self.attn_norm(h), lambda h: self.post_attn_norm(h))
         if c.residual == "parallel":
             return x + attn_out + branch(x, mlp, lambda h: self.mlp_norm(h), lambda h: self.post_mlp_norm(h))
@@ -230,7 +240,8 @@ class DecoderLM(nn.Module):
             mask = padding_mask[:, None, None, :]  # [B, 1, 1, S]
         x = nn.with_logical_constraint(self.embed(tokens, positions, deterministic=deterministic), RESIDUAL_AXES)
         for block, value_embedding in zip(self.blocks, self.embed_values(tokens)):
-            x = block(x, positions=positions, mask=mask, deterministic=deterministic, value_embedding=value_embedding)
+            x = block(x, positions=positions, mask=mask, deterministic=deterministic, value_embedding=value_embedding,
+                      token_mask=padding_mask)
             x = nn.with_logical_constraint(x, RESIDUAL_AXES)
         return self.logits(x)
 

@@ -9,6 +9,10 @@ The mesh has three axes, `MESH_AXES`, each of any size (1 = unused):
 * `tensor`: attention heads, MLP hidden units and the vocabulary are split
   (Megatron's column/row split); XLA's SPMD partitioner adds the all-reduces.
 
+A mixture-of-experts layer's experts (logical axis "expert") go over `fsdp` first:
+each device holds whole experts (expert parallelism) where fsdp divides their number,
+and their "embed" axis stays whole; otherwise they split along "embed" like the rest.
+
 Every parameter carries the logical names of its axes (`jaxattn.primitives`), and
 `RULES` maps each name to mesh axes. Where a mesh axis does not divide what a
 name counts (GQA's 2 kv heads on a tensor axis of 4, a 65-character vocabulary,
@@ -53,6 +57,7 @@ RULES: dict[str, tuple[str, ...]] = {
     "head_dim": (),
     "position": (),
     "length": (),
+    "expert": ("fsdp",),  # MoE experts: whole experts per device (expert parallelism over fsdp)
 }
 
 

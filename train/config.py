@@ -150,7 +150,7 @@ class RuntimeConfig:
     """How this machine runs an experiment; never the model's maths (docs/theory.md §15).
 
     Attributes:
-      attention, decode, matmul, mla: `jaxattn.Kernels` implementation names, or "auto":
+      attention, decode, matmul, mla, moe: `jaxattn.Kernels` implementation names, or "auto":
         chosen for the platform when the run starts (`train.runtime`), printed with the
         reason and saved resolved.
       mesh: the device mesh, "data:D,fsdp:F,tensor:T" (axes left out are 1; see
@@ -168,6 +168,7 @@ class RuntimeConfig:
     decode: str = "auto"
     matmul: str = "auto"
     mla: str = "auto"
+    moe: str = "auto"
     mesh: str = "auto"
     cpu_devices: int | Literal["auto"] = "auto"
     xla_flags: str = ""

@@ -66,6 +66,7 @@ _DEFAULT_SCALE = Need(lambda v, c: v is None or math.isclose(v, c.head_dim ** -0
 # field: (what a family without the feature computes, whether a mismatch is one of kind).
 FEATURES: dict[str, tuple[Any, bool]] = {
     "mla": (None, True),
+    "moe": (None, True),
     "positions": ("rope", True),
     "norm": ("rmsnorm", True),
     "mlp": (one_of("swiglu", "geglu"), True),
@@ -86,7 +87,8 @@ FEATURES: dict[str, tuple[Any, bool]] = {
 CONVERTED = ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "rope_theta",
              "rope_interleaved", "rope_scaling", "norm_eps", "gelu_approximate", "mlp_hidden", "use_bias",
              "qkv_bias", "out_bias", "mlp_bias", "sliding_window", "layer_pattern", "fused_qkv", "max_seq_len",
-             "tie_embeddings", "dtype", "param_dtype", "dropout", "init_std", "zero_init_out")
+             "tie_embeddings", "dtype", "param_dtype", "dropout", "init_std", "zero_init_out",
+             "dense_layers")  # dense_layers: without moe always empty; a family with moe checks it
 
 
 def features(c: ModelConfig, architecture: str, **needs) -> list[Problem]:

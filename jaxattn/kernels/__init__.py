@@ -11,6 +11,7 @@ tests/test_kernels.py:
 | decode | `cached_attention`, `cache.write_rows` | "xla", "xla_cpu", "blocked" (inference only); per-call rule "auto_cpu" |
 | matmul | `Linear`, the tied lm_head | "xla", "bfloat16", "bfloat16_cpu" |
 | mla | `MultiHeadLatentAttention.__call__` | "naive", "absorb" |
+| moe | `jaxattn.moe.MoE` (the routed experts) | "dense", "grouped", "grouped_cpu"; per-call rule "auto_cpu" |
 
 Every attention implementation has the signature of `xla.attention` and returns
 `(out, weights | None, residual | None)` (`jaxattn.kernels._call`). What each takes of
@@ -38,7 +39,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-from jaxattn.kernels import auto, bf16_matmul, blocked_decode, xla, xla_cpu
+from jaxattn.kernels import auto, bf16_matmul, blocked_decode, moe, xla, xla_cpu
 
 AUTO = "auto"
 
@@ -52,6 +53,7 @@ IMPLEMENTATIONS: dict[str, dict[str, object]] = {
                "auto_cpu": (auto.cpu_cached_attention, xla_cpu.write_rows)},  # blocked or xla_cpu per call
     "matmul": {"xla": xla.matmul, "bfloat16": bf16_matmul.matmul, "bfloat16_cpu": bf16_matmul.matmul_cpu},
     "mla": {"naive": None, "absorb": None},
+    "moe": dict(moe.IMPLEMENTATIONS),
 }
 
 
@@ -79,6 +81,10 @@ class Kernels:
         operands, float32 sums, reverse mode only; the latter in XLA:CPU's fast forms).
       mla: "naive" (decompress keys and values) or "absorb" (attend in the latent space), for
         full-sequence passes; cached decoding always absorbs.
+      moe: a mixture-of-experts layer's routed experts: "dense" (reference: every expert on every
+        token, weighted by the sparse gates), "grouped" (tokens sorted by expert, `jax.lax.ragged_dot`),
+        "grouped_cpu" (the same grouping in tiles of rows, batched matmuls) or "auto_cpu"
+        (per call: grouped_cpu or dense by the number of experts and k); all dropless and exact.
 
     Any field may be "auto" in a request; `resolve_kernels` replaces it for a platform.
     """
@@ -87,6 +93,7 @@ class Kernels:
     decode: str = "xla"
     matmul: str = "xla"
     mla: str = "naive"
+    moe: str = "dense"
 
     def __post_init__(self):
         for field in IMPLEMENTATIONS:
@@ -136,6 +143,11 @@ def matmul_kernel(name: str) -> Callable:
     return _lookup("matmul", name)
 
 
+def moe_kernel(name: str) -> Callable:
+    """The routed-experts implementation `name` (`jaxattn.kernels.moe`'s contract)."""
+    return _lookup("moe", name)
+
+
 def check_mla_path(name: str) -> str:
     """`name` if it is an MLA path ("naive" or "absorb"), else a ValueError."""
     _lookup("mla", name)
@@ -147,4 +159,4 @@ from jaxattn.kernels.select import Platform, resolve_kernels  # noqa: E402  (sel
 
 __all__ = ["AUTO", "IMPLEMENTATIONS", "KernelFallbackWarning", "Kernels", "Platform", "attention_kernel",
            "cache_writer",
-           "cached_attention_kernel", "check_mla_path", "choices", "matmul_kernel", "resolve_kernels"]
+           "cached_attention_kernel", "check_mla_path", "choices", "matmul_kernel", "moe_kernel", "resolve_kernels"]

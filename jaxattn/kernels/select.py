@@ -22,7 +22,7 @@ import functools
 from pathlib import Path
 from typing import Callable
 
-from jaxattn.kernels import AUTO, IMPLEMENTATIONS, Kernels, auto
+from jaxattn.kernels import AUTO, IMPLEMENTATIONS, Kernels, auto, moe
 
 ACCELERATORS = ("gpu", "cuda", "rocm", "tpu")
 
@@ -112,7 +112,7 @@ def _mla(platform: Platform) -> tuple[str, str]:
 
 
 RULES: dict[str, Callable[[Platform], tuple[str, str]]] = {
-    "attention": _attention, "decode": _decode, "matmul": _matmul, "mla": _mla}
+    "attention": _attention, "decode": _decode, "matmul": _matmul, "mla": _mla, "moe": moe.rule}
 assert set(RULES) == set(IMPLEMENTATIONS)
 
 

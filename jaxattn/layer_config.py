@@ -1,0 +1,223 @@
+"""The configs of a layer's parts, each a frozen dataclass checked when built: attention (`MLAConfig`,
+`LayerKind`, the resolved `AttentionSpec`) and the mixture-of-experts MLP (`MoEConfig`).
+
+`jaxattn.config.ModelConfig` holds them; they import nothing of the model, so the modules that
+compute each part (`jaxattn.mla`, `jaxattn.moe`) and the model's config can all read them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Literal, Mapping
+
+from jaxattn._validate import (require_field_fraction, require_field_positive_int,
+                               require_field_positive_number)
+from jaxattn.rope import RopeScaling
+
+@dataclasses.dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head Latent Attention's sizes (DeepSeek-V2/V3, docs/theory.md §6).
+
+    Attributes:
+      kv_lora_rank: R, the joint key/value latent (what the cache stores per token, with E).
+      q_lora_rank: Q, the query compression rank (None = queries projected directly).
+      qk_nope_head_dim: P, per-head query/key dims that carry no position.
+      qk_rope_head_dim: E, the decoupled rotary dims (one rotary key shared by all heads).
+      v_head_dim: per-head value dim.
+    """
+
+    kv_lora_rank: int = 64
+    q_lora_rank: int | None = None
+    qk_nope_head_dim: int = 32
+    qk_rope_head_dim: int = 16
+    v_head_dim: int = 32
+
+    def __post_init__(self):
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            require_field_positive_int("MLAConfig", name, getattr(self, name))
+        if self.q_lora_rank is not None:
+            require_field_positive_int("MLAConfig", "q_lora_rank", self.q_lora_rank)
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(f"MLAConfig.qk_rope_head_dim must be even (RoPE rotates pairs), "
+                             f"got {self.qk_rope_head_dim}")
+
+    def replace(self, **changes) -> "MLAConfig":
+        return dataclasses.replace(self, **changes)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerKind:
+    """What may differ between the layers of one model (docs/theory.md §21); None = the model's setting.
+
+    Attributes:
+      local: True = a sliding-window layer of `ModelConfig.sliding_window` W (the
+        query and the W - 1 tokens before it); False = a global layer.
+      rope: False = a layer without positions (NoPE, SmolLM3 and Llama 4 every k-th layer).
+      rope_theta: this layer's RoPE base (Gemma 3: 10 000 local, 1 000 000 global).
+      rope_scaling: this layer's scaling; "none" = unscaled (Gemma 3's local layers).
+      rotary_fraction: the part of each head that is rotated.
+    """
+
+    local: bool = False
+    rope: bool = True
+    rope_theta: float | None = None
+    rope_scaling: RopeScaling | Literal["none"] | None = None
+    rotary_fraction: float | None = None
+
+    def __post_init__(self):
+        for name in ("local", "rope"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"LayerKind.{name} must be true or false, got {getattr(self, name)!r}")
+        require_field_positive_number("LayerKind", "rope_theta", self.rope_theta)
+        if isinstance(self.rope_scaling, Mapping):
+            object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
+        if not (self.rope_scaling is None or self.rope_scaling == "none" or isinstance(self.rope_scaling, RopeScaling)):
+            raise TypeError(f"LayerKind.rope_scaling must be a jaxattn.RopeScaling, \"none\" or None, "
+                            f"got {self.rope_scaling!r}")
+        require_field_fraction("LayerKind", "rotary_fraction", self.rotary_fraction, none_ok=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionSpec:
+    """One layer's attention, resolved from the model's settings and its `LayerKind` (`ModelConfig.layer_attention`).
+
+    Attributes:
+      window: W for a sliding-window layer (the query and W - 1 tokens back), None for a global one.
+      rope: RoPE is applied (positions == "rope" and the kind's `rope`).
+      rope_theta, rope_scaling, rotary_fraction: the RoPE of this layer (meaningless without `rope`;
+        rope_scaling is None there).
+      logits_soft_cap: c of `c * tanh(logits / c)` on the attention logits, or None.
+      sinks: the layer has a learned sink logit per query head.
+    """
+
+    window: int | None
+    rope: bool
+    rope_theta: float
+    rope_scaling: RopeScaling | None
+    rotary_fraction: float
+    logits_soft_cap: float | None
+    sinks: bool
+
+
+
+def _bad(name: str, must: str, value) -> ValueError:
+    return ValueError(f"MoEConfig.{name} must be {must}, got {value!r}")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """The maths of one MoE MLP, field by field as transformers 5.23 implements each family.
+
+    Attributes:
+      num_experts: E, the routed experts (`n_routed_experts`, `num_experts`, `num_local_experts`).
+      experts_per_token: K (`num_experts_per_tok`).
+      expert_hidden: F, one routed expert's hidden width (`moe_intermediate_size`; Mixtral and
+        GPT-OSS: `intermediate_size`).
+      scoring: "softmax" over the E logits (DeepSeek-V2, Qwen2/3-MoE, Mixtral, GPT-OSS) or an
+        independent "sigmoid" per expert (DeepSeek-V3).
+      softmax_after_topk: GPT-OSS's order: the top K logits, then a softmax over those K. False:
+        scores over all E, then the top K of them (every other family; Mixtral then renormalises,
+        `norm_topk_prob`, which equals GPT-OSS's order up to rounding). Needs scoring "softmax".
+      n_group, topk_group: DeepSeek's group-limited selection: the E experts in `n_group` equal groups,
+        the top K chosen only from the `topk_group` best groups (V2 `topk_method=
+        "group_limited_greedy"`, V3 always). 1 and 1: no limit (V2 "greedy", every other family).
+      group_score: how a group is ranked: "max" of its scores (DeepSeek-V2) or "top2_sum", the sum of
+        its two best (DeepSeek-V3, with the correction bias).
+      correction_bias: DeepSeek-V3's `e_score_correction_bias` [E]: added to the scores to choose
+        the experts (and groups), never to the gates. A parameter the gradient does not reach
+        (V3 updates it outside backprop). False for every other family.
+      norm_topk_prob: divide the K gates by their sum (+ 1e-20, V3's epsilon, a no-op in float32
+        for sums above ~1e-12) (Mixtral always; Qwen2/3-MoE and DeepSeek-V3 as their config says;
+        DeepSeek-V2 never: its router ignores the config's flag; GPT-OSS: False, its softmax over
+        K already sums to 1).
+      routed_scaling_factor: the gates times this, after normalising (DeepSeek-V2/V3; 1 elsewhere).
+      router_bias: the router has a bias [E] (GPT-OSS); no other family's does.
+      num_shared_experts, shared_expert_hidden: shared experts run on every row, as one SwiGLU MLP
+        of width num_shared_experts * shared_expert_hidden (DeepSeek: `n_shared_experts` and
+        `moe_intermediate_size`; Qwen2-MoE: 1 and `shared_expert_intermediate_size`; 0 elsewhere).
+      shared_gate: the shared expert's output times sigmoid(x w), w [D, 1] (Qwen2-MoE only).
+      activation: the routed experts': "swiglu" (silu(gate) * up; gate_up = [gate | up]) or
+        "gptoss" (GPT-OSS: gate_up interleaved, gate <= limit, |up| <= limit,
+        (up + 1) * gate * sigmoid(alpha * gate), and biases on both projections).
+      gptoss_limit, gptoss_alpha: GPT-OSS's `swiglu_limit` (7.0) and alpha (1.702).
+      aux_loss_coef: the load-balancing loss's weight in `aux["aux_loss"]` (`router_aux_loss_coef`).
+      z_loss_coef: the router z-loss's weight there (ST-MoE; no family above trains with one).
+    """
+
+    num_experts: int = 8
+    experts_per_token: int = 2
+    expert_hidden: int = 256
+    scoring: Literal["softmax", "sigmoid"] = "softmax"
+    softmax_after_topk: bool = False
+    n_group: int = 1
+    topk_group: int = 1
+    group_score: Literal["max", "top2_sum"] = "top2_sum"
+    correction_bias: bool = False
+    norm_topk_prob: bool = False
+    routed_scaling_factor: float = 1.0
+    router_bias: bool = False
+    num_shared_experts: int = 0
+    shared_expert_hidden: int = 0
+    shared_gate: bool = False
+    activation: Literal["swiglu", "gptoss"] = "swiglu"
+    gptoss_limit: float = 7.0
+    gptoss_alpha: float = 1.702
+    aux_loss_coef: float = 0.0
+    z_loss_coef: float = 0.0
+
+    def __post_init__(self):
+        self._check_types()
+        E, K = self.num_experts, self.experts_per_token
+        if not 1 <= K <= E:
+            raise _bad("experts_per_token", f"in [1, num_experts={E}]", K)
+        if E % self.n_group:
+            raise _bad("n_group", f"a divisor of num_experts={E}", self.n_group)
+        if not 1 <= self.topk_group <= self.n_group:
+            raise _bad("topk_group", f"in [1, n_group={self.n_group}]", self.topk_group)
+        if K > self.topk_group * (E // self.n_group):
+            raise _bad("experts_per_token", f"at most topk_group * experts per group = "
+                       f"{self.topk_group * (E // self.n_group)}", K)
+        if self.n_group > 1 and self.group_score == "top2_sum" and E // self.n_group < 2:
+            raise _bad("group_score", "'max' with one expert per group", self.group_score)
+        if self.softmax_after_topk and (self.scoring != "softmax" or self.n_group > 1 or self.correction_bias
+                                        or self.norm_topk_prob):
+            raise _bad("softmax_after_topk", "False unless scoring='softmax' with no group limit, no "
+                       "correction bias and norm_topk_prob=False (its softmax over K already sums to 1)", True)
+        if self.num_shared_experts and self.shared_expert_hidden <= 0:
+            raise _bad("shared_expert_hidden", "a positive integer with shared experts", self.shared_expert_hidden)
+        if self.shared_gate and not self.num_shared_experts:
+            raise _bad("shared_gate", "False without shared experts (num_shared_experts=0)", True)
+
+    def _check_types(self) -> None:
+        for name in ("num_experts", "experts_per_token", "expert_hidden", "n_group", "topk_group"):
+            if not _is_int(getattr(self, name)) or getattr(self, name) <= 0:
+                raise _bad(name, "a positive integer", getattr(self, name))
+        for name in ("num_shared_experts", "shared_expert_hidden"):
+            if not _is_int(getattr(self, name)) or getattr(self, name) < 0:
+                raise _bad(name, "a non-negative integer", getattr(self, name))
+        for name, choices in (("scoring", ("softmax", "sigmoid")), ("group_score", ("max", "top2_sum")),
+                              ("activation", ("swiglu", "gptoss"))):
+            if getattr(self, name) not in choices:
+                raise _bad(name, f"one of {choices}", getattr(self, name))
+        for name in ("softmax_after_topk", "correction_bias", "norm_topk_prob", "router_bias", "shared_gate"):
+            if not isinstance(getattr(self, name), bool):
+                raise _bad(name, "True or False", getattr(self, name))
+        for name, low in (("routed_scaling_factor", 0.0), ("gptoss_limit", 0.0), ("gptoss_alpha", 0.0),
+                          ("aux_loss_coef", None), ("z_loss_coef", None)):
+            value = getattr(self, name)
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            if not ok or (value <= low if low is not None else value < 0):
+                raise _bad(name, "a finite number " + ("> 0" if low is not None else ">= 0"), value)
+
+    @property
+    def shared_hidden(self) -> int:
+        """The shared MLP's width (0: none)."""
+        return self.num_shared_experts * self.shared_expert_hidden
+
+    def replace(self, **changes) -> "MoEConfig":
+        return dataclasses.replace(self, **changes)
