@@ -44,7 +44,10 @@ def _refuse_quantized(hf: Fields) -> None:
 
 
 def _refuse_experts(hf: Fields, family: Family | None, name: str) -> None:
-    """UnsupportedCheckpoint naming "mixture-of-experts" and the key, when any layer has routed experts."""
+    """UnsupportedCheckpoint naming "mixture-of-experts" and the key, when any layer has routed experts
+    and the family does not read them (`Family.reads_experts`)."""
+    if family is not None and family.reads_experts:
+        return
     if family is not None and family.experts is not None:
         key, count, layers = family.experts(hf)
         where = f"layers {layers}" if count and layers else ""

@@ -240,6 +240,8 @@ class Family:
         makes every layer mixture-of-experts.
       extra_layers: config.json -> how many stored layers beyond num_hidden_layers are not
         part of the model (DeepSeek-V3's multi-token prediction).
+      reads_experts: `read` turns the family's mixture-of-experts layers into `ModelConfig.moe`
+        and `dense_layers` (and `layout` holds their tensors); False: they are refused.
     """
 
     model_type: str
@@ -255,3 +257,4 @@ class Family:
     fused_qkv: bool = False
     experts: Callable[[Fields], tuple[str, int, list[int]]] | None = None
     extra_layers: Callable[[Fields], int] = lambda hf: 0
+    reads_experts: bool = False
