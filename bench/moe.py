@@ -1,7 +1,7 @@
 """MoE routed experts: forward+backward time of the dense reference and the grouped paths, against tokens and experts.
 
     PYTHONPATH=$PWD python bench/moe.py [--tokens 64,256,1024,4096] [--experts 4,8,16,32,64] [--reps 5]
-        [--max-grouped-rows 262144] [--report-only]
+        [--max-grouped-rows 262144] [--decode-tokens 1,8,32] [--report-only]
 
 One `jaxattn.moe.MoE` layer (router + routed experts, no shared expert), D=256, F=512,
 float32, M tokens ([1, M, D]), k=2 experts per token at each E, and k=8 at E=64. Timed: the
@@ -12,7 +12,10 @@ gradient of a fixed projection of the output with respect to the input and every
 Per case, every implementation is compiled in one fresh process and timed in turns (alternating
 order), with the memory XLA plans for its program. "grouped" is skipped where M*k*E passes
 --max-grouped-rows: XLA:CPU lowers ragged_dot to a dense masked product over all M*k rows per
-expert, minutes per run and gigabytes there. Writes bench/results/moe.{json,md}, with what the
+expert, minutes per run and gigabytes there. A second table times the forward pass alone at the
+few tokens of a decoding step (--decode-tokens, batch rows of one new token each) for "dense",
+"grouped_cpu" and "gathered" (each pair with its expert's weights gathered). Writes
+bench/results/moe.{json,md}, with what the
 rule of `auto_cpu` (`jaxattn.kernels.moe.cpu_rule`) picks in each case against the faster one;
 --report-only writes them again from the JSON's measurements (after a change of the rule).
 """
@@ -31,12 +34,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 IMPLS = ("dense", "grouped", "grouped_cpu")
+DECODE_IMPLS = ("dense", "grouped_cpu", "gathered")
 D, F = 256, 512
 
 
 # -- one case, in its own process ----------------------------------------------------------------
 
-def _program(impl: str, M: int, E: int, k: int):
+def _program(impl: str, M: int, E: int, k: int, forward_only: bool = False):
     import jax
     import jax.numpy as jnp
     from jaxattn import Kernels, ModelConfig
@@ -55,6 +59,8 @@ def _program(impl: str, M: int, E: int, k: int):
         y, _ = module.apply({"params": params}, x)
         return jnp.sum(y * cotangent)
 
+    if forward_only:
+        return jax.jit(lambda params, x: module.apply({"params": params}, x)[0]), (params, x)
     return jax.jit(jax.grad(loss, argnums=(0, 1))), (params, x)
 
 
@@ -63,7 +69,7 @@ def worker(spec: dict) -> None:
     import jax
     runs, results = {}, {}
     for impl in spec["impls"]:
-        fn, args = _program(impl, spec["M"], spec["E"], spec["k"])
+        fn, args = _program(impl, spec["M"], spec["E"], spec["k"], spec.get("forward_only", False))
         start = time.perf_counter()
         compiled = fn.lower(*args).compile()
         memory = compiled.memory_analysis()
@@ -98,6 +104,19 @@ def implementations(case: dict, args) -> tuple[list[str], dict[str, str]]:
     if rows > args.max_grouped_rows:
         return ["dense", "grouped_cpu"], {"grouped": f"M*k*E = {rows} > --max-grouped-rows {args.max_grouped_rows}"}
     return list(IMPLS), {}
+
+
+def decode_sweep(args) -> list[dict]:
+    """Forward passes over a few tokens (a decoding step's), every implementation in turns."""
+    rows = []
+    for M in args.decode_tokens:
+        for E, k in [(E, 2) for E in args.experts if E >= 8] + ([(64, 8)] if 64 in args.experts else []):
+            spec = {"M": M, "E": E, "k": k, "impls": list(DECODE_IMPLS), "reps": 4 * args.reps, "forward_only": True}
+            results = measure(spec, args)
+            rows.append(dict(M=M, E=E, k=k, results=results))
+            print(f"decode M={M} E={E} k={k}: " + ", ".join(
+                f"{impl} {r.get('median_s', r.get('error'))}" for impl, r in results.items()), flush=True)
+    return rows
 
 
 def reps_for(case: dict, reps: int) -> int:
@@ -183,7 +202,21 @@ def targets(rows) -> list[str]:
     return lines
 
 
-def write_report(rows, args, argv) -> None:
+def decode_table(rows) -> list[str]:
+    from jaxattn.kernels import moe
+    lines = ["| M tokens | E | k | " + " | ".join(f"{i} ms" for i in DECODE_IMPLS) + " | dense / gathered | "
+             "auto_cpu picks | fastest |", "| ---: | ---: | ---: |" + " ---: |" * len(DECODE_IMPLS) + " ---: | --- | --- |"]
+    for row in rows:
+        medians = {impl: _median(row, impl) for impl in DECODE_IMPLS}
+        fastest = min((i for i in DECODE_IMPLS if medians[i]), key=lambda i: medians[i], default="–")
+        cells = " | ".join(f"{medians[i] * 1e3:,.2f}" if medians[i] else "error" for i in DECODE_IMPLS)
+        lines.append(f"| {row['M']} | {row['E']} | {row['k']} | {cells} | "
+                     f"{_ratio(medians['dense'], medians['gathered'])} | "
+                     f"{moe.cpu_rule(row['M'], row['E'], row['k'])[0]} | {fastest} |")
+    return lines
+
+
+def write_report(rows, args, argv, decode_rows=()) -> None:
     from bench.machine import describe_machine, write_results
     from jaxattn.kernels import Platform, moe
     for row in rows:
@@ -193,7 +226,7 @@ def write_report(rows, args, argv) -> None:
     command = "PYTHONPATH=$PWD python " + " ".join(["bench/moe.py"] + argv[1:])
     rule = {"auto_cpu": moe.rule(Platform("cpu"))[1], "right": right, "misses": misses}
     record = {"meta": {"machine": machine, "command": command, "D": D, "F": F, "dtype": "float32",
-                       "pass": "fwd+bwd"}, "rule": rule, "rows": rows}
+                       "pass": "fwd+bwd"}, "rule": rule, "rows": rows, "decode_rows": list(decode_rows)}
     lines = [f"# MoE routed experts on {machine['cpu']} ({machine['platform']}, {machine['cpus']} CPUs), "
              f"jax {machine['jax']}", "",
              f"Median milliseconds of forward+backward of one MoE layer (router + routed experts), D={D}, F={F}, "
@@ -206,6 +239,9 @@ def write_report(rows, args, argv) -> None:
              f"here). Here it picked the faster of dense and grouped_cpu in {right} of {right + len(misses)} "
              + ("cases." if not misses else "cases; not in:"),
              *([""] + [f"- {line}" for line in misses] if misses else []),
+             "", "## Decoding steps", "",
+             "Median milliseconds of the forward pass alone over M tokens (a decoding step of batch M), "
+             "the same layer; `auto_cpu picks` is the rule's choice at that M.", "", *decode_table(decode_rows),
              "", "## Targets", "", *targets(rows), "", f"Made by: `{command}`", ""]
     write_results(RESULTS, "moe", record, "\n".join(lines))
 
@@ -218,6 +254,7 @@ def parse_args(argv=None):
     parser.add_argument("--reps", type=int, default=5, help="timed runs per case (half, at least 3, for large ones)")
     parser.add_argument("--max-grouped-rows", type=int, default=2**18, help="skip ragged_dot beyond this M*k*E")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per case")
+    parser.add_argument("--decode-tokens", default="1,8,32", type=ints, help="tokens of the forward-only table")
     parser.add_argument("--report-only", action="store_true", help="rewrite the report from moe.json's rows")
     return parser.parse_args(argv)
 
@@ -226,9 +263,10 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     if args.report_only:
         saved = json.loads((RESULTS / "moe.json").read_text())
-        write_report(saved["rows"], args, saved["meta"]["command"].split()[2:])
+        write_report(saved["rows"], args, saved["meta"]["command"].split()[2:], saved.get("decode_rows", ()))
     else:
-        write_report(sweep(args), args, sys.argv)
+        decode_rows = decode_sweep(args)
+        write_report(sweep(args), args, sys.argv, decode_rows)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,8 @@ F an expert's hidden width. A layer computes, per row x_m,
 * the routed experts (`jaxattn.kernels.moe`, chosen by `Kernels.moe`): "dense" (the reference:
   every expert on every row, weighted by the sparse gate matrix), "grouped" (rows sorted by expert,
   `jax.lax.ragged_dot`), "grouped_cpu" (the same grouping in tiles of rows, XLA:CPU's fast form),
-  "auto_cpu" (per call, by the shapes); `resolve_kernels` makes "auto" "auto_cpu" on a CPU and
+  "gathered" (each row with copies of its K experts' weights: decoding steps), "auto_cpu" (per
+  call, by the shapes); `resolve_kernels` makes "auto" "auto_cpu" on a CPU and
   "grouped" elsewhere. All are dropless and exact: every row reaches its K experts, no capacity,
   no dropped rows.
 * `load_balancing_loss` (the Switch Transformer's, as transformers' `load_balancing_loss_func`)
@@ -32,7 +33,8 @@ from jaxattn.config import ModelConfig
 from jaxattn.layer_config import MoEConfig
 from jaxattn.kernels import Kernels, moe_kernel
 from jaxattn.kernels.moe import IMPLEMENTATIONS, ExpertWeights, gate_matrix, glu
-from jaxattn.kernels.moe import experts_dense, experts_grouped, experts_grouped_cpu  # noqa: F401 (re-exported)
+from jaxattn.kernels.moe import (experts_dense, experts_gathered, experts_grouped,  # noqa: F401 (re-exported)
+                                 experts_grouped_cpu)
 from jaxattn.primitives import logical, make_linear, residual_init_std
 
 LOSSES = "moe_losses"  # the collection each MoE layer sows its losses into
@@ -277,5 +279,5 @@ def active_params(config: ModelConfig) -> int:
 
 
 __all__ = ["IMPLEMENTATIONS", "LOSSES", "MoE", "MoEConfig", "ExpertWeights", "RouterWeights", "active_params",
-           "experts_dense", "experts_grouped", "experts_grouped_cpu", "gate_matrix", "glu", "load_balancing_loss",
-           "moe_losses", "route", "router_z_loss"]
+           "experts_dense", "experts_gathered", "experts_grouped", "experts_grouped_cpu", "gate_matrix", "glu",
+           "load_balancing_loss", "moe_losses", "route", "router_z_loss"]

@@ -388,9 +388,11 @@ def test_bad_inputs_fail_before_tracing():
 def test_auto_rules():
     assert moe_kernels.rule(Platform("cpu"))[0] == "auto_cpu" == resolve_kernels(Kernels.auto(), Platform("cpu"))[0].moe
     assert moe_kernels.rule(Platform("gpu"))[0] == moe_kernels.rule(Platform("tpu"))[0] == "grouped"
-    picks = {(E, k): moe_kernels.cpu_rule(1024, E, k) for E, k in ((4, 2), (8, 2), (8, 4), (64, 8), (64, 32))}
+    picks = {(M, E, k): moe_kernels.cpu_rule(M, E, k) for M, E, k in (
+        (1024, 4, 2), (1024, 8, 2), (1024, 8, 4), (1024, 64, 8), (1024, 64, 32), (1, 8, 2), (4, 64, 8), (8, 8, 2))}
     assert {key: pick[0] for key, pick in picks.items()} == {
-        (4, 2): "dense", (8, 2): "grouped_cpu", (8, 4): "dense", (64, 8): "grouped_cpu", (64, 32): "dense"}
+        (1024, 4, 2): "dense", (1024, 8, 2): "grouped_cpu", (1024, 8, 4): "dense", (1024, 64, 8): "grouped_cpu",
+        (1024, 64, 32): "dense", (1, 8, 2): "gathered", (4, 64, 8): "gathered", (8, 8, 2): "grouped_cpu"}
     assert all(reason for _, reason in picks.values())
 
 

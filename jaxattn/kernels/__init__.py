@@ -11,7 +11,7 @@ tests/test_kernels.py:
 | decode | `cached_attention`, `cache.write_rows` | "xla", "xla_cpu", "blocked" (inference only); per-call rule "auto_cpu" |
 | matmul | `Linear`, the tied lm_head | "xla", "bfloat16", "bfloat16_cpu" |
 | mla | `MultiHeadLatentAttention.__call__` | "naive", "absorb" |
-| moe | `jaxattn.moe.MoE` (the routed experts) | "dense", "grouped", "grouped_cpu"; per-call rule "auto_cpu" |
+| moe | `jaxattn.moe.MoE` (the routed experts) | "dense", "grouped", "grouped_cpu", "gathered"; per-call rule "auto_cpu" |
 
 Every attention implementation has the signature of `xla.attention` and returns
 `(out, weights | None, residual | None)` (`jaxattn.kernels._call`). What each takes of
@@ -83,8 +83,10 @@ class Kernels:
         full-sequence passes; cached decoding always absorbs.
       moe: a mixture-of-experts layer's routed experts: "dense" (reference: every expert on every
         token, weighted by the sparse gates), "grouped" (tokens sorted by expert, `jax.lax.ragged_dot`),
-        "grouped_cpu" (the same grouping in tiles of rows, batched matmuls) or "auto_cpu"
-        (per call: grouped_cpu or dense by the number of experts and k); all dropless and exact.
+        "grouped_cpu" (the same grouping in tiles of rows, batched matmuls), "gathered" (each
+        (token, expert) pair with its expert's weights gathered: for a few tokens, as in decoding) or
+        "auto_cpu" (per call: gathered, grouped_cpu or dense by the tokens, experts and k); all
+        dropless and exact.
 
     Any field may be "auto" in a request; `resolve_kernels` replaces it for a platform.
     """

@@ -17,12 +17,15 @@ exact: the same sums up to float32 order, values and gradients (tests/test_moe.p
 | "dense" | the reference: every expert on every row, weighted by the sparse gate matrix `[M, E]` |
 | "grouped" | the M*K (row, expert) pairs sorted by expert; `jax.lax.ragged_dot` (a grouped matmul) |
 | "grouped_cpu" | the sorted pairs padded per expert to tiles of rows; one batched matmul over the tiles |
-| "auto_cpu" | per call: "dense" or "grouped_cpu" by E and k (`cpu_rule`) |
+| "gathered" | each (row, expert) pair with its own copy of its expert's weights: reads only the experts used |
+| "auto_cpu" | per call: "gathered", "dense" or "grouped_cpu" by M, E and k (`cpu_rule`) |
 
 XLA:CPU has no grouped matmul: it lowers `ragged_dot` to a dense product masked per group
 (every group against every one of the M*K rows), so "grouped" does about K times the dense
 reference's work there (bench/results/moe.md); it is the form for backends with a native grouped matmul.
 "grouped_cpu" does the grouped work, `(M*K + E*tile) * D * F`, in plain batched matmuls.
+"gathered" does the least arithmetic, `M*K * D * F`, but copies an expert's weights per pair:
+the form for a few rows (a decoding step), where the weights read dominate.
 """
 
 from __future__ import annotations
@@ -211,13 +214,30 @@ def experts_grouped_cpu(x: jax.Array, expert_index: jax.Array, gate: jax.Array, 
     return jnp.zeros((M + 1, D), jnp.float32).at[source].add(out)[:M].astype(x.dtype)
 
 
+def experts_gathered(x: jax.Array, expert_index: jax.Array, gate: jax.Array, weights: ExpertWeights,
+                     cfg) -> jax.Array:
+    """Each of the M*K (row, expert) pairs times its own gathered copy of its expert's weights:
+    `[N, D, 2F]` and `[N, F, D]` for N = M*K pairs, so only the experts some row uses are read."""
+    check_experts(x, expert_index, gate, weights)
+    M, K = expert_index.shape
+    flat = expert_index.reshape(-1)  # [N]: pair n = (row n // K, slot n % K)
+    rows = jnp.repeat(x, K, axis=0)  # [N, D]
+    up = _dot(rows, weights.gate_up[flat], "nd,ndf->nf") + _bias(weights.gate_up_bias, flat)  # [N, 2F]
+    out = _dot(glu(up, cfg).astype(x.dtype), weights.down[flat], "nf,nfd->nd") + _bias(weights.down_bias, flat)
+    out = out.reshape(M, K, -1) * gate[:, :, None]  # [M, K, D]
+    return out.sum(axis=1).astype(x.dtype)
+
+
 def cpu_rule(num_tokens: int, num_experts: int, k: int) -> tuple[str, str]:
     """(implementation, reason) of "auto_cpu" for `num_tokens` rows routed to `k` of `num_experts`.
 
-    The grouped work is k/E of the dense reference's plus the tiles' padding; from 8 experts with
-    k/E <= 1/4 "grouped_cpu" won at every measured length (64 to 4096 tokens), while at E=4, k=2
-    it lost or tied below 1024 tokens (bench/results/moe.md)."""
-    del num_tokens  # no length changed the winner where the rule picks grouped_cpu
+    A few rows (M*k <= E/2: a decoding step) are "gathered": only the experts used are read.
+    Otherwise the grouped work is k/E of the dense reference's plus the tiles' padding; from 8
+    experts with k/E <= 1/4 "grouped_cpu" won at every measured length (64 to 4096 tokens), while
+    at E=4, k=2 it lost or tied below 1024 tokens (bench/results/moe.md)."""
+    if 2 * num_tokens * k <= num_experts:
+        return "gathered", (f"M*k = {num_tokens}*{k} <= E/2 = {num_experts}/2: a few rows, read only the "
+                            "experts they use")
     if num_experts >= GROUPED_FROM_EXPERTS and k * GROUPED_MAX_SHARE_INV <= num_experts:
         return "grouped_cpu", (f"E={num_experts} >= {GROUPED_FROM_EXPERTS} experts, k/E = {k}/{num_experts} "
                                f"<= 1/{GROUPED_MAX_SHARE_INV}: the grouped work is a small share of dense's")
@@ -237,12 +257,14 @@ def _dense(x, expert_index, gate, weights, cfg) -> jax.Array:
 
 
 IMPLEMENTATIONS: dict[str, Callable] = {"dense": _dense, "grouped": experts_grouped,
-                                        "grouped_cpu": experts_grouped_cpu, "auto_cpu": experts_auto_cpu}
+                                        "grouped_cpu": experts_grouped_cpu, "gathered": experts_gathered,
+                                        "auto_cpu": experts_auto_cpu}
 
 
 def rule(platform) -> tuple[str, str]:
     """(implementation, reason) that "auto" means on a `jaxattn.kernels.Platform`."""
     if platform.is_cpu:
-        return "auto_cpu", (f"per call: grouped_cpu from {GROUPED_FROM_EXPERTS} experts with k/E <= "
-                            f"1/{GROUPED_MAX_SHARE_INV}, else dense (XLA:CPU lowers ragged_dot densely)")
+        return "auto_cpu", (f"per call: gathered for M*k <= E/2 rows, grouped_cpu from {GROUPED_FROM_EXPERTS} "
+                            f"experts with k/E <= 1/{GROUPED_MAX_SHARE_INV}, else dense (XLA:CPU lowers ragged_dot "
+                            "densely)")
     return "grouped", f"{platform.backend}: ragged_dot, a grouped matmul (not measured here)"
