@@ -1,4 +1,4 @@
-"""Mixture-of-experts MLPs: a router, routed experts, shared experts, and the router losses.
+"""Mixture-of-experts MLPs: a router, routed experts, shared experts, and the router losses (docs/theory.md §24).
 
 Letters: B batch, T tokens, D model width, M = B*T rows, E experts, K = experts per token,
 F an expert's hidden width. A layer computes, per row x_m,
