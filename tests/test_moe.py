@@ -388,11 +388,11 @@ def test_bad_inputs_fail_before_tracing():
 def test_auto_rules():
     assert moe_kernels.rule(Platform("cpu"))[0] == "auto_cpu" == resolve_kernels(Kernels.auto(), Platform("cpu"))[0].moe
     assert moe_kernels.rule(Platform("gpu"))[0] == moe_kernels.rule(Platform("tpu"))[0] == "grouped"
-    picks = {(M, E, k): moe_kernels.cpu_rule(M, E, k) for M, E, k in (
-        (1024, 4, 2), (1024, 8, 2), (1024, 8, 4), (1024, 64, 8), (1024, 64, 32), (1, 8, 2), (4, 64, 8), (8, 8, 2))}
-    assert {key: pick[0] for key, pick in picks.items()} == {
-        (1024, 4, 2): "dense", (1024, 8, 2): "grouped_cpu", (1024, 8, 4): "dense", (1024, 64, 8): "grouped_cpu",
-        (1024, 64, 32): "dense", (1, 8, 2): "gathered", (4, 64, 8): "gathered", (8, 8, 2): "grouped_cpu"}
+    cases = {(1024, 4, 2): "grouped_cpu", (64, 4, 2): "dense", (1024, 8, 2): "grouped_cpu", (1024, 8, 4): "grouped_cpu",
+             (64, 8, 4): "dense", (1024, 64, 8): "grouped_cpu", (1024, 64, 48): "dense", (1, 8, 2): "gathered",
+             (4, 64, 8): "gathered", (8, 8, 2): "dense", (8, 64, 8): "dense", (32, 8, 2): "grouped_cpu"}
+    picks = {case: moe_kernels.cpu_rule(*case) for case in cases}
+    assert {case: pick[0] for case, pick in picks.items()} == cases
     assert all(reason for _, reason in picks.values())
 
 

@@ -36,10 +36,11 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
-# "auto_cpu" runs "grouped_cpu" from this many experts where k/E <= 1 / GROUPED_MAX_SHARE_INV, the dense
-# reference elsewhere (bench/results/moe.md).
+# The thresholds of "auto_cpu" (`cpu_rule`): grouped_cpu from this many rows, and from this many experts
+# with k/E <= 1/4 or this many rows with k/E <= 1/2 (bench/results/moe.md).
+GROUPED_FROM_TOKENS = 32
 GROUPED_FROM_EXPERTS = 8
-GROUPED_MAX_SHARE_INV = 4
+GROUPED_FROM_TOKENS_HALF = 256
 
 
 class ExpertWeights(NamedTuple):
@@ -229,20 +230,21 @@ def experts_gathered(x: jax.Array, expert_index: jax.Array, gate: jax.Array, wei
 
 
 def cpu_rule(num_tokens: int, num_experts: int, k: int) -> tuple[str, str]:
-    """(implementation, reason) of "auto_cpu" for `num_tokens` rows routed to `k` of `num_experts`.
+    """(implementation, reason) of "auto_cpu" for `num_tokens` rows M routed to `k` of `num_experts` E.
 
-    A few rows (M*k <= E/2: a decoding step) are "gathered": only the experts used are read.
-    Otherwise the grouped work is k/E of the dense reference's plus the tiles' padding; from 8
-    experts with k/E <= 1/4 "grouped_cpu" won at every measured length (64 to 4096 tokens), while
-    at E=4, k=2 it lost or tied below 1024 tokens (bench/results/moe.md)."""
-    if 2 * num_tokens * k <= num_experts:
-        return "gathered", (f"M*k = {num_tokens}*{k} <= E/2 = {num_experts}/2: a few rows, read only the "
-                            "experts they use")
-    if num_experts >= GROUPED_FROM_EXPERTS and k * GROUPED_MAX_SHARE_INV <= num_experts:
-        return "grouped_cpu", (f"E={num_experts} >= {GROUPED_FROM_EXPERTS} experts, k/E = {k}/{num_experts} "
-                               f"<= 1/{GROUPED_MAX_SHARE_INV}: the grouped work is a small share of dense's")
-    return "dense", (f"E={num_experts} < {GROUPED_FROM_EXPERTS} experts or k/E = {k}/{num_experts} > "
-                     f"1/{GROUPED_MAX_SHARE_INV}: grouping saves too little to pay for the sort and the tiles")
+    In order: a few rows (2Mk <= E: a decoding step) are "gathered", reading only the experts
+    used; below two of the smallest tiles (M < 32) the dense product over so few rows costs less
+    than a tile of at least 16 rows per expert; then "grouped_cpu" where the grouped work is a
+    small share of dense's (E >= 8 with k/E <= 1/4, or M >= 256 with k/E <= 1/2), dense elsewhere
+    (the forward and forward+backward sweeps of bench/results/moe.md)."""
+    M, E = num_tokens, num_experts
+    if 2 * M * k <= E:
+        return "gathered", f"2*M*k = 2*{M}*{k} <= E = {E}: a few rows, read only the experts they use"
+    if M < GROUPED_FROM_TOKENS:
+        return "dense", f"M = {M} < {GROUPED_FROM_TOKENS} rows: tiles of 16 rows per expert cost more than dense"
+    if (E >= GROUPED_FROM_EXPERTS and 4 * k <= E) or (M >= GROUPED_FROM_TOKENS_HALF and 2 * k <= E):
+        return "grouped_cpu", f"M = {M}, E = {E}, k = {k}: the grouped work is a small share of dense's"
+    return "dense", f"M = {M}, E = {E}, k = {k}: grouping saves too little to pay for the sort and the tiles"
 
 
 def experts_auto_cpu(x, expert_index, gate, weights, cfg) -> jax.Array:
@@ -264,7 +266,7 @@ IMPLEMENTATIONS: dict[str, Callable] = {"dense": _dense, "grouped": experts_grou
 def rule(platform) -> tuple[str, str]:
     """(implementation, reason) that "auto" means on a `jaxattn.kernels.Platform`."""
     if platform.is_cpu:
-        return "auto_cpu", (f"per call: gathered for M*k <= E/2 rows, grouped_cpu from {GROUPED_FROM_EXPERTS} "
-                            f"experts with k/E <= 1/{GROUPED_MAX_SHARE_INV}, else dense (XLA:CPU lowers ragged_dot "
+        return "auto_cpu", ("per call: gathered for a few rows (2Mk <= E), grouped_cpu from "
+                            f"{GROUPED_FROM_TOKENS} rows where k/E is small, else dense (XLA:CPU lowers ragged_dot "
                             "densely)")
     return "grouped", f"{platform.backend}: ragged_dot, a grouped matmul (not measured here)"
