@@ -11,9 +11,9 @@ Anything jaxattn would compute differently raises `UnsupportedCheckpoint`
 naming the architecture or the field, before any tensor is read:
 
 * a quantized checkpoint (`quantization_config`);
-* mixture-of-experts layers, named by the config key that shows them
-  (`MOE_KEYS`: DeepSeek's `n_routed_experts`, Qwen2/Qwen3-MoE's `num_experts`,
-  Mixtral's and GPT-OSS's `num_local_experts`), whatever the architecture;
+* mixture-of-experts layers in a family that does not read them (`Family.reads_experts`;
+  the families that do turn them into `ModelConfig.moe`), named by the config key that
+  shows them (`MOE_KEYS`, e.g. `n_routed_experts`, `num_experts`, `num_local_experts`);
 * a `model_type` no family is registered for, or an `architectures` entry
   other than the family's causal LM class;
 * a feature of a registered family jaxattn does not compute (the family's reader says which).

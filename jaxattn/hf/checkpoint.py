@@ -30,7 +30,7 @@ from jaxattn.hf.errors import InvalidCheckpoint, UnsupportedCheckpoint
 from jaxattn.hf.export import hf_config
 from jaxattn.hf.family import Family
 from jaxattn.hf.fields import Fields, read_json_object
-from jaxattn.hf.layouts import is_ignored, layout, stored_names
+from jaxattn.hf.layouts import is_ignored, layout, stored_form, stored_names
 from jaxattn.hf.safetensors_io import INDEX_FILE, SINGLE_FILE, CheckpointReader, write_safetensors
 from jaxattn.hf.tokenizer import TOKENIZER_FILES, HFTokenizer, as_tokenizer, tokenizer_files
 from jaxattn.hf.weights import Entry
@@ -145,6 +145,7 @@ def load_pretrained(path, dtype: str = "float32", *, allow_nonfinite: bool = Fal
     np_dtype = jnp.dtype(dtype)
     with CheckpointReader(directory) as reader:
         stored = stored_names(family, reader.names())
+        entries = stored_form(entries, stored)
         ignored = lambda name: is_ignored(family, name, config, extra_layers)  # noqa: E731
         _raise_problems(reader, _problems(entries, stored, reader, ignored))
         _check_dtypes(entries, stored, reader)

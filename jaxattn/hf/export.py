@@ -19,6 +19,8 @@ reads, checked in tests/test_hf*.py by loading it with
 | ... with windows on some layers, or q/k/v biases only | Qwen2 |
 | ... with a per-head qk norm | Qwen3 |
 | MLA (rope, rmsnorm, gated MLP, norm_eps 1e-6) | DeepSeek-V3 (DeepSeek-V2 for MLP biases, interleaved RoPE) |
+| ... with routed experts: sigmoid router (DeepSeek-V3) or softmax, greedy or group-limited by max (V2) | DeepSeek-V3, -V2 |
+| Llama-like with routed experts and a gated shared expert / q-k head norm / renormalised top-k | Qwen2-MoE, Qwen3-MoE, Mixtral |
 | RoPE on an even part of each head, RMSNorm, gated MLP, no biases | Phi-3 (one window or none) |
 | NoPE layers, or no positions at all, or windows with biases | SmolLM3 |
 | post-norm, full-width qk norm | OLMo 2 |

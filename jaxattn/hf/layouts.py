@@ -21,6 +21,13 @@ def layout(family: Family, c: ModelConfig) -> list[Entry]:
     return family.layout(c)
 
 
+def stored_form(entries: list[Entry], stored: dict[str, str]) -> list[Entry]:
+    """Each entry in the form the checkpoint holds: the first of it and its `alternatives` whose tensors
+    are all in `stored` (else the entry itself, whose missing tensors are then reported)."""
+    return [next((form for form in (entry, *entry.alternatives) if all(name in stored for name in form.names)),
+                 entry) for entry in entries]
+
+
 def stored_names(family: Family, names: list[str]) -> dict[str, str]:
     """`{current name: stored name}`: legacy names renamed, the base-model prefix added where a hub file lacks it."""
     aliases = dict(family.aliases)

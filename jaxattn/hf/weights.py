@@ -39,6 +39,18 @@ LINEAR = Codec(lambda t: t[0].T, lambda a: [a.T])
 # Gated MLPs: jaxattn's gate_up kernel is [D, 2F] = [gate | up]; biases [2F] likewise.
 GATE_UP = Codec(lambda t: np.concatenate([t[0].T, t[1].T], axis=1), lambda a: [x.T for x in np.split(a, 2, axis=1)])
 GATE_UP_BIAS = Codec(lambda t: np.concatenate(t), lambda a: np.split(a, 2))
+# Stacked experts: E `[out, in]` tensors (one per expert) or one fused `[E, out, in]` <-> jaxattn's `[E, in, out]`.
+STACKED = Codec(lambda t: np.stack(t).transpose(0, 2, 1), lambda a: list(a.transpose(0, 2, 1)))
+FUSED = Codec(lambda t: t[0].transpose(0, 2, 1), lambda a: [a.transpose(0, 2, 1)])
+
+
+def stacked_gate_up(experts: int) -> Codec:
+    """E gate then E up projections `[F, D]` (one per expert) <-> `experts_gate_up [E, D, 2F]` = [gate | up]."""
+    def to_hf(a):
+        gate, up = np.split(a.transpose(0, 2, 1), 2, axis=1)  # [E, F, D] each
+        return list(gate) + list(up)
+    return Codec(lambda t: np.concatenate([np.stack(t[:experts]), np.stack(t[experts:])], axis=1).transpose(0, 2, 1),
+                 to_hf)
 
 
 def neox_qkv(heads: int, head_dim: int, *, bias: bool) -> Codec:
@@ -91,6 +103,9 @@ class Entry:
       codec: the array maps between the two.
       zero_fill: the architecture always has this tensor; a jaxattn model without the
         parameter exports zeros (the same function).
+      alternatives: other forms a checkpoint may store the parameter in (same path; e.g. experts
+        fused into one tensor rather than one per expert): loading takes the first form whose
+        tensors are all stored (`jaxattn.hf.layouts.stored_form`); exporting writes this one.
     """
 
     path: tuple[str, ...]
@@ -98,6 +113,7 @@ class Entry:
     shapes: tuple[Shape, ...]
     codec: Codec = SAME
     zero_fill: bool = False
+    alternatives: tuple["Entry", ...] = ()
 
 
 def linear(path: tuple[str, ...], name: str, d_in: int, d_out: int, *, bias: bool,

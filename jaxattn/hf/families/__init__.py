@@ -24,11 +24,15 @@ REGISTERED = (
     "qwen3",
     "deepseek_v3",
     "deepseek_v2",
+    "qwen2_moe",
+    "qwen3_moe",
+    "mixtral",
     "phi3",
     "smollm3",
     "olmo2",
     "gemma2",
     "gemma3",
+    "gpt_oss",
 )
 
 FAMILIES: dict[str, Family] = {}

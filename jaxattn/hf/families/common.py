@@ -88,6 +88,14 @@ def read_layer_types(hf: Fields, default: Callable[[int], list[str]], architectu
     return kinds
 
 
+def one_layer_type(hf: Fields, architecture: str) -> None:
+    """Refuses a `layer_types` mixing full and sliding layers in a family that ignores the key (one window for all)."""
+    kinds = hf.texts("layer_types", None)
+    if kinds and len(set(kinds)) > 1:
+        reject(architecture, "layer_types", kinds, f"a mix of full and sliding-window layers, which transformers' "
+               f"{architecture} ignores")
+
+
 def periodic(kinds: Sequence[LayerKind]) -> tuple[LayerKind, ...]:
     """The shortest `layer_pattern` reproducing `kinds` (layer i is `pattern[i % len(pattern)]`)."""
     for period in range(1, len(kinds) + 1):

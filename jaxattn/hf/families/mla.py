@@ -1,21 +1,27 @@
-"""DeepSeek-V2/V3's shared reading, writing and tensors: MLA attention with dense gated MLPs.
+"""DeepSeek-V2/V3's shared reading, writing and tensors: MLA attention, dense first layers, then routed experts.
 
 Multi-head Latent Attention (`ModelConfig.mla`, docs/theory.md §6): queries
 with or without a latent (`q_lora_rank`), one joint key/value latent, decoupled
 rotary dims. The latent norms (`q_a_layernorm`, `kv_a_layernorm`) are built
-with eps 1e-6 whatever `rms_norm_eps` says, so only that eps loads. Layers with
-routed experts are refused (`experts`), the first `first_k_dense_replace` and
-those off `moe_layer_freq` being dense.
+with eps 1e-6 whatever `rms_norm_eps` says, so only that eps loads.
+
+Mixture of experts (`ModelConfig.moe`, `jaxattn.hf.families.moe`): in transformers 5.23 every
+layer from `first_k_dense_replace` on is MoE when `n_routed_experts` is set (`moe_layer_freq` is
+ignored: a value other than 1 is refused), the first ones dense of `intermediate_size`; routed
+experts of `moe_intermediate_size`, `n_shared_experts` shared ones as one MLP of
+`n_shared_experts * moe_intermediate_size`, gates times `routed_scaling_factor`. The router
+itself is each version's (`deepseek_v2`, `deepseek_v3`). Neither version adds a training loss
+for its router (`aux_loss_alpha`, `seq_aux` are not read: `MoEConfig.aux_loss_coef` 0).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from jaxattn.config import MLAConfig, ModelConfig
 from jaxattn.hf import weights as w
-from jaxattn.hf.families import common
-from jaxattn.hf.family import Need, Problem, features, layers
+from jaxattn.hf.families import common, moe
+from jaxattn.hf.family import ANY, Need, Problem, features, layers
 from jaxattn.hf.fields import Fields
 from jaxattn.hf.rope_params import read_rope, rope_dict, rope_type
 from jaxattn.hf.weights import Entry
@@ -23,13 +29,48 @@ from jaxattn.hf.weights import Entry
 LATENT_EPS = 1e-6
 
 
-def experts(hf: Fields, *, first_dense: int, count: int) -> tuple[str, int, list[int]]:
-    """(key, routed experts, mixture-of-experts layers) with the family's defaults."""
+def experts(hf: Fields, architecture: str, *, first_dense: int, count: int, shared: int, hidden: int, k: int | None,
+            scale: float, router: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """`moe` and `dense_layers` with the version's defaults (None: the key is required) and `router()`
+    (the MoEConfig fields of the version's router, read only when some layer has experts)."""
     count = hf.integer("n_routed_experts", count, null=0, minimum=0)  # null: no experts
-    first = hf.integer("first_k_dense_replace", first_dense, minimum=0)
-    every = hf.integer("moe_layer_freq", 1)
-    layers = range(hf.integer("num_hidden_layers"))
-    return "n_routed_experts", count, [i for i in layers if i >= first and i % every == 0]
+    first, n = hf.integer("first_k_dense_replace", first_dense, minimum=0), hf.integer("num_hidden_layers")
+    if not count or first >= n:
+        return dict(moe=None, dense_layers=())
+    moe.refuse_ignored(hf, architecture, "moe_layer_freq", 1)
+    shared, hidden = hf.integer("n_shared_experts", shared), hf.integer("moe_intermediate_size", hidden)
+    return moe.fields(hf, architecture, range(first, n), num_experts=count, expert_hidden=hidden,
+                      experts_per_token=hf.integer("num_experts_per_tok", *([] if k is None else [k])),
+                      num_shared_experts=shared, shared_expert_hidden=hidden,
+                      routed_scaling_factor=hf.number("routed_scaling_factor", scale), **router())
+
+
+def experts_config(c: ModelConfig) -> dict[str, Any]:
+    """The keys both versions write for `c`'s experts (or for none: every layer dense)."""
+    m = c.moe
+    if m is None:
+        return dict(first_k_dense_replace=c.num_layers)
+    return dict(first_k_dense_replace=len(c.dense_layers), n_routed_experts=m.num_experts,
+                num_experts_per_tok=m.experts_per_token, moe_intermediate_size=m.expert_hidden,
+                n_shared_experts=m.shared_hidden // m.expert_hidden, routed_scaling_factor=m.routed_scaling_factor,
+                n_group=m.n_group, topk_group=m.topk_group, norm_topk_prob=m.norm_topk_prob)
+
+
+SHARED = Need(lambda v, c: v >= 1 and c.moe.shared_hidden % c.moe.expert_hidden == 0,
+              "shared experts of n_shared_experts (>= 1) * moe_intermediate_size")
+
+
+def experts_refusal(c: ModelConfig, architecture: str, **needs) -> list[Problem]:
+    """Problems of `c.moe` in DeepSeek's layout (dense layers first, shared experts) and the version's router."""
+    if c.moe is None:
+        return []
+    problems = moe.problems(c, architecture, num_shared_experts=SHARED, routed_scaling_factor=ANY, **needs)
+    if c.dense_layers != tuple(range(len(c.dense_layers))):
+        problems.append(Problem("dense_layers", c.dense_layers, f"{architecture} keeps dense only its first "
+                                "first_k_dense_replace layers"))
+    if c.mlp_bias:
+        problems.append(Problem("mlp_bias", True, f"{architecture}'s shared experts have the dense MLPs' biases"))
+    return problems
 
 
 def read(hf: Fields, architecture: str, *, max_positions: int) -> dict[str, Any]:
@@ -58,18 +99,18 @@ def write(c: ModelConfig) -> dict[str, Any]:
     return dict(**common.sizes(c), num_key_value_heads=c.num_heads, kv_lora_rank=m.kv_lora_rank,
                 q_lora_rank=m.q_lora_rank, qk_nope_head_dim=m.qk_nope_head_dim, qk_rope_head_dim=m.qk_rope_head_dim,
                 v_head_dim=m.v_head_dim, hidden_act=common.gated_act(c), rms_norm_eps=c.norm_eps,
-                rope_parameters=common.rope_parameters(c), first_k_dense_replace=c.num_layers)
+                rope_parameters=common.rope_parameters(c), **experts_config(c))
 
 
 def refusal(c: ModelConfig, architecture: str) -> list[Problem]:
-    problems = features(c, architecture, mla=Need(lambda v, c: v is not None, "MLA")) + layers(c, architecture)
+    problems = features(c, architecture, mla=Need(lambda v, c: v is not None, "MLA"), moe=ANY) + layers(c, architecture)
     if c.norm_eps != LATENT_EPS:
         problems.append(Problem("norm_eps", c.norm_eps, f"transformers' {architecture} latent norms use eps "
                                 f"{LATENT_EPS}"))
     return problems
 
 
-def block(c: ModelConfig, i: int, b: dict[str, bool]) -> list[Entry]:
+def block(c: ModelConfig, i: int, b: dict[str, bool], correction: bool = False) -> list[Entry]:
     m, D, N, p, h = c.mla, c.d_model, c.num_heads, (f"blocks_{i}", "attn"), f"model.layers.{i}.self_attn"
     width = N * (m.qk_nope_head_dim + m.qk_rope_head_dim)
     R, E, PV = m.kv_lora_rank, m.qk_rope_head_dim, m.qk_nope_head_dim + m.v_head_dim
@@ -86,8 +127,17 @@ def block(c: ModelConfig, i: int, b: dict[str, bool]) -> list[Entry]:
     return (common.norm(c, i, "attn_norm", f"{layer}.input_layernorm") + query + kv
             + w.linear(p + ("wo",), f"{h}.o_proj", N * m.v_head_dim, D, bias=b["out"])
             + common.norm(c, i, "mlp_norm", f"{layer}.post_attention_layernorm")
-            + w.gated_mlp((f"blocks_{i}", "mlp"), f"{layer}.mlp", c, bias=b["mlp"]))
+            + (_moe_mlp(c, i, correction) if c.layer_is_moe(i)
+               else w.gated_mlp((f"blocks_{i}", "mlp"), f"{layer}.mlp", c, bias=b["mlp"])))
 
 
-def layout(c: ModelConfig, biases) -> list[Entry]:
-    return common.decoder_layout(c, biases, block, embed="model.embed_tokens.weight", final="model.norm")
+def _moe_mlp(c: ModelConfig, i: int, correction: bool) -> list[Entry]:
+    p, h = (f"blocks_{i}", "mlp"), f"model.layers.{i}.mlp"
+    return (moe.router(p, f"{h}.gate", c, correction=correction) + moe.experts(p, f"{h}.experts", c)
+            + moe.shared(p, f"{h}.shared_experts", c))
+
+
+def layout(c: ModelConfig, biases, *, correction: bool = False) -> list[Entry]:
+    """The tensors; `correction`: MoE routers hold `e_score_correction_bias` (V3: zeros exported without one)."""
+    return common.decoder_layout(c, biases, lambda c, i, b: block(c, i, b, correction),
+                                 embed="model.embed_tokens.weight", final="model.norm")
