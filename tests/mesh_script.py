@@ -1,6 +1,8 @@
 """Run by tests/test_mesh.py in a fresh process with 8 host devices (the count is fixed when JAX
-starts): trains tiny MHA, GQA and MLA models for 5 steps on one device and on four meshes,
-samples on two meshes, and prints what the test compares as one JSON object."""
+starts): trains tiny MHA, GQA, MLA and mixture-of-experts models for 5 steps on one device and
+on four meshes, samples on two meshes, and prints what the test compares as one JSON object.
+The MoE model runs the experts as "auto" resolves on a CPU ("auto_cpu": "grouped_cpu" for
+8 experts, k = 2), its experts split over fsdp (expert parallelism)."""
 
 import json
 import sys
@@ -13,6 +15,7 @@ import numpy as np  # noqa: E402
 
 from jaxattn import sharding  # noqa: E402
 from jaxattn.config import LayerKind, MLAConfig, ModelConfig  # noqa: E402
+from jaxattn.layer_config import MoEConfig  # noqa: E402
 from jaxattn.decoding import generate  # noqa: E402
 from jaxattn.sharding import MeshShape  # noqa: E402
 from train import runtime as runtime_lib  # noqa: E402
@@ -25,9 +28,11 @@ STEPS = 5
 MESHES = {"mha": ("data:1", "data:8", "data:2,tensor:4", "fsdp:4", "data:2,fsdp:2,tensor:2"),
           "gqa": ("data:1", "data:2,tensor:4", "fsdp:4", "data:2,fsdp:2,tensor:2"),
           "mla": ("data:1", "data:2,tensor:4", "fsdp:4", "data:2,fsdp:2,tensor:2"),
-          "layer_kinds": ("data:1", "data:2,tensor:4", "data:2,fsdp:2,tensor:2")}
+          "layer_kinds": ("data:1", "data:2,tensor:4", "data:2,fsdp:2,tensor:2"),
+          "moe": ("data:1", "data:2,fsdp:2", "fsdp:4", "fsdp:2,tensor:2", "data:2,fsdp:2,tensor:2")}
 SAMPLED = {"mha": ("data:2,fsdp:2,tensor:2",), "gqa": ("data:2,tensor:4", "data:2,fsdp:2,tensor:2"),
-           "mla": ("data:2,fsdp:2,tensor:2",), "layer_kinds": ("data:2,fsdp:2,tensor:2",)}
+           "mla": ("data:2,fsdp:2,tensor:2",), "layer_kinds": ("data:2,fsdp:2,tensor:2",),
+           "moe": ("data:2,fsdp:2,tensor:2",)}
 MODELS = {
     "mha": dict(),
     "gqa": dict(num_kv_heads=2, fused_qkv=False),  # 2 kv heads: replicated on a tensor axis of 4
@@ -39,6 +44,9 @@ MODELS = {
                         layer_pattern=(LayerKind(local=True, rope_theta=100.0), LayerKind()), attn_sinks=True,
                         attn_logits_soft_cap=5.0, final_logits_soft_cap=10.0, qk_norm="full",
                         norm_placement="sandwich", norm_unit_offset=True, embed_multiplier=2.0),
+    # Layer 0 dense, layer 1 routes to 2 of 8 experts; the training loss adds the router losses.
+    "moe": dict(num_layers=2, dense_layers=(0,), moe=MoEConfig(num_experts=8, experts_per_token=2, expert_hidden=16,
+                                                               aux_loss_coef=0.01, z_loss_coef=0.001)),
 }
 # Arrays whose layout the test checks: model -> name -> path in the params.
 WATCHED = {"mha": {"qkv": ("blocks_0", "attn", "qkv", "kernel"), "c_proj": ("blocks_0", "mlp", "c_proj", "kernel"),
@@ -46,7 +54,10 @@ WATCHED = {"mha": {"qkv": ("blocks_0", "attn", "qkv", "kernel"), "c_proj": ("blo
            "gqa": {"key": ("blocks_0", "attn", "key", "kernel"), "query": ("blocks_0", "attn", "query", "kernel")},
            "mla": {"wkv_a": ("blocks_0", "attn", "wkv_a", "kernel"), "wkv_b": ("blocks_0", "attn", "wkv_b")},
            "layer_kinds": {"sinks": ("blocks_0", "attn", "sinks"), "q_norm": ("blocks_0", "attn", "q_norm", "scale"),
-                           "k_norm": ("blocks_0", "attn", "k_norm", "scale")}}
+                           "k_norm": ("blocks_0", "attn", "k_norm", "scale")},
+           "moe": {"experts_gate_up": ("blocks_1", "mlp", "experts_gate_up"),
+                   "experts_down": ("blocks_1", "mlp", "experts_down"),
+                   "router_kernel": ("blocks_1", "mlp", "router_kernel")}}
 
 
 def experiment(kind: str, mesh: str) -> ExperimentConfig:
@@ -85,10 +96,12 @@ def train_on(kind: str, mesh: str, corpus, initial=None) -> dict:
     host = jax.tree.map(np.asarray, state)
     held = sharding.per_device_bytes((state["params"], state["opt_state"]))
     windows = RunBatches(corpus, corpus, config.train, programs.layout.windows, programs.eval_rows).train_chunk(0, STEPS)
-    state, (losses, _) = programs.train_steps(state, windows)
+    state, (losses, _, *moe) = programs.train_steps(state, windows)  # moe: the MoE layers' losses
     watched = {name: layout_of(leaf(state["params"], path)) for name, path in WATCHED[kind].items()}
     first = next(iter(WATCHED[kind].values()))
     return {"losses": np.asarray(losses).tolist(), "watched": watched, "bytes_per_device": held,
+            "layer_losses": {name: np.asarray(v).tolist() for m in moe for name, v in m.items()},
+            "moe_kernel": runtime.kernels.moe,
             "moments": [layout_of(x) for x in adam_moments_of(state["opt_state"], first)],
             "notes": list(programs.layout.params.notes), "params": state["params"], "mesh": programs.layout.mesh,
             "initial": host}

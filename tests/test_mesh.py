@@ -35,13 +35,40 @@ def meshes():
     return json.loads(done.stdout)
 
 
-@pytest.mark.parametrize("kind", ["mha", "gqa", "mla", "layer_kinds"])
+@pytest.mark.parametrize("kind", ["mha", "gqa", "mla", "layer_kinds", "moe"])
 def test_every_mesh_gives_the_one_device_losses(meshes, kind):
     one = meshes[kind]["data:1"]["losses"]
     assert len(one) == 5 and one[-1] < one[0]
     for mesh, run in meshes[kind].items():
         if mesh != "samples":  # equal up to the order of float sums
             np.testing.assert_allclose(run["losses"], one, rtol=RTOL, err_msg=f"{kind} on {mesh}")
+
+
+def test_moe_trains_with_its_router_losses_on_every_mesh_as_on_one_device(meshes):
+    """The MoE kind's losses (cross entropy + aux_loss) are compared above; here the layer losses
+    too, run by what "auto" resolves to on a CPU: "auto_cpu", grouped_cpu at these shapes."""
+    from jaxattn.kernels.moe import cpu_rule
+    assert cpu_rule(8 * 16, 8, 2)[0] == "grouped_cpu"  # B * T rows, 8 experts, k = 2
+    one = meshes["moe"]["data:1"]["layer_losses"]
+    assert sorted(one) == ["aux_loss", "load_balancing_loss", "router_z_loss"] and len(one["aux_loss"]) == 5
+    assert all(1.9 < b < 2.5 for b in one["load_balancing_loss"])  # k = 2 at perfect balance
+    for mesh, run in meshes["moe"].items():
+        if mesh != "samples":
+            assert run["moe_kernel"] == "auto_cpu", mesh
+            for name, values in run["layer_losses"].items():
+                np.testing.assert_allclose(values, one[name], rtol=RTOL, err_msg=f"{name} on {mesh}")
+
+
+def test_experts_are_split_over_fsdp_whole_and_their_hidden_units_over_tensor(meshes):
+    moe = meshes["moe"]
+    assert moe["fsdp:4"]["watched"]["experts_gate_up"] == {"spec": ["fsdp", None, None], "shard": [2, 32, 32]}
+    for mesh in ("fsdp:2,tensor:2", "data:2,fsdp:2,tensor:2"):
+        run = moe[mesh]["watched"]
+        assert run["experts_gate_up"] == {"spec": ["fsdp", None, "tensor"], "shard": [4, 32, 16]}, mesh  # [E, D, 2F]
+        assert run["experts_down"] == {"spec": ["fsdp", "tensor", None], "shard": [4, 8, 32]}, mesh  # [E, F, D]
+        assert run["router_kernel"] == {"spec": ["fsdp", None], "shard": [16, 8]}, mesh  # embed took fsdp
+        assert moe[mesh]["moments"] == [run["experts_gate_up"]] * 2, mesh
+    assert moe["data:2,fsdp:2"]["watched"]["experts_down"] == {"spec": ["fsdp", None, None], "shard": [4, 16, 32]}
 
 
 def test_parameters_and_adam_moments_are_split_as_the_rules_say(meshes):
@@ -84,14 +111,14 @@ def test_mla_latent_is_never_split_over_tensor(meshes):
 
 
 def test_fsdp_and_tensor_divide_the_memory_per_device(meshes):
-    for kind in ("mha", "gqa", "mla"):
+    for kind in ("mha", "gqa", "mla", "moe"):
         one = meshes[kind]["data:1"]["bytes_per_device"]
         assert meshes[kind]["fsdp:4"]["bytes_per_device"] < 0.27 * one, kind  # 1/4, plus scalars
         assert meshes[kind]["data:2,fsdp:2,tensor:2"]["bytes_per_device"] < 0.36 * one, kind
     assert meshes["mha"]["data:8"]["bytes_per_device"] == meshes["mha"]["data:1"]["bytes_per_device"]
 
 
-@pytest.mark.parametrize("kind", ["mha", "gqa", "mla", "layer_kinds"])
+@pytest.mark.parametrize("kind", ["mha", "gqa", "mla", "layer_kinds", "moe"])
 def test_sampling_on_a_mesh_equals_one_device(meshes, kind):
     samples = meshes[kind]["samples"]
     one = samples.pop("data:1")
@@ -137,7 +164,7 @@ def test_specs_replicate_what_a_mesh_axis_cannot_split():
 def test_every_parameter_names_its_axes_with_a_ruled_name():
     from train.config import load_config
     for name in ("shakespeare_char_baby", "shakespeare_char_baby_gqa", "shakespeare_char_baby_mla",
-                 "shakespeare_char_baby_learned"):
+                 "shakespeare_char_baby_learned", "shakespeare_char_baby_moe"):
         names = sharding.logical_names(load_config(name).model.replace(vocab_size=65))
         import jax
         leaves = jax.tree.leaves(names, is_leaf=lambda x: isinstance(x, tuple) and len(x) == 2)

@@ -134,9 +134,14 @@ def test_compare_writes_under_runs_and_checks_its_arguments_first(text_file, tmp
         with pytest.raises(SystemExit) as exit_info:
             compare.main(argv)
         assert exit_info.value.code == 2 and message in capsys.readouterr().err
-    compare.main(["--kinds", "MHA", "--positions", "rope", "--iters", "2", "--set", *TINY,
-                  f"train.data_path='{text_file}'"])
-    assert (tmp_path / "runs" / "compare" / "compare.md").is_file() and not (tmp_path / "docs").exists()
+    rows = compare.main(["--kinds", "MHA,moe", "--positions", "rope", "--iters", "2", "--set", *TINY,
+                         f"train.data_path='{text_file}'"])
+    table = (tmp_path / "runs" / "compare" / "compare.md").read_text()
+    assert not (tmp_path / "docs").exists() and "`python -m train.compare --iters 2 --kinds MHA,moe " in table
+    assert "| kind | positions | val loss |" in table and "| total params | active params |" in table
+    mha, moe = rows  # the dense kind: every parameter active; the MoE kind: 6 of its 8 experts idle per token
+    assert [mha["kind"], moe["kind"]] == ["MHA", "MoE"] and mha["active_params"] == mha["params"]
+    assert moe["active_params"] == moe["params"] - 6 * 3 * 32 * 168  # one MoE layer (layer 0 dense), d_model 32
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,8 +1,10 @@
-"""Attention kinds side by side: `python -m train.compare [--iters N] [--out DIR]`.
+"""Model kinds side by side: `python -m train.compare [--iters N] [--out DIR]`.
 
-Trains the baby config once per attention kind (MHA, GQA with 2 kv heads, MQA, MLA) and
-position scheme (learned, RoPE), then measures each trained model's cached decoding speed
-and KV-cache size. Writes compare.md (table), compare.json and compare.png under --out (default runs/compare;
+Trains the baby config once per kind (the attention kinds MHA, GQA with 2 kv heads, MQA, MLA;
+MoE: MHA with the mixture-of-experts MLPs of configs/shakespeare_char_baby_moe.toml) and
+position scheme (learned, RoPE), then measures each trained model's cached decoding speed,
+KV-cache size, and total and active parameters (those one token touches: all of them for the
+dense kinds). Writes compare.md (table), compare.json and compare.png under --out (default runs/compare;
 `--out docs` refreshes the figures the README shows). Its training runs go to --runs, which
 it replaces on each invocation.
 Runs are sequential and the machine may be shared: compare speeds within one table only.
@@ -22,6 +24,7 @@ import numpy as np
 
 from jaxattn.cache import cache_bytes_per_token
 from jaxattn.decoding import generate
+from jaxattn.moe import active_params
 from train import outputs
 from train import runtime as runtime_lib
 from train.cli import ArgumentParser, Stopped, UsageError, guard
@@ -37,6 +40,9 @@ KINDS = {
     "GQA": ["model.num_kv_heads=2"],
     "MQA": ["model.num_kv_heads=1"],
     "MLA": ["model.mla={kv_lora_rank = 32, qk_nope_head_dim = 32, qk_rope_head_dim = 16, v_head_dim = 32}"],
+    # configs/shakespeare_char_baby_moe.toml's model (tests/test_train_moe.py checks they agree)
+    "MoE": ["model.dense_layers=[0]", "model.moe={num_experts = 8, experts_per_token = 2, expert_hidden = 168, "
+            "aux_loss_coef = 0.01, z_loss_coef = 0.001, norm_topk_prob = true}"],
 }
 POSITIONS = ("learned", "rope")
 
@@ -73,11 +79,11 @@ def run_one(kind: str, positions: str, args, runtime: runtime_lib.Runtime) -> di
                                f"train.out_dir='{args.runs}/{kind.lower()}_{positions}'",
                                "train.plot=false", "train.checkpoint=false", *args.set]
     result = train(load_config(args.config, overrides), runtime=runtime, overwrite=True, quiet=True, sample=False)
-    row = {"attention": kind, "positions": positions, "val_loss": result.final_val_loss,
+    row = {"kind": kind, "positions": positions, "val_loss": result.final_val_loss,
            "train_tokens_per_s": result.median_tokens_per_s, "ms_per_iter": result.median_ms_per_iter,
            "decode_tokens_per_s": decode_tokens_per_s(result.config, result.params, runtime.kernels),
            "kv_bytes_per_token": kv_bytes_per_token(result.config), "params": result.num_params,
-           "compile_s": result.compile_s, "iters": args.iters}
+           "active_params": active_params(result.config.model), "compile_s": result.compile_s, "iters": args.iters}
     print(json.dumps(row), flush=True)
     return row
 
@@ -85,13 +91,13 @@ def run_one(kind: str, positions: str, args, runtime: runtime_lib.Runtime) -> di
 def markdown(rows: list[dict], command: str) -> str:
     lines = [f"Command: `{command}` ({rows[0]['iters']} iters each, baby config, one run each, "
              "measured sequentially on the shared 2-core CPU).", "",
-             "| attention | positions | val loss | train tokens/s | ms/iter | decode tokens/s (batch 1) "
-             "| KV-cache bytes/token | params |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| kind | positions | val loss | train tokens/s | ms/iter | decode tokens/s (batch 1) "
+             "| KV-cache bytes/token | total params | active params |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
-        lines.append(f"| {r['attention']} | {r['positions']} | {r['val_loss']:.4f} | "
+        lines.append(f"| {r['kind']} | {r['positions']} | {r['val_loss']:.4f} | "
                      f"{r['train_tokens_per_s']:,.0f} | {r['ms_per_iter']:.1f} | {r['decode_tokens_per_s']:,.0f} | "
-                     f"{r['kv_bytes_per_token']:,} | {r['params']:,} |")
+                     f"{r['kv_bytes_per_token']:,} | {r['params']:,} | {r['active_params']:,} |")
     return "\n".join(lines) + "\n"
 
 
@@ -111,7 +117,8 @@ def run(argv: list[str] | None) -> list[dict]:
     """Checks the arguments and the output folders, trains and measures each row, writes the tables."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    kinds = [k.strip().upper() for k in args.kinds.split(",")]
+    canonical = {k.upper(): k for k in KINDS}
+    kinds = [canonical.get(k.strip().upper(), k.strip()) for k in args.kinds.split(",")]
     positions = [p.strip() for p in args.positions.split(",")]
     for name, asked, known in (("--kinds", kinds, KINDS), ("--positions", positions, POSITIONS)):
         if sorted(set(asked) - set(known)):
@@ -139,7 +146,11 @@ def run(argv: list[str] | None) -> list[dict]:
 
 
 def command(args) -> str:
-    return "python -m train.compare" + (f" --iters {args.iters}" if args.iters != 2000 else "")
+    """The command line of the table: the flags that changed what was measured."""
+    flags = [f" --iters {args.iters}" if args.iters != 2000 else "",
+             f" --kinds {args.kinds}" if args.kinds != ",".join(KINDS) else "",
+             f" --positions {args.positions}" if args.positions != ",".join(POSITIONS) else ""]
+    return "python -m train.compare" + "".join(flags)
 
 
 def write(rows: list[dict], out: Path, args) -> str:

@@ -43,7 +43,8 @@ from train import runtime as runtime_lib
 from train.checkpoint import Checkpointer, CheckpointError, check_compatible, check_tokenizer
 from train.cli import StopSignals
 from train.config import ExperimentConfig, TrainConfig
-from train.metrics import MetricsLog, RunResult, Throughput, first_at_or_below, peak_memory, speeds
+from train.metrics import (MetricsLog, RunResult, Throughput, describe_params, first_at_or_below, peak_memory,
+                           speeds)
 from train.plots import plot_losses
 from train.rundir import claim_on_main, repair_metrics
 from train.steps import build_programs
@@ -96,8 +97,7 @@ class Run:
         if resume:
             meta = self._resume()
         self.start_step = int(self.state["step"])
-        self.metrics = MetricsLog(self.out / "metrics.jsonl", tc.log_interval, meta.get("interval_losses", []),
-                                  write=self.main)
+        self.metrics = MetricsLog.resumed(self.out / "metrics.jsonl", tc.log_interval, meta, write=self.main)
         self.throughput = Throughput(tc.batch_size * tc.block_size, meta.get("step_seconds", []),
                                      meta.get("train_seconds", 0.0))
 
@@ -200,13 +200,14 @@ class Run:
         return 0.0 if self.feed is None else self.feed.waited
 
     def record(self, first_step: int, outputs) -> None:
-        """Waits for a chunk's (losses, lrs), then logs them and advances the bar."""
-        losses, lrs = (np.asarray(x) for x in outputs)
+        """Waits for a chunk's (losses, lrs) (and an MoE model's layer losses), then logs them and
+        advances the bar."""
+        losses, lrs, *moe = jax.device_get(outputs)
         self.throughput.lap(len(losses))
         if not np.all(np.isfinite(losses)):
             bad = int(np.flatnonzero(~np.isfinite(losses))[0])
             self.diverged(f"the training loss is {losses[bad]} at step {first_step + bad + 1}")
-        self.metrics.add_steps(first_step, losses, lrs, self.config.train.max_iters)
+        self.metrics.add_steps(first_step, losses, lrs, self.config.train.max_iters, *moe)
         self.bar.set_postfix(loss=f"{losses[-1]:.4f}", tok_s=f"{self.throughput.recent_tokens_per_s():,.0f}")
         self.bar.update(len(losses))
 
@@ -241,7 +242,7 @@ class Run:
     def save(self, kind: str, step: int, val_loss: float | None) -> None:
         self.checkpoints.save(kind, step, self.state, config=self.config, tokenizer=self.corpus.tokenizer,
                               val_loss=val_loss, best_val_loss=self.best_val,
-                              extra={"interval_losses": self.metrics.pending(),
+                              extra={**self.metrics.pending_meta(),
                                      "step_seconds": self.throughput.step_seconds(),
                                      "train_seconds": self.throughput.seconds})
 
@@ -339,7 +340,7 @@ def train(config: ExperimentConfig, *, runtime: runtime_lib.Runtime | None = Non
         with StopSignals() as signals:  # from here a signal asks; the run stops where nothing is lost
             run = Run(config, runtime, corpus, resume=resume, quiet=quiet, after_eval=after_eval, signals=signals)
             log("\n".join(describe_layout(run.programs.layout, run.state)))
-            log(f"parameters: {count_params(run.state['params']):,}")
+            log(describe_params(config.model, run.state["params"]))
             compile_s = run.compile()
             if main:  # once the checkpoint is accepted and the programs compiled: the run begins here
                 (run.out / "config.json").write_text(config.to_json())

@@ -14,17 +14,33 @@ import numpy as np
 
 
 class MetricsLog:
-    """`metrics.jsonl`: the mean loss of each log interval, and each evaluation."""
+    """`metrics.jsonl`: the mean loss of each log interval, and each evaluation.
 
-    def __init__(self, path: Path, log_interval: int, interval: list[float] = (), write: bool = True):
-        """`interval`: the losses of the log interval in progress (a resumed run's, from its checkpoint);
-        `write`: False keeps the records off the file (the processes of a run other than process 0)."""
+    A model with MoE layers logs, beside each interval's mean loss (cross entropy + aux_loss),
+    the interval's means of the layers' `load_balancing_loss`, `router_z_loss` and `aux_loss`
+    (`train.steps`: each step's mean over the MoE layers; unweighted, but aux_loss)."""
+
+    def __init__(self, path: Path, log_interval: int, interval: list[float] = (), write: bool = True,
+                 interval_moe: dict[str, list[float]] | None = None):
+        """`interval`, `interval_moe`: the losses of the log interval in progress (a resumed run's, from its
+        checkpoint); `write`: False keeps the records off the file (the processes of a run other than process 0)."""
         self.path, self.log_interval, self._interval = path, log_interval, list(interval)
+        self._moe = {name: list(values) for name, values in (interval_moe or {}).items()}
         self.write = write
+
+    @classmethod
+    def resumed(cls, path: Path, log_interval: int, meta: dict, write: bool = True) -> "MetricsLog":
+        """The log going on from a checkpoint's `meta` (`pending_meta`; {} for a new run)."""
+        return cls(path, log_interval, meta.get("interval_losses", []), write, meta.get("interval_moe"))
 
     def pending(self) -> list[float]:
         """The losses of the log interval in progress (saved with a checkpoint taken mid-interval)."""
         return list(self._interval)
+
+    def pending_meta(self) -> dict:
+        """What a checkpoint saves of the log interval in progress (`resumed` reads it back)."""
+        moe = {"interval_moe": {name: list(v) for name, v in self._moe.items()}} if self._moe else {}
+        return {"interval_losses": self.pending(), **moe}
 
     def _append(self, record: dict) -> None:
         if not self.write:
@@ -32,13 +48,21 @@ class MetricsLog:
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
 
-    def add_steps(self, first_step: int, losses: np.ndarray, lrs: np.ndarray, last_step: int) -> None:
+    def add_steps(self, first_step: int, losses: np.ndarray, lrs: np.ndarray, last_step: int,
+                  moe: dict[str, np.ndarray] | None = None) -> None:
+        """Step `first_step + i + 1` has loss `losses[i]`, lr `lrs[i]` and (MoE models) the layers'
+        mean losses `moe[name][i]`; logs each interval that ends among them."""
         for i, loss in enumerate(losses):  # step first_step + i + 1 has just finished
             step = first_step + i + 1
             self._interval.append(float(loss))
+            for name, values in (moe or {}).items():
+                self._moe.setdefault(name, []).append(float(values[i]))
             if step % self.log_interval == 0 or step == last_step:
-                self._append({"step": step, "loss": float(np.mean(self._interval)), "lr": float(lrs[i])})
+                record = {"step": step, "loss": float(np.mean(self._interval)), "lr": float(lrs[i])}
+                record.update({name: float(np.mean(values)) for name, values in self._moe.items()})
+                self._append(record)
                 self._interval.clear()
+                self._moe.clear()
 
     def add_eval(self, step: int, losses: dict, train_seconds: float) -> None:
         """`train_seconds`: the training time so far, compile and evaluations excluded."""
@@ -147,3 +171,14 @@ def describe_memory(memory: dict) -> str:
     """"peak memory 0.61 GiB RSS" (+ ", device 3.2 GiB" on an accelerator)."""
     device = memory.get("device_peak_gib")
     return f"peak memory {memory['peak_rss_gib']:.2f} GiB RSS" + (f", device {device:.2f} GiB" if device else "")
+
+
+def describe_params(model, params) -> str:
+    """"parameters: 795,904", plus how many touch one token for a model with MoE layers
+    (`jaxattn.moe.active_params`; `model` a `ModelConfig`, `params` its parameters)."""
+    from jaxattn.model import count_params
+    from jaxattn.moe import active_params
+    from train.steps import has_moe
+    total = count_params(params)
+    return f"parameters: {total:,}" + (f" ({active_params(model):,} active: those one token touches)"
+                                       if has_moe(model) else "")

@@ -1,4 +1,4 @@
-"""The pictures the programs draw: loss curves, the attention-kind comparison, attention maps.
+"""The pictures the programs draw: loss curves, the model-kind comparison, attention maps.
 
 Each function writes one PNG (creating its folder) and needs no display
 (matplotlib's Agg backend).
@@ -62,14 +62,14 @@ COMPARISON_PANELS = (("val_loss", "val loss (lower is better)"), ("train_tokens_
 
 
 def plot_comparison(rows: list[dict], png: Path) -> None:
-    """One bar panel per measure, attention kinds on the x axis, one bar per position scheme."""
-    kinds = list(dict.fromkeys(r["attention"] for r in rows))
+    """One bar panel per measure, the kinds (`train.compare`) on the x axis, one bar per position scheme."""
+    kinds = list(dict.fromkeys(r["kind"] for r in rows))
     positions = list(dict.fromkeys(r["positions"] for r in rows))
     fig, axes = _pyplot().subplots(1, len(COMPARISON_PANELS), figsize=(15, 3.6), dpi=90)
     width = 0.8 / len(positions)
     for ax, (key, title) in zip(axes, COMPARISON_PANELS):
         for j, pos in enumerate(positions):
-            values = [next((r[key] for r in rows if r["attention"] == k and r["positions"] == pos), np.nan)
+            values = [next((r[key] for r in rows if r["kind"] == k and r["positions"] == pos), np.nan)
                       for k in kinds]
             ax.bar(np.arange(len(kinds)) + (j - (len(positions) - 1) / 2) * width, values, width, label=pos)
         ax.set_xticks(np.arange(len(kinds)), kinds)

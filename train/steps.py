@@ -5,6 +5,12 @@ the chunk, read on the host beforehand (`train.batches`): windows `[n, B, T + 1]
 first T tokens are the inputs and last T the targets. Evaluation takes windows the same
 way, with a weight per target, and returns the weighted sums of the losses.
 
+A model with mixture-of-experts layers (`jaxattn.moe`) trains on the cross entropy plus the
+mean over its MoE layers of their `aux_loss` (`MoEConfig.aux_loss_coef` times the Switch
+Transformer's load-balancing loss plus `z_loss_coef` times the router z-loss), and its
+`train_steps` also returns each step's mean layer losses. Evaluation is the plain cross
+entropy for every model, so val losses compare across dense and MoE models.
+
 Every program is one `jax.jit` over the run's mesh (`jaxattn.sharding`): the
 state goes in and comes out with the shardings of `StateLayout` (parameters and
 Adam's moments split by the logical-axis rules), the windows are split by rows over
@@ -26,6 +32,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxattn import sharding
 from jaxattn.model import DecoderLM
+from jaxattn.moe import LOSSES, moe_losses
 from train.config import ExperimentConfig
 from train.optim import lr_schedule, make_optimizer
 from train.runtime import Runtime
@@ -39,6 +46,11 @@ def token_losses(logits: jax.Array, targets: jax.Array) -> jax.Array:
 def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
     """Mean next-token loss in float32; logits `[B, T, V]`, targets `[B, T]`."""
     return token_losses(logits, targets).mean()
+
+
+def has_moe(model) -> bool:
+    """Whether a `ModelConfig` has a mixture-of-experts layer (its training loss adds their aux_loss)."""
+    return any(model.layer_is_moe(i) for i in range(model.num_layers))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +102,9 @@ class Programs:
     Attributes:
       init: (seed) -> state {'params', 'opt_state', 'step', 'rng'}, laid out on the mesh.
       train_steps: (state, windows [n, B, T + 1] int32) -> (state, (losses, lrs) [n] each): one
-        optimizer step per batch of the chunk.
+        optimizer step per batch of the chunk. With MoE layers (`has_moe`) the losses include
+        their aux_loss, and a third output follows: `{name: [n]}` for each of
+        `jaxattn.moe.LOSS_NAMES`, the step's mean over the MoE layers.
       evaluate: (params, windows [n, R, T + 1] int32, weights [n, R, T] float32) -> [n] float32, the
         weighted sum of each batch's next-token losses.
       eval_rows: R of whole-split evaluation (about 256 windows a batch, split like B).
@@ -115,7 +129,7 @@ class Programs:
 def build_programs(config: ExperimentConfig, runtime: Runtime) -> Programs:
     model, tc = DecoderLM(config.model, runtime.kernels), config.train
     optimizer, schedule = make_optimizer(tc, sharding.logical_names(config.model)), lr_schedule(tc)
-    dropout = config.model.dropout > 0
+    dropout, moe = config.model.dropout > 0, has_moe(config.model)
     B, T = tc.batch_size, tc.block_size
     eval_rows = B * max(1, 256 // B)
 
@@ -135,15 +149,26 @@ def build_programs(config: ExperimentConfig, runtime: Runtime) -> Programs:
         rngs = {"dropout": dropout_key} if dropout else None
         return cross_entropy(forward(params, x, deterministic=not dropout, rngs=rngs), y)
 
+    def moe_loss_fn(params, x, y, dropout_key):  # -> (cross entropy + aux_loss, the layers' mean losses)
+        rngs = {"dropout": dropout_key} if dropout else None
+        logits, sown = forward(params, x, deterministic=not dropout, rngs=rngs, mutable=[LOSSES])
+        losses = moe_losses(sown)
+        return cross_entropy(logits, y) + losses["aux_loss"], losses
+
     def one_step(state, window):
         step = state["step"]
         x, y = window[:, :-1], window[:, 1:]  # [B, T] inputs and next-token targets
-        loss, grads = jax.value_and_grad(loss_fn)(state["params"], x, y, jax.random.fold_in(state["rng"], step))
+        args = (state["params"], x, y, jax.random.fold_in(state["rng"], step))
+        if moe:
+            (loss, layer_losses), grads = jax.value_and_grad(moe_loss_fn, has_aux=True)(*args)
+        else:
+            loss, grads = jax.value_and_grad(loss_fn)(*args)
         grads = jax.lax.with_sharding_constraint(grads, params_sharding)  # FSDP: reduce-scattered
         updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         # The lr comes back with the loss so that logging it needs no extra device call.
-        return {**state, "params": params, "opt_state": opt_state, "step": step + 1}, (loss, schedule(step))
+        state = {**state, "params": params, "opt_state": opt_state, "step": step + 1}
+        return state, ((loss, schedule(step), layer_losses) if moe else (loss, schedule(step)))
 
     @partial(jax.jit, donate_argnums=(0,), in_shardings=(layout.state, layout.windows(B)),
              out_shardings=(layout.state, replicated))
