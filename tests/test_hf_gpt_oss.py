@@ -8,21 +8,24 @@ the sinks at std 1 (decisive routing, sinks that matter), the experts'
 gate_up at std 0.45 (some gate and up units past the clamp at 7) and down at
 0.01 (logits O(1)). Saved with `save_pretrained`, loaded with
 `jaxattn.hf.load_pretrained`, compared in float32 (max |logit difference|
-<= 1e-4); each GPT-OSS feature switched off must miss that tolerance.
+<= 1e-4); each GPT-OSS feature switched off must miss that tolerance. The MXFP4 form of the
+hub's files: the same model (F = 32) in bfloat16, its experts quantized here and stored as
+`*_blocks`/`*_scales` with the hub's quantization_config, against transformers dequantizing it.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import transformers
-from safetensors.numpy import load_file
-from test_hf import (NO_TOKENS, TOL, check_export, check_greedy_generation, check_logits, checkpoints, small,
-                     spoiled_difference)
+from safetensors.numpy import load_file, save_file
+from test_hf import (NO_TOKENS, TOL, check_export, check_greedy_generation, check_logits, checkpoints, jax_logits,
+                     max_diff, small, spoiled_difference, tokens, torch_logits)
 
 from jaxattn import LayerKind, MoEConfig, RopeScaling, hf
 from jaxattn.hf.architectures import config_from_hf
@@ -41,7 +44,8 @@ SCALES = {"router.weight": 1.0, "router.bias": 1.0, "sinks": 1.0, "gate_up_proj"
 
 
 def torch_model(case: str) -> torch.nn.Module:
-    config = transformers.GptOssConfig(**CONFIG, experts_implementation="eager")
+    sizes = dict(intermediate_size=32) if case == "mxfp4" else {}  # MXFP4 packs 32 inputs a group: F = 32
+    config = transformers.GptOssConfig(**CONFIG | sizes, experts_implementation="eager")
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
     generator = torch.Generator().manual_seed(1)
@@ -171,7 +175,9 @@ UNSUPPORTED = {  # (config.json changes, words the message must hold)
     "sliding layers without a window": (dict(sliding_window=None), ["sliding_window", "sliding_attention"]),
     "chunked attention layers": (dict(layer_types=["chunked_attention"] * 4), ["layer_types", "chunked_attention"]),
     "dynamic rope": (dict(rope_parameters=dict(rope_type="dynamic", rope_theta=1e4, factor=2.0)), ["rope_type"]),
-    "mxfp4 experts": (dict(quantization_config=dict(quant_method="mxfp4")), ["quantization_config", "mxfp4"]),
+    "fp8 weights": (dict(quantization_config=dict(quant_method="fp8")),  # mxfp4 is read (below), nothing else
+                    ["a quantized checkpoint (quantization_config.quant_method='fp8') is not read",
+                     "dequantize it first"]),
     "more experts per token than experts": (dict(num_experts_per_tok=9), ["experts_per_token"]),
 }
 
@@ -211,3 +217,83 @@ def test_mxfp4_dequantization_equals_transformers(dtype):
     assert torch.equal(torch.as_tensor(ours).to(dtype), theirs)
     with pytest.raises(ValueError, match="uint8"):
         dequantize(blocks.astype(np.int8), scales)
+
+
+# The hub's openai/gpt-oss-20b quantization_config, as its config.json has it.
+HUB_QUANTIZATION = {"modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                               "model.embed_tokens", "lm_head"], "quant_method": "mxfp4"}
+FP4 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def quantize(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """float `[E, in, out]` -> MXFP4 `blocks [E, out, in / 32, 16]`, `scales [E, out, in / 32]` (uint8): per group
+    of 32 inputs the smallest power-of-two scale that fits its largest |value| in 6, each value the nearest code."""
+    E, d_in, d_out = w.shape
+    groups = w.transpose(0, 2, 1).reshape(E, d_out, d_in // 32, 32).astype(np.float64)
+    top = np.abs(groups).max(-1, keepdims=True)
+    exponent = np.ceil(np.log2(np.maximum(top, 1e-30) / 6.0)).clip(-127, 127)
+    scaled = groups / 2.0 ** exponent
+    magnitude = np.abs(np.abs(scaled)[..., None] - FP4).argmin(-1)
+    codes = (magnitude + 8 * (scaled < 0)).astype(np.uint8)  # sign bit 3
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)  # low nibble first
+    return blocks, (exponent[..., 0] + 127).astype(np.uint8)
+
+
+@pytest.fixture(scope="module")
+def mxfp4_checkpoint(tmp_path_factory):
+    """The tiny GPT-OSS (F = 32) saved in bfloat16 with its experts in MXFP4, as the hub's files are."""
+    path = tmp_path_factory.mktemp("mxfp4")
+    torch_model("mxfp4").to(torch.bfloat16).save_pretrained(path)
+    tensors = load_file(path / "model.safetensors")
+    for name in [n for n in tensors if n.endswith(("gate_up_proj", "down_proj"))]:
+        tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = quantize(tensors.pop(name).astype(np.float32))
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(config | {"quantization_config": HUB_QUANTIZATION}))
+    return path
+
+
+def test_mxfp4_checkpoint_loads_as_transformers_loads_it(mxfp4_checkpoint):
+    """transformers dequantizing the experts itself (`Mxfp4Config(dequantize=True)`, its CPU path without
+    triton kernels or accelerate): the same weights, equal logits."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        mxfp4_checkpoint, dtype=torch.float32, attn_implementation="eager",
+        quantization_config=transformers.Mxfp4Config(dequantize=True)).eval()
+    config, params = hf.load_pretrained(mxfp4_checkpoint)
+    stored = load_file(mxfp4_checkpoint / "model.safetensors")
+    h = "model.layers.1.mlp.experts"
+    experts = params["blocks_1"]["mlp"]
+    for ours, proj in ((experts["experts_gate_up"], "gate_up_proj"), (experts["experts_down"], "down_proj")):
+        expected = dequantize(stored[f"{h}.{proj}_blocks"], stored[f"{h}.{proj}_scales"])
+        assert np.array_equal(np.asarray(ours), expected)
+        assert np.array_equal(getattr(model.model.layers[1].mlp.experts, proj).detach().numpy(), expected)
+    assert np.count_nonzero(expected) > expected.size // 2  # the quantized weights are not mostly zeros
+    diff = max_diff(jax_logits(config, params, tokens()), torch_logits(model, tokens()))
+    print(f"mxfp4: max |logit difference| {diff:.1e}")
+    assert diff <= TOL
+    assert config.moe.expert_hidden == 32 and config.dtype == "float32"
+
+
+def test_mxfp4_checkpoint_loads_in_bfloat16_and_exports_floats(mxfp4_checkpoint, tmp_path):
+    config, params = hf.load_pretrained(mxfp4_checkpoint, dtype="bfloat16")
+    assert params["blocks_0"]["mlp"]["experts_down"].dtype == np.dtype("bfloat16")
+    hf.save_pretrained(tmp_path / "out", config, params)
+    names = set(load_file(tmp_path / "out" / "model.safetensors"))
+    assert "model.layers.0.mlp.experts.gate_up_proj" in names and not any(n.endswith("_blocks") for n in names)
+
+
+def _spoiled(source: Path, to: Path, name: str, value: np.ndarray) -> Path:
+    shutil.copytree(source, to)
+    save_file(load_file(source / "model.safetensors") | {name: value}, to / "model.safetensors",
+              metadata={"format": "pt"})
+    return to
+
+
+def test_a_wrong_mxfp4_scales_shape_or_dtype_names_the_tensor(mxfp4_checkpoint, tmp_path):
+    name = "model.layers.2.mlp.experts.down_proj_scales"  # [E, D, F / 32] = (8, 64, 1)
+    with pytest.raises(hf.InvalidCheckpoint) as error:
+        hf.load_pretrained(_spoiled(mxfp4_checkpoint, tmp_path / "shape", name, np.zeros((8, 64, 2), np.uint8)))
+    assert all(word in str(error.value) for word in (name, "(8, 64, 1)", "(8, 64, 2)")), str(error.value)
+    with pytest.raises(hf.InvalidCheckpoint) as error:
+        hf.load_pretrained(_spoiled(mxfp4_checkpoint, tmp_path / "dtype", name, np.zeros((8, 64, 1), np.int8)))
+    assert all(word in str(error.value) for word in (name, "I8", "U8")), str(error.value)

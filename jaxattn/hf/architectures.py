@@ -10,7 +10,9 @@ an impossible size raises `InvalidCheckpoint` naming the file and key.
 Anything jaxattn would compute differently raises `UnsupportedCheckpoint`
 naming the architecture or the field, before any tensor is read:
 
-* a quantized checkpoint (`quantization_config`);
+* a quantized checkpoint (`quantization_config`) unless its family reads that `quant_method`
+  (`Family.quantized`: GPT-OSS's "mxfp4" experts, dequantized to floats on loading, the other
+  tensors of such a checkpoint read as usual); any other method (GPTQ, AWQ, FP8, ...) is refused;
 * mixture-of-experts layers in a family that does not read them (`Family.reads_experts`;
   the families that do turn them into `ModelConfig.moe`), named by the config key that
   shows them (`MOE_KEYS`, e.g. `n_routed_experts`, `num_experts`, `num_local_experts`);
@@ -35,10 +37,18 @@ ARCHITECTURES = {name: family.architecture for name, family in FAMILIES.items()}
 MOE_KEYS = ("n_routed_experts", "num_local_experts", "num_experts", "moe_num_experts")
 
 
-def _refuse_quantized(hf: Fields) -> None:
+def _refuse_quantized(hf: Fields, family: Family | None) -> None:
+    """UnsupportedCheckpoint for a `quantization_config` whose `quant_method` the family does not read.
+
+    A method it reads (`Family.quantized`) passes: which tensors are packed is then decided by the
+    names the checkpoint holds (the layout's `Entry.packed` alternatives); a packed tensor of any
+    other parameter is an unexpected tensor, reported by name when the tensors are checked.
+    """
     quantization = hf.section("quantization_config")
     if quantization:  # GPTQ, AWQ, FP8 ...: integer or 8-bit tensors with scales jaxattn does not apply
         method = quantization.get("quant_method", "?")
+        if family is not None and isinstance(method, str) and method in family.quantized:
+            return
         raise UnsupportedCheckpoint(f"a quantized checkpoint (quantization_config.quant_method={method!r}) is not "
                                     "read: jaxattn loads F32, F16, BF16 or F64 weights; dequantize it first")
 
@@ -62,9 +72,9 @@ def _refuse_experts(hf: Fields, family: Family | None, name: str) -> None:
 
 def family_of(hf: Fields) -> Family:
     """The registered family of a config.json (its `model_type`), checked against `architectures`."""
-    _refuse_quantized(hf)
     model_type, named = hf.text("model_type"), hf.texts("architectures", [])
     family = FAMILIES.get(model_type)
+    _refuse_quantized(hf, family)
     _refuse_experts(hf, family, family.architecture if family else f"model_type={model_type!r} {named}")
     if family is None:
         raise UnsupportedCheckpoint(f"unsupported architecture: model_type={model_type!r} architectures={named}; "

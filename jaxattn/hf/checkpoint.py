@@ -5,6 +5,11 @@ and only then move data: a checkpoint that cannot be loaded exactly fails
 before a tensor is read, and a config that cannot be exported fails before a
 file is written. Tensors are read one at a time (see
 `jaxattn.hf.safetensors_io`).
+
+Weights are read from F32, F16, BF16 or F64 tensors (`WEIGHT_DTYPES`), cast to the
+model's dtype. U8 is read only where the layout's chosen form is packed
+(`Entry.packed`: GPT-OSS's MXFP4 experts, `*_blocks` and `*_scales`), whose codec
+dequantizes the raw bytes; any other dtype, or U8 elsewhere, is refused naming the tensor.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from jaxattn.hf.weights import Entry
 DTYPES = ("float32", "bfloat16")
 MAX_LISTED = 8  # problems listed in one error message
 WEIGHT_DTYPES = ("F32", "F16", "BF16", "F64")  # the safetensors dtypes weights are read from
+PACKED_DTYPES = ("U8",)  # the dtype of packed (quantized) tensors, read only where the layout says so
 # 8-bit and smaller floats: quantized checkpoints, whose per-block scales jaxattn does not apply.
 LOW_PRECISION_DTYPES = ("F8_E4M3", "F8_E5M2", "F8_E8M0", "F6_E2M3", "F6_E3M2", "F4")
 # The files a save writes (with a tokenizer, TOKENIZER_FILES too); overwriting replaces these and
@@ -82,12 +88,18 @@ def _raise_problems(reader: CheckpointReader, problems: list[tuple[str, str]]) -
 
 
 def _check_dtypes(entries: list[Entry], stored: dict[str, str], reader: CheckpointReader) -> None:
-    """Every tensor to load is of a floating dtype read here (see `WEIGHT_DTYPES`); checked from the headers."""
-    for name in (name for entry in entries for name in entry.names):
+    """Every tensor to load is of a floating dtype read here (see `WEIGHT_DTYPES`), or U8 where its entry is
+    packed (`PACKED_DTYPES`); checked from the headers."""
+    for entry, name in ((entry, name) for entry in entries for name in entry.names):
         dtype = reader.dtype(stored[name])
+        file = reader.files[stored[name]]
+        if entry.packed:
+            if dtype not in PACKED_DTYPES:
+                raise InvalidCheckpoint(file, stored[name], f"is {dtype}; a packed (quantized) tensor is read from "
+                                        f"{', '.join(PACKED_DTYPES)}")
+            continue
         if dtype in WEIGHT_DTYPES:
             continue
-        file = reader.files[stored[name]]
         if dtype in LOW_PRECISION_DTYPES:
             raise UnsupportedCheckpoint(f"{file}: {stored[name]}: {dtype} weights are not read (quantized "
                                         f"checkpoints keep scales jaxattn does not apply); weights are read from "
@@ -104,22 +116,37 @@ def _check_layout(family: Family, entries: list[Entry], model: dict) -> None:
                              f"{sorted(paths - set(model))}, only in the model {sorted(set(model) - paths)}")
 
 
-def _read_finite(reader: CheckpointReader, name: str, dtype: np.dtype, allow_nonfinite: bool) -> np.ndarray:
-    """Tensor `name` as `dtype`; InvalidCheckpoint counting its NaN and infinite values unless they are allowed."""
-    stored = reader.read(name)
+def _finite(stored: np.ndarray, dtype: np.dtype, file, name: str, allow_nonfinite: bool) -> np.ndarray:
+    """`stored` as `dtype`; InvalidCheckpoint counting its NaN and infinite values unless they are allowed."""
     with np.errstate(over="ignore"):  # F64 beyond float32's range becomes inf, reported below
         array = stored.astype(dtype, copy=False)
     if allow_nonfinite or np.isfinite(array).all():
         return array
     nan, bad = int(np.count_nonzero(np.isnan(array))), int(np.count_nonzero(~np.isfinite(array)))
     cause = f" once converted to {dtype.name} (too large for it)" if np.isfinite(stored).all() else ""
-    raise InvalidCheckpoint(reader.files[name], name, f"{bad:,} of {array.size:,} values are not finite ({nan:,} "
+    raise InvalidCheckpoint(file, name, f"{bad:,} of {array.size:,} values are not finite ({nan:,} "
                             f"NaN, {bad - nan:,} infinite){cause}; {NONFINITE_HINT}")
 
 
+def _read_finite(reader: CheckpointReader, name: str, dtype: np.dtype, allow_nonfinite: bool) -> np.ndarray:
+    """Tensor `name` as `dtype`, checked by `_finite`."""
+    return _finite(reader.read(name), dtype, reader.files[name], name, allow_nonfinite)
+
+
+def _read_packed(entry: Entry, stored, reader, dtype, allow_nonfinite) -> np.ndarray:
+    """A packed entry's raw tensors, dequantized by its codec, as `dtype`; non-finite values (e.g. from scale
+    bytes 254 and 255) are reported for its tensors together."""
+    names = [stored[name] for name in entry.names]
+    value = entry.codec.to_jax([reader.read(name) for name in names])
+    return _finite(value, dtype, reader.files[names[0]], " and ".join(names) + " (dequantized)", allow_nonfinite)
+
+
 def _load_entry(entry: Entry, stored, reader, dtype, expected: jax.ShapeDtypeStruct, allow_nonfinite) -> jax.Array:
-    arrays = [_read_finite(reader, stored[name], dtype, allow_nonfinite) for name in entry.names]
-    value = np.ascontiguousarray(entry.codec.to_jax(arrays))
+    if entry.packed:
+        value = np.ascontiguousarray(_read_packed(entry, stored, reader, dtype, allow_nonfinite))
+    else:
+        arrays = [_read_finite(reader, stored[name], dtype, allow_nonfinite) for name in entry.names]
+        value = np.ascontiguousarray(entry.codec.to_jax(arrays))
     if value.shape != expected.shape:  # the layout and the model disagree: a bug here, not in the file
         raise AssertionError(f"{'/'.join(entry.path)}: layout gives {value.shape}, model wants {expected.shape}")
     return jnp.asarray(value)

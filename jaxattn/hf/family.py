@@ -242,6 +242,9 @@ class Family:
         part of the model (DeepSeek-V3's multi-token prediction).
       reads_experts: `read` turns the family's mixture-of-experts layers into `ModelConfig.moe`
         and `dense_layers` (and `layout` holds their tensors); False: they are refused.
+      quantized: the `quantization_config.quant_method`s whose checkpoints the family reads
+        (its layout holds the packed forms as `Entry.packed` alternatives, e.g. "mxfp4");
+        any other quantization_config is refused (`jaxattn.hf.architectures`).
     """
 
     model_type: str
@@ -258,3 +261,4 @@ class Family:
     experts: Callable[[Fields], tuple[str, int, list[int]]] | None = None
     extra_layers: Callable[[Fields], int] = lambda hf: 0
     reads_experts: bool = False
+    quantized: tuple[str, ...] = ()

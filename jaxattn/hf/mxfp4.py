@@ -10,13 +10,17 @@ equal to `transformers.integrations.mxfp4.convert_moe_packed_tensors` in
 float32 (tests/test_hf_gpt_oss.py), which is exact: every value is an FP4
 number times a power of two.
 
-Loading such a checkpoint is not wired in: `jaxattn.hf.architectures` refuses
-any `quantization_config`, and the loader reads only floating-point tensors.
+`packed(path, name, E, d_in, d_out)` is the layout entry of such a
+projection (`jaxattn.hf.weights.Entry.packed`), an alternative of the float
+entry (GPT-OSS's `jaxattn.hf.families.gpt_oss`): loading dequantizes it (float32, then the model's dtype). It is
+read-only: `CODEC.to_hf` raises, and export writes the float form.
 """
 
 from __future__ import annotations
 
 import numpy as np
+
+from jaxattn.hf.weights import Codec, Entry
 
 # The 16 FP4 e2m1 codes: sign bit 3, then 2 exponent bits and 1 mantissa bit.
 FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
@@ -48,3 +52,22 @@ def dequantize(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
     with np.errstate(over="ignore"):
         out = np.ldexp(values, exponents).astype(np.float32, copy=False)
     return np.ascontiguousarray(out.reshape(E, rows, groups * 2 * BLOCK_BYTES).transpose(0, 2, 1))
+
+
+def _no_export(array: np.ndarray) -> list[np.ndarray]:
+    raise NotImplementedError("MXFP4 tensors are only read; export writes the float projection")
+
+
+# `[blocks, scales]` -> the float32 `[E, in, out]` projection; read-only.
+CODEC = Codec(lambda t: dequantize(t[0], t[1]), _no_export)
+
+
+def packed(path: tuple[str, ...], name: str, experts: int, d_in: int, d_out: int) -> tuple[Entry, ...]:
+    """The MXFP4 form of expert projection `name` (`[E, d_in, d_out]` as floats), as `Entry.alternatives`:
+    `name_blocks` `[E, d_out, d_in / 32, 16]` and `name_scales` `[E, d_out, d_in / 32]`, both uint8;
+    none when `d_in` is not a multiple of 32 (no MXFP4 form exists)."""
+    if d_in % (2 * BLOCK_BYTES):
+        return ()
+    groups = d_in // (2 * BLOCK_BYTES)
+    return (Entry(path, (f"{name}_blocks", f"{name}_scales"),
+                  ((experts, d_out, groups, BLOCK_BYTES), (experts, d_out, groups)), CODEC, packed=True),)

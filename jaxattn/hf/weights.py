@@ -106,6 +106,10 @@ class Entry:
       alternatives: other forms a checkpoint may store the parameter in (same path; e.g. experts
         fused into one tensor rather than one per expert): loading takes the first form whose
         tensors are all stored (`jaxattn.hf.layouts.stored_form`); exporting writes this one.
+      packed: the tensors are quantized codes and scales (U8, e.g. MXFP4's `*_blocks`, `*_scales`),
+        read raw and given to `codec.to_jax` uncast, which returns floats (then cast to the
+        model's dtype and checked for non-finite values). Only an alternative is packed: its
+        codec's `to_hf` is never called (export writes the entry's float form).
     """
 
     path: tuple[str, ...]
@@ -114,6 +118,7 @@ class Entry:
     codec: Codec = SAME
     zero_fill: bool = False
     alternatives: tuple["Entry", ...] = ()
+    packed: bool = False
 
 
 def linear(path: tuple[str, ...], name: str, d_in: int, d_out: int, *, bias: bool,

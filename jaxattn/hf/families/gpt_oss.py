@@ -22,9 +22,15 @@ As transformers 5.23 computes it (`models/gpt_oss`):
 Tensors are stored as transformers holds them (`mlp.router.weight [E, D]`,
 `mlp.router.bias`, `mlp.experts.gate_up_proj`, `gate_up_proj_bias`, `down_proj`,
 `down_proj_bias`): the layout of save_pretrained and of the hub's bfloat16 copies.
-The hub's MXFP4 originals (`*_blocks`, `*_scales` uint8, `quantization_config.quant_method`
-"mxfp4") are refused with any `quantization_config` (`jaxattn.hf.architectures`);
-`jaxattn.hf.mxfp4.dequantize` turns such tensors into this layout, not yet wired into loading.
+The hub's MXFP4 originals (openai/gpt-oss-20b, -120b: `quantization_config.quant_method`
+"mxfp4") load too: each expert projection is then `{name}_blocks` uint8 `[E, out, in / 32, 16]`
+and `{name}_scales` uint8 `[E, out, in / 32]` (`gate_up_proj_*` with in = D, out = 2F;
+`down_proj_*` with in = F, out = D), the layout's packed alternative (`jaxattn.hf.mxfp4.packed`),
+dequantized as transformers does (exactly, to float32, then the model's dtype); every other
+tensor, the expert biases included, is a float as above. A layer whose experts the config's
+`modules_to_not_convert` leaves unquantized stores the float form, read as above. Only the
+experts are ever packed (transformers quantizes nothing else). Export writes the float form
+(`gate_up_proj`, `down_proj` in the params' dtype), never MXFP4.
 
 `router_aux_loss_coef` is a training setting transformers applies only with
 `output_router_logits`; it becomes `MoEConfig.aux_loss_coef` then, 0 otherwise.
@@ -35,6 +41,7 @@ from __future__ import annotations
 from typing import Any
 
 from jaxattn.config import ModelConfig
+from jaxattn.hf import mxfp4
 from jaxattn.hf import weights as w
 from jaxattn.hf.families import common, moe
 from jaxattn.hf.family import ANY, Biases, Family, Problem, Switch, features, layers
@@ -110,14 +117,18 @@ def refusal(c: ModelConfig) -> list[Problem]:
 
 
 def experts(c: ModelConfig, i: int) -> list[Entry]:
-    """Layer i's router and experts, stored as transformers holds them (the router's weight `[E, D]`)."""
+    """Layer i's router and experts, stored as transformers holds them (the router's weight `[E, D]`),
+    the expert projections also in MXFP4 (read only)."""
     E, D, F = c.moe.num_experts, c.d_model, c.moe.expert_hidden
     p, h = (f"blocks_{i}", "mlp"), f"model.layers.{i}.mlp"
+    gate_up, down = p + ("experts_gate_up",), p + ("experts_down",)
     return [Entry(p + ("router_kernel",), (f"{h}.router.weight",), ((E, D),), w.LINEAR),
             Entry(p + ("router_bias",), (f"{h}.router.bias",), ((E,),)),
-            Entry(p + ("experts_gate_up",), (f"{h}.experts.gate_up_proj",), ((E, D, 2 * F),)),
+            Entry(gate_up, (f"{h}.experts.gate_up_proj",), ((E, D, 2 * F),),
+                  alternatives=mxfp4.packed(gate_up, f"{h}.experts.gate_up_proj", E, D, 2 * F)),
             Entry(p + ("experts_gate_up_bias",), (f"{h}.experts.gate_up_proj_bias",), ((E, 2 * F),)),
-            Entry(p + ("experts_down",), (f"{h}.experts.down_proj",), ((E, F, D),)),
+            Entry(down, (f"{h}.experts.down_proj",), ((E, F, D),),
+                  alternatives=mxfp4.packed(down, f"{h}.experts.down_proj", E, F, D)),
             Entry(p + ("experts_down_bias",), (f"{h}.experts.down_proj_bias",), ((E, D),))]
 
 
@@ -132,4 +143,4 @@ def layout(c: ModelConfig) -> list[Entry]:
     return common.decoder_layout(c, BIASES, block, embed="model.embed_tokens.weight", final="model.norm")
 
 
-FAMILY = Family("gpt_oss", ARCH, read, write, refusal, layout, BIASES, reads_experts=True)
+FAMILY = Family("gpt_oss", ARCH, read, write, refusal, layout, BIASES, reads_experts=True, quantized=("mxfp4",))
