@@ -8,9 +8,9 @@ initialises them), saved with `save_pretrained`, loaded with
 <= 1e-4) on sequences (24 tokens) longer than the local windows (6). A
 negative control per feature (switched off or set wrong) must fail that
 tolerance; cached greedy generation must give transformers' tokens; exports
-load in `AutoModelForCausalLM` as the same model. Attention sinks, whose only
-transformers model (GPT-OSS) is mixture-of-experts and refused, are checked
-against GPT-OSS's attention function on its own.
+load in `AutoModelForCausalLM` as the same model. Attention sinks are also
+checked against GPT-OSS's attention function on its own (the whole GPT-OSS
+model: tests/test_hf_gpt_oss.py).
 """
 
 from __future__ import annotations

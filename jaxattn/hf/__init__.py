@@ -18,8 +18,12 @@ Supported, both ways (load and export), with the transformers 5.23 classes
 | Mistral | `MistralForCausalLM` | Llama + one `sliding_window` for every layer |
 | Qwen2 / Qwen2.5 | `Qwen2ForCausalLM` | Llama + q/k/v biases, sliding windows on the layers `layer_types` names |
 | Qwen3 | `Qwen3ForCausalLM` | Qwen2's windows + per-head q/k RMSNorm (`qk_norm="head"`) |
-| DeepSeek-V2 | `DeepseekV2ForCausalLM` | MLA (with or without `q_lora_rank`), YaRN with mscale, dense MLPs |
-| DeepSeek-V3 | `DeepseekV3ForCausalLM` | the same, RoPE interleaved or half-split |
+| DeepSeek-V2 | `DeepseekV2ForCausalLM` | MLA (with or without `q_lora_rank`), YaRN with mscale; routed experts (greedy or group-limited softmax router, scaling factor) and shared experts, dense first layers |
+| DeepSeek-V3 | `DeepseekV3ForCausalLM` | the same, RoPE interleaved or half-split; sigmoid router with the correction bias, group-limited, normalised |
+| Qwen2-MoE | `Qwen2MoeForCausalLM` | Qwen2 + routed experts, a sigmoid-gated shared expert, `mlp_only_layers` / `decoder_sparse_step` |
+| Qwen3-MoE | `Qwen3MoeForCausalLM` | Qwen3 + routed experts (normalised or not), dense layers as Qwen2-MoE |
+| Mixtral | `MixtralForCausalLM` | Mistral + routed experts in every layer, renormalised top-k |
+| GPT-OSS | `GptOssForCausalLM` | attention sinks, q/k/v/o biases, alternating sliding/full layers, YaRN; biased router, softmax over the top k, clamped SwiGLU experts with biases; MXFP4 experts read (dequantized) |
 | GPT-NeoX, Pythia | `GPTNeoXForCausalLM` | RoPE on `rotary_pct` of a head, LayerNorm, GELU MLP, parallel residual |
 | Gemma 2 | `Gemma2ForCausalLM` | sandwich (1 + w) RMSNorms, sqrt(D) embeddings, soft-caps, local/global layers (*) |
 | Gemma 3 (text) | `Gemma3ForCausalLM` | Gemma 2 + per-head q/k norm, 5 local layers per global, a RoPE per kind (*) |
@@ -30,13 +34,15 @@ Supported, both ways (load and export), with the transformers 5.23 classes
 (*) Gemma: a softmax scale `query_pre_attn_scalar ** -0.5`, a gated tanh-GELU MLP, the final-logit
 soft-cap; Gemma 2 also caps attention logits (Gemma 3's transformers class ignores that key).
 
-Not supported (`UnsupportedCheckpoint`): mixture-of-experts layers (the
-message names "mixture-of-experts" and the key: DeepSeek's `n_routed_experts`,
-Qwen-MoE's `num_experts`, Mixtral's and GPT-OSS's `num_local_experts`),
-dynamic or longrope RoPE, a partial rotary fraction of an odd number of dims
+Mixture-of-experts layers load as `ModelConfig.moe` (`jaxattn.MoEConfig`) and
+`dense_layers`, from the hub's per-expert tensors or transformers' fused ones;
+export writes the per-expert layout (GPT-OSS: its fused one). Not supported
+(`UnsupportedCheckpoint`): routers transformers does not compute (e.g. DeepSeek-V2's
+`topk_method="noaux_tc"`), experts in a family without them (the message names
+"mixture-of-experts" and the key), dynamic or longrope RoPE, a partial rotary fraction of an odd number of dims
 (or in a family that rotates whole heads), GPT-2's per-layer attention scaling,
 bidirectional Gemma, quantized checkpoints (`quantization_config`, FP8 and
-smaller float tensors), and every other architecture.
+smaller float tensors; GPT-OSS's MXFP4 experts aside), and every other architecture.
 
 Errors: every failure to read a checkpoint is an `HFCheckpointError` (a
 ValueError): `UnsupportedCheckpoint` for what jaxattn does not implement,

@@ -25,6 +25,7 @@ reads, checked in tests/test_hf*.py by loading it with
 | NoPE layers, or no positions at all, or windows with biases | SmolLM3 |
 | post-norm, full-width qk norm | OLMo 2 |
 | sandwich (1 + w) RMSNorms, sqrt(D) embeddings, integral query_pre_attn_scalar | Gemma 2, Gemma 3 (qk norm) |
+| attention sinks, routed experts with a biased router, softmax over the top k, clamped experts | GPT-OSS |
 
 Interleaved RoPE exports to the half-split families by renaming head dims
 (`jaxattn.hf.weights.half_split_columns`).
