@@ -157,7 +157,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models.split(","):
             rows += measure(name, MODELS[name], args, Path(tmp) / name)
-    write_results(RESULTS, "decode_moe", dict(meta=dict(machine=describe_machine(), args=vars(args)), rows=rows),
+    recorded = dict(vars(args), hf_python="this interpreter" if args.hf_python == sys.executable else
+                    Path(args.hf_python).name)  # no machine path in the results
+    write_results(RESULTS, "decode_moe", dict(meta=dict(machine=describe_machine(), args=recorded), rows=rows),
                   report(rows, args))
 
 
