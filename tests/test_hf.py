@@ -22,8 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
-import transformers
+torch = pytest.importorskip("torch")  # the test extra (make test installs it)
+transformers = pytest.importorskip("transformers")
 from flax.traverse_util import flatten_dict, unflatten_dict
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file

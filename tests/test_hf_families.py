@@ -25,8 +25,8 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
-import transformers
+torch = pytest.importorskip("torch")  # the test extra (make test installs it)
+transformers = pytest.importorskip("transformers")
 from flax.traverse_util import flatten_dict, unflatten_dict
 from test_hf import (HEADS, NO_TOKENS, TOL, VOCAB, D, check_export, check_greedy_generation, check_logits, checkpoints, spoiled_difference,
                      max_diff, random_params, randomize_, small)

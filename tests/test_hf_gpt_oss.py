@@ -21,8 +21,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
-import transformers
+torch = pytest.importorskip("torch")  # the test extra (make test installs it)
+transformers = pytest.importorskip("transformers")
 from safetensors.numpy import load_file, save_file
 from test_hf import (NO_TOKENS, TOL, check_export, check_greedy_generation, check_logits, checkpoints, jax_logits,
                      max_diff, small, spoiled_difference, tokens, torch_logits)

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
-import transformers
+torch = pytest.importorskip("torch")  # the test extra (make test installs it)
+transformers = pytest.importorskip("transformers")
 from flax.traverse_util import flatten_dict, unflatten_dict
 from safetensors.numpy import load_file, save_file
 from test_hf import (HEADS, MLA, NO_TOKENS, TOL, VOCAB, D, check_export, check_greedy_generation, check_logits,
