@@ -255,6 +255,11 @@ class ModelConfig:
         """Whether layer i's MLP is a mixture of experts (`moe` set and i not in `dense_layers`)."""
         return self.moe is not None and i not in self.dense_layers
 
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        """The layers whose MLP is a mixture of experts (empty: a dense model)."""
+        return tuple(i for i in range(self.num_layers) if self.layer_is_moe(i))
+
     def layer_attention(self, i: int) -> AttentionSpec:
         """Layer i's attention: the model's settings with `layer_pattern[i % len]` applied."""
         if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.num_layers:

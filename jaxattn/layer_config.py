@@ -195,8 +195,7 @@ class MoEConfig:
 
     def _check_types(self) -> None:
         for name in ("num_experts", "experts_per_token", "expert_hidden", "n_group", "topk_group"):
-            if not _is_int(getattr(self, name)) or getattr(self, name) <= 0:
-                raise _bad(name, "a positive integer", getattr(self, name))
+            require_field_positive_int("MoEConfig", name, getattr(self, name))
         for name in ("num_shared_experts", "shared_expert_hidden"):
             if not _is_int(getattr(self, name)) or getattr(self, name) < 0:
                 raise _bad(name, "a non-negative integer", getattr(self, name))
@@ -207,12 +206,12 @@ class MoEConfig:
         for name in ("softmax_after_topk", "correction_bias", "norm_topk_prob", "router_bias", "shared_gate"):
             if not isinstance(getattr(self, name), bool):
                 raise _bad(name, "True or False", getattr(self, name))
-        for name, low in (("routed_scaling_factor", 0.0), ("gptoss_limit", 0.0), ("gptoss_alpha", 0.0),
-                          ("aux_loss_coef", None), ("z_loss_coef", None)):
+        for name in ("routed_scaling_factor", "gptoss_limit", "gptoss_alpha"):
+            require_field_positive_number("MoEConfig", name, getattr(self, name), none_ok=False)
+        for name in ("aux_loss_coef", "z_loss_coef"):
             value = getattr(self, name)
-            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-            if not ok or (value <= low if low is not None else value < 0):
-                raise _bad(name, "a finite number " + ("> 0" if low is not None else ">= 0"), value)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise _bad(name, "a finite number >= 0", value)
 
     @property
     def shared_hidden(self) -> int:

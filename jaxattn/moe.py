@@ -274,8 +274,7 @@ def active_params(config: ModelConfig) -> int:
         return total
     F, D = m.expert_hidden, config.d_model
     per_expert = 3 * D * F + (2 * F + D if m.activation == "gptoss" else 0)
-    moe_layers = sum(config.layer_is_moe(i) for i in range(config.num_layers))
-    return total - moe_layers * (m.num_experts - m.experts_per_token) * per_expert
+    return total - len(config.moe_layers) * (m.num_experts - m.experts_per_token) * per_expert
 
 
 __all__ = ["IMPLEMENTATIONS", "LOSSES", "MoE", "MoEConfig", "ExpertWeights", "RouterWeights", "active_params",

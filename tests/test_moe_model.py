@@ -39,6 +39,7 @@ def params_for(c: ModelConfig, seed=0):
 def test_which_layers_are_moe_and_the_checks():
     c = config(num_layers=4, dense_layers=[0, 2])
     assert c.dense_layers == (0, 2) and [c.layer_is_moe(i) for i in range(4)] == [False, True, False, True]
+    assert c.moe_layers == (1, 3) and ModelConfig().moe_layers == ()
     assert ModelConfig.from_dict(c.to_dict()) == c
     assert not any(ModelConfig().layer_is_moe(i) for i in range(4))
     for bad in [(4,), (1, 0), (0, 0), (True,)]:

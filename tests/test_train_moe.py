@@ -17,7 +17,7 @@ from jaxattn.moe import LOSS_NAMES, LOSSES, active_params, moe_losses
 from train import runtime as runtime_lib
 from train.config import ExperimentConfig, RuntimeConfig, TrainConfig, load_config
 from train.metrics import MetricsLog, describe_params
-from train.steps import build_programs, cross_entropy, has_moe
+from train.steps import build_programs, cross_entropy
 
 EXPERTS = MoEConfig(num_experts=4, experts_per_token=2, expert_hidden=16, aux_loss_coef=0.5, z_loss_coef=0.25)
 
@@ -43,7 +43,7 @@ def windows(n: int, config: ExperimentConfig) -> np.ndarray:
 def test_a_step_trains_on_cross_entropy_plus_the_layers_mean_aux_loss():
     config = experiment()
     programs, runtime = programs_for(config)
-    assert runtime.kernels.moe == "auto_cpu" and has_moe(config.model)
+    assert runtime.kernels.moe == "auto_cpu" and bool(config.model.moe_layers)
     state = programs.init(0)
     params = jax.tree.map(np.asarray, state["params"])
     data = windows(3, config)
@@ -78,8 +78,8 @@ def test_evaluation_is_the_plain_cross_entropy_and_dense_models_return_two_outpu
     dense = experiment(moe=None)
     programs, _ = programs_for(dense)
     _, outputs = programs.train_steps(programs.init(0), jnp.asarray(windows(2, dense)))
-    assert not has_moe(dense.model) and len(outputs) == 2
-    assert not has_moe(experiment(num_layers=1, dense_layers=(0,)).model)  # moe set, every layer dense
+    assert not dense.model.moe_layers and len(outputs) == 2
+    assert not experiment(num_layers=1, dense_layers=(0,)).model.moe_layers  # moe set, every layer dense
 
 
 def test_the_log_averages_the_layer_losses_per_interval_and_a_checkpoint_keeps_the_interval(tmp_path):

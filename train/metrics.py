@@ -178,7 +178,6 @@ def describe_params(model, params) -> str:
     (`jaxattn.moe.active_params`; `model` a `ModelConfig`, `params` its parameters)."""
     from jaxattn.model import count_params
     from jaxattn.moe import active_params
-    from train.steps import has_moe
     total = count_params(params)
     return f"parameters: {total:,}" + (f" ({active_params(model):,} active: those one token touches)"
-                                       if has_moe(model) else "")
+                                       if model.moe_layers else "")

@@ -48,11 +48,6 @@ def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
     return token_losses(logits, targets).mean()
 
 
-def has_moe(model) -> bool:
-    """Whether a `ModelConfig` has a mixture-of-experts layer (its training loss adds their aux_loss)."""
-    return any(model.layer_is_moe(i) for i in range(model.num_layers))
-
-
 @dataclasses.dataclass(frozen=True)
 class StateLayout:
     """Where the train state {'params', 'opt_state', 'step', 'rng'} and the batches live on the mesh.
@@ -102,7 +97,7 @@ class Programs:
     Attributes:
       init: (seed) -> state {'params', 'opt_state', 'step', 'rng'}, laid out on the mesh.
       train_steps: (state, windows [n, B, T + 1] int32) -> (state, (losses, lrs) [n] each): one
-        optimizer step per batch of the chunk. With MoE layers (`has_moe`) the losses include
+        optimizer step per batch of the chunk. With MoE layers (`ModelConfig.moe_layers`) the losses include
         their aux_loss, and a third output follows: `{name: [n]}` for each of
         `jaxattn.moe.LOSS_NAMES`, the step's mean over the MoE layers.
       evaluate: (params, windows [n, R, T + 1] int32, weights [n, R, T] float32) -> [n] float32, the
@@ -129,7 +124,7 @@ class Programs:
 def build_programs(config: ExperimentConfig, runtime: Runtime) -> Programs:
     model, tc = DecoderLM(config.model, runtime.kernels), config.train
     optimizer, schedule = make_optimizer(tc, sharding.logical_names(config.model)), lr_schedule(tc)
-    dropout, moe = config.model.dropout > 0, has_moe(config.model)
+    dropout, moe = config.model.dropout > 0, bool(config.model.moe_layers)
     B, T = tc.batch_size, tc.block_size
     eval_rows = B * max(1, 256 // B)
 

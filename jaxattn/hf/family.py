@@ -91,6 +91,26 @@ CONVERTED = ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads",
              "dense_layers")  # dense_layers: without moe always empty; a family with moe checks it
 
 
+def describe_need(field: str, need: Any) -> str:
+    """How a problem names what a family computes: "field=value", "field='a' or 'b'", or a `Need`'s text."""
+    if not isinstance(need, Need):
+        return f"{field}={need!r}"
+    return f"{field}={need.text}" if need.of_field else need.text
+
+
+def unmet(c: ModelConfig, architecture: str, wanted: dict[str, Any], value_of: Callable[[str], Any], *,
+          prefix: str = "", major: frozenset[str] = frozenset()) -> list[Problem]:
+    """A `Problem` (field `prefix + field`) for each field whose value `value_of(field)` fails its need in
+    `wanted`: a value (equality) or a `Need` (tested with the value and `c`); `major`: mismatches of kind."""
+    problems = []
+    for field, need in wanted.items():
+        value = value_of(field)
+        if not (need.test(value, c) if isinstance(need, Need) else value == need):
+            problems.append(Problem(prefix + field, value, f"{architecture} computes {describe_need(field, need)}",
+                                    field in major))
+    return problems
+
+
 def features(c: ModelConfig, architecture: str, **needs) -> list[Problem]:
     """Problems of every `FEATURES` field whose value `architecture` does not compute.
 
@@ -99,15 +119,9 @@ def features(c: ModelConfig, architecture: str, **needs) -> list[Problem]:
     unknown = set(needs) - set(FEATURES)
     if unknown:
         raise AssertionError(f"{architecture}: no such feature {sorted(unknown)}")
-    problems = []
-    for field, (plain, major) in FEATURES.items():
-        need, value = needs.get(field, plain), getattr(c, field)
-        ok = need.test(value, c) if isinstance(need, Need) else value == need
-        if not ok:
-            text = f"{field}={need!r}" if not isinstance(need, Need) else \
-                f"{field}={need.text}" if need.of_field else need.text
-            problems.append(Problem(field, value, f"{architecture} computes {text}", major))
-    return problems
+    wanted = {field: needs.get(field, plain) for field, (plain, _) in FEATURES.items()}
+    return unmet(c, architecture, wanted, lambda field: getattr(c, field),
+                 major=frozenset(field for field, (_, major) in FEATURES.items() if major))
 
 
 def specs(c: ModelConfig) -> list[AttentionSpec]:

@@ -29,7 +29,7 @@ from typing import Any, Callable, Sequence
 from jaxattn.config import ModelConfig
 from jaxattn.hf import weights as w
 from jaxattn.hf.families import common
-from jaxattn.hf.family import ANY, Need, Problem
+from jaxattn.hf.family import ANY, Need, Problem, unmet
 from jaxattn.hf.fields import Fields
 from jaxattn.hf.weights import Entry
 from jaxattn.layer_config import MoEConfig
@@ -89,12 +89,6 @@ def refuse_ignored(hf: Fields, architecture: str, key: str, computed: Any) -> No
 # ---------------------------------------------------------------- refusing and writing
 
 
-def _text(field: str, need: Any) -> str:
-    if not isinstance(need, Need):
-        return f"{field}={need!r}"
-    return f"{field}={need.text}" if need.of_field else need.text
-
-
 def problems(c: ModelConfig, architecture: str, **needs) -> list[Problem]:
     """Problems (fields `moe.<field>`) of the `MoEConfig` fields `architecture` does not compute.
 
@@ -107,11 +101,7 @@ def problems(c: ModelConfig, architecture: str, **needs) -> list[Problem]:
     unknown = set(needs) - set(PLAIN)
     if unknown:
         raise AssertionError(f"{architecture}: no such MoEConfig need {sorted(unknown)}")
-    found = []
-    for field, need in {**PLAIN, **needs}.items():
-        value = getattr(c.moe, field)
-        if not (need.test(value, c) if isinstance(need, Need) else value == need):
-            found.append(Problem(f"moe.{field}", value, f"{architecture} computes {_text(field, need)}"))
+    found = unmet(c, architecture, {**PLAIN, **needs}, lambda field: getattr(c.moe, field), prefix="moe.")
     if c.moe.activation == "swiglu" and c.mlp != "swiglu":
         found.append(Problem("mlp", c.mlp, f"{architecture}'s experts share the dense MLPs' activation (SwiGLU "
                              "experts: mlp='swiglu')", major=True))
