@@ -15,7 +15,7 @@ ifneq ($(wildcard $(SHARED_DATA)),)
 export JAXATTN_SHAKESPEARE ?= $(SHARED_DATA)
 endif
 
-.PHONY: setup test train bench sample clean chromium
+.PHONY: setup test test-fast train bench sample clean chromium
 
 setup: $(STAMP)
 
@@ -29,8 +29,13 @@ $(TEST_STAMP): $(STAMP)
 	$(PY) -m pip install --quiet -e '.[dev,test]'
 	touch $(TEST_STAMP)
 
+# The whole suite (what CI runs).
 test: $(TEST_STAMP) chromium
 	$(PY) -m pytest -n 2 tests
+
+# Everything but the tests marked `slow` (end-to-end runs in a fresh process).
+test-fast: $(TEST_STAMP)
+	$(PY) -m pytest -n 2 -m "not slow" tests
 
 # The browser tests (tests/test_viewer_browser.py) drive Debian's chromium through Playwright
 # (tests/browser.py). Installed here when it is missing and the machine allows (root and apt-get);

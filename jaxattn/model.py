@@ -11,7 +11,8 @@ to a `DecodeCache` (prefill and one-token decode steps) and returns the new
 cache; the cache goes in and comes out, the module keeps no state.
 `DecoderLM(config, kernels)`: the config is the maths, the optional
 `jaxattn.kernels.Kernels` says which implementations run it.
-`attention_weights(model, variables, tokens)` returns the logits and every
+`abstract_params(config)` is its parameter tree as shapes and dtypes, with each
+leaf's logical axis names (nothing allocated). `attention_weights(model, variables, tokens)` returns the logits and every
 layer's attention weights (sown by the layers into "intermediates"). A layer's
 MLP is dense or, where `ModelConfig.layer_is_moe`, a mixture of experts
 (`jaxattn.moe.MoE`), whose training losses are sown into `jaxattn.moe.LOSSES`.
@@ -19,6 +20,7 @@ MLP is dense or, where `ModelConfig.layer_is_moe`, a mixture of experts
 
 from __future__ import annotations
 
+import functools
 import re
 
 import flax.linen as nn
@@ -327,6 +329,15 @@ class DecoderLM(nn.Module):
                              f"tokens {tokens.shape}")
         if tokens.shape[1] > cache.max_len:
             raise ValueError(f"{tokens.shape[1]} tokens do not fit a cache of max_len={cache.max_len}")
+
+
+@functools.lru_cache(maxsize=64)
+def abstract_params(config: ModelConfig):
+    """`DecoderLM(config)`'s "params" tree without allocating it: each leaf an
+    `nn.LogicallyPartitioned` box (its logical axis names) around a `jax.ShapeDtypeStruct`;
+    `nn.unbox` gives the bare shapes. Traces `init` once per config (cached; the tree is immutable)."""
+    init = lambda: DecoderLM(config).init(jax.random.PRNGKey(0), jnp.zeros((1, 1), jnp.int32))  # noqa: E731
+    return jax.eval_shape(init)["params"]
 
 
 def attention_weights(model: nn.Module, variables, tokens, **kwargs):

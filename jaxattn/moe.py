@@ -266,9 +266,8 @@ def moe_losses(state: dict) -> dict[str, jax.Array]:
 def active_params(config: ModelConfig) -> int:
     """How many of `DecoderLM(config)`'s parameters touch one token: all but the (E - K) routed
     experts each MoE layer does not send it to."""
-    from jaxattn.model import count_params, DecoderLM
-    shapes = jax.eval_shape(lambda: DecoderLM(config).init(jax.random.PRNGKey(0), jnp.zeros((1, 1), jnp.int32)))
-    total = count_params(nn.unbox(shapes["params"]))
+    from jaxattn.model import abstract_params, count_params
+    total = count_params(nn.unbox(abstract_params(config)))
     m = config.moe
     if m is None:
         return total

@@ -34,13 +34,12 @@ from typing import Any
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxattn.cache import DecodeCache, KVCache
 from jaxattn.config import ModelConfig
-from jaxattn.model import DecoderLM
+from jaxattn.model import abstract_params
 
 MESH_AXES = ("data", "fsdp", "tensor")
 
@@ -202,9 +201,9 @@ def _is_spec(x) -> bool:
 
 def logical_names(config: ModelConfig) -> Any:
     """The params tree of `DecoderLM(config)` with each leaf its logical axis names (nothing allocated)."""
-    boxed = jax.eval_shape(lambda: DecoderLM(config).init(jax.random.PRNGKey(0), jnp.zeros((1, 1), jnp.int32)))
     is_box = lambda x: isinstance(x, nn.LogicallyPartitioned)  # noqa: E731
-    return jax.tree.map(lambda box: (tuple(box.names), tuple(box.value.shape)), boxed["params"], is_leaf=is_box)
+    return jax.tree.map(lambda box: (tuple(box.names), tuple(box.value.shape)), abstract_params(config),
+                        is_leaf=is_box)
 
 
 @functools.lru_cache(maxsize=32)

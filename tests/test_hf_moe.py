@@ -27,7 +27,7 @@ from test_hf import (HEADS, MLA, NO_TOKENS, TOL, VOCAB, D, check_export, check_g
 
 import jaxattn
 from jaxattn import hf
-from jaxattn.hf.checkpoint import abstract_params
+from jaxattn.hf.checkpoint import flat_abstract_params
 
 transformers.logging.set_verbosity_error()
 
@@ -113,7 +113,7 @@ def switched(loaded, **changes) -> float:
     (parameters the changed config has no place for left out)."""
     config = loaded.config.replace(moe=loaded.config.moe.replace(**changes))
     flat = flatten_dict(loaded.params)
-    params = unflatten_dict({path: flat[path] for path in abstract_params(config)})
+    params = unflatten_dict({path: flat[path] for path in flat_abstract_params(config)})
     return max_diff(jax_logits(config, params, tokens()), loaded.logits)
 
 

@@ -33,7 +33,7 @@ from jax.experimental import multihost_utils
 from orbax.checkpoint.checkpoint_managers import LatestN
 
 from jaxattn.config import ModelConfig
-from jaxattn.model import DecoderLM
+from jaxattn.model import abstract_params
 from train.config import ExperimentConfig
 from train.shards import tokenizer_hash
 from train.tokenizer import JSON_KINDS, Tokenizer, from_dict as tokenizer_from_dict
@@ -360,8 +360,7 @@ def _check_finite(params, where: Path) -> None:
 
 def _check_params_match(params, config: ModelConfig) -> None:
     """CheckpointError unless the arrays have the shapes `DecoderLM(config)` expects."""
-    expected = nn.unbox(jax.eval_shape(lambda: DecoderLM(config).init(jax.random.PRNGKey(0),
-                                                                      np.zeros((1, 1), np.int32))["params"]))
+    expected = nn.unbox(abstract_params(config))
     got = _shapes_by_path(params)
     want = _shapes_by_path(expected)
     if got != want:

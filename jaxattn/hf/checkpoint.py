@@ -28,8 +28,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax.traverse_util import flatten_dict, unflatten_dict
 
-from jaxattn import DecoderLM, fused_to_separate_qkv, separate_to_fused_qkv
+from jaxattn import fused_to_separate_qkv, separate_to_fused_qkv
 from jaxattn.config import ModelConfig
+from jaxattn.model import abstract_params
 from jaxattn.hf.architectures import config_from_hf
 from jaxattn.hf.errors import InvalidCheckpoint, UnsupportedCheckpoint
 from jaxattn.hf.export import hf_config
@@ -52,10 +53,9 @@ MODEL_FILES = (SINGLE_FILE, "config.json", "generation_config.json")
 NONFINITE_HINT = "allow_nonfinite=True loads them anyway"  # the end of a non-finite tensor's message
 
 
-def abstract_params(config: ModelConfig) -> dict[tuple[str, ...], jax.ShapeDtypeStruct]:
+def flat_abstract_params(config: ModelConfig) -> dict[tuple[str, ...], jax.ShapeDtypeStruct]:
     """The flat `{path: shape/dtype}` of `DecoderLM(config)`'s parameters, without allocating them."""
-    init = lambda: DecoderLM(config).init(jax.random.PRNGKey(0), jnp.zeros((1, 1), jnp.int32))  # noqa: E731
-    return flatten_dict(nn.unbox(jax.eval_shape(init)["params"]))
+    return flatten_dict(nn.unbox(abstract_params(config)))
 
 
 def read_config_json(directory: Path) -> Fields:
@@ -166,7 +166,7 @@ def load_pretrained(path, dtype: str = "float32", *, allow_nonfinite: bool = Fal
     directory = Path(path)
     hf = read_config_json(directory)
     family, config = config_from_hf(hf, dtype)
-    entries, model = layout(family, config), abstract_params(config)
+    entries, model = layout(family, config), flat_abstract_params(config)
     _check_layout(family, entries, model)
     extra_layers = family.extra_layers(hf)
     np_dtype = jnp.dtype(dtype)
@@ -197,7 +197,7 @@ def _match_qkv(params: dict, config: ModelConfig, fused: bool) -> tuple[dict, Mo
 
 
 def _check_params(flat: dict, config: ModelConfig) -> None:
-    model = abstract_params(config)
+    model = flat_abstract_params(config)
     problems = [f"parameter {'/'.join(p)}: expected shape {model[p].shape}, found "
                 f"{flat[p].shape if p in flat else 'none'}" for p in model if p not in flat
                 or tuple(flat[p].shape) != model[p].shape]
