@@ -56,15 +56,3 @@ def test_code_cites_the_theory_guide_not_notes_users_do_not_have():
     cited = [p.relative_to(ROOT).as_posix() for p in python_modules("jaxattn", "train", "bench")
              if re.search(r"\bseed \d{3}\b|study notes", p.read_text())]
     assert cited == []
-
-
-def readme_python_blocks() -> list[str]:
-    return re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
-
-
-def test_the_readme_python_blocks_run_as_written():
-    blocks = readme_python_blocks()
-    assert len(blocks) >= 3
-    namespace = {}
-    for block in blocks:  # one namespace, in order: a later block may use what an earlier one made
-        exec(compile(block, "README.md", "exec"), namespace)

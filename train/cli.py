@@ -1,6 +1,6 @@
 """How every program ends: one line on stderr and a documented exit code, never a traceback.
 
-Exit codes (the README's "Nothing is silent"):
+Exit codes (docs/training.md, "Resuming, and what is never lost"):
 
 * 0: done.
 * 1: a runtime failure: a file that cannot be read or written, a damaged checkpoint, a

@@ -5,7 +5,7 @@ MoE: MHA with the mixture-of-experts MLPs of configs/shakespeare_char_baby_moe.t
 position scheme (learned, RoPE), then measures each trained model's cached decoding speed,
 KV-cache size, and total and active parameters (those one token touches: all of them for the
 dense kinds). Writes compare.md (table), compare.json and compare.png under --out (default runs/compare;
-`--out docs` refreshes the figures the README shows). Its training runs go to --runs, which
+`--out docs` refreshes the figures docs/training.md shows). Its training runs go to --runs, which
 it replaces on each invocation.
 Runs are sequential and the machine may be shared: compare speeds within one table only.
 """
@@ -90,7 +90,7 @@ def run_one(kind: str, positions: str, args, runtime: runtime_lib.Runtime) -> di
 
 def markdown(rows: list[dict], command: str) -> str:
     lines = [f"Command: `{command}` ({rows[0]['iters']} iters each, baby config, one run each, "
-             "measured sequentially on the shared 2-core CPU).", "",
+             "one after another, not in turns: compare speeds within one table only).", "",
              "| kind | positions | val loss | train tokens/s | ms/iter | decode tokens/s (batch 1) "
              "| KV-cache bytes/token | total params | active params |",
              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
@@ -104,7 +104,7 @@ def markdown(rows: list[dict], command: str) -> str:
 def build_parser() -> argparse.ArgumentParser:
     parser = ArgumentParser(prog=PROGRAM, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--iters", type=int, default=2000, help="training steps per run")
-    parser.add_argument("--out", default="runs/compare", help="where compare.{md,json,png} go (docs: the README's)")
+    parser.add_argument("--out", default="runs/compare", help="where compare.{md,json,png} go (docs: the guides')")
     parser.add_argument("--runs", default="runs/compare/runs", help="run directories, replaced on each invocation")
     parser.add_argument("--config", default=DEFAULT_CONFIG)
     parser.add_argument("--kinds", default=",".join(KINDS), help="subset of " + ",".join(KINDS))

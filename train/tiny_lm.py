@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--overwrite", action="store_true", help="replace the run already in out_dir")
     parser.add_argument("--loss-plot", help="where to write the loss curve PNG (default out_dir/loss.png)")
     parser.add_argument("--quiet", action="store_true")
-    mesh = parser.add_argument_group("devices and processes (README: Meshes and processes)")
+    mesh = parser.add_argument_group("devices and processes (docs/meshes.md)")
     mesh.add_argument("--mesh", help="= runtime.mesh, e.g. data:2,fsdp:2,tensor:2 (product = device count)")
     mesh.add_argument("--cpu-devices", type=int, metavar="N", help="= runtime.cpu_devices: N host devices on a CPU")
     mesh.add_argument("--coordinator", metavar="HOST:PORT", help="join a multi-process run (process 0 serves it)")
@@ -104,7 +104,7 @@ def run(argv: list[str] | None) -> RunResult:
 
 
 def final_line(result: RunResult) -> str:
-    """"final: val loss 1.7930 at iter 2000 | 16,616 tokens/s median (...) | compile ... | peak memory ..."."""
+    """"final: val loss <loss> at iter <n> | <speed> tokens/s median (...) | compile ... | peak memory ..."."""
     speed = ("speed not measured" if result.median_ms_per_iter is None else
              f"{result.median_tokens_per_s:,.0f} tokens/s median ({result.median_ms_per_iter:.1f} ms/iter, "
              f"excluding compile; {result.input_wait_s:.2f}s waiting for input)")
