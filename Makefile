@@ -8,8 +8,8 @@ STAMP  := $(VENV)/.installed
 # `make train` installs only `.[dev]`.
 TEST_STAMP := $(VENV)/.installed-test
 
-# A copy of Tiny Shakespeare in ../shared/data, when there is one, so that no
-# download is needed; without it the corpus is downloaded once and cached.
+# An optional local copy of Tiny Shakespeare: when ../shared/data/tinyshakespeare.txt exists,
+# the runs read it instead of downloading; without it the corpus is downloaded once and cached.
 SHARED_DATA := $(abspath ../shared/data/tinyshakespeare.txt)
 ifneq ($(wildcard $(SHARED_DATA)),)
 export JAXATTN_SHAKESPEARE ?= $(SHARED_DATA)

@@ -206,7 +206,8 @@ class ModelConfig:
                 raise TypeError(f"ModelConfig.{name} must be true or false, got {getattr(self, name)!r}")
 
     def _check_layer_features(self) -> None:
-        """The per-layer pattern and the features of issue 22, each with one error naming the field."""
+        """The per-layer pattern and the newer models' switches (rotary fraction, soft caps, scales, norm
+        offset, value embeddings), each with one error naming the field."""
         pattern = self.layer_pattern
         if isinstance(pattern, list):
             object.__setattr__(self, "layer_pattern", pattern := tuple(pattern))

@@ -99,8 +99,8 @@ def sample(logits: jnp.ndarray, rng: jax.Array, *, temperature=1.0, top_k=0, top
     top_k, top_p = jnp.asarray(top_k, jnp.int32), jnp.asarray(top_p, jnp.float32)
 
     # The knobs are traced, so branches are `lax.cond`s: greedy decoding and plain temperature
-    # sampling skip the two argsorts of `support_mask` (a third of a small model's decode step,
-    # docs/performance.md). Every branch gives the same tokens as the full path.
+    # sampling skip the two argsorts of `support_mask` (a large share of a small model's decode
+    # step, docs/performance.md). Every branch gives the same tokens as the full path.
     def draw(logits):
         scaled = apply_temperature(logits, temperature)
         filtered = jax.lax.cond((top_k > 0) | (top_p < 1.0),

@@ -6,8 +6,8 @@ size: its shards are read as the run goes; `open_corpus`).
 
 Resolution of the text file, first match wins:
   1. an explicit path (`--data PATH` or `train.data_path` in the config);
-  2. the environment variable JAXATTN_SHAKESPEARE (the Makefile sets it when the
-     workplace copy exists);
+  2. the environment variable JAXATTN_SHAKESPEARE (the Makefile points it at an optional
+     local copy, ../shared/data/tinyshakespeare.txt, when that file exists);
   3. the cache: $XDG_CACHE_HOME/jaxattn/tinyshakespeare.txt (default ~/.cache/jaxattn);
   4. a download of Tiny Shakespeare into the cache, checked against its sha256.
 

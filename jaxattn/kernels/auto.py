@@ -36,8 +36,9 @@ from typing import Callable
 from jaxattn.kernels import blocked_decode, chunked, cudnn, custom_vjp, splash, xla, xla_cpu
 from jaxattn.kernels._call import AttentionCall, KernelFallbackWarning
 
-# From this many keys the blockwise kernel beats the dense one forward and forward+backward on the
-# CPUs measured (bench/results/attention.md); below it the logits of a head fit in cache.
+# From this many keys the blockwise kernel beats the dense one forward and forward+backward on a CPU
+# (docs/performance.md, "Long sequences"; bench/attention.py measures it on any machine); below it
+# the logits of a head fit in cache.
 CHUNKED_FROM_KEYS = 1024
 
 CONCRETE: dict[str, Callable] = {"xla": xla.attention, "custom_vjp": custom_vjp.attention,
@@ -108,11 +109,13 @@ BLOCKED_FROM_SLOTS = 4096
 def cpu_decode_rule(batch: int, slots: int) -> tuple[str, str]:
     """(decode kernel, reason) for cached attention of `batch` rows over a cache of `slots` on a CPU.
 
-    Batch 8, 8192 slots: blocked 8.5x xla_cpu at 256 filled, 1.8x at 2048, even at 4096, 0.5x full;
-    1024 slots, ~270 filled: 0.7x (bench/results/decode_cache_sweep_b8.md, kernel_choices.md).
+    At batch 1 the blocked read is about as fast as the dense one in a full cache and faster the
+    emptier the cache is. At larger batches it is faster in a large cache until it is about half
+    full, and slower in a small one (docs/performance.md, "Decoding"; `bench/kernel_choices.py` and
+    `bench/decode.py --cache-sweep` measure both on any machine).
     """
     if batch == 1:
-        return "blocked", "batch 1: reads only the cache blocks that hold the row (1.0-1.5x at 1024 slots)"
+        return "blocked", "batch 1: reads only the cache blocks that hold the row, so a step costs what the row holds"
     if slots >= BLOCKED_FROM_SLOTS:
         return "blocked", f"{slots} >= {BLOCKED_FROM_SLOTS} slots: reading only the filled blocks wins until half full"
     return "xla_cpu", f"batch {batch}, {slots} slots: XLA:CPU's in-place reads beat the blocked loop"

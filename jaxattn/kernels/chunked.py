@@ -39,10 +39,9 @@ from jaxattn.kernels._call import reference_unless, weights_or_dropout
 from jaxattn.kernels._grouping import group_heads, heads_major, heads_minor
 from jaxattn.softmax import softmax_dtype
 
-# Rows per query block and keys per key block. On a 2-core AVX2 CPU (B 1, N 8, H 64, float32,
-# blocks timed in turns in one process) 512 x 256 ran fastest of 128-1024 x 128-512: at T = S = 4096
-# forward 0.48 s against 1.12 s for 256 x 256 (0.55 s for 512 x 512), forward+backward 2.1 s against
-# 2.8 s; at 1024 forward 38 ms against 66 ms. Compile time does not depend on the number of blocks.
+# Rows per query block and keys per key block: 512 x 256 ran fastest of 128-1024 x 128-512 on a CPU,
+# forward and forward+backward, at 1024 and 4096 tokens (docs/performance.md, "Long sequences").
+# Compile time does not depend on the number of blocks.
 BLOCK_Q = 512
 BLOCK_K = 256
 

@@ -6,13 +6,14 @@ machine; only `Platform.detect()` looks at the real one, and only programs
 call it (`python -m train.tiny_lm` prints the result and the reasons), besides
 a direct `scaled_dot_product_attention(..., implementation="auto")` (once per
 process, `this_platform`); models take resolved names. The CPU
-rules follow side-by-side measurements on the CPUs this project has run on
-(docs/performance.md; `bench/kernel_choices.py` and `bench/attention.py` repeat
-them on any machine). Attention resolves to its platform's per-call rule
-(`jaxattn.kernels.auto`: dense or blockwise by length on a CPU, cuDNN on a GPU,
-splash on a TPU, where each takes the call). Elsewhere on a GPU or TPU, which
-nobody here has measured, "auto" is the reference except for bfloat16 matmul
-operands, the usual practice there (torch.autocast).
+rules follow side-by-side measurements on x86 CPUs with and without AVX-512
+and AMX-BF16 (docs/performance.md; `bench/kernel_choices.py` and
+`bench/attention.py` repeat them on any machine). Attention resolves to its
+platform's per-call rule (`jaxattn.kernels.auto`: dense or blockwise by length
+on a CPU, cuDNN on a GPU, splash on a TPU, where each takes the call). For the
+other fields on a GPU or TPU, where no side-by-side comparison backs a rule,
+"auto" is the reference except for bfloat16 matmul operands, the usual practice
+there (torch.autocast).
 """
 
 from __future__ import annotations
