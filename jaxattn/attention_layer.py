@@ -31,6 +31,7 @@ from jaxattn.config import AttentionSpec, ModelConfig
 from jaxattn.kernels import Kernels
 from jaxattn.primitives import logical
 from jaxattn.rope import rope_attention_factor, rope_frequencies
+from jaxattn.sharding import HEADS
 
 WEIGHTS = ("intermediates", "attention_weights")  # (collection, name) the layers sow their weights under
 
@@ -173,7 +174,7 @@ class AttentionLayer(nn.Module):
         self.rope_factor = 1.0 if all_rotated else factor
         self.scale_factor = factor ** 2 if all_rotated else 1.0
         if spec.sinks:
-            self.sinks = self.param("sinks", logical(nn.initializers.normal(c.init_std), "heads"), (num_heads,),
+            self.sinks = self.param("sinks", logical(nn.initializers.normal(c.init_std), HEADS), (num_heads,),
                                     jnp.dtype(c.param_dtype))
         self.resid_dropout = nn.Dropout(c.dropout)
 

@@ -302,8 +302,8 @@ def generate(params, config: ModelConfig, prompt_tokens, prompt_lengths, *, max_
       pad_token: id written after a row's stop token (and used to pad prompts).
       return_logits: also return the `[B, max_new_tokens, V]` logits of each draw.
       kernels: which implementations run the model (static; default the reference).
-      mesh: a `("data", "fsdp", "tensor")` device mesh (`jaxattn.sharding.make_mesh`) to
-        run on: the parameters are laid out by `jaxattn.sharding`'s rules and the cache
+      mesh: a device mesh over `jaxattn.sharding.MESH_AXES` (`jaxattn.sharding.make_mesh`) to
+        run on: the parameters are laid out by `jaxattn.sharding.RULES` and the cache
         is split by rows and kv heads; the tokens equal one device's (up to float
         summation order in the logits). The outputs are replicated on the mesh.
 

@@ -18,6 +18,7 @@ from jaxattn.attention_layer import AttentionLayer
 from jaxattn.cache import KVCache, write_rows
 from jaxattn.primitives import check_config, logical, make_linear, make_rms_norm
 from jaxattn.rope import apply_rope, rotary_dims
+from jaxattn.sharding import EMBED, HEAD_DIM, HEADS, KV_HEADS, QKV
 
 
 class Attention(AttentionLayer):
@@ -49,16 +50,16 @@ class Attention(AttentionLayer):
         spec = self.spec
         N, K, H = c.num_heads, c.num_kv_heads, c.head_dim
         if c.fused_qkv:
-            self.qkv = make_linear(c, k, (N + 2 * K) * H, ("embed", "qkv"), use_bias=c.qkv_bias)
+            self.qkv = make_linear(c, k, (N + 2 * K) * H, (EMBED, QKV), use_bias=c.qkv_bias)
         else:
-            self.query = make_linear(c, k, N * H, ("embed", "heads"), use_bias=c.qkv_bias)
-            self.key = make_linear(c, k, K * H, ("embed", "kv_heads"), use_bias=c.qkv_bias)
-            self.value = make_linear(c, k, K * H, ("embed", "kv_heads"), use_bias=c.qkv_bias)
+            self.query = make_linear(c, k, N * H, (EMBED, HEADS), use_bias=c.qkv_bias)
+            self.key = make_linear(c, k, K * H, (EMBED, KV_HEADS), use_bias=c.qkv_bias)
+            self.value = make_linear(c, k, K * H, (EMBED, KV_HEADS), use_bias=c.qkv_bias)
         if c.qk_norm != "none":
             full = c.qk_norm == "full"
-            self.q_norm = make_rms_norm(c, "heads" if full else "head_dim")
-            self.k_norm = make_rms_norm(c, "kv_heads" if full else "head_dim")
-        self.out = make_linear(c, k, c.d_model, ("heads", "embed"), residual=True, use_bias=c.out_bias)
+            self.q_norm = make_rms_norm(c, HEADS if full else HEAD_DIM)
+            self.k_norm = make_rms_norm(c, KV_HEADS if full else HEAD_DIM)
+        self.out = make_linear(c, k, c.d_model, (HEADS, EMBED), residual=True, use_bias=c.out_bias)
         if c.value_embedding_table(self.layer) is not None:
             self.value_lambdas = self.param("value_lambdas", logical(nn.initializers.constant(0.5), None), (2,),
                                             jnp.dtype(c.param_dtype))

@@ -29,6 +29,7 @@ from jaxattn.cache import LatentCache, write_rows
 from jaxattn.masks import causal_mask, combine_masks, sliding_window_mask, visible_cache_slots
 from jaxattn.primitives import check_config, logical, make_linear, make_rms_norm
 from jaxattn.rope import apply_rope, yarn_softmax_mscale
+from jaxattn.sharding import EMBED, HEAD_DIM, HEADS, LATENT
 from jaxattn.softmax import dropout_weights, masked_softmax, soft_cap
 
 
@@ -97,19 +98,19 @@ class MultiHeadLatentAttention(AttentionLayer):
             raise ValueError("MultiHeadLatentAttention needs ModelConfig.mla (a jaxattn.MLAConfig)")
         N, P, E, V, R = c.num_heads, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.kv_lora_rank
         if m.q_lora_rank is None:
-            self.wq = make_linear(c, k, N * (P + E), ("embed", "heads"), use_bias=False)
+            self.wq = make_linear(c, k, N * (P + E), (EMBED, HEADS), use_bias=False)
         else:
-            self.wq_a = make_linear(c, k, m.q_lora_rank, ("embed", "latent"), use_bias=c.qkv_bias)
-            self.q_norm = make_rms_norm(c, "latent")
-            self.wq_b = make_linear(c, k, N * (P + E), ("latent", "heads"), use_bias=False)
+            self.wq_a = make_linear(c, k, m.q_lora_rank, (EMBED, LATENT), use_bias=c.qkv_bias)
+            self.q_norm = make_rms_norm(c, LATENT)
+            self.wq_b = make_linear(c, k, N * (P + E), (LATENT, HEADS), use_bias=False)
         # [c_kv | k_rope] columns: "latent" (never split over the tensor axis: every head reads all of it).
-        self.wkv_a = make_linear(c, k, R + E, ("embed", "latent"), use_bias=c.qkv_bias)
-        self.kv_norm = make_rms_norm(c, "latent")
+        self.wkv_a = make_linear(c, k, R + E, (EMBED, LATENT), use_bias=c.qkv_bias)
+        self.kv_norm = make_rms_norm(c, LATENT)
         # A 3-D parameter because both paths use it: as one [R, N(P+V)] matmul
         # (naive) and split per head into W_UK, W_UV (absorb).
-        self.wkv_b = self.param("wkv_b", logical(nn.initializers.normal(c.init_std), "latent", "heads", "head_dim"),
+        self.wkv_b = self.param("wkv_b", logical(nn.initializers.normal(c.init_std), LATENT, HEADS, HEAD_DIM),
                                 (R, N, P + V), jnp.dtype(c.param_dtype))
-        self.wo = make_linear(c, k, c.d_model, ("heads", "embed"), residual=True, use_bias=c.out_bias)
+        self.wo = make_linear(c, k, c.d_model, (HEADS, EMBED), residual=True, use_bias=c.out_bias)
         self.setup_shared(N, E, all_rotated=False)  # the factor stays on the rotary dims
         mscale = yarn_softmax_mscale(spec.rope_scaling) ** 2
         self.scale = mscale / math.sqrt(P + E) if c.attn_scale is None else mscale * c.attn_scale

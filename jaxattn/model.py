@@ -40,14 +40,15 @@ from jaxattn.mla import MultiHeadLatentAttention
 from jaxattn.moe import MoE
 from jaxattn.positions import sinusoidal_positions
 from jaxattn.primitives import MLP, check_config, leading_ones, logical, make_linear, make_norm
+from jaxattn.sharding import ACTIVATION_EMBED, ACTIVATION_VOCAB, BATCH, EMBED, KV_HEADS, LENGTH, POSITION, VOCAB
 from jaxattn.softmax import soft_cap
 
 
-# The logical axes of the residual stream `[B, T, D]`. Under `nn.logical_axis_rules` and a mesh
+# The logical axes of the residual stream `[B, T, D]`. Under `jaxattn.sharding.activation_rules`
 # (as `train.steps` traces its programs) rows are split over the batch axes and D is kept whole,
 # so each layer's weights are gathered to the rows rather than the rows resharded to the weights
 # (docs/theory.md §16); anywhere else the constraint is a no-op.
-RESIDUAL_AXES = ("activation_batch", "activation_length", "activation_embed")
+RESIDUAL_AXES = (BATCH, LENGTH, ACTIVATION_EMBED)
 
 
 class Block(nn.Module):
@@ -145,20 +146,20 @@ class DecoderLM(nn.Module):
         c, k = self.config, self.kernels
         _check_model_config(c, k)
         dtypes = dict(dtype=jnp.dtype(c.dtype), param_dtype=jnp.dtype(c.param_dtype))
-        table = lambda rows: logical(nn.initializers.normal(c.init_std), rows, "embed")  # noqa: E731
-        self.wte = nn.Embed(c.vocab_size, c.d_model, embedding_init=table("vocab"), **dtypes)
-        values = logical(nn.initializers.normal(c.init_std), "vocab", "kv_heads")
+        table = lambda rows: logical(nn.initializers.normal(c.init_std), rows, EMBED)  # noqa: E731
+        self.wte = nn.Embed(c.vocab_size, c.d_model, embedding_init=table(VOCAB), **dtypes)
+        values = logical(nn.initializers.normal(c.init_std), VOCAB, KV_HEADS)
         self.value_embed = [nn.Embed(c.vocab_size, c.num_kv_heads * c.head_dim, embedding_init=values, **dtypes)
                             for _ in range(c.value_embeddings)]  # params value_embed_0 .. value_embed_{E-1}
         if c.positions == "learned":
-            self.wpe = nn.Embed(c.max_seq_len, c.d_model, embedding_init=table("position"), **dtypes)
+            self.wpe = nn.Embed(c.max_seq_len, c.d_model, embedding_init=table(POSITION), **dtypes)
         elif c.positions == "sinusoidal":
             self.sinusoid = sinusoidal_positions(c.max_seq_len, c.d_model)  # [P, D], not a param
         self.embed_dropout = nn.Dropout(c.dropout)
         self.blocks = [Block(c, k, layer=i) for i in range(c.num_layers)]
         self.final_norm = make_norm(c)
         if not c.tie_embeddings:
-            self.lm_head = make_linear(c, k, c.vocab_size, ("embed", "vocab"), use_bias=False,
+            self.lm_head = make_linear(c, k, c.vocab_size, (EMBED, VOCAB), use_bias=False,
                                        residual=c.zero_init_out)  # zero-initialised with zero_init_out
 
     # -- the named steps -------------------------------------------------------------------
@@ -171,7 +172,7 @@ class DecoderLM(nn.Module):
         """
         # nn.Embed's lookup, with the table gathered first on a mesh (FSDP splits it along D; looking
         # rows up in a split table would give activations split along D, not by rows).
-        table = nn.with_logical_constraint(self.wte.embedding, ("activation_vocab", "activation_embed"))
+        table = nn.with_logical_constraint(self.wte.embedding, (ACTIVATION_VOCAB, ACTIVATION_EMBED))
         x = jnp.take(table.astype(self.wte.dtype), tokens, axis=0)
         c = self.config
         if c.embed_multiplier != 1.0:  # Gemma's sqrt(D), rounded to the compute dtype as Gemma does
@@ -191,7 +192,7 @@ class DecoderLM(nn.Module):
         c = self.config
         looked_up = []
         for embed in self.value_embed:  # gathered whole first, as in `embed`
-            table = nn.with_logical_constraint(embed.embedding, ("activation_vocab", None))
+            table = nn.with_logical_constraint(embed.embedding, (ACTIVATION_VOCAB, None))
             rows = jnp.take(table.astype(embed.dtype), tokens, axis=0)  # [B, T, K*H]
             looked_up.append(rows.reshape(*tokens.shape, c.num_kv_heads, c.head_dim))  # [B, T, K, H]
         which = [c.value_embedding_table(i) for i in range(c.num_layers)]

@@ -36,6 +36,7 @@ from jaxattn.kernels.moe import IMPLEMENTATIONS, ExpertWeights, gate_matrix, glu
 from jaxattn.kernels.moe import (experts_dense, experts_gathered, experts_grouped,  # noqa: F401 (re-exported)
                                  experts_grouped_cpu)
 from jaxattn.primitives import logical, make_linear, residual_init_std
+from jaxattn.sharding import EMBED, EXPERT, MLP
 
 LOSSES = "moe_losses"  # the collection each MoE layer sows its losses into
 LOSS_NAMES = ("load_balancing_loss", "router_z_loss", "aux_loss")
@@ -182,9 +183,9 @@ class MoE(nn.Module):
 
     def _router(self) -> RouterWeights:
         c, m, E = self.config, self.moe, self.moe.num_experts
-        kernel = self.param("router_kernel", logical(nn.initializers.normal(c.init_std), "embed", "expert"),
+        kernel = self.param("router_kernel", logical(nn.initializers.normal(c.init_std), EMBED, EXPERT),
                             (c.d_model, E), jnp.dtype(c.param_dtype))
-        zeros = logical(nn.initializers.zeros, "expert")
+        zeros = logical(nn.initializers.zeros, EXPERT)
         bias = self.param("router_bias", zeros, (E,), jnp.dtype(c.param_dtype)) if m.router_bias else None
         correction = self.param("router_correction_bias", zeros, (E,), jnp.float32) if m.correction_bias else None
         return RouterWeights(kernel, bias, correction)
@@ -193,27 +194,27 @@ class MoE(nn.Module):
         c, m = self.config, self.moe
         E, D, F, dtype = m.num_experts, c.d_model, m.expert_hidden, jnp.dtype(c.param_dtype)
         out_std = 0.0 if c.zero_init_out else residual_init_std(c)
-        gate_up = self.param("experts_gate_up", logical(nn.initializers.normal(c.init_std), "expert", "embed", "mlp"),
+        gate_up = self.param("experts_gate_up", logical(nn.initializers.normal(c.init_std), EXPERT, EMBED, MLP),
                              (E, D, 2 * F), dtype)
-        down = self.param("experts_down", logical(nn.initializers.normal(out_std), "expert", "mlp", "embed"),
+        down = self.param("experts_down", logical(nn.initializers.normal(out_std), EXPERT, MLP, EMBED),
                           (E, F, D), dtype)
         if m.activation != "gptoss":
             return ExpertWeights(gate_up, down)
         return ExpertWeights(gate_up, down,
-                             self.param("experts_gate_up_bias", logical(nn.initializers.zeros, "expert", "mlp"),
+                             self.param("experts_gate_up_bias", logical(nn.initializers.zeros, EXPERT, MLP),
                                         (E, 2 * F), dtype),
-                             self.param("experts_down_bias", logical(nn.initializers.zeros, "expert", "embed"),
+                             self.param("experts_down_bias", logical(nn.initializers.zeros, EXPERT, EMBED),
                                         (E, D), dtype))
 
     def _shared(self, rows: jax.Array) -> jax.Array:
         """The shared experts on every row `[M, D] -> [M, D]`, times Qwen2-MoE's gate."""
         c, k, S = self.config, self.kernels, self.moe.shared_hidden
-        gate, up = jnp.split(make_linear(c, k, 2 * S, ("embed", "mlp"), use_bias=False, name="shared_gate_up")(rows),
+        gate, up = jnp.split(make_linear(c, k, 2 * S, (EMBED, MLP), use_bias=False, name="shared_gate_up")(rows),
                              2, axis=-1)  # [M, S] each
-        out = make_linear(c, k, c.d_model, ("mlp", "embed"), residual=True, use_bias=False,
+        out = make_linear(c, k, c.d_model, (MLP, EMBED), residual=True, use_bias=False,
                           name="shared_down")(nn.silu(gate) * up)
         if self.moe.shared_gate:
-            g = make_linear(c, k, 1, ("embed", None), use_bias=False, name="shared_expert_gate")(rows)  # [M, 1]
+            g = make_linear(c, k, 1, (EMBED, None), use_bias=False, name="shared_expert_gate")(rows)  # [M, 1]
             out = (jax.nn.sigmoid(g.astype(jnp.float32)) * out.astype(jnp.float32)).astype(out.dtype)
         return out
 

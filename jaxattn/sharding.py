@@ -1,6 +1,6 @@
 """Placing a model on a device mesh by the logical names of its axes (docs/theory.md §16).
 
-The mesh has three axes, `MESH_AXES`, each of any size (1 = unused):
+The mesh has three axes, `MESH_AXES` (`DATA`, `FSDP`, `TENSOR`), each of any size (1 = unused):
 
 * `data`: the batch is split; parameters and optimizer state are replicated.
 * `fsdp`: the batch is split too, and parameters and optimizer state are split
@@ -13,12 +13,16 @@ A mixture-of-experts layer's experts (logical axis "expert") go over `fsdp` firs
 each device holds whole experts (expert parallelism) where fsdp divides their number,
 and their "embed" axis stays whole; otherwise they split along "embed" like the rest.
 
-Every parameter carries the logical names of its axes (`jaxattn.primitives`), and
-`RULES` maps each name to mesh axes. Where a mesh axis does not divide what a
-name counts (GQA's 2 kv heads on a tensor axis of 4, a 65-character vocabulary,
-MLA's latent), that parameter axis is replicated instead, and `ParamLayout.notes`
-says so. The batch, the query heads, the MLP hidden size and d_model are never
-left to that: `check_mesh` names the mesh axis and the size that do not divide.
+Every parameter and every constrained activation names its axes with the constants
+below (`EMBED`, `HEADS`, ...; parameters through `jaxattn.primitives.logical`,
+activations through `nn.with_logical_constraint`), and one table, `RULES`, maps each
+name to mesh axes. Both layouts come from it: `spec_for` (and `param_layout`) for
+parameters, caches and data, and `activation_rules` for the activations while a
+model is traced. Where a mesh axis does not divide what a name counts (GQA's 2 kv
+heads on a tensor axis of 4, a 65-character vocabulary, MLA's latent), that
+parameter axis is replicated instead, and `ParamLayout.notes` says so. The batch,
+the query heads, the MLP hidden size and d_model are never left to that:
+`check_mesh` names the mesh axis and the size that do not divide.
 Sharding never changes the maths: results equal one device's up to the order
 of float sums.
 """
@@ -39,37 +43,62 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxattn.cache import DecodeCache, KVCache
 from jaxattn.config import ModelConfig
-from jaxattn.model import abstract_params
 
-MESH_AXES = ("data", "fsdp", "tensor")
+# ------------------------------------------------------------------------- the vocabulary
 
-# Logical axis name -> the mesh axes it is split over, in order (none: replicated).
+# The mesh axes.
+DATA, FSDP, TENSOR = "data", "fsdp", "tensor"
+MESH_AXES = (DATA, FSDP, TENSOR)
+
+# The logical axes: every name the model's parameters, caches and activations give their axes.
+BATCH = "batch"  # a batch's rows (activations, data, caches)
+LENGTH = "length"  # a sequence's positions, a cache's slots
+EMBED = "embed"  # a parameter's model width, d_model
+HEADS = "heads"  # query heads (N, or their N x H columns)
+KV_HEADS = "kv_heads"  # key/value heads (K, or their K x H columns)
+QKV = "qkv"  # the fused [Q | K | V] columns
+HEAD_DIM = "head_dim"  # the H dimensions of one head
+MLP = "mlp"  # MLP hidden units
+VOCAB = "vocab"  # a token table's rows, the logits' columns
+LATENT = "latent"  # MLA's compressed widths
+EXPERT = "expert"  # MoE experts
+POSITION = "position"  # a learned position table's rows
+# The activations' own names where their layout differs from the parameters' of the same meaning:
+ACTIVATION_EMBED = "activation_embed"  # the residual stream's width: whole, while the parameters' "embed" splits
+ACTIVATION_VOCAB = "activation_vocab"  # a table's rows gathered whole for a lookup, while "vocab" splits
+
+# Logical axis -> the mesh axes it is split over, in order (none: replicated). The one table
+# behind parameters (`spec_for`, which also replicates what a mesh axis cannot divide) and
+# activations (`activation_rules`).
 RULES: dict[str, tuple[str, ...]] = {
-    "batch": ("data", "fsdp"),
-    "embed": ("fsdp",),
-    "latent": ("fsdp",),  # MLA's compressed widths: stored split, never split over tensor
-    "heads": ("tensor",),
-    "kv_heads": ("tensor",),
-    "qkv": ("tensor",),
-    "mlp": ("tensor",),
-    "vocab": ("tensor",),
-    "head_dim": (),
-    "position": (),
-    "length": (),
-    "expert": ("fsdp",),  # MoE experts: whole experts per device (expert parallelism over fsdp)
+    BATCH: (DATA, FSDP),
+    EMBED: (FSDP,),
+    LATENT: (FSDP,),  # stored split, never split over tensor: every head reads all of it
+    HEADS: (TENSOR,),
+    KV_HEADS: (TENSOR,),
+    QKV: (TENSOR,),
+    MLP: (TENSOR,),
+    VOCAB: (TENSOR,),
+    HEAD_DIM: (),
+    POSITION: (),
+    LENGTH: (),
+    EXPERT: (FSDP,),  # whole experts per device (expert parallelism over fsdp)
+    ACTIVATION_EMBED: (),
+    ACTIVATION_VOCAB: (),
 }
 
 
-# Flax's rules for the activations' logical axes (`jaxattn.model.RESIDUAL_AXES`): rows split like
-# the batch, the model width whole. Active only inside `activation_rules`.
-ACTIVATION_RULES = (("activation_batch", ("data", "fsdp")), ("activation_length", None),
-                    ("activation_embed", None), ("activation_vocab", None))
+def _spec_entry(axes) -> str | tuple[str, ...] | None:
+    """A PartitionSpec entry for splitting one array axis over `axes` (in order)."""
+    return None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
 
 
 @contextlib.contextmanager
 def activation_rules(mesh: Mesh):
-    """While tracing a model on `mesh`: its residual stream is constrained to be split by rows."""
-    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), nn.logical_axis_rules(ACTIVATION_RULES):
+    """While tracing a model on `mesh`: its constrained activations lie as `RULES` says (the
+    residual stream, `jaxattn.model.RESIDUAL_AXES`, split by rows and whole along its width)."""
+    rules = tuple((name, _spec_entry(axes)) for name, axes in RULES.items())
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), nn.logical_axis_rules(rules):
         yield
 
 
@@ -121,7 +150,7 @@ class MeshShape:
 
 
 def make_mesh(shape: MeshShape, devices=None) -> Mesh:
-    """A `("data", "fsdp", "tensor")` mesh over `devices` (default: all of JAX's, every process's).
+    """A mesh with axes `MESH_AXES` over `devices` (default: all of JAX's, every process's).
 
     Devices are laid out process-major, so each process holds whole rows of the data axis
     where it can. ValueError unless the mesh uses exactly the devices given.
@@ -129,7 +158,8 @@ def make_mesh(shape: MeshShape, devices=None) -> Mesh:
     devices = jax.devices() if devices is None else list(devices)
     if shape.size != len(devices):
         raise ValueError(f"mesh {shape} uses {shape.size} device(s) but there are {len(devices)} "
-                         "(on a CPU, --cpu-devices N makes N host devices)")
+                         "(on a CPU, setting JAX's `jax_num_cpu_devices` before JAX starts makes that many "
+                         "host devices)")
     grid = np.asarray(devices, dtype=object).reshape(shape.data, shape.fsdp, shape.tensor)
     return Mesh(grid, MESH_AXES)
 
@@ -137,11 +167,11 @@ def make_mesh(shape: MeshShape, devices=None) -> Mesh:
 def check_mesh(config: ModelConfig | None, shape: MeshShape, batch_size: int | None = None) -> None:
     """ValueError naming the mesh axis and the size it does not divide (the batch, and `config`'s
     query heads, MLP hidden size and d_model where given)."""
-    needs = [("data x fsdp", shape.batch_ways, "the batch size", batch_size)]
+    needs = [(f"{DATA} x {FSDP}", shape.batch_ways, "the batch size", batch_size)]
     if config is not None:
-        needs += [("tensor", shape.tensor, "num_heads", config.num_heads),
-                  ("tensor", shape.tensor, "the MLP hidden size", config.mlp_hidden),
-                  ("fsdp", shape.fsdp, "d_model", config.d_model)]
+        needs += [(TENSOR, shape.tensor, "num_heads", config.num_heads),
+                  (TENSOR, shape.tensor, "the MLP hidden size", config.mlp_hidden),
+                  (FSDP, shape.fsdp, "d_model", config.d_model)]
     for axis, ways, what, size in needs:
         if size is not None and size % ways:
             raise ValueError(f"mesh {shape}: {axis} = {ways} does not divide {what} = {size}")
@@ -151,8 +181,7 @@ def check_mesh(config: ModelConfig | None, shape: MeshShape, batch_size: int | N
 
 def logical_counts(config: ModelConfig) -> dict[str, int]:
     """What each logical name counts, where that differs from the axis length (heads, not N x H)."""
-    return {"heads": config.num_heads, "kv_heads": config.num_kv_heads,
-            "qkv": config.num_heads + 2 * config.num_kv_heads}
+    return {HEADS: config.num_heads, KV_HEADS: config.num_kv_heads, QKV: config.num_heads + 2 * config.num_kv_heads}
 
 
 def spec_for(names, shape, mesh: MeshShape, counts: dict[str, int] | None = None) -> tuple[P, list[str]]:
@@ -173,7 +202,7 @@ def spec_for(names, shape, mesh: MeshShape, counts: dict[str, int] | None = None
             axes.append(axis)
             used.add(axis)
             ways *= size
-        entries.append(None if not axes else axes[0] if len(axes) == 1 else tuple(axes))
+        entries.append(_spec_entry(axes))
     return P(*entries), notes
 
 
@@ -201,6 +230,8 @@ def _is_spec(x) -> bool:
 
 def logical_names(config: ModelConfig) -> Any:
     """The params tree of `DecoderLM(config)` with each leaf its logical axis names (nothing allocated)."""
+    from jaxattn.model import abstract_params  # here, not at the top: the model's layers import this module
+
     is_box = lambda x: isinstance(x, nn.LogicallyPartitioned)  # noqa: E731
     return jax.tree.map(lambda box: (tuple(box.names), tuple(box.value.shape)), abstract_params(config),
                         is_leaf=is_box)
@@ -253,7 +284,7 @@ def mirror_specs(tree: Any, params_specs: Any, params: Any) -> Any:
 
 def batch_spec(mesh: MeshShape, batch_size: int, ndim: int = 2) -> P:
     """`[B, ...]` split over data x fsdp where that divides B (else replicated)."""
-    return spec_for(("batch",) + (None,) * (ndim - 1), (batch_size,) + (1,) * (ndim - 1), mesh)[0]
+    return spec_for((BATCH,) + (None,) * (ndim - 1), (batch_size,) + (1,) * (ndim - 1), mesh)[0]
 
 
 def cache_specs(cache: DecodeCache, config: ModelConfig, mesh: MeshShape) -> DecodeCache:
@@ -262,13 +293,13 @@ def cache_specs(cache: DecodeCache, config: ModelConfig, mesh: MeshShape) -> Dec
 
     def layer(cache_layer):
         if isinstance(cache_layer, KVCache):  # [B, K, L, H]
-            names = ("batch", "kv_heads", "length", "head_dim")
+            names = (BATCH, KV_HEADS, LENGTH, HEAD_DIM)
         else:  # LatentCache [B, L, R]: every head reads the whole latent
-            names = ("batch", "length", None)
+            names = (BATCH, LENGTH, None)
         return jax.tree.map(lambda x: spec_for(names[:x.ndim], x.shape, mesh, counts)[0], cache_layer)
 
     return DecodeCache(layers=tuple(layer(c) for c in cache.layers),
-                       lengths=spec_for(("batch",), cache.lengths.shape, mesh)[0])
+                       lengths=spec_for((BATCH,), cache.lengths.shape, mesh)[0])
 
 
 def constrain(tree: Any, specs: Any, mesh: Mesh) -> Any:

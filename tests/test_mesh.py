@@ -12,11 +12,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import flax.linen as nn
+import jax
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from jaxattn import sharding
 from jaxattn.config import ModelConfig
+from jaxattn.model import RESIDUAL_AXES
 from jaxattn.sharding import MeshShape
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -35,6 +39,7 @@ def meshes():
     return json.loads(done.stdout)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["mha", "gqa", "mla", "layer_kinds", "moe"])
 def test_every_mesh_gives_the_one_device_losses(meshes, kind):
     one = meshes[kind]["data:1"]["losses"]
@@ -44,6 +49,7 @@ def test_every_mesh_gives_the_one_device_losses(meshes, kind):
             np.testing.assert_allclose(run["losses"], one, rtol=RTOL, err_msg=f"{kind} on {mesh}")
 
 
+@pytest.mark.slow
 def test_moe_trains_with_its_router_losses_on_every_mesh_as_on_one_device(meshes):
     """The MoE kind's losses (cross entropy + aux_loss) are compared above; here the layer losses
     too, run by what "auto" resolves to on a CPU: "auto_cpu", grouped_cpu at these shapes."""
@@ -59,6 +65,7 @@ def test_moe_trains_with_its_router_losses_on_every_mesh_as_on_one_device(meshes
                 np.testing.assert_allclose(values, one[name], rtol=RTOL, err_msg=f"{name} on {mesh}")
 
 
+@pytest.mark.slow
 def test_experts_are_split_over_fsdp_whole_and_their_hidden_units_over_tensor(meshes):
     moe = meshes["moe"]
     assert moe["fsdp:4"]["watched"]["experts_gate_up"] == {"spec": ["fsdp", None, None], "shard": [2, 32, 32]}
@@ -71,6 +78,7 @@ def test_experts_are_split_over_fsdp_whole_and_their_hidden_units_over_tensor(me
     assert moe["data:2,fsdp:2"]["watched"]["experts_down"] == {"spec": ["fsdp", None, None], "shard": [4, 16, 32]}
 
 
+@pytest.mark.slow
 def test_parameters_and_adam_moments_are_split_as_the_rules_say(meshes):
     mha = meshes["mha"]
     # Column-parallel QKV (heads over tensor), row-parallel MLP output, FSDP over the model width.
@@ -87,6 +95,7 @@ def test_parameters_and_adam_moments_are_split_as_the_rules_say(meshes):
         assert run["moments"] == [run["watched"]["qkv"]] * 2, mesh
 
 
+@pytest.mark.slow
 def test_gqa_kv_heads_split_only_where_the_tensor_axis_divides_them(meshes):
     gqa = meshes["gqa"]
     assert gqa["data:2,tensor:4"]["watched"]["key"] == {"spec": [None, None], "shard": [32, 16]}  # 2 kv heads
@@ -95,6 +104,7 @@ def test_gqa_kv_heads_split_only_where_the_tensor_axis_divides_them(meshes):
     assert gqa["data:2,fsdp:2,tensor:2"]["watched"]["key"] == {"spec": ["fsdp", "tensor"], "shard": [16, 8]}
 
 
+@pytest.mark.slow
 def test_sinks_and_full_width_qk_norms_split_with_their_heads(meshes):
     run = meshes["layer_kinds"]["data:2,tensor:4"]["watched"]
     assert run["sinks"] == {"spec": ["tensor"], "shard": [1]}  # [N] = 4 heads over tensor 4
@@ -102,6 +112,7 @@ def test_sinks_and_full_width_qk_norms_split_with_their_heads(meshes):
     assert run["k_norm"] == {"spec": [None], "shard": [16]}  # 2 kv heads do not split over 4: replicated
 
 
+@pytest.mark.slow
 def test_mla_latent_is_never_split_over_tensor(meshes):
     mla = meshes["mla"]
     assert mla["data:2,tensor:4"]["watched"]["wkv_a"]["spec"] == [None, None]
@@ -110,6 +121,7 @@ def test_mla_latent_is_never_split_over_tensor(meshes):
                                                                  "shard": [8, 2, 16]}
 
 
+@pytest.mark.slow
 def test_fsdp_and_tensor_divide_the_memory_per_device(meshes):
     for kind in ("mha", "gqa", "mla", "moe"):
         one = meshes[kind]["data:1"]["bytes_per_device"]
@@ -118,6 +130,7 @@ def test_fsdp_and_tensor_divide_the_memory_per_device(meshes):
     assert meshes["mha"]["data:8"]["bytes_per_device"] == meshes["mha"]["data:1"]["bytes_per_device"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["mha", "gqa", "mla", "layer_kinds", "moe"])
 def test_sampling_on_a_mesh_equals_one_device(meshes, kind):
     samples = meshes[kind]["samples"]
@@ -137,8 +150,9 @@ def test_mesh_shapes_parse_and_say_what_is_wrong():
                           ("", "names no axis"), ("data:0", "positive integer size")]:
         with pytest.raises(ValueError, match=message):
             MeshShape.parse(text)
-    with pytest.raises(ValueError, match=r"mesh data:4,fsdp:1,tensor:1 uses 4 device\(s\) but there are 2"):
+    with pytest.raises(ValueError, match=r"mesh data:4,fsdp:1,tensor:1 uses 4 device\(s\) but there are 2") as error:
         sharding.make_mesh(MeshShape(data=4), devices=["a", "b"])
+    assert "jax_num_cpu_devices" in str(error.value) and "--" not in str(error.value)  # a library setting, no flag
 
 
 def test_a_mesh_that_does_not_divide_the_model_names_the_axis_and_size():
@@ -161,12 +175,25 @@ def test_specs_replicate_what_a_mesh_axis_cannot_split():
         sharding.spec_for(("pipeline",), (4,), MeshShape())
 
 
+def test_activations_and_parameters_are_laid_out_by_the_one_rules_table():
+    """While tracing, Flax resolves every logical name as `spec_for` does on a mesh that divides it;
+    the residual stream is split by rows and kept whole along its width, unlike the parameters' "embed"."""
+    with sharding.activation_rules(sharding.make_mesh(MeshShape(), jax.devices()[:1])):
+        assert nn.logical_to_mesh_axes(RESIDUAL_AXES) == P(("data", "fsdp"), None, None)
+        assert nn.logical_to_mesh_axes((sharding.ACTIVATION_VOCAB, sharding.ACTIVATION_EMBED)) == P(None, None)
+        for name in sharding.RULES:
+            expected, _ = sharding.spec_for((name,), (8,), MeshShape(2, 2, 2))
+            assert nn.logical_to_mesh_axes((name,)) == expected, name
+    assert sharding.spec_for((sharding.EMBED,), (8,), MeshShape(fsdp=2))[0] == P("fsdp")
+    rows = np.zeros((2, 3, 4), np.float32)
+    assert nn.with_logical_constraint(rows, RESIDUAL_AXES) is rows  # outside the rules: a no-op
+
+
 def test_every_parameter_names_its_axes_with_a_ruled_name():
     from train.config import load_config
     for name in ("shakespeare_char_baby", "shakespeare_char_baby_gqa", "shakespeare_char_baby_mla",
                  "shakespeare_char_baby_learned", "shakespeare_char_baby_moe"):
         names = sharding.logical_names(load_config(name).model.replace(vocab_size=65))
-        import jax
         leaves = jax.tree.leaves(names, is_leaf=lambda x: isinstance(x, tuple) and len(x) == 2)
         assert leaves and all(len(axes) == len(shape) for axes, shape in leaves), name
         assert {a for axes, _ in leaves for a in axes if a is not None} <= set(sharding.RULES), name
@@ -213,6 +240,7 @@ def corpus(tmp_path_factory):
     return path
 
 
+@pytest.mark.slow
 def test_two_processes_train_together_and_one_process_resumes_their_checkpoint(corpus, tmp_path):
     """2 processes x 2 host devices on a data:2,fsdp:2 mesh = the one-device losses; their checkpoint
     (parameters split over 4 devices in 2 processes) resumes in one process on one device."""
@@ -234,6 +262,7 @@ def test_two_processes_train_together_and_one_process_resumes_their_checkpoint(c
     np.testing.assert_allclose(_losses(shared)[5], _losses(reference)[5], rtol=RTOL)
 
 
+@pytest.mark.slow
 def test_a_process_that_cannot_reach_the_coordinator_fails_within_its_timeout(corpus, tmp_path):
     port = _free_port()
     process = _cli("--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", "1",
