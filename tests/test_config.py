@@ -2,6 +2,7 @@ import json
 
 import pytest
 
+from jaxattn.sharding import MeshShape
 from train.config import CONFIG_DIR, ExperimentConfig, RuntimeConfig, TrainConfig, load_config, parse_override
 
 BABY_VARIANTS = ["gqa", "mqa", "mla", "learned", "sinusoidal", "rope"]
@@ -48,50 +49,92 @@ def test_overrides_coerce_types():
 
 
 @pytest.mark.parametrize("override, error, match", [
-    ("model.d_modl=256", ValueError, r"unknown model keys \['d_modl'\]"),
-    ("train.learning_rate=1", ValueError, "unknown train keys"),
-    ("model.d_model=big", TypeError, "model.d_model must be an integer"),
-    ("model.d_model=2.5", TypeError, "model.d_model must be an integer"),
-    ("train.lr=fast", TypeError, "train.lr must be a number"),
-    ("train.checkpoint=1", TypeError, "must be a bool"),
-    ("model.positions=alibi", ValueError, r"model.positions must be one of \('learned'"),
-    ("train.tokenizer=word", ValueError, "train.tokenizer must be one of"),
-    ("train.beta2=1.5", ValueError, r"beta2 must be in \(0, 1\)"),
-    ("train.batch_size=0", ValueError, "batch_size must be positive"),
-    ("model.num_kv_heads=3", ValueError, "multiple of"),
+    ("model.d_modl=256", ValueError, r"unknown model keys \['d_modl'\]; known keys: \[.*'d_model'"),
+    ("train.learning_rate=1", ValueError, r"unknown train keys \['learning_rate'\]; known keys: \[.*'lr'"),
+    ("model.d_model=big", TypeError, "model.d_model must be a valid integer, got 'big'"),
+    ("model.d_model=2.5", TypeError, "model.d_model must be a valid integer, got 2.5"),
+    ("model.d_model=true", TypeError, "model.d_model must be a valid integer, got True"),
+    ("train.lr=fast", TypeError, "train.lr must be a valid number, got 'fast'"),
+    ('train.lr="3e-4"', TypeError, "train.lr must be a valid number, got '3e-4'"),  # a string, not a number
+    ("train.checkpoint=1", TypeError, "train.checkpoint must be a valid boolean, got 1"),
+    ("train.out_dir=3", TypeError, "train.out_dir must be a valid string, got 3"),
+    ("model.positions=alibi", ValueError, "model.positions must be 'learned', 'sinusoidal', 'rope' or 'none', got 'alibi'"),
+    ("train.tokenizer=word", ValueError, "train.tokenizer must be 'char', 'byte', 'bpe' or 'hf'"),
+    ("train.beta2=1.5", ValueError, "train.beta2 must be less than 1, got 1.5"),
+    ("train.batch_size=0", ValueError, "train.batch_size must be greater than 0, got 0"),
+    ("train.seed=-1", ValueError, "train.seed must be greater than or equal to 0, got -1"),
+    ("train.min_lr=0.1", ValueError, r"train: min_lr=0.1 exceeds lr=0.001"),
+    ("model.num_kv_heads=3", ValueError, "model: ModelConfig.num_heads=4 must be a multiple of num_kv_heads=3"),
     ("d_model=3", ValueError, "TABLE.FIELD=VALUE"),
     ("optim.lr=3", ValueError, "TABLE.FIELD=VALUE"),
     ("model.attention=mla", ValueError, r"unknown model keys \['attention'\]"),
-    ("model.mla={kv_lora_rank = 0}", ValueError, "MLAConfig.kv_lora_rank must be a positive integer"),
-    ("model.mla={rank = 8}", ValueError, r"unknown model.mla keys \['rank'\]"),
-    ("runtime.matmul=bf16", ValueError, r"RuntimeConfig.matmul must be one of \('xla', 'bfloat16', 'bfloat16_cpu', 'auto'\)"),
-    ("runtime.data_parallel=0", ValueError, "data_parallel must be a positive integer or 'auto'"),
-    ("runtime.mesh=data2", ValueError, r"each item must be AXIS:SIZE with AXIS one of \('data', 'fsdp', 'tensor'\)"),
-    ("runtime.mesh=data:0", ValueError, "mesh axis data must have a positive integer size, got 0"),
-    ("runtime.cpu_devices=0", ValueError, "cpu_devices must be a positive integer or 'auto'"),
-    ("train.block_size=128", ValueError, r"model.max_seq_len=64 is shorter than train.block_size=128"),
-    ("model.layer_pattern={local = true}", TypeError, "model.layer_pattern must be an array"),
+    ("model.mla={kv_lora_rank = 0}", ValueError, "model.mla: MLAConfig.kv_lora_rank must be a positive integer"),
+    ("model.mla={rank = 8}", ValueError, r"^unknown model.mla keys \['rank'\]$"),
+    ("model.rope_scaling=2", TypeError, r"model.rope_scaling must be a table, got 2"),
+    ("runtime.matmul=bf16", ValueError, r"runtime.matmul must be 'xla', 'bfloat16', 'bfloat16_cpu' or 'auto', got 'bf16'"),
+    ("runtime.data_parallel=2", ValueError, r"unknown runtime keys \['data_parallel'\]; known keys: \[.*'mesh'"),
+    ("runtime.mesh=data2", ValueError,
+     r"runtime.mesh: mesh 'data2': each item must be AXIS:SIZE with AXIS one of \('data', 'fsdp', 'tensor'\)"),
+    ("runtime.mesh=data:0", ValueError, "runtime.mesh: mesh axis data must have a positive integer size, got 0"),
+    ("runtime.mesh=2", TypeError, r'runtime.mesh must be "auto" or a mesh like "data:2,fsdp:2", got 2'),
+    ("runtime.cpu_devices=0", ValueError, "runtime.cpu_devices must be greater than 0 or 'auto', got 0"),
+    ("runtime.cpu_devices=true", TypeError, "runtime.cpu_devices must be a valid integer or 'auto', got True"),
+    ("train.block_size=128", ValueError, r"^model.max_seq_len=64 is shorter than train.block_size=128$"),
+    ("model.layer_pattern={local = true}", TypeError, "model.layer_pattern must be a valid array"),
     ("model.layer_pattern=[{locl = true}]", ValueError, r"unknown model.layer_pattern\[0\] keys \['locl'\]"),
-    ("model.layer_pattern=[{rope = 1}]", TypeError, r"model.layer_pattern\[0\].rope must be a bool"),
+    ("model.layer_pattern=[{rope = 1}]", TypeError, r"model.layer_pattern\[0\].rope must be a valid boolean, got 1"),
+    ("model.layer_pattern=[{rope_scaling = 'x'}]", TypeError,
+     r"model.layer_pattern\[0\].rope_scaling must be a table or 'none', got 'x'"),
     ("model.layer_pattern=[{local = true}]", ValueError, "local layers but sliding_window is None"),
-    ("model.qk_norm=both", TypeError, r"model.qk_norm must be one of"),
-    ("model.norm_placement=after", ValueError, r"model.norm_placement must be one of \('pre', 'sandwich', 'post'\)"),
+    ("model.qk_norm=both", ValueError, r"model.qk_norm must be 'none', 'head' or 'full' or a valid boolean, got 'both'"),
+    ("model.norm_placement=after", ValueError, r"model.norm_placement must be 'pre', 'sandwich' or 'post'"),
 ])
-def test_validation_errors(override, error, match):
-    with pytest.raises(error, match=match):
+def test_validation_errors_are_one_line_naming_the_field(override, error, match):
+    with pytest.raises(error, match=match) as caught:
         load_config(overrides=[override])
+    assert "\n" not in str(caught.value) and "pydantic" not in str(caught.value)
+
+
+def test_every_bad_field_is_named_on_the_one_line():
+    with pytest.raises(TypeError) as caught:
+        load_config(overrides=["train.lr=fast", "model.d_model=x", "runtime.matmul=bf16"])
+    assert str(caught.value) == ("model.d_model must be a valid integer, got 'x'; train.lr must be a valid number, "
+                                 "got 'fast'; runtime.matmul must be 'xla', 'bfloat16', 'bfloat16_cpu' or 'auto', "
+                                 "got 'bf16'")
+    with pytest.raises(ValueError, match=r"^unknown train keys \['lrr', 'sed'\]; known keys: \["):
+        load_config(overrides=["train.lrr=1", "train.sed=2"])
+
+
+@pytest.mark.parametrize("build, error, match", [
+    (lambda: TrainConfig(lr="fast"), TypeError, "^TrainConfig.lr must be a valid number, got 'fast'$"),
+    (lambda: TrainConfig(lr=1e-3, min_lr=1e-2), ValueError, "^TrainConfig: min_lr=0.01 exceeds lr=0.001$"),
+    (lambda: TrainConfig(learning_rate=1), ValueError, r"^unknown TrainConfig keys \['learning_rate'\]$"),
+    (lambda: RuntimeConfig(mesh="data:x"), ValueError, "^RuntimeConfig.mesh: mesh 'data:x': each item"),
+    (lambda: TrainConfig().replace(batch_size=0), ValueError, "^TrainConfig.batch_size must be greater than 0"),
+    (lambda: load_config().replace(train=TrainConfig(block_size=128)), ValueError, "^model.max_seq_len=64 is shorter"),
+])
+def test_tables_built_in_python_raise_the_same_one_line_errors(build, error, match):
+    with pytest.raises(error, match=match):
+        build()
 
 
 def test_unknown_keys_in_files(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text('[model]\nd_model = 64\n[optimizer]\nlr = 1\n')
-    with pytest.raises(ValueError, match=r"unknown config file bad.toml keys \['optimizer'\]"):
+    with pytest.raises(ValueError, match=r"config file bad.toml: unknown keys \['optimizer'\]"):
         load_config(bad)
     bad.write_text('[train]\nbatchsize = 4\n')
     with pytest.raises(ValueError, match=r"unknown train keys \['batchsize'\]"):
         load_config(bad)
     with pytest.raises(FileNotFoundError, match="available: .*shakespeare_char_baby"):
         load_config("no_such_experiment")
+    bad.write_text('[train]\nlr = 1e-3\nbatch_size = "many"\n')
+    with pytest.raises(TypeError, match="^train.batch_size must be a valid integer, got 'many'$"):
+        load_config(bad)
+    bad.write_text('[train]\nlr 1e-3\n')
+    with pytest.raises(ValueError, match=r"bad.toml is not valid TOML: .*\(at line 2, column 4\)$") as caught:
+        load_config(bad)
+    assert "\n" not in str(caught.value)
 
 
 def test_json_round_trip():
@@ -105,6 +148,8 @@ def test_runtime_table_and_overrides():
                                  'runtime.xla_flags="--xla_cpu_enable_fast_math=false"'])
     assert cfg.runtime == RuntimeConfig(matmul="bfloat16", mesh="data:3", attention="xla",
                                         xla_flags="--xla_cpu_enable_fast_math=false")
+    assert cfg.runtime.mesh == MeshShape(data=3)  # the text is parsed once, when the config is built
+    assert cfg.to_dict()["runtime"]["mesh"] == "data:3,fsdp:1,tensor:1"  # and saved as text
     assert cfg.runtime.requested_kernels().decode == "auto"
     assert load_config().runtime == RuntimeConfig()  # the default config asks for "auto" everywhere
     assert load_config("shakespeare_char").runtime.mesh == "auto"  # no CPU devices asked for on a GPU

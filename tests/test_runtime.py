@@ -28,12 +28,14 @@ def test_widest_split_divides_the_batch(batch, limit, width):
 def test_auto_on_a_cpu_uses_the_cores_that_divide_the_batch(monkeypatch):
     monkeypatch.setattr(runtime, "cpu_cores", lambda: 2)
     resolved = runtime.resolve(RuntimeConfig(), batch_size=12, platform=AVX2, devices=2)
-    assert resolved.mesh_shape == MeshShape(data=2) and resolved.config.mesh == "data:2,fsdp:1,tensor:1"
+    assert resolved.mesh_shape == MeshShape(data=2) and resolved.config.mesh == MeshShape(data=2)
     assert resolved.kernels == Kernels(attention="auto_cpu", decode="auto_cpu", matmul="xla", moe="auto_cpu")
     assert resolved.config.requested_kernels() == resolved.kernels  # what gets saved has no "auto"
     assert "2 cores" in resolved.reasons["mesh"]
     lines = resolved.describe()
     assert any(line.strip().startswith("runtime.matmul = 'xla' (this CPU has no AMX-BF16") for line in lines)
+    assert "  runtime.mesh = 'data:2,fsdp:1,tensor:1' (one host device per CPU core that divides the batch " \
+           "(2 cores, batch 12))" in lines  # the mesh as config.json holds it
     # JAX started with one device (a library caller): auto uses what there is, silently.
     assert runtime.resolve(RuntimeConfig(), 12, platform=AVX2, devices=1).mesh_shape == MeshShape()
 
@@ -67,12 +69,11 @@ def test_an_explicit_mesh_is_resolved_as_asked_and_makes_its_host_devices():
     assert runtime.cpu_devices_wanted(RuntimeConfig(cpu_devices=3), 8) == 3
 
 
-def test_the_older_data_parallel_field_reads_as_a_data_mesh():
-    from train.config import load_config
-    assert load_config(overrides=["runtime.data_parallel=2"]).runtime.mesh == "data:2"
-    assert load_config(overrides=["runtime.data_parallel=auto"]).runtime.mesh == "auto"
-    with pytest.raises(ValueError, match="give only mesh"):
-        load_config(overrides=["runtime.data_parallel=2", "runtime.mesh=data:2"])
+def test_the_mesh_is_parsed_once_and_built_once():
+    asked = RuntimeConfig(mesh="data:1")
+    resolved = runtime.resolve(asked, 4, platform=AVX2, devices=jax.device_count())
+    assert resolved.mesh_shape is asked.mesh and resolved.config.mesh is asked.mesh  # no text parsed again
+    assert resolved.mesh is resolved.mesh and resolved.mesh.shape == {"data": 1, "fsdp": 1, "tensor": 1}
 
 
 def test_preparing_jax_after_it_started_warns_instead_of_failing():
@@ -104,8 +105,8 @@ def test_host_devices_asked_for_are_all_used_or_refused_before_they_are_made(mon
     with pytest.raises(ValueError, match=re.escape("runtime.cpu_devices=1000 makes 1000 host device(s), but a batch "
                                                    "of 12 splits over at most 12 of them: ask for --cpu-devices 12")):
         runtime.check_cpu_devices(RuntimeConfig(cpu_devices=1000), 12)
-    with pytest.raises(ValueError, match=re.escape("runtime.mesh='data:2' uses 2 device(s) but runtime.cpu_devices=2 "
-                                                   "makes 4 in 2 processes")):
+    with pytest.raises(ValueError, match=re.escape("runtime.mesh='data:2,fsdp:1,tensor:1' uses 2 device(s) but "
+                                                   "runtime.cpu_devices=2 makes 4 in 2 processes")):
         runtime.check_cpu_devices(RuntimeConfig(cpu_devices=2, mesh="data:2"), 12, num_processes=2)
     assert runtime.check_cpu_devices(RuntimeConfig(cpu_devices=2), 12) == []
     assert runtime.check_cpu_devices(RuntimeConfig(cpu_devices=4), 12) == [

@@ -10,20 +10,24 @@ A config file has up to three tables:
   flags); every field defaults to "auto", resolved when the run starts.
 
 `base = "other_name"` at the top inherits another file and overrides some of its
-values. Unknown keys, wrong types and bad choices are errors. Overrides use TOML's
-value syntax: `--set model.d_model=256 train.lr=3e-4 model.num_kv_heads=none
-runtime.matmul=xla`.
-"""
+values. Overrides use TOML's value syntax: `--set model.d_model=256 train.lr=3e-4
+model.num_kv_heads=none runtime.matmul=xla`.
 
-from __future__ import annotations
+The tables are validated by pydantic as JSON data, the types TOML and a saved config.json
+share: an integer field takes only integers, a float field integers or floats, a bool field
+only true/false, a string field only strings. Unknown keys, wrong types and bad choices are
+one-line errors naming the field, e.g. `train.lr must be a valid number, got 'fast'`.
+"""
 
 import dataclasses
 import json
 import tomllib
-import types
-import typing
 from pathlib import Path
-from typing import Any, Literal, Mapping, Sequence
+from typing import Annotated, Any, ClassVar, Literal, Mapping, Self, Sequence
+
+from pydantic import (BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, PlainSerializer, PlainValidator,
+                      PositiveFloat, PositiveInt, ValidationError, model_validator)
+from pydantic_core import PydanticCustomError
 
 from jaxattn import kernels
 from jaxattn.config import ModelConfig
@@ -33,9 +37,38 @@ CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 DEFAULT_CONFIG = "shakespeare_char_baby"
 TABLES = ("model", "train", "runtime")
 
+OpenFraction = Annotated[float, Field(gt=0, lt=1)]
 
-@dataclasses.dataclass(frozen=True)
-class TrainConfig:
+
+class _OneLineErrors(type(BaseModel)):
+    """Building a table directly, `TrainConfig(lr=...)`, raises one line naming the field (`_one_line`).
+
+    Here, not in `__init__`: a table with its own `__init__` is validated through it, in Python
+    mode, even by `model_validate_json`."""
+
+    def __call__(cls, *args, **kwargs):
+        try:
+            return super().__call__(*args, **kwargs)
+        except ValidationError as err:
+            raise _one_line(err, cls._where) from None
+
+
+class _Table(BaseModel, metaclass=_OneLineErrors):
+    """A frozen config table: strict types, unknown keys refused."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
+    _where: ClassVar[str]  # how errors name this table when it is built directly
+
+    def replace(self, **changes: Any) -> Self:
+        """A copy with `changes`, checked as a new table is."""
+        return type(self)(**{**dict(self), **changes})
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain values: what config.json holds (a mesh as its "data:D,fsdp:F,tensor:T" text)."""
+        return self.model_dump()
+
+
+class TrainConfig(_Table):
     """How to train. Defaults are nanoGPT's CPU "baby" Shakespeare run.
 
     Attributes:
@@ -72,242 +105,179 @@ class TrainConfig:
       plot: write the loss curve PNG at the end.
     """
 
-    batch_size: int = 12
-    block_size: int = 64
-    max_iters: int = 2000
-    lr: float = 1e-3
-    min_lr: float = 1e-4
-    warmup_iters: int = 100
-    lr_decay_iters: int = 2000
+    _where = "TrainConfig"
+
+    batch_size: PositiveInt = 12
+    block_size: PositiveInt = 64
+    max_iters: PositiveInt = 2000
+    lr: PositiveFloat = 1e-3
+    min_lr: NonNegativeFloat = 1e-4
+    warmup_iters: NonNegativeInt = 100
+    lr_decay_iters: PositiveInt = 2000
     schedule: Literal["cosine", "wsd"] = "cosine"
-    decay_fraction: float = 0.2
+    decay_fraction: Annotated[float, Field(ge=0, le=1)] = 0.2
     optimizer: Literal["adamw", "muon"] = "adamw"
-    muon_lr: float = 0.02
-    muon_momentum: float = 0.95
-    muon_momentum_start: float = 0.85
-    muon_momentum_warmup: int = 300
-    beta1: float = 0.9
-    beta2: float = 0.99
-    weight_decay: float = 0.1
+    muon_lr: PositiveFloat = 0.02
+    muon_momentum: OpenFraction = 0.95
+    muon_momentum_start: OpenFraction = 0.85
+    muon_momentum_warmup: NonNegativeInt = 300
+    beta1: OpenFraction = 0.9
+    beta2: OpenFraction = 0.99
+    weight_decay: NonNegativeFloat = 0.1
     decay_embeddings: bool = True
-    grad_clip: float = 1.0
-    eval_interval: int = 250
-    eval_iters: int = 20
+    grad_clip: NonNegativeFloat = 1.0
+    eval_interval: PositiveInt = 250
+    eval_iters: PositiveInt = 20
     eval_whole_val: bool = False
     target_loss: float | None = None
-    log_interval: int = 10
-    steps_per_dispatch: int = 1
-    seed: int = 1337
+    log_interval: PositiveInt = 10
+    steps_per_dispatch: PositiveInt = 1
+    seed: Annotated[int, Field(ge=0, lt=2 ** 63)] = 1337
     out_dir: str = "runs/shakespeare_char_baby"
     checkpoint: bool = True
     data_path: str | None = None
     tokenizer: Literal["char", "byte", "bpe", "hf"] = "char"
-    val_fraction: float = 0.1
-    sample_tokens: int = 300
-    sample_temperature: float = 0.8
+    val_fraction: OpenFraction = 0.1
+    sample_tokens: NonNegativeInt = 300
+    sample_temperature: NonNegativeFloat = 0.8
     sample_prompt: str = "\n"
     plot: bool = True
 
-    def __post_init__(self):
-        for name in ("batch_size", "block_size", "max_iters", "eval_interval", "eval_iters",
-                     "log_interval", "steps_per_dispatch", "lr_decay_iters"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"TrainConfig.{name} must be positive, got {getattr(self, name)}")
-        for name in ("warmup_iters", "sample_tokens", "weight_decay", "grad_clip", "min_lr", "muon_momentum_warmup"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"TrainConfig.{name} must be >= 0, got {getattr(self, name)}")
-        if not 0 < self.lr:
-            raise ValueError(f"TrainConfig.lr must be positive, got {self.lr}")
+    @model_validator(mode="after")
+    def _min_lr_at_most_lr(self) -> Self:
         if self.min_lr > self.lr:
-            raise ValueError(f"TrainConfig.min_lr={self.min_lr} exceeds lr={self.lr}")
-        if not 0 < self.muon_lr:
-            raise ValueError(f"TrainConfig.muon_lr must be positive, got {self.muon_lr}")
-        for name in ("beta1", "beta2", "val_fraction", "muon_momentum", "muon_momentum_start"):
-            if not 0.0 < getattr(self, name) < 1.0:
-                raise ValueError(f"TrainConfig.{name} must be in (0, 1), got {getattr(self, name)}")
-        if not 0.0 <= self.decay_fraction <= 1.0:
-            raise ValueError(f"TrainConfig.decay_fraction must be in [0, 1], got {self.decay_fraction}")
-        if not self.sample_temperature >= 0:
-            raise ValueError(f"TrainConfig.sample_temperature must be >= 0, got {self.sample_temperature}")
-        if not 0 <= self.seed < 2 ** 63:
-            raise ValueError(f"TrainConfig.seed must be in [0, 2**63), got {self.seed}")
-        for name, allowed in (("tokenizer", ("char", "byte", "bpe", "hf")), ("schedule", ("cosine", "wsd")),
-                              ("optimizer", ("adamw", "muon"))):
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"TrainConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}")
-
-    def replace(self, **changes) -> "TrainConfig":
-        return dataclasses.replace(self, **changes)
+            raise ValueError(f"min_lr={self.min_lr} exceeds lr={self.lr}")
+        return self
 
 
-def _check_positive_or_auto(name: str, value: Any) -> None:
-    if value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
-        raise ValueError(f"{name} must be a positive integer or 'auto', got {value!r}")
+def _kernel_choice(field: str):
+    """The names `runtime.FIELD` takes: `jaxattn.kernels`' implementations of FIELD, or "auto"."""
+    return Literal[kernels.choices(field) + (kernels.AUTO,)]
 
 
-@dataclasses.dataclass(frozen=True)
-class RuntimeConfig:
+def _mesh_or_auto(value: Any) -> MeshShape | Literal["auto"]:
+    """"auto", or a mesh: its text ("data:2,fsdp:2") is parsed here, once."""
+    if value == "auto" or isinstance(value, MeshShape):
+        return value
+    if not isinstance(value, str):
+        raise PydanticCustomError("mesh_type", "Input should be \"auto\" or a mesh like \"data:2,fsdp:2\"")
+    return MeshShape.parse(value)  # ValueError naming what is wrong
+
+
+class RuntimeConfig(_Table):
     """How this machine runs an experiment; never the model's maths (docs/theory.md §15).
 
     Attributes:
       attention, decode, matmul, mla, moe: `jaxattn.Kernels` implementation names, or "auto":
         chosen for the platform when the run starts (`train.runtime`), printed with the
         reason and saved resolved.
-      mesh: the device mesh, "data:D,fsdp:F,tensor:T" (axes left out are 1; see
-        `jaxattn.sharding`); its product must equal the device count. "auto": the batch
-        split over one host device per CPU core that divides it (on a CPU), or over the
-        devices that divide it (on a GPU or TPU).
+      mesh: "auto" or the device mesh, a `MeshShape`, written "data:D,fsdp:F,tensor:T" (axes
+        left out are 1; see `jaxattn.sharding`); its product must equal the device count.
+        "auto": the batch split over one host device per CPU core that divides it (on a CPU),
+        or over the devices that divide it (on a GPU or TPU).
       cpu_devices: host devices to make on a CPU (JAX's `jax_num_cpu_devices`, set before
         JAX starts); "auto": the mesh's size, or one per core for an "auto" mesh.
       xla_flags: extra XLA_FLAGS, applied before JAX starts.
-
-    `data_parallel = N` (the field before meshes) is read as `mesh = "data:N"`.
     """
 
-    attention: str = "auto"
-    decode: str = "auto"
-    matmul: str = "auto"
-    mla: str = "auto"
-    moe: str = "auto"
-    mesh: str = "auto"
-    cpu_devices: int | Literal["auto"] = "auto"
+    _where = "RuntimeConfig"
+
+    attention: _kernel_choice("attention") = "auto"
+    decode: _kernel_choice("decode") = "auto"
+    matmul: _kernel_choice("matmul") = "auto"
+    mla: _kernel_choice("mla") = "auto"
+    moe: _kernel_choice("moe") = "auto"
+    mesh: Annotated[MeshShape | Literal["auto"], PlainValidator(_mesh_or_auto), PlainSerializer(str)] = "auto"
+    cpu_devices: PositiveInt | Literal["auto"] = "auto"
     xla_flags: str = ""
-
-    def __post_init__(self):
-        for field in kernels.IMPLEMENTATIONS:
-            allowed = kernels.choices(field) + (kernels.AUTO,)
-            if getattr(self, field) not in allowed:
-                raise ValueError(f"RuntimeConfig.{field} must be one of {allowed}, got {getattr(self, field)!r}")
-        if self.mesh != "auto":
-            MeshShape.parse(self.mesh)  # ValueError naming what is wrong
-        _check_positive_or_auto("RuntimeConfig.cpu_devices", self.cpu_devices)
-
-    def mesh_shape(self) -> MeshShape | None:
-        """The mesh asked for (None for "auto")."""
-        return None if self.mesh == "auto" else MeshShape.parse(self.mesh)
 
     def requested_kernels(self) -> kernels.Kernels:
         """The kernels asked for (fields may be "auto")."""
         return kernels.Kernels(**{field: getattr(self, field) for field in kernels.IMPLEMENTATIONS})
 
-    def replace(self, **changes) -> "RuntimeConfig":
-        return dataclasses.replace(self, **changes)
+
+assert set(kernels.IMPLEMENTATIONS) <= set(RuntimeConfig.model_fields), "a kernel field is missing from [runtime]"
 
 
-@dataclasses.dataclass(frozen=True)
-class ExperimentConfig:
+class ExperimentConfig(_Table):
     """A named experiment: the model, how to train it, and how this machine runs it."""
+
+    _where = ""  # its fields are the tables: errors name `train.lr`
 
     name: str
     model: ModelConfig
     train: TrainConfig
     runtime: RuntimeConfig = RuntimeConfig()
 
-    def __post_init__(self):
+    @model_validator(mode="after")
+    def _block_fits_the_model(self) -> Self:
         if self.model.max_seq_len < self.train.block_size:
             raise ValueError(f"model.max_seq_len={self.model.max_seq_len} is shorter than "
                              f"train.block_size={self.train.block_size}")
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "model": self.model.to_dict(),
-                "train": dataclasses.asdict(self.train), "runtime": dataclasses.asdict(self.runtime)}
+        return self
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True, ensure_ascii=False)
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> "ExperimentConfig":
-        """Inverse of to_dict, with the same checks as a config file."""
-        _reject_unknown("experiment", values, {"name", *TABLES})
-        return cls(name=str(values.get("name", "unnamed")),
-                   model=_build(ModelConfig, values.get("model", {}), "model"),
-                   train=_build(TrainConfig, values.get("train", {}), "train"),
-                   runtime=_build(RuntimeConfig, values.get("runtime", {}), "runtime"))
-
-    def replace(self, **changes) -> "ExperimentConfig":
-        return dataclasses.replace(self, **changes)
+        """Inverse of to_dict, with the same checks as a config file (values of JSON's types)."""
+        try:  # JSON mode: tables and arrays become the dataclasses and tuples of the fields
+            return cls.model_validate_json(json.dumps(values, default=str))
+        except ValidationError as err:
+            raise _one_line(err, "") from None
 
 
-# ----------------------------------------------------------------------------- type checks
+# ----------------------------------------------------------------------------- one-line errors
 
-def _reject_unknown(where: str, values: Mapping[str, Any], known) -> None:
-    unknown = sorted(set(values) - set(known))
-    if unknown:
-        raise ValueError(f"unknown {where} keys {unknown}; known keys: {sorted(known)}")
+SHOULD_BE = "Input should be "
 
 
-def _coerce(name: str, value: Any, hint: Any) -> Any:
-    """`value` checked against the type annotation `hint` (ints are accepted as floats)."""
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        options = [a for a in args if a is not type(None)]
-        if len(options) == 1:  # `X | None`: X's own error says best what is wrong
-            return _coerce(name, value, options[0])
-        errors = []
-        for arg in (a for a in args if a is not type(None)):
-            try:
-                return _coerce(name, value, arg)
-            except (TypeError, ValueError) as err:
-                errors.append(str(err))
-        raise TypeError(f"{name} must be one of {hint}, got {value!r}: {'; '.join(errors)}")
-    if origin is Literal:
-        if value not in args:
-            raise ValueError(f"{name} must be one of {args}, got {value!r}")
-        return value
-    if hint is bool:
-        if not isinstance(value, bool):
-            raise TypeError(f"{name} must be a bool (true/false), got {value!r}")
-        return value
-    if hint is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{name} must be an integer, got {value!r}")
-        return value
-    if hint is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise TypeError(f"{name} must be a number, got {value!r}")
-        return float(value)
-    if hint is str:
-        if not isinstance(value, str):
-            raise TypeError(f"{name} must be a string, got {value!r}")
-        return value
-    if origin is tuple and len(args) == 2 and args[1] is Ellipsis:  # layer_pattern: an array (of tables)
-        if not isinstance(value, (list, tuple)):
-            raise TypeError(f"{name} must be an array, got {value!r}")
-        return tuple(_coerce(f"{name}[{i}]", item, args[0]) for i, item in enumerate(value))
-    if dataclasses.is_dataclass(hint):  # RopeScaling, MLAConfig, LayerKind: a TOML table
-        if isinstance(value, hint):
-            return value
-        if not isinstance(value, Mapping):
-            raise TypeError(f"{name} must be a table like {{field = value, ...}} of {hint.__name__}, "
-                            f"got {value!r}")
-        return _build(hint, value, name)
-    raise TypeError(f"{name}: unsupported annotation {hint!r}")
+def _one_line(err: ValidationError, where: str) -> ValueError | TypeError:
+    """pydantic's report (several lines per error) as one line: `train.lr must be a valid number, got 'fast'`
+    for each field, the members of a union joined by "or". TypeError when the first problem is a type."""
+    wanted: dict[str, list[str]] = {}
+    strays: dict[str, list[str]] = {}  # table -> its unknown keys
+    problems: dict[str, str] = {}
+    for error in err.errors(include_url=False):
+        path = _path(where, error["loc"])
+        if error["type"] in ("extra_forbidden", "unexpected_keyword_argument"):
+            table, _, key = path.rpartition(".")
+            strays.setdefault(table, []).append(key)
+            problems[f"{table} keys"] = _unknown_keys(table, strays[table])
+        elif error["msg"].startswith(SHOULD_BE):
+            wanted.setdefault(path, []).append(error["msg"].removeprefix(SHOULD_BE).replace("an object", "a table"))
+            problems[path] = f"{path} must be {' or '.join(wanted[path])}, got {error['input']!r}"
+        else:
+            text = str(error["ctx"]["error"]) if error["type"] == "value_error" else error["msg"]
+            problems.setdefault(path, f"{path}: {text}" if path else text)
+    kind = TypeError if err.errors()[0]["type"].endswith("_type") else ValueError
+    return kind("; ".join(problems.values()))
 
 
-def _build(cls, values: Mapping[str, Any], where: str):
-    """cls(**values) with unknown keys, types and choices checked first."""
-    if isinstance(values, cls):
-        return values
-    if not isinstance(values, Mapping):
-        raise TypeError(f"{where} must be a table, got {values!r}")
-    if cls is RuntimeConfig and "data_parallel" in values:
-        values = _mesh_from_data_parallel(values)
-    hints = typing.get_type_hints(cls)
-    _reject_unknown(where, values, hints)
-    return cls(**{k: _coerce(f"{where}.{k}", v, hints[k]) for k, v in values.items()})
+def _unknown_keys(table: str, keys: list[str]) -> str:
+    known = _table_keys(table)
+    return f"unknown {table or 'experiment'} keys {keys}" + (f"; known keys: {known}" if known else "")
 
 
-def _mesh_from_data_parallel(values: Mapping[str, Any]) -> dict[str, Any]:
-    """A runtime table with the older `data_parallel = N | "auto"` read as `mesh = "data:N" | "auto"`."""
-    values = dict(values)
-    width = values.pop("data_parallel")
-    if values.get("mesh", "auto") != "auto":
-        raise ValueError("runtime.data_parallel is the older name of runtime.mesh = \"data:N\"; give only mesh")
-    _check_positive_or_auto("runtime.data_parallel", width)
-    values["mesh"] = "auto" if width == "auto" else f"data:{width}"
-    return values
+def _path(where: str, loc: tuple) -> str:
+    """('model', 'layer_pattern', 0, 'rope') -> 'model.layer_pattern[0].rope'."""
+    path = where
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif part.isidentifier() and part.islower() and part not in ("int", "float", "bool", "str"):
+            path += f".{part}" if path else part
+        # else: the tag pydantic gives a union's member (bool, literal['auto'], RopeScaling): not a key
+    return path
+
+
+def _table_keys(table: str) -> list[str]:
+    """The keys of a top-level table ("model", "train", "runtime"); [] for anything else."""
+    kind = {"model": ModelConfig, "train": TrainConfig, "runtime": RuntimeConfig}.get(table)
+    if kind is None:
+        return []
+    return sorted(f.name for f in dataclasses.fields(kind)) if kind is ModelConfig else sorted(kind.model_fields)
 
 
 # ----------------------------------------------------------------------------- files and overrides
@@ -332,7 +302,9 @@ def _read_tables(name_or_path: str | Path, seen: tuple[str, ...] = ()) -> dict[s
             raw = tomllib.load(f)
         except tomllib.TOMLDecodeError as err:
             raise ValueError(f"config file {path} is not valid TOML: {err}") from None
-    _reject_unknown(f"config file {path.name}", raw, {"base", *TABLES})
+    unknown = sorted(set(raw) - {"base", *TABLES})
+    if unknown:
+        raise ValueError(f"config file {path.name}: unknown keys {unknown}; known keys: {['base', *TABLES]}")
     tables = _read_tables(raw["base"], seen + (str(path),)) if "base" in raw else {t: {} for t in TABLES}
     for table in TABLES:
         tables[table] = {**tables[table], **raw.get(table, {})}
@@ -362,6 +334,4 @@ def load_config(name_or_path: str | Path = DEFAULT_CONFIG,
     for item in overrides:
         table, field, value = parse_override(item)
         tables[table][field] = value
-    return ExperimentConfig(name=Path(name_or_path).stem, model=_build(ModelConfig, tables["model"], "model"),
-                            train=_build(TrainConfig, tables["train"], "train"),
-                            runtime=_build(RuntimeConfig, tables["runtime"], "runtime"))
+    return ExperimentConfig.from_dict({"name": Path(name_or_path).stem, **tables})

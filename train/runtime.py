@@ -11,6 +11,7 @@ programs print, and builds the device mesh.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 
 import jax
@@ -28,7 +29,8 @@ class Runtime:
 
     Attributes:
       platform: what the choices were made for.
-      config: the `RuntimeConfig` with every "auto" replaced (what is saved with the run).
+      config: the `RuntimeConfig` with every "auto" replaced (what is saved with the run): its
+        kernel names are `kernels`' and its mesh is `mesh_shape`.
       kernels: the implementations the model runs with.
       mesh_shape: the size of each mesh axis (data, fsdp, tensor).
       reasons: field -> why it has its value.
@@ -42,17 +44,18 @@ class Runtime:
     reasons: dict[str, str]
     warnings: tuple[str, ...] = ()
 
-    @property
+    @functools.cached_property
     def mesh(self) -> Mesh:
-        """The device mesh: the first `mesh_shape.size` of JAX's devices (every process's)."""
+        """The device mesh, built on first use: the first `mesh_shape.size` of JAX's devices (every process's)."""
         return make_mesh(self.mesh_shape, jax.devices()[:self.mesh_shape.size])
 
     def describe(self) -> list[str]:
-        """One line per choice: `runtime.FIELD = VALUE (reason)`."""
+        """One line per choice: `runtime.FIELD = VALUE (reason)`, VALUE as config.json holds it."""
         processes = f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""
         lines = [f"runtime: {self.platform.describe()}, {jax.device_count()} device(s){processes}"]
+        values = self.config.to_dict()
         for field, reason in self.reasons.items():
-            lines.append(f"  runtime.{field} = {getattr(self.config, field)!r} ({reason})")
+            lines.append(f"  runtime.{field} = {values[field]!r} ({reason})")
         return lines
 
 
@@ -71,8 +74,9 @@ def cpu_devices_wanted(config: RuntimeConfig, batch_size: int, num_processes: in
     every process's devices), else one per core."""
     if config.cpu_devices != "auto":
         return config.cpu_devices
-    shape = config.mesh_shape()
-    return max(1, shape.size // num_processes) if shape is not None else widest_split(batch_size, cpu_cores())
+    if config.mesh != "auto":
+        return max(1, config.mesh.size // num_processes)
+    return widest_split(batch_size, cpu_cores())
 
 
 def check_cpu_devices(config: RuntimeConfig, batch_size: int, num_processes: int = 1) -> list[str]:
@@ -80,14 +84,14 @@ def check_cpu_devices(config: RuntimeConfig, batch_size: int, num_processes: int
     devices idle; a warning when they outnumber the cores (useful to try a mesh, not for speed)."""
     if config.cpu_devices == "auto":
         return []
-    devices, shape = config.cpu_devices * num_processes, config.mesh_shape()
+    devices, mesh = config.cpu_devices * num_processes, config.mesh
     widest = widest_split(batch_size, devices)
-    if shape is None and widest < devices:
+    if mesh == "auto" and widest < devices:
         raise ValueError(f"runtime.cpu_devices={config.cpu_devices} makes {devices} host device(s), but a batch "
                          f"of {batch_size} splits over at most {widest} of them: ask for --cpu-devices {widest}, "
-                         "or give --mesh")
-    if shape is not None and shape.size != devices:
-        raise ValueError(f"runtime.mesh={config.mesh!r} uses {shape.size} device(s) but runtime.cpu_devices="
+                         "or give --mesh (runtime.cpu_devices, runtime.mesh)")
+    if mesh != "auto" and mesh.size != devices:
+        raise ValueError(f"runtime.mesh={str(mesh)!r} uses {mesh.size} device(s) but runtime.cpu_devices="
                          f"{config.cpu_devices} makes {devices}" + (f" in {num_processes} processes" if
                                                                     num_processes > 1 else ""))
     if config.cpu_devices > cpu_cores():
@@ -117,9 +121,8 @@ def prepare_jax(config: RuntimeConfig, batch_size: int, num_processes: int = 1) 
 def _mesh(config: RuntimeConfig, batch_size: int, platform: Platform, devices: int,
           model: ModelConfig | None) -> tuple[MeshShape, str]:
     """(mesh shape, reason); ValueError for a mesh that does not fit the devices, batch or model."""
-    asked = config.mesh_shape()
-    if asked is not None:
-        reason = "asked for"
+    if config.mesh != "auto":
+        asked, reason = config.mesh, "asked for"
     elif jax.process_count() > 1:
         asked, reason = MeshShape(data=devices), f"data parallel over all {devices} devices of the processes"
     else:  # host devices asked for by number are all used; made by "auto", one per core
@@ -129,8 +132,8 @@ def _mesh(config: RuntimeConfig, batch_size: int, platform: Platform, devices: i
                   if platform.is_cpu else f"the {platform.backend} devices that divide the batch ({devices})")
     check_mesh(model, asked, batch_size)  # before the device count: what the user must change first
     if config.mesh != "auto" and asked.size != devices:  # an "auto" mesh may use the first devices only
-        raise ValueError(f"runtime.mesh={str(asked)!r} uses {asked.size} device(s) but JAX has {devices}"
-                         + (" (--cpu-devices N makes N host devices)" if platform.is_cpu else ""))
+        raise ValueError(f"runtime.mesh={str(asked)!r} uses {asked.size} device(s) but JAX has {devices}" + (
+            " (--cpu-devices N, runtime.cpu_devices = N, makes N host devices)" if platform.is_cpu else ""))
     return asked, reason
 
 
@@ -144,7 +147,7 @@ def resolve(config: RuntimeConfig, batch_size: int, platform: Platform | None = 
     devices = jax.device_count() if devices is None else devices
     kernels, reasons = resolve_kernels(config.requested_kernels(), platform)
     shape, reasons["mesh"] = _mesh(config, batch_size, platform, devices, model)
-    concrete = config.replace(**kernels.to_dict(), mesh=str(shape))
+    concrete = config.replace(**kernels.to_dict(), mesh=shape)
     return Runtime(platform=platform, config=concrete, kernels=kernels, mesh_shape=shape, reasons=reasons)
 
 
