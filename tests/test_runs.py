@@ -1,12 +1,12 @@
-"""Nothing lost, nothing silent: run directories, divergence, interrupts and crashes (issue 12).
+"""Nothing lost, nothing silent: run directories, divergence, interrupts and crashes.
 
 Training runs here are tiny (a 2-layer, d 32 model on a slice of the corpus) so that each
-takes seconds; the crash tests start real `python -m train.tiny_lm` processes and kill them.
+takes seconds; the crash tests (marked slow) start real `python -m train.tiny_lm` processes
+and stop or kill them, at exact moments where `train.crash_points` can name one.
 """
 
 import json
 import os
-import random
 import re
 import signal
 import subprocess
@@ -18,8 +18,9 @@ import jax
 import numpy as np
 import pytest
 
-from train import tiny_lm
-from train.checkpoint import CheckpointError, load_for_sampling
+from train import crash_points, tiny_lm
+from train.checkpoint import CheckpointError
+from train.sampling_checkpoint import load_for_sampling
 from train.config import load_config
 from train.loop import TrainingDiverged, train
 from train.rundir import RunDirectoryError, RunLock, claim, repair_metrics
@@ -60,7 +61,7 @@ def cli(capsys, *argv):
 
 
 # --------------------------------------------------------------------------------------------
-# 1-3: a run's directory is never replaced silently, never shared, never written before it is checked
+# A run's directory is never replaced silently, never shared, never written before it is checked
 
 
 def test_a_new_run_refuses_a_directory_that_holds_a_run(text_file, tmp_path, capsys):
@@ -83,7 +84,11 @@ def test_a_second_run_into_a_locked_directory_fails_at_once(tmp_path):
         claim(tmp_path, resume=False, overwrite=False)
     lock.release()
     claim(tmp_path, resume=False, overwrite=False).release()  # free again
-    # A process that dies holding the lock releases it (the OS closes its file).
+
+
+@pytest.mark.slow
+def test_a_process_that_dies_holding_the_lock_releases_it(tmp_path):
+    """The OS closes its file."""
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time; sys.path.insert(0, sys.argv[1]);"
                                "from train.rundir import RunLock; RunLock(__import__('pathlib').Path(sys.argv[2]));"
                                "print('locked', flush=True); time.sleep(600)", str(ROOT), str(tmp_path)],
@@ -111,6 +116,7 @@ def test_a_failed_resume_writes_nothing(text_file, tmp_path, capsys):
     assert not (fresh / "checkpoints").exists() and not (fresh / "config.json").exists()
 
 
+@pytest.mark.slow
 def test_resume_without_a_checkpoint_in_a_real_process_is_one_line(text_file, tmp_path):
     """No orbax thread left behind to print a traceback at exit."""
     done = subprocess.run([sys.executable, "-m", "train.tiny_lm", "--set", *TINY, "--data", str(text_file),
@@ -145,7 +151,7 @@ def test_compare_writes_under_runs_and_checks_its_arguments_first(text_file, tmp
 
 
 # --------------------------------------------------------------------------------------------
-# 7-8: divergence and a resume with nothing to do stop with one clear line
+# Divergence and a resume with nothing to do stop with one clear line
 
 
 def test_a_diverging_run_stops_before_logging_or_saving_a_non_finite_loss(text_file, tmp_path, capsys):
@@ -166,7 +172,7 @@ def test_resume_past_max_iters_says_there_is_nothing_to_train(text_file, tmp_pat
 
 
 # --------------------------------------------------------------------------------------------
-# 11: one clear line instead of a traceback
+# One clear line instead of a traceback
 
 
 def test_bad_input_gives_one_line(text_file, tmp_path, capsys):
@@ -177,7 +183,7 @@ def test_bad_input_gives_one_line(text_file, tmp_path, capsys):
     for argv, code, message in [
         (run(a_file), 1, "is a file, not a directory"),
         (run(a_file / "sub"), 1, "cannot use"),
-        (run(tmp_path / "s", "train.seed=18446744073709551616"), 2, "seed must be in [0, 2**63)"),
+        (run(tmp_path / "s", "train.seed=18446744073709551616"), 2, "train.seed must be less than 9223372036854775808"),
         (run(tmp_path / "p", "train.sample_prompt='€'", "train.sample_tokens=5"), 1,
          "train.sample_prompt cannot be encoded"),
         (run(tmp_path / "t", "train.sample_temperature=nan"), 2, "sample_temperature"),
@@ -250,17 +256,18 @@ def compile_cache(tmp_path_factory):
             "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
 
 
-def start(text_file, out_dir, *extra, cache):
+def start(text_file, out_dir, *extra, env):
+    """`python -m train.tiny_lm` of CRASH_RUN in a new process, `env` added to its environment."""
     args = [sys.executable, "-m", "train.tiny_lm", "--set", *CRASH_RUN, "--data", str(text_file),
             "--out-dir", str(out_dir), "--quiet", *extra]
-    return subprocess.Popen(args, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), **cache},
+    return subprocess.Popen(args, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), **env},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(text_file, tmp_path_factory, compile_cache):
     out = tmp_path_factory.mktemp("uninterrupted")
-    proc = start(text_file, out, cache=compile_cache)
+    proc = start(text_file, out, env=compile_cache)
     assert proc.wait(timeout=300) == 0, proc.stderr.read()
     return (out / "metrics.jsonl").read_text(), load_for_sampling(out / "checkpoints" / "latest")[0]
 
@@ -282,8 +289,9 @@ def assert_same_run(out, uninterrupted):
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.slow
 def test_sigint_saves_exits_130_and_resume_continues_exactly(text_file, tmp_path, uninterrupted, compile_cache):
-    proc = start(text_file, tmp_path, cache=compile_cache)
+    proc = start(text_file, tmp_path, env=compile_cache)
     deadline = time.time() + 240
     latest = tmp_path / "checkpoints" / "latest"
     while not (latest.is_dir() and any(p.name.isdigit() for p in latest.iterdir())):  # after the first save
@@ -293,31 +301,52 @@ def test_sigint_saves_exits_130_and_resume_continues_exactly(text_file, tmp_path
     assert proc.wait(timeout=120) == 130
     err = proc.stderr.read()
     assert "Traceback" not in err and "stopped: SIGINT at step" in err and "--resume continues" in err
-    resumed = start(text_file, tmp_path, "--resume", cache=compile_cache)
+    resumed = start(text_file, tmp_path, "--resume", env=compile_cache)
     assert resumed.wait(timeout=300) == 0, resumed.stderr.read()
     assert_same_run(tmp_path, uninterrupted)
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_killed_at_a_random_moment_then_resumed_ends_like_an_uninterrupted_run(text_file, tmp_path, seed,
-                                                                               uninterrupted, compile_cache):
-    """SIGKILL mid-step, mid-eval or mid-save (the moment is random): the newest valid checkpoint
-    resumes, `metrics.jsonl` is repaired (each step once, a torn last line dropped)."""
-    proc = start(text_file, tmp_path, cache=compile_cache)
-    started = time.time()
-    while not (tmp_path / "metrics.jsonl").exists():  # training has begun (compilation is done)
-        assert proc.poll() is None and time.time() - started < 240
-        time.sleep(0.02)
-    time.sleep(random.Random(seed).uniform(0.0, 2.0))
-    proc.kill()
-    if proc.wait() == 0:  # it finished before the kill: nothing to resume
-        assert_same_run(tmp_path, uninterrupted)
-        return
+def finished_steps(latest: Path) -> list[int]:
+    return sorted(int(p.name) for p in latest.iterdir() if p.name.isdigit())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("moment, newest_checkpoint", [("step:12", 10), ("eval:15", 10), ("save:20", 15)])
+def test_killed_at_a_planned_moment_then_resumed_ends_like_an_uninterrupted_run(
+        text_file, tmp_path, moment, newest_checkpoint, uninterrupted, compile_cache):
+    """SIGKILL (train.crash_points) while the steps 10-15 run, after the checkpoint at step 10; in the
+    evaluation at step 15, its losses computed and the steps before it logged; in the save of step
+    20, its files written and not committed. The newest valid checkpoint resumes, `metrics.jsonl`
+    is repaired (each step once), and the run ends exactly as an uninterrupted one."""
+    killed = start(text_file, tmp_path, env={**compile_cache, crash_points.ENV: moment})
+    _, err = killed.communicate(timeout=300)
+    assert killed.returncode == -signal.SIGKILL, f"not killed at {moment}: {err[-2000:]}"  # not finished first
     latest = tmp_path / "checkpoints" / "latest"
-    has_checkpoint = latest.is_dir() and any(p.name.isdigit() for p in latest.iterdir())
-    again = start(text_file, tmp_path, "--resume" if has_checkpoint else "--overwrite", cache=compile_cache)
-    assert again.wait(timeout=300) == 0, again.stderr.read()
+    assert finished_steps(latest)[-1] == newest_checkpoint
+    event, step = moment.split(":")
+    if event == "save":  # the killed save was really under way
+        assert any(p.name.startswith(f"{step}.") and "tmp" in p.name for p in latest.iterdir())
+    resumed = start(text_file, tmp_path, "--resume", env=compile_cache)
+    assert resumed.wait(timeout=300) == 0, resumed.stderr.read()
     assert_same_run(tmp_path, uninterrupted)
+
+
+def test_a_crash_point_is_named_exactly_or_refused(monkeypatch):
+    signals = []
+    monkeypatch.setattr(crash_points.os, "kill", lambda pid, sig: signals.append((pid, sig)))
+    monkeypatch.setenv(crash_points.ENV, "save:20")
+    assert crash_points.planned() == ("save", 20) and crash_points.save_path_class() is not None
+    crash_points.kill_if_planned("save", 15)  # another step
+    crash_points.kill_if_planned("eval", 20)  # another event
+    assert signals == []
+    crash_points.kill_if_planned("save", 19, 20)
+    assert signals == [(os.getpid(), signal.SIGKILL)]
+    for bad in ("save", "save:-1", "saving:20", "save:twenty"):
+        monkeypatch.setenv(crash_points.ENV, bad)
+        with pytest.raises(ValueError, match=f"{crash_points.ENV}='{bad}': expected EVENT:STEP"):
+            crash_points.planned()
+    monkeypatch.delenv(crash_points.ENV)
+    assert crash_points.planned() is None and crash_points.save_path_class() is None
 
 
 def test_repair_metrics_keeps_each_step_once_and_drops_a_torn_line(tmp_path):
@@ -331,7 +360,7 @@ def test_repair_metrics_keeps_each_step_once_and_drops_a_torn_line(tmp_path):
 
 
 # --------------------------------------------------------------------------------------------
-# Issue 21: every moment of a run ends in one line, with what was done kept
+# Every moment of a run ends in one line, with what was done kept
 
 
 def last_line(err: str) -> str:
@@ -354,6 +383,7 @@ def wait_for_line(proc, prefix: str) -> None:
     raise AssertionError(f"no line starting {prefix!r}: {proc.stderr.read()[-2000:]}")
 
 
+@pytest.mark.slow
 def test_sigint_while_compiling_stops_with_nothing_written(text_file, tmp_path):
     """No compilation cache here: compiling takes seconds, and the signal comes right after the
     'parameters:' line that precedes it."""
@@ -369,17 +399,18 @@ def test_sigint_while_compiling_stops_with_nothing_written(text_file, tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == [".lock"]  # the same command runs again without --overwrite
 
 
+@pytest.mark.slow
 def test_sigint_during_a_save_keeps_it_and_resume_continues_exactly(text_file, tmp_path, uninterrupted, compile_cache):
     """The signal is sent the moment orbax starts writing a checkpoint (its temporary folder appears):
     the save completes, the run stops there, and the resumed run equals an uninterrupted one."""
-    proc = start(text_file, tmp_path, cache=compile_cache)
+    proc = start(text_file, tmp_path, env=compile_cache)
     latest = tmp_path / "checkpoints" / "latest"
     wait_for(lambda: latest.is_dir() and any("tmp" in p.name for p in latest.iterdir()), proc, "a save")
     proc.send_signal(signal.SIGINT)
     assert proc.wait(timeout=120) == 130
     line = last_line(proc.stderr.read())
     assert re.fullmatch(rf"stopped: SIGINT at step (\d+): saved {latest}/\1; --resume continues from there", line)
-    resumed = start(text_file, tmp_path, "--resume", cache=compile_cache)
+    resumed = start(text_file, tmp_path, "--resume", env=compile_cache)
     assert resumed.wait(timeout=300) == 0, resumed.stderr.read()
     assert_same_run(tmp_path, uninterrupted)
 
@@ -387,15 +418,16 @@ def test_sigint_during_a_save_keeps_it_and_resume_continues_exactly(text_file, t
 SAMPLED_RUN = [*TINY, "train.max_iters=10", "train.sample_tokens=20000", "train.plot=true"]
 
 
-def sampled_run(text_file, out, *extra, cache):
+def sampled_run(text_file, out, *extra, env):
     args = [sys.executable, "-m", "train.tiny_lm", "--set", *SAMPLED_RUN, "--data", str(text_file),
             "--out-dir", str(out), *extra]
-    return subprocess.Popen(args, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), **cache},
+    return subprocess.Popen(args, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), **env},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+@pytest.mark.slow
 def test_sigint_during_the_end_of_run_sample_prints_it_and_writes_the_result(text_file, tmp_path, compile_cache):
-    proc = sampled_run(text_file, tmp_path, cache=compile_cache)
+    proc = sampled_run(text_file, tmp_path, env=compile_cache)
     wait_for_line(proc, "sampling 20000 tokens")
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=120)
@@ -409,16 +441,17 @@ def test_sigint_during_the_end_of_run_sample_prints_it_and_writes_the_result(tex
     assert (tmp_path / "loss.png").is_file()
 
 
+@pytest.mark.slow
 def test_a_run_killed_after_its_final_save_is_finished_by_resume(text_file, tmp_path, compile_cache):
     """SIGKILL while it samples (after the final checkpoint): no result.json, no plot; --resume adds them
     without training again, and metrics.jsonl keeps its last evaluation once."""
-    proc = sampled_run(text_file, tmp_path, cache=compile_cache)
+    proc = sampled_run(text_file, tmp_path, env=compile_cache)
     wait_for_line(proc, "sampling 20000 tokens")
     proc.kill()
     proc.wait()
     assert not (tmp_path / "result.json").exists() and not (tmp_path / "loss.png").exists()
     before = metrics(tmp_path)
-    finished = sampled_run(text_file, tmp_path, "--resume", "--set", "train.sample_tokens=20", cache=compile_cache)
+    finished = sampled_run(text_file, tmp_path, "--resume", "--set", "train.sample_tokens=20", env=compile_cache)
     out, err = finished.communicate(timeout=300)
     assert finished.returncode == 0, err
     assert "resumed from step 10 (val loss" in out and "(the last: finishing the run" in out
@@ -473,7 +506,7 @@ def test_outputs_and_usage_are_checked_before_anything_runs(text_file, tmp_path,
     code, err = cli(capsys, *base, "--set", "model.d_model=-3")
     assert code == 2 and len(err.splitlines()) == 1 and err.endswith("(see python -m train.tiny_lm --help)\n")
     code, err = cli(capsys, *base, "--cpu-devices", "1000")
-    assert code == 2 and "runtime.mesh='data:1' uses 1 device(s) but runtime.cpu_devices=1000 makes 1000" in err
+    assert code == 2 and "runtime.mesh='data:1,fsdp:1,tensor:1' uses 1 device(s) but runtime.cpu_devices=1000 makes 1000" in err
     code, err = cli(capsys, *base, "--cpu-devices", "1000", "--set", "runtime.mesh=auto")
     assert code == 2 and "runtime.cpu_devices=1000 makes 1000 host device(s), but a batch of 4 splits over at " \
                          "most 4 of them: ask for --cpu-devices 4, or give --mesh" in err

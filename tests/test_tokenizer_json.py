@@ -17,7 +17,9 @@ import pytest
 
 from jaxattn.model import DecoderLM
 from train import export, sample, shards
-from train.checkpoint import CheckpointError, Checkpointer, check_tokenizer, load_for_sampling
+from train.checkpoint import CheckpointError, Checkpointer
+from train.checkpoint_meta import check_tokenizer
+from train.sampling_checkpoint import load_for_sampling
 from train.cli import UsageError
 from train.config import load_config
 from train.prepare import prepare

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from train import optim, tiny_lm
-from train.checkpoint import load_for_sampling
+from train.sampling_checkpoint import load_for_sampling
 from train.config import load_config
 from train.loop import train
 

@@ -30,7 +30,8 @@ import numpy as np
 
 from jaxattn.model import DecoderLM
 from train import outputs
-from train.checkpoint import CheckpointError, load_for_sampling
+from train.checkpoint import CheckpointError
+from train.sampling_checkpoint import load_for_sampling
 from train.cli import ArgumentParser, UsageError, guard
 from train.export import load_hf
 from train.plots import plot_attention_maps

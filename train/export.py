@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from jaxattn.config import ModelConfig
-from train import checkpoint as checkpoint_lib
+from train import sampling_checkpoint
 from train.checkpoint import CheckpointError
 from train.cli import ArgumentParser, guard, one_line
 from train.outputs import check_folder
@@ -80,7 +80,7 @@ def export(checkpoint: str | Path, out: str | Path, *, overwrite: bool = False) 
     """
     out, checkpoint = Path(out), Path(checkpoint)
     _check_out(out, checkpoint, overwrite)
-    params, config, tokenizer = checkpoint_lib.load_for_sampling(checkpoint)
+    params, config, tokenizer = sampling_checkpoint.load_for_sampling(checkpoint)
     hf = _hf()
     try:
         hf_tokenizer = to_hf_tokenizer(tokenizer)

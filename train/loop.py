@@ -5,7 +5,8 @@ compiles the programs of `train.steps` ahead of time, then dispatches chunks
 of `steps_per_dispatch` optimizer steps, reading each chunk's losses while the
 next one runs, and evaluates (and checkpoints) every `eval_interval` steps.
 At the end it samples through the KV cache, plots the losses and writes
-`result.json` beside `metrics.jsonl`, `config.json` and `checkpoints/`.
+`result.json` beside `metrics.jsonl`, `config.json` and `checkpoints/`
+(`train.finish`). `--resume` restores through `train.resume`.
 
 Nothing is lost and nothing is silent: the outputs are checked and the run
 directory is claimed and locked before anything is written (`train.outputs`,
@@ -22,7 +23,6 @@ plotted and its `result.json` written.
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 import time
@@ -34,18 +34,17 @@ import jax
 import numpy as np
 
 from jaxattn import sharding
-from jaxattn.windowed import windows
-from jaxattn.model import count_params
+from train import crash_points
 from train import data as data_lib
 from train import distributed, outputs
 from train.batches import Feed, RunBatches
 from train import runtime as runtime_lib
-from train.checkpoint import Checkpointer, CheckpointError, check_compatible, check_tokenizer
+from train.checkpoint import Checkpointer
 from train.cli import StopSignals
 from train.config import ExperimentConfig, TrainConfig
-from train.metrics import (MetricsLog, RunResult, Throughput, describe_params, first_at_or_below, peak_memory,
-                           speeds)
-from train.plots import plot_losses
+from train.finish import check_sample_prompt, finish
+from train.metrics import MetricsLog, RunResult, Throughput, describe_params
+from train.resume import resume_from_checkpoint
 from train.rundir import claim_on_main, repair_metrics
 from train.steps import build_programs
 from train.tokenizer import Tokenizer
@@ -78,7 +77,8 @@ def chunks(start: int, stop: int, tc: TrainConfig):
 
 
 class Run:
-    """One training run from its current step to `max_iters`."""
+    """One training run from its current step to `max_iters`: restored (when resumed), compiled, then
+    trained chunk by chunk, its losses recorded, evaluated and checkpointed."""
 
     def __init__(self, config: ExperimentConfig, runtime: runtime_lib.Runtime, corpus: data_lib.Corpus, *,
                  resume: bool, quiet: bool, after_eval: Callable[[int], None] | None, signals: "StopSignals"):
@@ -102,46 +102,15 @@ class Run:
                                      meta.get("train_seconds", 0.0))
 
     def _resume(self) -> dict:
-        """Restores the newest valid checkpoint that matches this run; returns its meta."""
-        if self.checkpoints.latest_step() is None:
-            raise CheckpointError(f"--resume: no checkpoint in {self.checkpoints.root / 'latest'} (the run "
-                                  "stopped before its first save): --overwrite starts it again")
+        """Restores the newest valid checkpoint that matches this run, onto its mesh; returns its meta."""
         abstract = self.programs.layout.abstract(jax.eval_shape(lambda: self.state))  # this run's mesh
-        self.state, meta = self.checkpoints.restore("latest", abstract, check=self._check_checkpoint,
-                                                    on_skip=lambda message: self.warn(f"warning: {message}"))
-        tc = self.config.train
-        if meta["step"] > tc.max_iters:
-            raise CheckpointError(f"--resume: the checkpoint is at step {meta['step']} and train.max_iters="
-                                  f"{tc.max_iters}: nothing to train (raise train.max_iters)")
-        if self.main:  # the resume is accepted: from here on the run writes
-            self._set_aside_the_future(meta["step"])
-        if jax.process_count() > 1:  # the other processes see the steps set aside once process 0 is done
-            distributed.agree(True, "set aside the checkpoints after the resumed step")
-            self.checkpoints.close()
-        finishing = " (the last: finishing the run: evaluation, sample, plot, result.json)" \
-            if meta["step"] == tc.max_iters else ""
-        self.log(f"resumed from step {meta['step']} (val loss {meta['val_loss']}){finishing}")
+        self.state, meta = resume_from_checkpoint(self.checkpoints, abstract, self.config, self.corpus,
+                                                  log=self.log, warn=self.warn)
         self.best_val = math.inf if meta.get("best_val_loss") is None else meta["best_val_loss"]
         if self.main:
             repair_metrics(self.out / "metrics.jsonl", meta["step"],
                            evaluates_again=self._due_for_eval(meta["step"]))
         return meta
-
-    def _set_aside_the_future(self, step: int) -> None:
-        """Checkpoints newer than the resumed `step` (damaged latest steps skipped, a best step of the
-        part about to be replayed) are renamed, not deleted, so the run can write those steps again."""
-        for moved in self.checkpoints.set_aside_newer("latest", step, "damaged"):
-            self.warn(f"warning: the damaged checkpoint is kept as {moved}; the run writes that step again")
-        for moved in self.checkpoints.set_aside_newer("best", step, "before-resume"):
-            self.warn(f"warning: the best checkpoint after step {step} is kept as {moved}; the resumed run "
-                      "writes its own")
-
-    def _check_checkpoint(self, meta: dict) -> None:
-        """Before a checkpoint's arrays are read: the same tokenizer and model (else CheckpointError);
-        the settings that make the resumed run differ from an uninterrupted one are warned about."""
-        check_tokenizer(meta, self.corpus.tokenizer, self.corpus.path)
-        for warning in check_compatible(meta, self.config):
-            self.warn(f"warning: resumed run differs from the checkpoint ({warning}); it will not replay exactly")
 
     def compile(self) -> float:
         """Compiles every train-steps program the run needs, and the evaluation, while the first
@@ -180,6 +149,7 @@ class Run:
         pending = None  # (first step, outputs) of the chunk in flight
         for first, last in chunks(self.start_step, tc.max_iters, tc):
             self.state, outputs = self.compiled[last - first](self.state, self.feed.next())
+            crash_points.kill_if_planned("step", *range(first + 1, last + 1))
             if pending is not None:
                 self.record(*pending)
             pending = (first, outputs)
@@ -223,6 +193,7 @@ class Run:
         params = self.state["params"]
         losses = self.batches.evaluate(lambda windows, weights: self.evaluators[windows.shape[:2]](
             params, windows, weights))
+        crash_points.kill_if_planned("eval", step)
         if not all(math.isfinite(v) for v in losses.values()):
             self.diverged(f"the evaluated losses are {losses} at step {step}")
         self.metrics.add_eval(step, losses, self.throughput.seconds)
@@ -259,24 +230,6 @@ class Run:
             else "continues from there"
         raise Interrupted(f"{self.signals.requested} at step {step}: saved {where}; --resume {then}", step)
 
-    def sample(self) -> tuple[str, str, str | None]:
-        """(text, how, why it stopped early or None) of the end-of-run sample: the prompt continued
-        through the KV cache, window by window, until done or a stop signal."""
-        tc, tokenizer = self.config.train, self.corpus.tokenizer
-        prompt = tokenizer.encode(tc.sample_prompt)
-        mesh = self.programs.layout.mesh
-        drawn = [chunk[0] for chunk in self.signals.until_requested(windows(
-            self.state["params"], self.config.model, prompt, max_new_tokens=tc.sample_tokens,
-            rng=jax.random.PRNGKey(tc.seed), temperature=tc.sample_temperature, kernels=self.runtime.kernels,
-            mesh=mesh if mesh.size > 1 else None))]
-        done = sum(map(len, drawn))
-        stopped = None if done == tc.sample_tokens else (
-            f"{self.signals.requested} during the end-of-run sample, after {done} of {tc.sample_tokens} tokens: "
-            "the run is trained and saved, its sample cut short")
-        on = f", on the {sharding.MeshShape.of(mesh)} mesh" if mesh.size > 1 else ""
-        text = tokenizer.decode(np.concatenate([prompt, *drawn]))
-        return text, f"jaxattn.generate_windowed, KV cache{on}", stopped
-
     def close(self) -> None:
         if self.feed is not None:
             self.feed.close()
@@ -289,15 +242,6 @@ def _progress_bar(total: int, initial: int, quiet: bool):
     from tqdm import tqdm
     return tqdm(total=total, initial=initial, unit="it", disable=quiet, dynamic_ncols=True, mininterval=0.5,
                 file=sys.stdout)
-
-
-def _check_sample_prompt(config: ExperimentConfig, tokenizer: Tokenizer) -> None:
-    """DataError now, rather than after the whole run, when the sample prompt cannot be encoded."""
-    if config.train.sample_tokens > 0:
-        try:
-            tokenizer.encode(config.train.sample_prompt)
-        except ValueError as err:
-            raise data_lib.DataError(f"train.sample_prompt cannot be encoded: {err}") from None
 
 
 def train(config: ExperimentConfig, *, runtime: runtime_lib.Runtime | None = None, resume: bool = False,
@@ -318,22 +262,11 @@ def train(config: ExperimentConfig, *, runtime: runtime_lib.Runtime | None = Non
     Raises:
       RunDirectoryError, DataError, CheckpointError, TrainingDiverged, Interrupted, UnwritablePath.
     """
-    wall_start = time.perf_counter()
-    tc = config.train
-    if loss_plot is not None:
-        outputs.check_image_file(loss_plot, "--loss-plot")
-    corpus = data_lib.open_corpus(tc.data_path, tokenizer=tc.tokenizer, val_fraction=tc.val_fraction)
-    data_lib.check_block_size(corpus, tc.block_size)
-    _check_sample_prompt(config, corpus.tokenizer)
-    runtime = runtime or runtime_lib.start(config.runtime, tc.batch_size, model=config.model)
-    config = with_vocabulary(config, corpus.tokenizer).replace(runtime=runtime.config)
-    main = distributed.is_main()
+    wall_start, tc = time.perf_counter(), config.train
+    config, corpus, runtime = _prepare(config, runtime, loss_plot)
+    main = distributed.is_main()  # asked once the runtime has started JAX
     log = (lambda *a: None) if quiet or not main else partial(print, flush=True)
-    for warning in (*runtime.warnings, *data_lib.unused_settings(corpus, tc)) if main else ():
-        print(f"warning: {warning}", file=sys.stderr)
-    log(f"config {config.name} (data {data_lib.describe(corpus)}):")
-    log(config.to_json())
-    log("\n".join(runtime.describe()))
+    _print_setup(config, corpus, runtime, log)
     lock = claim_on_main(Path(tc.out_dir), resume=resume, overwrite=overwrite)
     run = None
     try:
@@ -345,12 +278,37 @@ def train(config: ExperimentConfig, *, runtime: runtime_lib.Runtime | None = Non
             if main:  # once the checkpoint is accepted and the programs compiled: the run begins here
                 (run.out / "config.json").write_text(config.to_json())
             run.train()
-            return _finish(run, compile_s, wall_start, sample=sample, loss_plot=loss_plot, log=log)
+            return finish(run, compile_s, wall_start, sample=sample, loss_plot=loss_plot, log=log)
     finally:
         if run is not None:
             run.close()
         if lock is not None:
             lock.release()
+
+
+def _prepare(config: ExperimentConfig, runtime: runtime_lib.Runtime | None, loss_plot: str | None
+             ) -> tuple[ExperimentConfig, data_lib.Corpus, runtime_lib.Runtime]:
+    """Before anything is written: the outputs checked, the corpus read, the runtime resolved (unless
+    given). Returns the config completed with the vocabulary and the runtime, the corpus, the runtime."""
+    tc = config.train
+    if loss_plot is not None:
+        outputs.check_image_file(loss_plot, "--loss-plot")
+    corpus = data_lib.open_corpus(tc.data_path, tokenizer=tc.tokenizer, val_fraction=tc.val_fraction)
+    data_lib.check_block_size(corpus, tc.block_size)
+    check_sample_prompt(config, corpus.tokenizer)
+    runtime = runtime or runtime_lib.start(config.runtime, tc.batch_size, model=config.model)
+    return with_vocabulary(config, corpus.tokenizer).replace(runtime=runtime.config), corpus, runtime
+
+
+def _print_setup(config: ExperimentConfig, corpus: data_lib.Corpus, runtime: runtime_lib.Runtime,
+                 log: Callable[[str], None]) -> None:
+    """The warnings (process 0, even when quiet), then the resolved config and runtime."""
+    if distributed.is_main():
+        for warning in (*runtime.warnings, *data_lib.unused_settings(corpus, config.train)):
+            print(f"warning: {warning}", file=sys.stderr)
+    log(f"config {config.name} (data {data_lib.describe(corpus)}):")
+    log(config.to_json())
+    log("\n".join(runtime.describe()))
 
 
 def describe_layout(layout, state) -> list[str]:
@@ -362,30 +320,3 @@ def describe_layout(layout, state) -> list[str]:
     lines = [f"mesh {shape}: the batch split {shape.batch_ways} ways; parameters and optimizer state "
              f"{held / 2**20:.2f} MiB per device"]
     return lines + [f"  {note}" for note in layout.params.notes]
-
-
-def _finish(run: Run, compile_s: float, wall_start: float, *, sample: bool, loss_plot, log) -> RunResult:
-    """The end-of-run sample (cut short by a stop signal, if one comes), loss plot and result.json."""
-    config, tc = run.config, run.config.train
-    text, how, stopped = "", "", None
-    if sample and tc.sample_tokens > 0:
-        log(f"sampling {tc.sample_tokens} tokens...")
-        text, how, stopped = run.sample()
-    if text:
-        cut = ", stopped early" if stopped else ""
-        log(f"--- sample ({how}, temperature {tc.sample_temperature}{cut}) ---\n{text}\n---")
-    if tc.plot and run.main:
-        plot_losses(run.metrics.records(), Path(loss_plot) if loss_plot else run.out / "loss.png", title=config.name)
-    last = run.last_eval or {"train": math.nan, "val": math.nan}
-    reached = None if tc.target_loss is None or not run.main else first_at_or_below(run.metrics.records(),
-                                                                                     tc.target_loss)
-    result = RunResult(
-        final_val_loss=last["val"], final_train_loss=last["train"], best_val_loss=run.best_val,
-        steps=tc.max_iters, **speeds(run.throughput.step_seconds(), tc.batch_size * tc.block_size),
-        compile_s=compile_s, wall_s=time.perf_counter() - wall_start, train_seconds=run.throughput.seconds,
-        target_loss=tc.target_loss, target_reached=reached, input_wait_s=run.input_wait_s, **peak_memory(),
-        num_params=count_params(run.state["params"]), sample=text, out_dir=str(run.out), stopped=stopped,
-        config=config, params=run.state["params"])
-    if run.main:
-        (run.out / "result.json").write_text(json.dumps(result.figures(), indent=2))
-    return result

@@ -35,12 +35,11 @@ from jaxattn import Kernels, resolve_kernels, sharding
 from jaxattn.config import ModelConfig
 from jaxattn.windowed import windows
 from jaxattn.model import DecoderLM
-from train import checkpoint as checkpoint_lib
 from train import config as config_lib
 from train import data as data_lib
 from train import export as export_lib
 from train import runtime as runtime_lib
-from train import shards
+from train import sampling_checkpoint, shards
 from train.checkpoint import CheckpointError
 from train.config import RuntimeConfig
 from train.cli import ArgumentParser, StopSignals, Stopped, UsageError, guard
@@ -82,7 +81,7 @@ def load(args: argparse.Namespace) -> tuple[dict, ModelConfig, Tokenizer]:
         return random_init(args.random_init, args.seed, args.data)
     if args.hf is not None:
         return export_lib.load_hf(args.hf, allow_nonfinite=args.allow_nonfinite)
-    return checkpoint_lib.load_for_sampling(args.checkpoint)
+    return sampling_checkpoint.load_for_sampling(args.checkpoint)
 
 
 def until_eos(ids: np.ndarray, eos_token_id: int | None) -> np.ndarray:
