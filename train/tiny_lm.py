@@ -9,8 +9,9 @@ with loss and tokens/s, the evaluations, and at the end the final val loss, spee
 memory and a sample; it writes config.json, metrics.jsonl, loss.png, result.json and
 checkpoints (latest and best) under train.out_dir.
 
-Where the work is done: train.loop (the run), train.steps (the jitted programs),
-train.runtime (devices and kernels), train.checkpoint, train.plots.
+Where the work is done: train.loop (the run; train.resume and train.finish its start and end),
+train.steps (the jitted programs), train.runtime (devices and kernels), train.checkpoint
+(with train.checkpoint_meta), train.plots.
 """
 
 from __future__ import annotations
