@@ -1,24 +1,23 @@
 """Attention time and peak memory against sequence length: each kernel, jax.nn and PyTorch, in one run.
 
-    PYTHONPATH=$PWD python bench/attention.py [--torch-python /path/to/python-with-torch]
+    PYTHONPATH=$PWD python bench/attention.py [--torch-python /path/to/python-with-torch] [--torch-threads N]
         [--lengths 256,512,1024,2048,4096,16384,32768] [--reps 5] [--dense-limit-gib 12]
 
-B=1, N=8 query heads, H=64, float32, T = S; MHA (K=8) at every length and GQA
-(K=2) from 1024 to 16384; causal and not; forward, and forward+backward (the
-gradient of the output's sum with respect to q, k and v). Implementations:
-`jax.nn.dot_product_attention` (its default), jaxattn's dense "xla" and
-"custom_vjp", blockwise "chunked", "auto" (`scaled_dot_product_attention`'s
-default: what this machine's rule picks per call) and, with --torch-python,
-`torch.nn.functional.scaled_dot_product_attention` (its CPU flash kernel) run by
-that interpreter. Per case, the JAX implementations are compiled in one process
-and timed in turns (alternating order), each with the memory XLA plans for its
-program (`memory_analysis()`: temporaries, arguments and outputs); torch runs in
-its own process, right before or after. From 16384 keys each JAX implementation
-runs alone in its process, so its peak RSS (`ru_maxrss`, Python and the runtime
-included) is its own, as is torch's everywhere. Dense paths are skipped where
-their `[N, T, S]` float32 arrays would pass --dense-limit-gib; from 16384 keys
-"chunked" is not run apart from "auto", whose rule picks it there (the same
-program). Writes bench/results/attention.{json,md} and docs/attention_benchmark.png.
+B=1, N=8 query heads, H=64, float32, T = S; MHA (K=8) at every length and GQA (K=2) from 1024 to
+16384; causal and not; forward, and forward+backward (the gradient of the output's sum with respect
+to q, k and v). Implementations: `jax.nn.dot_product_attention` (its default), jaxattn's dense "xla"
+and "custom_vjp", blockwise "chunked", "auto" (`scaled_dot_product_attention`'s default: what the
+machine's rule picks per call) and, with --torch-python,
+`torch.nn.functional.scaled_dot_product_attention` (its CPU flash kernel) run by that interpreter
+with --torch-threads threads (default: as many as the cores JAX uses). Per case, the JAX
+implementations are compiled in one process and timed in turns (alternating order), each with the
+memory XLA plans for its program (`memory_analysis()`: temporaries, arguments and outputs); torch
+runs in its own process, right before or after. From 16384 keys each JAX implementation runs alone
+in its process, so its peak RSS (the kernel's `ru_maxrss` of the process, Python and the runtime
+included) is its own, as is torch's everywhere. Dense paths are skipped where their `[N, T, S]`
+float32 arrays would pass --dense-limit-gib; from 16384 keys "chunked" is not run apart from "auto",
+whose rule picks it there (the same program). Writes bench/results/attention.{json,md} and
+docs/attention_benchmark.png.
 Decode tokens/s against the cache length is `bench/decode.py --cache-sweep`.
 """
 
@@ -26,15 +25,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import resource
-import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench import fresh  # noqa: E402
+from bench.machine import cpu_cores  # noqa: E402
+from bench.timing import median_of, milliseconds_cell, ratio, time_call, time_compiled, times_cell  # noqa: E402
+
 RESULTS = ROOT / "bench" / "results"
 JAX_IMPLS = ("jax.nn", "xla", "custom_vjp", "chunked", "auto")
 DENSE = ("jax.nn", "xla", "custom_vjp")
@@ -44,16 +44,7 @@ B, N, H = 1, 8, 64
 
 # -- one measurement, in its own process ---------------------------------------------------------
 
-def _timed(call, reps: int) -> list[float]:
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - start)
-    return times
-
-
-def _jax_program(impl: str, T: int, K: int, causal: bool, passes: str):
+def _jax_program(impl: str, K: int, causal: bool, passes: str):
     import jax
     import jax.numpy as jnp
     from jaxattn import scaled_dot_product_attention
@@ -63,8 +54,8 @@ def _jax_program(impl: str, T: int, K: int, causal: bool, passes: str):
         attend = lambda q, k, v: scaled_dot_product_attention(q, k, v, is_causal=causal,  # noqa: E731
                                                               implementation=impl)
     if passes == "fwd+bwd":
-        return jax.grad(lambda q, k, v: attend(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2))
-    return attend
+        return jax.jit(jax.grad(lambda q, k, v: attend(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2)))
+    return jax.jit(attend)
 
 
 def measure_jax(spec: dict) -> dict:
@@ -74,28 +65,15 @@ def measure_jax(spec: dict) -> dict:
     keys = jax.random.split(jax.random.key(0), 3)
     q = jax.random.normal(keys[0], (B, T, N, H))
     k, v = (jax.random.normal(key, (B, T, K, H)) for key in keys[1:])
-    runs, results = {}, {}
-    for impl in spec["impls"]:
-        start = time.perf_counter()
-        compiled = jax.jit(_jax_program(impl, T, K, spec["causal"], spec["pass"])).lower(q, k, v).compile()
-        memory = compiled.memory_analysis()
-        results[impl] = {"compile_s": time.perf_counter() - start, "times_s": [],
-                         "xla_bytes": memory.temp_size_in_bytes + memory.argument_size_in_bytes
-                         + memory.output_size_in_bytes}
-        runs[impl] = lambda compiled=compiled: jax.block_until_ready(compiled(q, k, v))
-        if spec["reps"] > 1:
-            runs[impl]()  # warm-up
-    order = list(runs)
-    for rep in range(spec["reps"]):
-        for impl in order if rep % 2 == 0 else order[::-1]:
-            results[impl]["times_s"] += _timed(runs[impl], 1)
-    return results
+    programs = {impl: (_jax_program(impl, K, spec["causal"], spec["pass"]), (q, k, v)) for impl in spec["impls"]}
+    return time_compiled(programs, spec["reps"], warmup=spec["reps"] > 1)
 
 
 def measure_torch(spec: dict) -> dict:
     import torch
     import torch.nn.functional as F
     T, K, causal = spec["T"], spec["K"], spec["causal"]
+    torch.set_num_threads(spec["threads"])
     torch.manual_seed(0)
     q, k, v = torch.randn(B, N, T, H), torch.randn(B, K, T, H), torch.randn(B, K, T, H)
     gqa = dict(enable_gqa=True) if K != N else {}
@@ -109,20 +87,14 @@ def measure_torch(spec: dict) -> dict:
 
         def run():
             F.scaled_dot_product_attention(q, k, v, is_causal=causal, **gqa).sum().backward()
-    if spec["reps"] > 1:
-        run()
-    return {"times_s": _timed(run, spec["reps"]), "torch": torch.__version__, "threads": torch.get_num_threads()}
+    timing = time_call(run, spec["reps"], warmup=spec["reps"] > 1)
+    return {"times_s": timing.times_s, "median_s": timing.median_s, "torch": torch.__version__,
+            "threads": torch.get_num_threads()}
 
 
-def worker(spec: dict) -> None:
-    """Prints `{impl: {"median_s", "times_s", ...}}`; `peak_rss_bytes` where the process ran one program."""
-    results = {"torch": measure_torch(spec)} if spec["impls"] == ["torch"] else measure_jax(spec)
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-    for result in results.values():
-        result["median_s"] = statistics.median(result["times_s"])
-        if len(results) == 1:
-            result["peak_rss_bytes"] = rss
-    print(json.dumps(results))
+def worker(spec: dict) -> dict:
+    """In the fresh process: `{impl: {"median_s", "times_s", ...}}` of `spec`'s implementations."""
+    return {"torch": measure_torch(spec)} if spec["impls"] == ["torch"] else measure_jax(spec)
 
 
 # -- the sweep ---------------------------------------------------------------------------------------
@@ -152,14 +124,20 @@ def implementations(T: int, K: int, passes: str, args) -> tuple[list[str], dict[
 
 
 def measure(spec: dict, args) -> dict:
-    python = args.torch_python if spec["impls"] == ["torch"] else sys.executable
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    done = subprocess.run([python, __file__, "--worker", json.dumps(spec)], capture_output=True, text=True,
-                          env=env, timeout=args.timeout)
-    if done.returncode:
-        error = (done.stderr.strip().splitlines() or ["exit %d" % done.returncode])[-1]
-        return {impl: {"error": error} for impl in spec["impls"]}
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    """`spec`'s implementations in a fresh process (torch's under --torch-python, with --torch-threads);
+    the process's peak RSS goes to its implementation where it ran only one."""
+    torch = spec["impls"] == ["torch"]
+    argv = fresh.function_argv("bench.attention:worker", dict(spec, threads=args.torch_threads),
+                               args.torch_python if torch else None)
+    try:
+        done = fresh.run(argv, what=f"{'/'.join(spec['impls'])} at T={spec['T']}", timeout=args.timeout,
+                         env=fresh.environment(args.torch_threads if torch else None))
+    except fresh.FreshProcessError as error:
+        return {impl: {"error": str(error)} for impl in spec["impls"]}
+    results = done.json()
+    if len(results) == 1:
+        next(iter(results.values()))["peak_rss_bytes"] = done.peak_rss_bytes
+    return results
 
 
 def cases(lengths: list[int]):
@@ -187,26 +165,7 @@ def sweep(args) -> list[dict]:
     return rows
 
 
-if __name__ == "__main__" and "--worker" in sys.argv:
-    worker(json.loads(sys.argv[sys.argv.index("--worker") + 1]))
-    sys.exit(0)
-
 # -- the report ---------------------------------------------------------------------------------------
-
-def _median(row, impl):
-    return row["results"].get(impl, {}).get("median_s")
-
-
-def _cell(row, impl) -> str:
-    if impl in row["skipped"]:
-        return "–"
-    result = row["results"].get(impl, {})
-    return f"{result['median_s'] * 1e3:,.0f}" if "median_s" in result else "error"
-
-
-def _ratio(a, b) -> str:
-    return f"{a / b:.2f}x" if a and b else "–"
-
 
 def _gib(result: dict, field: str) -> str:
     return f"{result[field] / 2**30:.3f}" if field in result else "–"
@@ -217,10 +176,11 @@ def table(rows, impls) -> list[str]:
              "auto / torch | auto XLA GiB | jax.nn XLA GiB | auto RSS GiB | torch RSS GiB |",
              "| --- | ---: | --- | --- |" + " ---: |" * len(impls) + " --- |" + " ---: |" * 6]
     for row in rows:
-        auto, results = _median(row, "auto"), row["results"]
+        auto, results = median_of(row, "auto"), row["results"]
         lines.append(f"| {row['heads']} | {row['T']} | {'yes' if row['causal'] else 'no'} | {row['pass']} | "
-                     + " | ".join(_cell(row, i) for i in impls) + f" | {row.get('auto_picks', '')} | "
-                     f"{_ratio(_median(row, 'jax.nn'), auto)} | {_ratio(auto, _median(row, 'torch'))} | "
+                     + " | ".join(milliseconds_cell(row, i) for i in impls) + f" | {row.get('auto_picks', '')} | "
+                     f"{times_cell(ratio(median_of(row, 'jax.nn'), auto))} | "
+                     f"{times_cell(ratio(auto, median_of(row, 'torch')))} | "
                      f"{_gib(results.get('auto', {}), 'xla_bytes')} | {_gib(results.get('jax.nn', {}), 'xla_bytes')} | "
                      f"{_gib(results.get('auto', {}), 'peak_rss_bytes')} | "
                      f"{_gib(results.get('torch', {}), 'peak_rss_bytes')} |")
@@ -229,11 +189,11 @@ def table(rows, impls) -> list[str]:
 
 def targets(rows, decode_sweep: Path) -> list[str]:
     long = [r for r in rows if r["T"] >= 1024]
-    vs_jax = [_median(r, "jax.nn") / _median(r, "auto") for r in long if _median(r, "jax.nn") and _median(r, "auto")]
-    vs_torch = [_median(r, "auto") / _median(r, "torch") for r in long if _median(r, "torch") and _median(r, "auto")]
+    vs_jax = [x for r in long if (x := ratio(median_of(r, "jax.nn"), median_of(r, "auto")))]
+    vs_torch = [x for r in long if (x := ratio(median_of(r, "auto"), median_of(r, "torch")))]
     rss = [r["results"]["auto"].get("peak_rss_bytes", 0) / 2**30 for r in rows
            if r["T"] == 32768 and r["pass"] == "fwd+bwd" and "auto" in r["results"]]
-    at4k = {r["causal"]: _median(r, "auto") for r in rows if r["T"] == 4096 and r["heads"] == "MHA"
+    at4k = {r["causal"]: median_of(r, "auto") for r in rows if r["T"] == 4096 and r["heads"] == "MHA"
             and r["pass"] == "fwd+bwd"}
     lines = ["| target | measured |", "| --- | --- |",
              f"| auto >= 2x faster than jax.nn, T >= 1024 | {min(vs_jax):.2f}x to {max(vs_jax):.2f}x |" if vs_jax
@@ -278,7 +238,7 @@ def plot(rows, impls, path: Path) -> None:
 
 
 def write_report(rows, args, argv) -> None:
-    from bench.machine import describe_machine, portable_command
+    from bench.machine import describe_machine, machine_line, portable_command
     from jaxattn.kernels import auto
     from jaxattn.kernels._call import AttentionCall
     for row in rows:
@@ -290,16 +250,20 @@ def write_report(rows, args, argv) -> None:
                        and "torch" in r["results"]["torch"]), {})
     command = "PYTHONPATH=$PWD python " + portable_command(["bench/attention.py"] + argv[1:], ("--torch-python",))
     meta = {"machine": machine, "torch": torch_info.get("torch"), "torch_threads": torch_info.get("threads"),
+            "threads": {"ours": machine["cores"], "torch": torch_info.get("threads")},
             "command": command, "B": B, "N": N, "H": H}
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "attention.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     impls = list(JAX_IMPLS) + (["torch"] if args.torch_python else [])
-    lines = [f"# Attention against sequence length on {machine['cpu']} ({machine['platform']}, "
-             f"{machine['cpus']} CPUs), jax {machine['jax']}" + (f", torch {meta['torch']}" if meta["torch"] else ""),
+    threads = f"JAX on {machine['cores']} cores" + (f", torch with {meta['torch_threads']} threads"
+                                                    if meta["torch_threads"] else "")
+    lines = [f"# Attention against sequence length on {machine_line(machine)}"
+             + (f", torch {meta['torch']}" if meta["torch"] else ""),
              "", "Median milliseconds, B=1, N=8, H=64, float32 (bench/attention.py: per case the JAX "
-             "implementations in turns in one process, torch in its own; each alone from 16384). "
+             f"implementations in turns in one process, torch in its own; each alone from 16384; {threads}). "
              "XLA GiB: the memory XLA plans for the program; RSS: the process's peak, where it ran "
-             "that one program. `–`: not run (dense arrays too large, or the same program as auto).", "", *table(rows, impls), "", "## Targets", "",
+             "that one program. `–`: not run (dense arrays too large, or the same program as auto).", "",
+             *table(rows, impls), "", "## Targets", "",
              *targets(rows, RESULTS / "decode_cache_sweep.json"), "", f"Made by: `{command}`", ""]
     (RESULTS / "attention.md").write_text("\n".join(lines))
     plot(rows, impls, ROOT / "docs" / "attention_benchmark.png")
@@ -307,8 +271,10 @@ def write_report(rows, args, argv) -> None:
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--torch-python", help="a Python with torch, for PyTorch's SDPA column")
+    parser.add_argument("--torch-threads", type=int, default=cpu_cores(),
+                        help="torch's threads (default: the cores JAX uses, %(default)s)")
     parser.add_argument("--lengths", default="256,512,1024,2048,4096,16384,32768",
                         type=lambda s: [int(x) for x in s.split(",")])
     parser.add_argument("--reps", type=int, default=5, help="timed runs per case up to T=4096 (1 beyond)")

@@ -4,13 +4,15 @@
         [--batches 1,8] [--new-tokens 256] [--repeats 3] [--threads N]
 
 Each model (random weights at a scale where routing is decisive) is exported with
-`jaxattn.hf.save_pretrained`; Hugging Face's `generate` (KV cache, greedy) loads that
-checkpoint with `AutoModelForCausalLM` in a fresh process (`bench/hf_decode.py --checkpoint`),
-and runs right before ours, case by case, with as many torch threads as JAX's CPU client uses
-(--threads, default: every core). Ours runs the kernels "auto" resolves to here
+`jaxattn.hf.save_pretrained`; Hugging Face's `generate` (KV cache, greedy) loads that checkpoint
+with `AutoModelForCausalLM` in a fresh process (`bench/hf_decode.py --checkpoint`), and runs right
+before ours, case by case, with as many torch threads as JAX's CPU client uses (--threads, default:
+every core this process may run on; both counts are recorded). On a machine shared with other jobs,
+torch's idle threads spin on the cores their partners need: OMP_WAIT_POLICY=PASSIVE, where set, is
+passed on to it. Ours runs the kernels "auto" resolves to on the machine
 (`jaxattn.resolve_kernels`), and, in turns with it, each fixed routed-experts implementation
-(`Kernels.moe`). Both sides decode greedily from the same prompt: the report says whether the
-tokens agree. Writes bench/results/decode_moe.{json,md}.
+(`Kernels.moe`). Both sides decode greedily from the same prompt: the report says whether the tokens
+agree. Writes bench/results/decode_moe.{json,md}.
 
 Models: "mixtral" (MixtralForCausalLM: 4 layers, d 128, GQA 4/2, 8 experts, k 2, expert width
 256) and "deepseek_v3" (DeepseekV3ForCausalLM: MLA, 4 layers with the first dense, 16 routed
@@ -20,14 +22,10 @@ experts in 4 groups (2 chosen), k 4, one shared expert, sigmoid scores with the 
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
-import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -36,7 +34,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bench.machine import describe_machine, write_results  # noqa: E402
+from bench import fresh  # noqa: E402
+from bench.machine import cpu_cores, describe_machine, machine_line, portable_command, write_results  # noqa: E402
+from bench.timing import in_turns  # noqa: E402
 from jaxattn import DecoderLM, MLAConfig, ModelConfig, MoEConfig, generate, hf, resolve_kernels  # noqa: E402
 from jaxattn.model import count_params  # noqa: E402
 from jaxattn.moe import active_params  # noqa: E402
@@ -79,27 +79,30 @@ def prompt(batch: int) -> np.ndarray:
     return np.asarray(jax.random.randint(jax.random.PRNGKey(0), (batch, PROMPT_LEN), 1, VOCAB), np.int32)
 
 
-def time_ours(params, config, kernels, batch, new_tokens, repeats) -> dict:
-    run = functools.partial(generate, params, config, prompt(batch), np.full((batch,), PROMPT_LEN, np.int32),
-                            max_new_tokens=new_tokens, rng=jax.random.PRNGKey(0), temperature=0.0, kernels=kernels)
-    tokens = np.asarray(run().tokens)  # compiles
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run().tokens.block_until_ready()
-        times.append(time.perf_counter() - start)
-    seconds = statistics.median(times)
-    return dict(seconds=seconds, tokens_per_s=batch * new_tokens / seconds, runs=times, tokens=tokens.tolist())
+def time_ours(params, config, kernels: dict, batch, new_tokens, repeats) -> dict:
+    """Greedy `generate` with each of `kernels` ({name: Kernels}), in turns: speed and the tokens of each."""
+    tokens = {}
+
+    def decoding(name, chosen):
+        def call():
+            tokens[name] = generate(params, config, prompt(batch), np.full((batch,), PROMPT_LEN, np.int32),
+                                    max_new_tokens=new_tokens, rng=jax.random.PRNGKey(0), temperature=0.0,
+                                    kernels=chosen).tokens
+            return tokens[name]
+        return call
+    timings = in_turns({name: decoding(name, chosen) for name, chosen in kernels.items()}, repeats)
+    return {name: dict(seconds=t.median_s, tokens_per_s=batch * new_tokens / t.median_s, runs=t.times_s,
+                       tokens=np.asarray(tokens[name]).tolist()) for name, t in timings.items()}
 
 
 def time_hf(hf_python, checkpoint, batch, new_tokens, repeats, threads) -> dict:
+    """Hugging Face's `generate` on the checkpoint, in a fresh process with `threads` torch threads."""
     prompt_file = Path(checkpoint) / f"prompt_{batch}.json"
     prompt_file.write_text(json.dumps(prompt(batch).tolist()))
-    out = subprocess.run([hf_python, str(Path(__file__).with_name("hf_decode.py")), "--checkpoint", str(checkpoint),
-                          "--prompt-file", str(prompt_file), "--cases", f"moe:{batch}:{new_tokens}",
-                          "--threads", str(threads), "--repeats", str(repeats)],
-                         check=True, capture_output=True, text=True).stdout
-    data = json.loads(out.strip().splitlines()[-1])
+    data = fresh.run([hf_python, Path(__file__).with_name("hf_decode.py"), "--checkpoint", checkpoint,
+                      "--prompt-file", prompt_file, "--cases", f"moe:{batch}:{new_tokens}",
+                      "--threads", str(threads), "--repeats", str(repeats)], what="Hugging Face's generate",
+                     env=fresh.environment(threads)).json()
     return dict(data["results"][0], torch=data["torch"])
 
 
@@ -110,9 +113,8 @@ def measure(name, config, args, checkpoint) -> list[dict]:
     rows = []
     for batch in args.batches:
         theirs = time_hf(args.hf_python, checkpoint, batch, args.new_tokens, args.repeats, args.threads)
-        ours = {"auto": time_ours(params, config, auto, batch, args.new_tokens, args.repeats)}
-        for impl in FIXED:
-            ours[impl] = time_ours(params, config, auto.replace(moe=impl), batch, args.new_tokens, args.repeats)
+        kernels = {"auto": auto, **{impl: auto.replace(moe=impl) for impl in FIXED}}
+        ours = time_ours(params, config, kernels, batch, args.new_tokens, args.repeats)
         same = all(np.array_equal(run["tokens"], theirs["new_tokens_ids"]) for run in ours.values())
         rows.append(dict(model=name, batch=batch, new_tokens=args.new_tokens, params=count_params(params),
                          active_params=active_params(config), hf=theirs, ours=ours, tokens_agree=same,
@@ -122,13 +124,13 @@ def measure(name, config, args, checkpoint) -> list[dict]:
     return rows
 
 
-def report(rows, args) -> str:
-    machine = describe_machine()
-    lines = [f"# MoE decoding on {machine['cpu']} ({machine['platform']}, {machine['cpus']} CPUs), jax {machine['jax']}",
+def report(rows, args, machine: dict) -> str:
+    lines = [f"# MoE decoding on {machine_line(machine)}",
              "", f"Greedy, prompt {PROMPT_LEN}, {args.new_tokens} new tokens, median of {args.repeats} runs; Hugging "
              f"Face `generate` (torch {rows[0]['hf']['torch']}, {args.threads} threads) on the checkpoint "
-             "`jaxattn.hf.save_pretrained` wrote, run right before ours. Ours: KV-cached `jaxattn.generate` with "
-             "the kernels `auto` resolves to, and with each routed-experts implementation fixed.", "",
+             "`jaxattn.hf.save_pretrained` wrote, run right before ours. Ours: KV-cached `jaxattn.generate` on "
+             f"{machine['cores']} cores with the kernels `auto` resolves to, and with each routed-experts "
+             "implementation fixed, in turns.", "",
              "| model | params (active) | batch | HF tok/s | ours auto tok/s | auto / HF | "
              + " | ".join(f"{i} tok/s" for i in FIXED) + " | tokens agree |",
              "| --- | ---: | ---: | ---: | ---: | ---: |" + " ---: |" * len(FIXED) + " --- |"]
@@ -139,7 +141,7 @@ def report(rows, args) -> str:
                      f"{ours['auto']['tokens_per_s'] / theirs:.1f}x | "
                      + " | ".join(f"{ours[i]['tokens_per_s']:,.0f}" for i in FIXED)
                      + f" | {'yes' if r['tokens_agree'] else 'no'} |")
-    command = "PYTHONPATH=$PWD python " + " ".join(["bench/decode_moe.py"] + sys.argv[1:])
+    command = "PYTHONPATH=$PWD python " + portable_command(["bench/decode_moe.py"] + sys.argv[1:], ("--hf-python",))
     return "\n".join(lines + ["", f"Made by: `{command}`", ""])
 
 
@@ -151,7 +153,8 @@ def main() -> None:
     parser.add_argument("--batches", default="1,8", type=ints)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads (default: every core)")
+    parser.add_argument("--threads", type=int, default=cpu_cores(),
+                        help="torch threads (default: the cores JAX uses, %(default)s)")
     args = parser.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -159,8 +162,11 @@ def main() -> None:
             rows += measure(name, MODELS[name], args, Path(tmp) / name)
     recorded = dict(vars(args), hf_python="this interpreter" if args.hf_python == sys.executable else
                     Path(args.hf_python).name)  # no machine path in the results
-    write_results(RESULTS, "decode_moe", dict(meta=dict(machine=describe_machine(), args=recorded), rows=rows),
-                  report(rows, args))
+    machine = describe_machine()
+    threads = {"ours": machine["cores"], "hf": args.threads,
+               "hf_omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")}  # None: torch's default
+    meta = dict(machine=machine, args=recorded, threads=threads)
+    write_results(RESULTS, "decode_moe", dict(meta=meta, rows=rows), report(rows, args, machine))
 
 
 if __name__ == "__main__":

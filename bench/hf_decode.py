@@ -1,7 +1,8 @@
 """Hugging Face transformers `generate` (KV cache, greedy) on GPT-2-shaped random models, or on a checkpoint.
 
 Run with an interpreter that has torch and transformers (bench/decode.py passes
---hf-python); prints one JSON list of results on stdout:
+--hf-python) and as many torch threads as the other side's JAX uses (--threads, default: every core
+this process may run on); prints one JSON record of the results on stdout:
 
     /path/to/python-with-torch-and-transformers bench/hf_decode.py --cases baby:1:256,small:8:1000
     /path/to/python-with-torch-and-transformers bench/hf_decode.py --checkpoint DIR --prompt-file P.json \
@@ -15,12 +16,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
+import sys
 from pathlib import Path
 
-import torch
-from transformers import GPT2Config, GPT2LMHeadModel
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
+
+from bench.machine import cpu_cores  # noqa: E402
+from bench.timing import time_call  # noqa: E402
 
 SHAPES = {"baby": dict(n_layer=4, n_head=4, n_embd=128), "small": dict(n_layer=6, n_head=6, n_embd=384)}
 
@@ -42,20 +47,18 @@ def from_checkpoint(path: str, prompt_file: str, batch: int):
 
 def measure(model, prompt, shape: str, new_tokens: int, repeats: int) -> dict:
     batch, prompt_len = prompt.shape
-    run = lambda: model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,  # noqa
-                                 min_new_tokens=new_tokens, do_sample=False, use_cache=True, pad_token_id=0)
+    last = {}
+
+    def run():  # greedy: every call gives the same tokens, kept from the last one
+        last["out"] = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,
+                                     min_new_tokens=new_tokens, do_sample=False, use_cache=True, pad_token_id=0)
     with torch.inference_mode():
-        run()  # warm-up
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            out = run()
-            times.append(time.perf_counter() - start)
+        timing = time_call(run, repeats)
+    out = last["out"]
     assert out.shape == (batch, prompt_len + new_tokens)
-    seconds = statistics.median(times)
-    return dict(model=shape, batch=batch, new_tokens=new_tokens, seconds=seconds,
-                tokens_per_s=batch * new_tokens / seconds, params=sum(p.numel() for p in model.parameters()),
-                new_tokens_ids=out[:, prompt_len:].tolist())
+    return dict(model=shape, batch=batch, new_tokens=new_tokens, seconds=timing.median_s,
+                tokens_per_s=batch * new_tokens / timing.median_s, runs=timing.times_s,
+                params=sum(p.numel() for p in model.parameters()), new_tokens_ids=out[:, prompt_len:].tolist())
 
 
 def main() -> None:
@@ -63,7 +66,8 @@ def main() -> None:
     parser.add_argument("--cases", required=True, help="comma-separated MODEL:BATCH:NEW_TOKENS")
     parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=cpu_cores(),
+                        help="torch threads (default: the cores this process may run on, %(default)s)")
     parser.add_argument("--checkpoint", help="a Hugging Face checkpoint directory instead of GPT-2 shapes")
     parser.add_argument("--prompt-file", help="with --checkpoint: a JSON list of prompt rows")
     args = parser.parse_args()
@@ -74,7 +78,7 @@ def main() -> None:
         model, prompt = (from_checkpoint(args.checkpoint, args.prompt_file, int(batch)) if args.checkpoint
                          else gpt2(shape, int(batch), args.prompt_len))
         results.append(measure(model, prompt, shape, int(new), args.repeats))
-    print(json.dumps(dict(torch=torch.__version__, results=results)))
+    print(json.dumps(dict(torch=torch.__version__, threads=torch.get_num_threads(), results=results)))
 
 
 if __name__ == "__main__":

@@ -1,45 +1,35 @@
-"""Each kernel choice against the reference on this machine, side by side: the evidence behind "auto".
+"""Each kernel choice against the reference on the machine it runs on, side by side: the evidence behind "auto".
 
     PYTHONPATH=$PWD python bench/kernel_choices.py [--rounds 8] [--decode-tokens 256]
 
-Training: the default config's jitted step (50 optimizer steps per dispatch, the
-batch split over the CPU cores as the runtime resolves it) compiled once per
-kernel variant in this process, then timed round-robin, so every variant sees the
-same minutes of a machine whose speed drifts. Decoding: `generate` (greedy,
-prompt 16, in a cache of 1024 slots) of the baby MHA and GQA models and the 10.7M-shaped MHA
-model at batch 1 and 8 with each decode and
-matmul kernel, round-robin likewise. Writes bench/results/kernel_choices.json and
-kernel_choices.md with the CPU, the kernels "auto" picks here, and each variant's median
-and ratio to the reference.
+Training: the default config's jitted step (50 optimizer steps per dispatch, the batch split over
+the CPU cores as the runtime resolves it) compiled once per kernel variant in this process, then
+timed in turns (`bench.timing.in_turns`), so every variant sees the same minutes of a machine whose
+speed drifts. Decoding: `generate` (greedy, prompt 16, in a cache of 1024 slots) of the baby MHA and
+GQA models and the 10.7M-shaped MHA model at batch 1 and 8 with each decode and matmul kernel, in
+turns likewise. Writes bench/results/kernel_choices.json and kernel_choices.md with the CPU, the
+kernels "auto" picks there, and each variant's median and ratio to the reference.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.machine import describe_machine, machine_line, write_results  # noqa: E402
+from bench.timing import in_turns, ratio  # noqa: E402
 from train import runtime as runtime_lib  # noqa: E402
 from train.config import load_config  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def round_robin(calls: dict, rounds: int) -> dict[str, float]:
-    """Median seconds of each zero-argument call, timed in alternating order (after one warm-up)."""
-    times = {name: [] for name in calls}
-    for name, call in calls.items():
-        call()
-    for r in range(rounds):
-        for name in (list(calls) if r % 2 == 0 else list(calls)[::-1]):
-            start = time.perf_counter()
-            calls[name]()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
+def medians_in_turns(calls: dict, rounds: int) -> dict[str, float]:
+    """Median seconds of each zero-argument call, timed in turns after one warm-up each."""
+    return {name: timing.median_s for name, timing in in_turns(calls, rounds).items()}
 
 
 def training_variants(runtime) -> dict:
@@ -77,9 +67,8 @@ def time_training(runtime, rounds: int) -> list[dict]:
             state["s"], (losses, _) = compiled(state["s"], data)
             np.asarray(losses)
         calls[name] = call
-    medians = round_robin(calls, rounds)
-    reference = medians["reference"]
-    return [{"variant": name, "ms_per_step": 1e3 * s / steps, "vs_reference": reference / s}
+    medians = medians_in_turns(calls, rounds)
+    return [{"variant": name, "ms_per_step": 1e3 * s / steps, "vs_reference": ratio(medians["reference"], s)}
             for name, s in medians.items()]
 
 
@@ -104,20 +93,19 @@ def time_decoding(rounds: int, new_tokens: int) -> list[dict]:
                         "decode xla_cpu, matmul bfloat16_cpu": Kernels(decode="xla_cpu", matmul="bfloat16_cpu")}
             calls = {name: functools.partial(
                 lambda k: generate(params, config, prompt, np.full(batch, 16), max_new_tokens=new_tokens,
-                                   rng=jax.random.PRNGKey(0), temperature=0.0, kernels=k).tokens.block_until_ready(),
+                                   rng=jax.random.PRNGKey(0), temperature=0.0, kernels=k).tokens,
                 kernels) for name, kernels in variants.items()}
-            medians = round_robin(calls, rounds)
+            medians = medians_in_turns(calls, rounds)
             rows += [{"model": kind, "batch": batch, "variant": name,
-                      "tokens_per_s": batch * new_tokens / s, "vs_reference": medians["reference"] / s}
+                      "tokens_per_s": batch * new_tokens / s, "vs_reference": ratio(medians["reference"], s)}
                      for name, s in medians.items()]
     return rows
 
 
 def markdown(record: dict) -> str:
-    m = record["machine"]
-    lines = [f"# Kernel choices on {m['cpu']} ({m['platform']}, {m['cpus']} CPUs), jax {m['jax']}", "",
+    lines = [f"# Kernel choices on {machine_line(record['machine'])}", "",
              f"`auto` picks here: {record['auto']}.", "",
-             "## Training step (default config, 50 steps per dispatch, medians of round-robin rounds)", "",
+             "## Training step (default config, 50 steps per dispatch, medians of rounds in turns)", "",
              "| variant | ms/step | speed vs reference |", "| --- | ---: | ---: |"]
     lines += [f"| {r['variant']} | {r['ms_per_step']:.1f} | {r['vs_reference']:.2f}x |" for r in record["training"]]
     lines += ["", f"## Decoding (greedy, prompt 16, {record['decode_tokens']} new tokens)", "",
@@ -135,7 +123,6 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     config = load_config()
     runtime = runtime_lib.start(config.runtime, config.train.batch_size)  # before anything starts JAX
-    from bench.machine import describe_machine, write_results
     print("\n".join(runtime.describe()), flush=True)
     record = {"command": "PYTHONPATH=$PWD python bench/kernel_choices.py " + " ".join(sys.argv[1:] if argv is None else argv),
               "machine": describe_machine(), "auto": str(runtime.kernels), "reasons": runtime.reasons,

@@ -15,30 +15,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from bench import fresh  # noqa: E402
+from bench.machine import describe_machine, machine_line, write_results  # noqa: E402
+from bench.timing import median  # noqa: E402
+
 LIMIT_GIB = 1.5  # the memory a run over a 4 GiB corpus must stay under
 RUN = ["train.eval_iters=5", "train.sample_tokens=0", "train.plot=false", "train.checkpoint=false"]
-
-
-def child(argv: list[str]) -> dict:
-    """Runs `argv` from the repository root; its stdout, wall seconds and peak RSS in GiB."""
-    start = time.perf_counter()
-    process = subprocess.Popen(argv, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    out, err = process.stdout.read(), process.stderr.read()
-    _, status, usage = os.wait4(process.pid, 0)
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise RuntimeError(f"{' '.join(argv[1:4])} failed: {err.strip().splitlines()[-1] if err.strip() else status}")
-    return {"stdout": out, "wall_s": time.perf_counter() - start, "peak_rss_gib": usage.ru_maxrss / 2**20}
 
 
 def write_text(path: Path, source: Path, train_gib: float) -> int:
@@ -53,28 +43,23 @@ def write_text(path: Path, source: Path, train_gib: float) -> int:
 
 def prepare(text: Path, out: Path) -> dict:
     """`python -m train.prepare --tokenizer char` into one train shard: wall time, peak RSS, shard sizes."""
-    figures = child([sys.executable, "-m", "train.prepare", "--data", str(text), "--tokenizer", "char",
-                     "--out", str(out), "--shard-tokens", str(4 * 2**30)])
+    done = fresh.run([sys.executable, "-m", "train.prepare", "--data", text, "--tokenizer", "char", "--out", out,
+                      "--shard-tokens", str(4 * 2**30)], what="train.prepare")
     manifest = json.loads((out / "prepared.json").read_text())
-    return {"wall_s": figures["wall_s"], "peak_rss_gib": figures["peak_rss_gib"], "text_bytes": text.stat().st_size,
+    return {"wall_s": done.wall_s, "peak_rss_gib": done.peak_rss_bytes / 2**30, "text_bytes": text.stat().st_size,
             "train_tokens": manifest["train"]["tokens"], "val_tokens": manifest["val"]["tokens"],
             "train_shard_gib": (out / "train_00000.bin").stat().st_size / 2**30}
 
 
 def train(data: Path, out: Path, iters: int) -> dict:
     """The baby config for `iters` iterations on `data`: peak RSS (kernel and result.json), speed, wait."""
-    figures = child([sys.executable, "-m", "train.tiny_lm", "--quiet", "--data", str(data), "--out-dir", str(out),
-                     "--set", f"train.max_iters={iters}", f"train.eval_interval={iters}",
-                     f"train.lr_decay_iters={iters}", *RUN])
+    done = fresh.run([sys.executable, "-m", "train.tiny_lm", "--quiet", "--data", data, "--out-dir", out,
+                      "--set", f"train.max_iters={iters}", f"train.eval_interval={iters}",
+                      f"train.lr_decay_iters={iters}", *RUN], what="train.tiny_lm")
     result = json.loads((out / "result.json").read_text())
     keep = ("median_tokens_per_s", "median_ms_per_iter", "input_wait_s", "final_val_loss", "peak_rss_gib")
-    return {"wall_s": figures["wall_s"], "peak_rss_gib_kernel": figures["peak_rss_gib"],
+    return {"wall_s": done.wall_s, "peak_rss_gib_kernel": done.peak_rss_bytes / 2**30,
             **{k: result[k] for k in keep}}
-
-
-def median(values: list[float]) -> float:
-    values = sorted(values)
-    return (values[(len(values) - 1) // 2] + values[len(values) // 2]) / 2
 
 
 def markdown(record: dict) -> str:
@@ -87,7 +72,7 @@ def markdown(record: dict) -> str:
     held = max(r["peak_rss_gib_kernel"] for r in record["runs"]["large"]) < LIMIT_GIB
     return "\n".join([
         f"# A corpus of {p['train_shard_gib']:.2f} GiB ({p['train_tokens']:,} train tokens)", "",
-        f"CPU: {record['machine']['cpu']} ({record['machine']['cpus']} cores). Command: `{record['command']}`", "",
+        f"Machine: {machine_line(record['machine'])}. Command: `{record['command']}`", "",
         f"prepare (`--tokenizer char`, {p['text_bytes'] / 2**30:.2f} GiB of text): {p['wall_s']:.1f} s "
         f"({p['text_bytes'] / p['wall_s'] / 1e6:.0f} MB/s), peak RSS {p['peak_rss_gib']:.3f} GiB", "",
         f"Training, {record['iters']} iters of the baby config, {record['rounds']} rounds in turns:", "",
@@ -106,7 +91,6 @@ def main() -> int:
     parser.add_argument("--source", type=Path, default=None,
                         help="the text repeated and trained on beside (default: Tiny Shakespeare, as train.data finds it)")
     args = parser.parse_args()
-    from bench.machine import describe_machine, write_results
     from train.data import resolve_data_path
     source = resolve_data_path(args.source)
     scratch = Path(tempfile.mkdtemp(prefix="large-corpus-", dir=args.scratch))

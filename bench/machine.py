@@ -1,4 +1,8 @@
-"""What a benchmark ran on: the CPU by name, its relevant features, the JAX backend and versions."""
+"""What a benchmark ran on: the CPU by name, its relevant features, the JAX backend and versions.
+
+Importable without JAX (`cpu_cores`, `write_results`, `portable_command`): the peers' processes
+(bench/hf_decode.py, bench/nanogpt_baseline.py) may run under an interpreter that has torch and no JAX.
+"""
 
 from __future__ import annotations
 
@@ -6,10 +10,6 @@ import json
 import os
 import platform
 from pathlib import Path
-
-import jax
-
-from jaxattn.kernels import Platform
 
 
 def cpu_model(cpuinfo: str = "/proc/cpuinfo") -> str:
@@ -23,12 +23,36 @@ def cpu_model(cpuinfo: str = "/proc/cpuinfo") -> str:
     return platform.processor() or "unknown"
 
 
+def cpu_cores() -> int:
+    """The CPU cores this process may run on: what JAX's CPU client spreads a program over, and so
+    the threads a peer (torch) gets by default in a fair race. The same count as
+    `train.runtime.cpu_cores`, which needs JAX."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def load_average() -> float | None:
+    """The 1-minute load average (runnable processes; more than `cpu_cores()` means the cores are shared),
+    None where the system has none."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:
+        return None
+
+
 def describe_machine() -> dict:
     """A JSON-able record of the machine (starts JAX's backends)."""
+    import jax
+
+    from jaxattn.kernels import Platform
     detected = Platform.detect()
-    return {"cpu": cpu_model(), "cpus": os.cpu_count(), "platform": detected.describe(),
+    return {"cpu": cpu_model(), "cpus": os.cpu_count(), "cores": cpu_cores(), "platform": detected.describe(),
             "amx_bf16": "amx_bf16" in detected.cpu_flags, "jax": jax.__version__,
             "python": platform.python_version(), "XLA_FLAGS": os.environ.get("XLA_FLAGS", "")}
+
+
+def machine_line(machine: dict) -> str:
+    """`describe_machine()` in a few words: "CPU (platform, N CPUs), jax VERSION"."""
+    return f"{machine['cpu']} ({machine['platform']}, {machine['cpus']} CPUs), jax {machine['jax']}"
 
 
 def write_results(out_dir: str | Path, name: str, record: dict, markdown: str) -> None:
@@ -41,7 +65,7 @@ def write_results(out_dir: str | Path, name: str, record: dict, markdown: str) -
 
 
 def portable_command(argv: list[str], path_flags: tuple[str, ...]) -> str:
-    """The command line with the values of `path_flags` (interpreters on this machine) made generic."""
+    """The command line with the values of `path_flags` (interpreters and files of one machine) made generic."""
     words = []
     for i, word in enumerate(argv):
         flag = argv[i - 1] if i else ""

@@ -20,14 +20,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from bench import fresh  # noqa: E402
+from bench.machine import describe_machine, machine_line, portable_command, write_results  # noqa: E402
 RESULTS = ROOT / "bench" / "results"
 TRAIN_MESHES = (("data:1", 1), ("data:2", 2), ("fsdp:2", 2), ("data:8", 8), ("fsdp:8", 8),
                 ("data:2,fsdp:2,tensor:2", 8))
@@ -99,20 +100,20 @@ def gpt2_worker(batch: int) -> list[dict]:
     return rows
 
 
-def _in_fresh_process(devices: int, *args: str) -> dict | list:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, __file__, "--worker", str(devices), *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True)
-    if done.returncode:
-        raise RuntimeError(f"worker {args} failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+def worker(spec: dict) -> dict | list:
+    """In a fresh process of `spec["devices"]` host devices: one training run on `spec["mesh"]`, or, with
+    `spec["gpt2_batch"]`, the GPT-2 compiles."""
+    import jax
+    jax.config.update("jax_num_cpu_devices", spec["devices"])  # before JAX starts its backends
+    if "gpt2_batch" in spec:
+        return gpt2_worker(spec["gpt2_batch"])
+    return train_worker(spec["mesh"], spec["iters"], spec["batch"])
 
 
 def markdown(record: dict) -> str:
     m, lines = record["machine"], []
     lines += ["# Training on a device mesh", "",
-              f"Machine: {m['cpu']} ({m['cpus']} CPUs, {m['platform']}), JAX {m['jax']}. "
-              f"Command: `{record['command']}`.", "",
+              f"Machine: {machine_line(m)}. Command: `{record['command']}`.", "",
               f"## The 10.7M config (shakespeare_char, batch {record['batch']}, {record['iters']} iterations)", "",
               "Host devices share the machine's cores, so more devices do not mean more compute here: the "
               "columns to read are the per-device memory ones.", "",
@@ -122,7 +123,6 @@ def markdown(record: dict) -> str:
         lines.append(f"| {r['mesh']} | {r['devices']} | {r['tokens_per_s']:,.0f} | {r['ms_per_iter']:.0f} | "
                      f"{r['peak_rss_gib']:.2f} | {r['state_mib_per_device']:.1f} | {r['arguments_mib']:.1f} | "
                      f"{r['temporaries_mib']:.1f} |")
-    lines += [f"\n{note}" for note in record.get("notes", [])]
     lines += ["", f"## GPT-2 small on 8 devices (batch {record['gpt2_batch']} x 1024, compiled only)", "",
               "Per device, from `jax.jit(...).lower(...).compile().memory_analysis()`; the arguments are the "
               "parameters, Adam's moments and the corpus, the temporaries the activations and gradients.", "",
@@ -140,24 +140,15 @@ def main(argv=None) -> dict:
     parser.add_argument("--batch", type=int, default=16, help="the 10.7M config's batch (divisible by 8)")
     parser.add_argument("--gpt2-batch", type=int, default=8)
     parser.add_argument("--out", default=str(RESULTS))
-    parser.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.worker:
-        import jax
-        jax.config.update("jax_num_cpu_devices", int(args.worker[0]))
-        kind = args.worker[1]
-        result = gpt2_worker(args.gpt2_batch) if kind == "gpt2" else train_worker(kind, args.iters, args.batch)
-        print(json.dumps(result))
-        return result
-    from bench.machine import describe_machine, write_results
     record = {"machine": describe_machine(), "iters": args.iters, "batch": args.batch, "gpt2_batch": args.gpt2_batch,
-              "command": "PYTHONPATH=$PWD python bench/mesh.py " + " ".join(argv or sys.argv[1:]),
+              "command": "PYTHONPATH=$PWD python bench/mesh.py " + portable_command(argv or sys.argv[1:], ("--out",)),
               "train": [], "gpt2": []}
     for mesh, devices in TRAIN_MESHES:
-        record["train"].append(_in_fresh_process(devices, mesh, "--iters", str(args.iters), "--batch",
-                                                 str(args.batch)))
+        spec = {"devices": devices, "mesh": mesh, "iters": args.iters, "batch": args.batch}
+        record["train"].append(fresh.call("bench.mesh:worker", spec))
         print(json.dumps(record["train"][-1]), flush=True)
-    record["gpt2"] = _in_fresh_process(8, "gpt2", "--gpt2-batch", str(args.gpt2_batch))
+    record["gpt2"] = fresh.call("bench.mesh:worker", {"devices": 8, "gpt2_batch": args.gpt2_batch})
     write_results(args.out, "mesh", record, markdown(record))
     return record
 

@@ -24,14 +24,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench import fresh  # noqa: E402
+from bench.timing import median_of, milliseconds_cell, ratio, time_compiled, times_cell  # noqa: E402
+
 RESULTS = ROOT / "bench" / "results"
 IMPLS = ("dense", "grouped", "grouped_cpu")
 DECODE_IMPLS = ("dense", "grouped_cpu", "gathered")
@@ -64,29 +65,12 @@ def _program(impl: str, M: int, E: int, k: int, forward_only: bool = False):
     return jax.jit(jax.grad(loss, argnums=(0, 1))), (params, x)
 
 
-def worker(spec: dict) -> None:
-    """Prints `{impl: {"median_s", "times_s", "compile_s", "xla_bytes"}}` for `spec`'s implementations."""
-    import jax
-    runs, results = {}, {}
-    for impl in spec["impls"]:
-        fn, args = _program(impl, spec["M"], spec["E"], spec["k"], spec.get("forward_only", False))
-        start = time.perf_counter()
-        compiled = fn.lower(*args).compile()
-        memory = compiled.memory_analysis()
-        results[impl] = {"compile_s": time.perf_counter() - start, "times_s": [],
-                         "xla_bytes": memory.temp_size_in_bytes + memory.argument_size_in_bytes
-                         + memory.output_size_in_bytes}
-        runs[impl] = lambda compiled=compiled, args=args: jax.block_until_ready(compiled(*args))
-        runs[impl]()  # warm-up
-    order = list(runs)
-    for rep in range(spec["reps"]):
-        for impl in order if rep % 2 == 0 else order[::-1]:
-            start = time.perf_counter()
-            runs[impl]()
-            results[impl]["times_s"].append(time.perf_counter() - start)
-    for result in results.values():
-        result["median_s"] = statistics.median(result["times_s"])
-    print(json.dumps(results))
+def worker(spec: dict) -> dict:
+    """In the fresh process: `{impl: {"median_s", "times_s", "compile_s", "xla_bytes"}}` for `spec`'s
+    implementations, compiled, then timed in turns."""
+    programs = {impl: _program(impl, spec["M"], spec["E"], spec["k"], spec.get("forward_only", False))
+                for impl in spec["impls"]}
+    return time_compiled(programs, spec["reps"])
 
 
 # -- the sweep -------------------------------------------------------------------------------------
@@ -125,13 +109,11 @@ def reps_for(case: dict, reps: int) -> int:
 
 
 def measure(spec: dict, args) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    done = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)], capture_output=True, text=True,
-                          env=env, timeout=args.timeout)
-    if done.returncode:
-        error = (done.stderr.strip().splitlines() or ["exit %d" % done.returncode])[-1]
-        return {impl: {"error": error} for impl in spec["impls"]}
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    """`spec`'s implementations in a fresh process; an error record for each where it failed."""
+    try:
+        return fresh.call("bench.moe:worker", spec, timeout=args.timeout)
+    except fresh.FreshProcessError as error:
+        return {impl: {"error": str(error)} for impl in spec["impls"]}
 
 
 def sweep(args) -> list[dict]:
@@ -145,27 +127,7 @@ def sweep(args) -> list[dict]:
     return rows
 
 
-if __name__ == "__main__" and "--worker" in sys.argv:
-    worker(json.loads(sys.argv[sys.argv.index("--worker") + 1]))
-    sys.exit(0)
-
-
 # -- the report -------------------------------------------------------------------------------------
-
-def _median(row, impl):
-    return row["results"].get(impl, {}).get("median_s")
-
-
-def _cell(row, impl) -> str:
-    if impl in row["skipped"]:
-        return "–"
-    result = row["results"].get(impl, {})
-    return f"{result['median_s'] * 1e3:,.1f}" if "median_s" in result else "error"
-
-
-def _ratio(a, b) -> str:
-    return f"{a / b:.2f}x" if a and b else "–"
-
 
 def table(rows) -> list[str]:
     lines = ["| M tokens | E | k | " + " | ".join(f"{i} ms" for i in IMPLS) + " | dense / grouped_cpu | "
@@ -174,27 +136,29 @@ def table(rows) -> list[str]:
     for row in rows:
         gib = lambda impl: (f"{row['results'][impl]['xla_bytes'] / 2**30:.3f}"  # noqa: E731
                             if "xla_bytes" in row["results"].get(impl, {}) else "–")
-        lines.append(f"| {row['M']} | {row['E']} | {row['k']} | " + " | ".join(_cell(row, i) for i in IMPLS)
-                     + f" | {_ratio(_median(row, 'dense'), _median(row, 'grouped_cpu'))}"
-                     f" | {_ratio(_median(row, 'dense'), _median(row, 'grouped'))} | {row['auto_picks']} | "
+        dense = median_of(row, "dense")
+        lines.append(f"| {row['M']} | {row['E']} | {row['k']} | "
+                     + " | ".join(milliseconds_cell(row, i, ",.1f") for i in IMPLS)
+                     + f" | {times_cell(ratio(dense, median_of(row, 'grouped_cpu')))}"
+                     f" | {times_cell(ratio(dense, median_of(row, 'grouped')))} | {row['auto_picks']} | "
                      f"{gib('dense')} | {gib('grouped_cpu')} |")
     return lines
 
 
 def rule_misses(rows) -> tuple[int, list[str]]:
     """How many cases `auto_cpu` picked the faster of dense and grouped_cpu in, and the others."""
-    judged = [r for r in rows if _median(r, "dense") and _median(r, "grouped_cpu")]
+    judged = [r for r in rows if median_of(r, "dense") and median_of(r, "grouped_cpu")]
     misses = [f"M={r['M']} E={r['E']} k={r['k']}: picks {r['auto_picks']}, dense / grouped_cpu "
-              f"{_ratio(_median(r, 'dense'), _median(r, 'grouped_cpu'))}" for r in judged
-              if r["auto_picks"] != min(("dense", "grouped_cpu"), key=lambda impl: _median(r, impl))]
+              f"{times_cell(ratio(median_of(r, 'dense'), median_of(r, 'grouped_cpu')))}" for r in judged
+              if r["auto_picks"] != min(("dense", "grouped_cpu"), key=lambda impl: median_of(r, impl))]
     return len(judged) - len(misses), misses
 
 
 def targets(rows) -> list[str]:
-    from8 = [r for r in rows if r["E"] >= 8 and r["M"] >= 256]  # the issue's lengths
+    from8 = [r for r in rows if r["E"] >= 8 and r["M"] >= 256]  # where grouping is meant to pay
     lines = ["| target | measured |", "| --- | --- |"]
     for impl in ("grouped_cpu", "grouped"):
-        speedups = [_median(r, "dense") / _median(r, impl) for r in from8 if _median(r, "dense") and _median(r, impl)]
+        speedups = [x for r in from8 if (x := ratio(median_of(r, "dense"), median_of(r, impl)))]
         if speedups:
             verdict = "met" if min(speedups) > 1 else "not met"
             lines.append(f"| {impl} faster than dense from 8 experts on (fwd+bwd, 256 tokens or more) | {verdict}: "
@@ -207,17 +171,17 @@ def decode_table(rows) -> list[str]:
     lines = ["| M tokens | E | k | " + " | ".join(f"{i} ms" for i in DECODE_IMPLS) + " | dense / gathered | "
              "auto_cpu picks | fastest |", "| ---: | ---: | ---: |" + " ---: |" * len(DECODE_IMPLS) + " ---: | --- | --- |"]
     for row in rows:
-        medians = {impl: _median(row, impl) for impl in DECODE_IMPLS}
+        medians = {impl: median_of(row, impl) for impl in DECODE_IMPLS}
         fastest = min((i for i in DECODE_IMPLS if medians[i]), key=lambda i: medians[i], default="–")
         cells = " | ".join(f"{medians[i] * 1e3:,.2f}" if medians[i] else "error" for i in DECODE_IMPLS)
         lines.append(f"| {row['M']} | {row['E']} | {row['k']} | {cells} | "
-                     f"{_ratio(medians['dense'], medians['gathered'])} | "
+                     f"{times_cell(ratio(medians['dense'], medians['gathered']))} | "
                      f"{moe.cpu_rule(row['M'], row['E'], row['k'])[0]} | {fastest} |")
     return lines
 
 
 def write_report(rows, args, argv, decode_rows=()) -> None:
-    from bench.machine import describe_machine, write_results
+    from bench.machine import describe_machine, machine_line, write_results
     from jaxattn.kernels import Platform, moe
     for row in rows:
         row["auto_picks"] = moe.cpu_rule(row["M"], row["E"], row["k"])[0]
@@ -227,8 +191,7 @@ def write_report(rows, args, argv, decode_rows=()) -> None:
     rule = {"auto_cpu": moe.rule(Platform("cpu"))[1], "right": right, "misses": misses}
     record = {"meta": {"machine": machine, "command": command, "D": D, "F": F, "dtype": "float32",
                        "pass": "fwd+bwd"}, "rule": rule, "rows": rows, "decode_rows": list(decode_rows)}
-    lines = [f"# MoE routed experts on {machine['cpu']} ({machine['platform']}, {machine['cpus']} CPUs), "
-             f"jax {machine['jax']}", "",
+    lines = [f"# MoE routed experts on {machine_line(machine)}", "",
              f"Median milliseconds of forward+backward of one MoE layer (router + routed experts), D={D}, F={F}, "
              "float32, [1, M, D] tokens (bench/moe.py: per case the implementations in turns in one fresh "
              "process). XLA GiB: the memory XLA plans for the program. `–`: not run (see the JSON's "

@@ -24,9 +24,11 @@ with `--compile` torch.compile of the model.
 Timing: each iteration (forward, next batch, backward, clip, AdamW step, loss.item()) is timed on its
 own, so eval time is excluded; the median skips the first 10 iterations. On a GPU the loss is read
 (a device sync) every log_interval iterations as nanoGPT does, so the timed unit is that window,
-divided by its iterations; torch.compile's first compile falls in the first, skipped, window. `--lockstep` pauses at each
-eval point for bench/train.py to interleave the two runs. Needs torch (any CPU build),
-never imports jax. Prints and returns a JSON record (the last line of stdout).
+divided by its iterations; torch.compile's first compile falls in the first, skipped, window.
+`--lockstep` pauses at each eval point for bench/train.py to interleave the two runs. torch runs
+--threads threads, by default one per core this process may run on: as many as JAX uses on the other
+side of a race. Needs torch (any CPU build), never imports jax. Prints and returns a JSON record (the
+last line of stdout).
 """
 
 from __future__ import annotations
@@ -36,16 +38,21 @@ import inspect
 import json
 import math
 import os
-import statistics
 import sys
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 
-import numpy as np
-import torch
-import torch.nn as nn
-from torch.nn import functional as F
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+from torch.nn import functional as F  # noqa: E402
+
+from bench.machine import cpu_cores  # noqa: E402
+from bench.timing import median  # noqa: E402
 
 DEFAULT_DATA = os.environ.get("JAXATTN_SHAKESPEARE")  # else --data is required
 LOCKSTEP_PREFIX = "LOCKSTEP at iter"
@@ -312,11 +319,12 @@ def window_ends(iter_num: int, a: TrainArgs) -> bool:
     return done % a.log_interval == 0 or done % a.eval_interval == 0 or done == a.max_iters
 
 
-def run(data_path: str, a: TrainArgs, threads: int = 2, log=print, lockstep: bool = False,
+def run(data_path: str, a: TrainArgs, threads: int | None = None, log=print, lockstep: bool = False,
         device: str = "cpu", compile: bool = False) -> dict:
-    """The run; its figures as a JSON-ready dict. With `lockstep`, pauses at every eval point."""
+    """The run; its figures as a JSON-ready dict. With `lockstep`, pauses at every eval point. `threads`:
+    torch's (default: every core this process may run on, as many as JAX uses on the other side)."""
     wall_start = time.perf_counter()
-    torch.set_num_threads(threads)
+    torch.set_num_threads(threads or cpu_cores())
     torch.manual_seed(a.seed)
     dev = Device(device)
     train_data, val_data, vocab_size = load_splits(data_path)
@@ -352,7 +360,7 @@ def run(data_path: str, a: TrainArgs, threads: int = 2, log=print, lockstep: boo
             start = (iter_num + 1, now)
     per_iter = [seconds / n for first, n, seconds in windows if first >= WARMUP_ITERS_EXCLUDED] or \
         [seconds / n for _, n, seconds in windows]
-    median_s = statistics.median(per_iter)
+    median_s = median(per_iter)
     train_s = sum(seconds for _, _, seconds in windows)
     return {
         "impl": f"nanoGPT (port: bench/nanogpt_baseline.py, torch {'compiled' if compile else 'eager'})",
@@ -376,7 +384,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--max-iters", type=int, help="default: the config's (2000 baby, 5000 gpu)")
     parser.add_argument("--lr-decay-iters", type=int, help="default: the config's")
     parser.add_argument("--eval-interval", type=int, help="default: the config's (250)")
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=cpu_cores(),
+                        help="torch threads (default: the cores this process may run on, %(default)s)")
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     parser.add_argument("--compile", action="store_true", help="torch.compile the model (nanoGPT does on a GPU)")
     parser.add_argument("--json", help="also write the JSON record to this file")

@@ -1,6 +1,6 @@
-"""The speedrun race against nanoGPT, the recipe's ablation, and a GPU race (issue 23).
+"""The speedrun race against nanoGPT, the recipe's ablation, and a GPU race.
 
-    PYTHONPATH=$PWD python bench/train.py --race [--rounds 3] [--nanogpt-python PY] [--data PATH]
+    PYTHONPATH=$PWD python bench/train.py --race [--rounds 3] [--nanogpt-python PY] [--nanogpt-threads N] [--data PATH]
     PYTHONPATH=$PWD python bench/train.py --ablation [--budget 15] [--rounds 1]
     PYTHONPATH=$PWD python3 bench/train.py --gpu-race [--rounds 1] [--max-iters N] [--data PATH]
     ... --quick: a smoke test of any of them (40 iters a run, one round, results in a temp dir)
@@ -12,8 +12,9 @@ quiet=True)` with the val loss over the whole val split (`train.eval_whole_val=t
 loss is `train_seconds` (training time, compile and evaluation excluded) at the first evaluation
 at or below it, so the eval interval sets how finely it is seen.
 
---race: nanoGPT's CPU baby run (bench/nanogpt_baseline.py, torch with 2 threads; its time = its
-  iters x its median ms/iter, its loss its own 20-batch estimate), configs/shakespeare_char_speedrun
+--race: nanoGPT's CPU baby run (bench/nanogpt_baseline.py, torch with --nanogpt-threads threads,
+  by default as many as the cores JAX uses; its time = its iters x its median ms/iter, its loss its
+  own 20-batch estimate), configs/shakespeare_char_speedrun
   (its own eval_interval) and the default configs/shakespeare_char_baby (eval_interval=50 added), both
   with target 1.8857 (nanoGPT's val loss at 2000 iters). Writes bench/results/speedrun.json and .md.
 --ablation: the speedrun config, then each switch of SWITCHES turned off (or, where the recipe does
@@ -24,6 +25,8 @@ at or below it, so the eval interval sets how finely it is seen.
   speedrun recipe's settings (`recipe_delta`): tokens/s and training seconds to nanoGPT's final val
   loss of the same round. Writes bench/results/speedrun_gpu.json and .md.
 --max-iters N shortens every side alike (max_iters and lr_decay_iters, ours and nanoGPT's).
+On a machine shared with other jobs, torch's idle threads spin on the cores their partners need:
+OMP_WAIT_POLICY=PASSIVE, where set, is passed on to nanoGPT's port.
 """
 
 from __future__ import annotations
@@ -31,10 +34,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import shutil
-import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -43,7 +43,9 @@ from typing import Callable
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.machine import portable_command, write_results  # noqa: E402
+from bench import fresh  # noqa: E402
+from bench.machine import cpu_cores, portable_command, write_results  # noqa: E402
+from bench.timing import median, ratio  # noqa: E402
 from train.config import DEFAULT_CONFIG, ExperimentConfig, TrainConfig, load_config  # noqa: E402
 from train.metrics import first_at_or_below  # noqa: E402
 
@@ -168,20 +170,15 @@ def recipe_delta(recipe: ExperimentConfig, default: ExperimentConfig, target: Ex
     out = []
     for table, skip in (("train", NOT_RECIPE_TRAIN), ("model", NOT_RECIPE_MODEL)):
         r, d, t = (getattr(c, table) for c in (recipe, default, target))
-        for f in dataclasses.fields(r):
-            value = getattr(r, f.name)
-            if f.name in skip or value == getattr(d, f.name) or value == getattr(t, f.name):
+        for name in r.to_dict():  # the field names of a ModelConfig and of a TrainConfig alike
+            value = getattr(r, name)
+            if name in skip or value == getattr(d, name) or value == getattr(t, name):
                 continue
-            out.append(f"{table}.{f.name}={toml_value(value)}")
+            out.append(f"{table}.{name}={toml_value(value)}")
     return out
 
 
 # ----------------------------------------------------------------------------- the figures
-
-def median_or_none(values) -> float | None:
-    values = [v for v in values if v is not None]
-    return statistics.median(values) if values else None
-
 
 def loss_at_budget(evals: list[dict], budget: float) -> dict | None:
     """The last evaluation whose train_seconds is within `budget` (metrics.jsonl eval records)."""
@@ -200,7 +197,7 @@ def race_summary(runs: list[dict]) -> dict:
         summary[side] = {
             "runs": len([r for r in runs if r["side"] == side]),
             "reached": sum(r.get("seconds_to_target") is not None for r in mine),
-            **{k if k.startswith("median_") else f"median_{k}": median_or_none(r.get(k) for r in mine)
+            **{k if k.startswith("median_") else f"median_{k}": median(r.get(k) for r in mine)
                for k in ("seconds_to_target", "target_step", "final_val_loss", "median_ms_per_iter",
                          "median_tokens_per_s", "compile_s", "wall_s")},
         }
@@ -208,9 +205,8 @@ def race_summary(runs: list[dict]) -> dict:
     for side in sides:
         if side == NANOGPT:
             continue
-        ours = summary[side]["median_seconds_to_target"]
-        summary[side]["ratio_of_medians"] = theirs / ours if theirs and ours else None
-        summary[side]["median_round_ratio"] = median_or_none(r.get("ratio") for r in runs if r["side"] == side)
+        summary[side]["ratio_of_medians"] = ratio(theirs, summary[side]["median_seconds_to_target"])
+        summary[side]["median_round_ratio"] = median(r.get("ratio") for r in runs if r["side"] == side)
     return summary
 
 
@@ -219,8 +215,7 @@ def add_round_ratios(runs: list[dict]) -> None:
     theirs = {r["round"]: r.get("seconds_to_target") for r in runs if r["side"] == NANOGPT}
     for r in runs:
         if r["side"] != NANOGPT:
-            t, o = theirs.get(r["round"]), r.get("seconds_to_target")
-            r["ratio"] = t / o if t and o else None
+            r["ratio"] = ratio(theirs.get(r["round"]), r.get("seconds_to_target"))
 
 
 def nanogpt_figures(record: dict) -> dict:
@@ -236,35 +231,35 @@ def nanogpt_figures(record: dict) -> dict:
 
 # ----------------------------------------------------------------------------- processes
 
-def child_env(data: Path) -> dict:
-    return {**os.environ, "PYTHONPATH": str(ROOT), "JAXATTN_SHAKESPEARE": str(data),
-            "JAX_ENABLE_COMPILATION_CACHE": "false"}
-
-
-def _last_json(done: subprocess.CompletedProcess, what: str) -> dict:
-    if done.returncode:
-        tail = (done.stderr or done.stdout or "").strip().splitlines()[-1:] or ["(no output)"]
-        return {"error": f"{what} exited with status {done.returncode}: {tail[0][:300]}"}
-    return json.loads(done.stdout.strip().splitlines()[-1])
+def child_env(data: Path, threads: int | None = None) -> dict:
+    """A fresh process's environment: the data file, no compilation cache (each run compiles anew), and
+    for nanoGPT's port its torch threads (`fresh.environment`)."""
+    return fresh.environment(threads, JAXATTN_SHAKESPEARE=str(data), JAX_ENABLE_COMPILATION_CACHE="false")
 
 
 def run_ours(side: Side, data: Path, scratch: Path) -> dict:
-    """One of our runs in a fresh process (`--worker`); its figures."""
+    """One of our runs in a fresh process (`worker`); its figures, or {"error": why}."""
     out = Path(tempfile.mkdtemp(dir=scratch))
     spec = {"config": side.config, "overrides": list(side.overrides), "out_dir": str(out)}
-    done = subprocess.run([sys.executable, str(Path(__file__)), "--worker", json.dumps(spec)], cwd=ROOT,
-                          env=child_env(data), capture_output=True, text=True)
-    shutil.rmtree(out, ignore_errors=True)
-    return _last_json(done, f"our run of {side.config}")
+    try:
+        return fresh.run(fresh.function_argv("bench.speedrun:worker", spec), what=f"our run of {side.config}",
+                         env=child_env(data)).json()
+    except fresh.FreshProcessError as error:
+        return {"error": str(error)}
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
 
 
 def run_nanogpt(python: str, data: Path, scratch: Path, args: list[str]) -> dict:
-    """nanoGPT's port in a fresh process; its race figures."""
+    """nanoGPT's port in a fresh process; its race figures, or {"error": why}."""
     path = Path(tempfile.mkdtemp(dir=scratch)) / "nanogpt.json"
-    done = subprocess.run([python, str(NANOGPT_SCRIPT), "--data", str(data), "--json", str(path), *args], cwd=ROOT,
-                          env=child_env(data), capture_output=True, text=True)
-    record = _last_json(done, "nanoGPT's port")
-    return record if "error" in record else nanogpt_figures(record)
+    threads = int(args[args.index("--threads") + 1]) if "--threads" in args else None
+    try:
+        record = fresh.run([python, NANOGPT_SCRIPT, "--data", data, "--json", path, *args], what="nanoGPT's port",
+                           env=child_env(data, threads)).json()
+    except fresh.FreshProcessError as error:
+        return {"error": str(error)}
+    return nanogpt_figures(record)
 
 
 def worker(spec: dict) -> dict:
@@ -333,8 +328,13 @@ def race(args, data: Path, scratch: Path) -> dict:
     runs = play_with_nanogpt(args, data, scratch, sides, ["--threads", str(args.nanogpt_threads)], 3)
     add_round_ratios(runs)
     return {"kind": "race", "target_loss": TARGET, "rounds": args.rounds or 3,
-            "sides": describe_sides(sides), "nanogpt_threads": args.nanogpt_threads, "runs": runs,
-            "summary": race_summary(runs)}
+            "sides": describe_sides(sides), "nanogpt_threads": args.nanogpt_threads, "threads": threads(args),
+            "runs": runs, "summary": race_summary(runs)}
+
+
+def threads(args) -> dict:
+    """The cores our runs' JAX spreads over and nanoGPT's torch threads (the same by default: a fair race)."""
+    return {"ours": cpu_cores(), "nanogpt": args.nanogpt_threads}
 
 
 def ablation(args, data: Path, scratch: Path) -> dict:
@@ -352,9 +352,9 @@ def ablation(args, data: Path, scratch: Path) -> dict:
         mine = [r for r in runs if r["side"] == v["name"] and "error" not in r]
         rows.append({**v, "runs": len(mine), "errors": [r["error"] for r in runs
                                                          if r["side"] == v["name"] and "error" in r],
-                     "val_loss_at_budget": median_or_none((r["at_budget"] or {}).get("val_loss") for r in mine),
+                     "val_loss_at_budget": median((r["at_budget"] or {}).get("val_loss") for r in mine),
                      "reached": sum(r.get("seconds_to_target") is not None for r in mine),
-                     **{k: median_or_none(r.get(k) for r in mine)
+                     **{k: median(r.get(k) for r in mine)
                         for k in ("seconds_to_target", "target_step", "final_val_loss", "median_ms_per_iter")}})
     return {"kind": "ablation", "target_loss": TARGET, "budget_s": args.budget, "rounds": args.rounds or 1,
             "config": args.speedrun_config, "extra_overrides": list(extra),
@@ -369,11 +369,11 @@ def gpu_race(args, data: Path, scratch: Path) -> dict:
              Side("ours + recipe", GPU_CONFIG, base + tuple(delta) + extra)]
     for side in sides[1:]:
         load_config(side.config, side.overrides)
-    nanogpt_args = ["--config", "gpu", "--device", "cuda", "--compile", "--threads", str(os.cpu_count() or 1)]
+    nanogpt_args = ["--config", "gpu", "--device", "cuda", "--compile", "--threads", str(args.nanogpt_threads)]
     runs = play_with_nanogpt(args, data, scratch, sides, nanogpt_args, 1)
     add_target_from_nanogpt(runs)
     add_round_ratios(runs)
-    return {"kind": "gpu-race", "rounds": args.rounds or 1, "recipe_overrides": delta,
+    return {"kind": "gpu-race", "rounds": args.rounds or 1, "recipe_overrides": delta, "threads": threads(args),
             "sides": describe_sides(sides), "runs": runs, "summary": race_summary(runs)}
 
 
@@ -399,7 +399,7 @@ def _cells(r: dict, keys) -> str:
     return " | ".join(fmt(r.get(k), spec, none) for k, spec, none in keys)
 
 
-def _sides_notes(record: dict) -> list[str]:
+def _side_lines(record: dict) -> list[str]:
     lines = []
     for name, side in record["sides"].items():
         if side["config"] is None:
@@ -417,6 +417,11 @@ def _machine(record: dict) -> str:
     e = record.get("env") or {}
     return (f"Machine: {e.get('cpu', '?')} ({e.get('cpus', '?')} CPUs, {e.get('platform', '?')}; device "
             f"{e.get('device', '?')}), jax {e.get('jax', '?')}, python {e.get('python', '?')}.")
+
+
+def _our_cores(record: dict) -> str:
+    ours = (record.get("threads") or {}).get("ours")
+    return f" (ours: JAX on {ours} cores)" if ours else ""
 
 
 def _nanogpt_run(record: dict) -> dict:
@@ -455,9 +460,9 @@ def race_markdown(record: dict) -> str:
     for side, s in record["summary"].items():
         lines.append(f"| {side} | {s['reached']}/{s['runs']} | {_cells(s, SUMMARY_COLUMNS)} |")
     lines += ["", f"- {n.get('impl', 'nanoGPT (port: bench/nanogpt_baseline.py)')}, torch {n.get('torch', '?')}, "
-              f"{record.get('nanogpt_threads', 2)} threads; its time is {iters} iters x its median ms/iter "
-              "(evaluation excluded), its val loss its own estimate (20 batches of 12 x 64) at the last iter.",
-              *_sides_notes(record),
+              f"{record.get('nanogpt_threads', 2)} threads{_our_cores(record)}; its time is {iters} iters x its "
+              "median ms/iter (evaluation excluded), its val loss its own estimate (20 batches of 12 x 64) at the last iter.",
+              *_side_lines(record),
               f"- ours: training seconds (compile and evaluation excluded) at the first evaluation whose val loss "
               f"over the whole val split is at or below {t}, so the eval interval is how finely it is seen.", "",
               _machine(record), "", f"Made by: `{record['command']}`", ""]
@@ -522,7 +527,7 @@ def gpu_markdown(record: dict) -> str:
               f"({n.get('device', '?')}; torch {n.get('torch', '?')}): 6 layers, 6 heads, n_embd 384, block 256, "
               "batch 64, dropout 0.2, eval_iters 200; its val loss its own 200-batch estimate. Its first "
               f"window (torch.compile's compile in it) took {fmt(n.get('first_window_s'), '.1f')} s.",
-              *_sides_notes(record),
+              *_side_lines(record),
               "- ours: val loss over the whole val split; seconds = training time (compile and evaluation "
               "excluded) at the first evaluation at or below the target. The recipe's overrides (what "
               f"configs/{SPEEDRUN}.toml changes relative to the default, less length, shapes and bookkeeping): "
@@ -540,10 +545,10 @@ def main(argv=None) -> dict:
     mode.add_argument("--race", action="store_true")
     mode.add_argument("--ablation", action="store_true")
     mode.add_argument("--gpu-race", action="store_true")
-    mode.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--rounds", type=int, help="rounds of turns (default 3 for --race, else 1)")
     parser.add_argument("--nanogpt-python", default=sys.executable, help="a Python with torch (default: this one)")
-    parser.add_argument("--nanogpt-threads", type=int, default=2)
+    parser.add_argument("--nanogpt-threads", type=int, default=cpu_cores(),
+                        help="nanoGPT's torch threads (default: the cores JAX uses, %(default)s)")
     parser.add_argument("--data", help="Tiny Shakespeare (default $JAXATTN_SHAKESPEARE, then the cache)")
     parser.add_argument("--speedrun-config", default=SPEEDRUN)
     parser.add_argument("--budget", type=float, default=15.0, help="--ablation: training seconds of the budget")
@@ -552,10 +557,6 @@ def main(argv=None) -> dict:
     parser.add_argument("--quick", action="store_true", help=f"smoke test: {QUICK_ITERS} iters, one round, temp out")
     parser.add_argument("--out", help="results folder (default bench/results; with --quick a temp folder)")
     args = parser.parse_args(argv)
-    if args.worker:
-        record = worker(json.loads(args.worker))
-        print(json.dumps(record))
-        return record
     if args.quick:
         args.rounds, args.max_iters = 1, args.max_iters or QUICK_ITERS
     from train.data import resolve_data_path

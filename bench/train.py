@@ -1,4 +1,4 @@
-"""Benchmark of the default training run against nanoGPT on this machine, side by side.
+"""Benchmark of the default training run against nanoGPT on the machine it runs on, side by side.
 
     PYTHONPATH=$PWD python bench/train.py [--set train.max_iters=500 ...] \
         [--nanogpt-python /path/to/python-with-torch [--nanogpt-max-iters N]] [--float32-too]
@@ -12,10 +12,11 @@ train.md: median tokens/s and ms/iter (excluding compile), compile time, final v
 the kernels the runtime chose, the CPU, and the ratio to nanoGPT. With --nanogpt-python (an
 interpreter that has torch), nanoGPT's baby run (bench/nanogpt_baseline.py, a port of its model.py
 and train.py) trains on the same data file and iters in turns with ours (one eval interval each,
-alternating), and the table shows both as measured in this run. Without it, nanoGPT's figures are
-quoted from measurements of the same 2-core CPU type made outside this repository, and the column
-says so. --float32-too also trains the same config with the reference kernels
-(`runtime.matmul=xla runtime.attention=xla`), to show what the chosen kernels give.
+alternating), with as many torch threads as the cores JAX uses (--nanogpt-threads), and the table
+shows both as measured in this run. Without it, nanoGPT's figures are quoted from measurements of
+the same 2-core CPU type made outside this repository, and the column says so. --float32-too also
+trains the same config with the reference kernels (`runtime.matmul=xla runtime.attention=xla`), to
+show what the chosen kernels give.
 
 --race, --ablation and --gpu-race (bench/speedrun.py, its own flags): the speedrun config's time to
 nanoGPT's val loss against nanoGPT in rounds of turns (bench/results/speedrun.md), the recipe with
@@ -35,7 +36,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.machine import describe_machine, portable_command, write_results  # noqa: E402
+from bench import fresh  # noqa: E402
+from bench.machine import cpu_cores, describe_machine, machine_line, portable_command, write_results  # noqa: E402
 from train import runtime as runtime_lib  # noqa: E402
 from train.config import DEFAULT_CONFIG, load_config  # noqa: E402
 from train.data import resolve_data_path  # noqa: E402
@@ -59,8 +61,9 @@ class NanoGPTInTurns:
 
     The port (`--lockstep`) stops at each of its eval points until told to go on; `turn`, called
     after each of our evals, lets it run its next eval interval. So the two runs alternate every
-    250 iters (a few seconds) and are timed in the same minutes: on this shared VM the speed
-    drifts by up to 2x over minutes, which made back-to-back runs disagree about the ratio.
+    250 iters (a few seconds) and are timed in the same minutes: a shared machine's speed can
+    drift by up to 2x over minutes, enough to make back-to-back runs disagree about the ratio.
+    It runs with `threads` torch threads (and the OMP/MKL variables set to match).
     """
 
     def __init__(self, python: str, data: Path, iters: int, lr_decay_iters: int, threads: int):
@@ -70,7 +73,7 @@ class NanoGPTInTurns:
         self.proc = subprocess.Popen(
             [python, str(NANOGPT_SCRIPT), "--data", str(data), "--max-iters", str(iters), "--lockstep",
              "--lr-decay-iters", str(lr_decay_iters), "--threads", str(threads), "--json", str(self.json_path)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1, env=fresh.environment(threads))
         self._run_to_pause()  # torch import and model set-up happen before our run starts
 
     def _run_to_pause(self) -> bool:
@@ -126,12 +129,13 @@ def main(argv=None) -> dict:
     parser.add_argument("--out", default=str(RESULTS))
     parser.add_argument("--nanogpt-python", help="a Python with torch: also run nanoGPT's baby run side by side")
     parser.add_argument("--nanogpt-max-iters", type=int, help="nanoGPT's iters (default: the same as ours)")
-    parser.add_argument("--nanogpt-threads", type=int, default=2, help="torch threads (the shared figures used 2)")
+    parser.add_argument("--nanogpt-threads", type=int, default=cpu_cores(),
+                        help="torch threads (default: the cores JAX uses, %(default)s)")
     parser.add_argument("--float32-too", action="store_true",
                         help="also train with float32 matmuls and autodiff attention")
     args = parser.parse_args(argv)
     command = "PYTHONPATH=$PWD python bench/train.py " + portable_command(
-        sys.argv[1:] if argv is None else argv, ("--nanogpt-python",))
+        sys.argv[1:] if argv is None else argv, ("--nanogpt-python", "--out"))
     config = load_config(args.config, ["train.out_dir='runs/bench_train'", *args.set])
     runtime = runtime_lib.start(config.runtime, config.train.batch_size, model=config.model)  # before JAX starts
     tc = config.train
@@ -164,9 +168,17 @@ def main(argv=None) -> dict:
         "tokens_per_step": tc.batch_size * tc.block_size,
         "kernels": runtime.kernels.to_dict(), "kernel_reasons": runtime.reasons,  # what "auto" resolved to here
         "env": describe_machine(),
+        "threads": {"ours": cpu_cores(), "nanogpt": args.nanogpt_threads if nanogpt_run else None},
     }
     write_results(args.out, "train", record, markdown(record))
     return record
+
+
+def threads_note(r: dict) -> str:
+    """", ours on N cores, nanoGPT with M torch threads" where the record has them."""
+    threads = r.get("threads") or {}
+    ours = f", ours on {threads['ours']} cores" if threads.get("ours") else ""
+    return ours + (f", nanoGPT with {threads['nanogpt']} torch threads" if threads.get("nanogpt") else "")
 
 
 def disturbed_warning(r: dict) -> list[str]:
@@ -210,7 +222,7 @@ def markdown(r: dict) -> str:
         f"{r['steps_per_dispatch']} optimizer steps per jitted dispatch (lax.scan), mesh "
         f"{r.get('mesh', 'data:' + str(r.get('data_parallel')))}; kernels: attention {r['kernels']['attention']!r}, dense matmuls "
         f"{r['kernels']['matmul']!r} ({r['kernel_reasons']['matmul']}); {r['params']:,} parameters; "
-        f"{r['env']['cpu']} ({r['env']['platform']}, {r['env']['cpus']} CPUs), jax {r['env']['jax']}. "
+        f"{machine_line(r['env'])}{threads_note(r)}. "
         f"nanoGPT figures: {n['source']}. The machine is shared, "
         "so timings drift (up to ~2x over minutes); only a measured column gives a same-run ratio"
         + (", and the two runs take turns every eval interval so that both see the same minutes."

@@ -24,16 +24,15 @@ from __future__ import annotations
 
 import argparse
 import gzip
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.machine import describe_machine, portable_command, write_results  # noqa: E402
+from bench.timing import median, seconds  # noqa: E402
 from tests.browser import OfflinePage, launch, missing  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
@@ -75,7 +74,7 @@ def model_and_tokens(config_name: str, checkpoint: str | None, data: str | None,
     import jax.numpy as jnp
 
     from jaxattn.model import DecoderLM
-    from train.checkpoint import load_for_sampling
+    from train.sampling_checkpoint import load_for_sampling
     from train.config import load_config
     from train.data import load_corpus, read_text, resolve_data_path
 
@@ -108,9 +107,7 @@ def one_load(browser, path: Path, T: int) -> dict:
     view = OfflinePage(browser)
     view.context.add_init_script(MARK_READY)
     try:
-        start = time.perf_counter()
-        page = view.open(path, timeout_ms=60_000)
-        wall = (time.perf_counter() - start) * 1e3
+        page, wall = seconds(lambda: view.open(path, timeout_ms=60_000))
         page.wait_for_function("() => window.__readyMs !== undefined", timeout=10_000)
         timing = page.evaluate("""() => { const n = performance.getEntriesByType('navigation')[0];
             const p = performance.getEntriesByName('first-contentful-paint')[0];
@@ -127,7 +124,7 @@ def one_load(browser, path: Path, T: int) -> dict:
         cell = {"x": box["width"] * 0.3, "y": box["height"] * 0.6}
         page.hover("#matrix-canvas", position={"x": 1, "y": 1})
         timing["hover_matrix"] = frame_after(page, "mousemove", lambda: page.hover("#matrix-canvas", position=cell))
-        timing["wall_to_ready"] = wall
+        timing["wall_to_ready"] = wall * 1e3
         view.assert_clean()
         return timing
     finally:
@@ -244,9 +241,8 @@ def run(browser, args) -> None:
 
     config, params, ids, tokens, source = model_and_tokens("shakespeare_char_baby", args.checkpoint, args.data,
                                                            args.seed, TOKENS)
-    start = time.perf_counter()
-    html = model_attention_page(config, params, ids, tokens, title=f"baby model, {len(ids)} characters ({source})")
-    build = time.perf_counter() - start
+    html, build = seconds(lambda: model_attention_page(config, params, ids, tokens,
+                                                       title=f"baby model, {len(ids)} characters ({source})"))
     data = html.encode("utf-8")
     with tempfile.TemporaryDirectory() as folder:
         path = Path(args.page) if args.page else Path(folder) / "viewer_1024.html"
@@ -257,8 +253,7 @@ def run(browser, args) -> None:
         "page": {"tokens": len(ids), "layers": config.num_layers, "heads": config.num_heads, "bytes": len(data),
                  "gzip_bytes": len(gzip.compress(data, 6)), "build_s": build},
         "params": source, "loads": args.loads,
-        "median_ms": {k: statistics.median(v) if (v := [x[k] for x in loads if x[k] is not None]) else None
-                      for k in keys},
+        "median_ms": {k: median(x[k] for x in loads) for k in keys},
         "loads_ms": {k: [x[k] for x in loads] for k in keys},
         "chromium": browser.version, "playwright": version("playwright"),
         "machine": describe_machine(),

@@ -6,9 +6,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow
 def test_the_benchmark_writes_both_corpora_and_the_memory_criterion(tmp_path):
     source = tmp_path / "source.txt"
     source.write_text("".join(f"line {i}: the quick brown fox jumps over the lazy dog\n" for i in range(2000)))

@@ -45,9 +45,8 @@ def test_every_ablation_variant_flips_its_switch_and_nothing_else(recipe, defaul
 
 
 def test_muon_off_goes_back_to_the_default_adamw_lr_only_where_the_recipe_changed_it(recipe, default):
-    import dataclasses
     assert speedrun.adamw_lr(default.train, default.train) == ()
-    muon_lr = dataclasses.replace(default.train, lr=2e-3, min_lr=2e-4)
+    muon_lr = default.train.replace(lr=2e-3, min_lr=2e-4)
     assert speedrun.adamw_lr(muon_lr, default.train) == (f"train.lr={default.train.lr!r}",
                                                         f"train.min_lr={2e-4 * default.train.lr / 2e-3!r}")
 
@@ -143,6 +142,7 @@ print(json.dumps(record))
 '''
 
 
+@pytest.mark.slow
 def test_a_tiny_race_end_to_end(tmp_path, monkeypatch):
     """Both our configs train for real (10 iters, whole-val evaluations), nanoGPT is a stand-in."""
     data = tmp_path / "data.txt"
@@ -168,6 +168,7 @@ def test_a_tiny_race_end_to_end(tmp_path, monkeypatch):
         assert runs[side]["seconds_to_target"] == 0.0 and runs[side]["ratio"] is None  # no ratio to 0 s
     written = json.loads((out / "speedrun.json").read_text())
     assert written["summary"]["speedrun"]["reached"] == 1
+    assert written["threads"]["nanogpt"] == written["threads"]["ours"] >= 1  # a fair race by default
     text = (out / "speedrun.md").read_text()
     assert "Made by: `PYTHONPATH=$PWD python bench/train.py --race" in text and str(tmp_path) not in text
 
@@ -188,9 +189,11 @@ def test_the_gpu_race_gives_nanogpts_model_the_recipe_and_times_to_nanogpts_loss
     monkeypatch.setattr(speedrun, "run_ours", fake_ours)
     monkeypatch.setattr(speedrun, "run_nanogpt", fake_nanogpt)
     args = type("Args", (), {"max_iters": None, "set": [], "speedrun_config": speedrun.SPEEDRUN, "rounds": 1,
-                             "nanogpt_python": sys.executable})()
+                             "nanogpt_python": sys.executable, "nanogpt_threads": 3})()
     record = speedrun.gpu_race(args, tmp_path / "data.txt", tmp_path)
     assert {"--config", "gpu", "--device", "cuda", "--compile"} <= set(seen["nanogpt_args"])
+    assert seen["nanogpt_args"][seen["nanogpt_args"].index("--threads") + 1] == "3"
+    assert record["threads"]["nanogpt"] == 3
     recipe = load_config(speedrun.SPEEDRUN)
     assert seen["ours + recipe"].model.mlp == recipe.model.mlp != seen["ours"].model.mlp
     assert seen["ours"].model.d_model == seen["ours + recipe"].model.d_model == 384
@@ -201,6 +204,7 @@ def test_the_gpu_race_gives_nanogpts_model_the_recipe_and_times_to_nanogpts_loss
     assert "| ours | 450,000 | 18.0 | 1.4200 | 5.56 |" in text
 
 
+@pytest.mark.slow
 def test_the_nanogpt_port_runs_and_reports_its_figures(tmp_path):
     """The real port (torch on the CPU): a few iterations of the baby run on a small text."""
     pytest.importorskip("torch")

@@ -56,6 +56,7 @@ def _trace():
     return Path(os.environ["FAKE_PORT_TRACE"]).read_text().split("\n")[:-1]
 
 
+@pytest.mark.slow
 def test_port_runs_one_eval_interval_per_turn(bench_train, fake_python, tmp_path):
     run = bench_train.NanoGPTInTurns(str(fake_python), tmp_path / "data.txt", iters=600, lr_decay_iters=600,
                                      threads=2)
@@ -71,6 +72,7 @@ def test_port_runs_one_eval_interval_per_turn(bench_train, fake_python, tmp_path
     assert "in turns" in record["source"]
 
 
+@pytest.mark.slow
 def test_a_port_that_fails_is_reported(bench_train, tmp_path):
     broken = tmp_path / "python"
     broken.write_text("#!/bin/sh\necho 'Traceback: no torch'\nexit 1\n")
@@ -102,6 +104,19 @@ def test_markdown_names_the_kernels_why_and_the_cpu(bench_train):
     assert ("kernels: attention 'custom_vjp', dense matmuls 'xla' (this CPU has no AMX-BF16: bfloat16 matmuls "
             "are slower than float32 here)") in text
     assert "AMD EPYC (cpu backend (avx2), 2 CPUs)" in text
+
+
+def test_markdown_names_the_threads_of_both_sides(bench_train):
+    record = _record()
+    record["threads"] = {"ours": 4, "nanogpt": 4}
+    assert "ours on 4 cores, nanoGPT with 4 torch threads" in bench_train.markdown(record)
+
+
+def test_nanogpt_gets_as_many_threads_as_the_cores_jax_uses_by_default(bench_train, capsys):
+    from bench.machine import cpu_cores
+    with pytest.raises(SystemExit):
+        bench_train.main(["--help"])
+    assert f"default: the cores JAX uses, {cpu_cores()})" in " ".join(capsys.readouterr().out.split())
 
 
 def test_the_recorded_command_names_no_interpreter_of_this_machine(bench_train):
