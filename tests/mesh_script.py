@@ -38,7 +38,7 @@ MODELS = {
     "gqa": dict(num_kv_heads=2, fused_qkv=False),  # 2 kv heads: replicated on a tensor axis of 4
     "mla": dict(mla=MLAConfig(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
                               q_lora_rank=16), positions="rope"),
-    # Issue 22's parameters on a mesh: sinks [N] and the full-width q/k norms split over tensor with the
+    # The newer models' parameters on a mesh: sinks [N] and the full-width q/k norms split over tensor with the
     # heads, sandwich norms, a local and a global layer.
     "layer_kinds": dict(num_layers=2, num_kv_heads=2, positions="rope", norm="rmsnorm", sliding_window=4,
                         layer_pattern=(LayerKind(local=True, rope_theta=100.0), LayerKind()), attn_sinks=True,

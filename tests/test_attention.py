@@ -342,14 +342,16 @@ sdpa_custom = jax.jit(functools.partial(scaled_dot_product_attention, implementa
                       static_argnames=_STATIC)
 
 
-def _loss_and_grads(fn, q, k, v, bias, **kw):
-    """Value and gradients (q, k, v, bias) of a weighted sum of the output."""
+def _loss_and_grads(fns, q, k, v, bias, **kw):
+    """For each of `fns`: value and gradients (q, k, v, bias) of a weighted sum of the output; one
+    compiled program for all."""
     weights = jnp.asarray(np.random.default_rng(5).standard_normal(
         q.shape[:3] + v.shape[-1:], np.float32))
 
-    def loss(q, k, v, bias):
-        return jnp.vdot(fn(q, k, v, bias=bias, **kw), weights)
-    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))(q, k, v, bias)
+    def value_and_grad(fn):
+        return jax.value_and_grad(lambda q, k, v, bias: jnp.vdot(fn(q, k, v, bias=bias, **kw), weights),
+                                  argnums=(0, 1, 2, 3))
+    return jax.jit(lambda *args: [value_and_grad(fn)(*args) for fn in fns])(q, k, v, bias)
 
 
 @pytest.mark.parametrize("heads", HEADS)
@@ -364,9 +366,8 @@ def test_custom_vjp_gradients_equal_autodiff(heads, case):
           # causal with T > S leaves the first queries no key; row 1 has no keys at all
           "empty_rows": {"mask": padding_mask(jnp.array([3, 0]), S), "is_causal": True}}[case]
     bias = bias if case in ("padding_bias", "empty_rows") else jnp.zeros_like(bias)
-    (loss, grads) = _loss_and_grads(scaled_dot_product_attention, q, k, v, bias, **kw)
-    (loss_c, grads_c) = _loss_and_grads(
-        functools.partial(scaled_dot_product_attention, implementation="custom_vjp"),
+    (loss, grads), (loss_c, grads_c) = _loss_and_grads(
+        (scaled_dot_product_attention, functools.partial(scaled_dot_product_attention, implementation="custom_vjp")),
         q, k, v, bias, **kw)
     np.testing.assert_allclose(loss_c, loss, rtol=1e-5)  # heads-major vs grouped sums: float32 order
     for name, g, g_c in zip("qkvb", grads, grads_c):
@@ -380,7 +381,7 @@ def test_custom_vjp_gradients_match_finite_differences():
         bias = jnp.asarray(np.random.default_rng(0).normal(size=(1, 4, 3, 4)))
         f = functools.partial(scaled_dot_product_attention, implementation="custom_vjp",
                               mask=padding_mask(jnp.array([3]), 4), is_causal=True)
-        check_grads(lambda q, k, v, b: f(q, k, v, bias=b), (q, k, v, bias), order=1, modes=("rev",))
+        check_grads(jax.jit(lambda q, k, v, b: f(q, k, v, bias=b)), (q, k, v, bias), order=1, modes=("rev",))
 
 
 def test_custom_vjp_forward_equals_xla_and_falls_back_for_weights_and_dropout():
@@ -567,7 +568,7 @@ def test_cached_attention_errors():
 
 
 # --------------------------------------------------------------------------
-# Inputs that used to give silent wrong results (issue 12).
+# Inputs that could give silently wrong results if unchecked.
 
 
 @pytest.mark.parametrize("fn", ["xla", "custom_vjp", "reference"])
@@ -580,11 +581,11 @@ def test_a_row_biased_to_minus_infinity_everywhere_gives_zeros_with_finite_gradi
     bias = jnp.asarray(bias)
     attend = (functools.partial(reference_attention) if fn == "reference" else
               functools.partial(scaled_dot_product_attention, implementation=fn))
-    out = attend(q, k, v, bias=bias)
+    out, grads = jax.jit(lambda q, k, v: (attend(q, k, v, bias=bias), jax.grad(
+        lambda q, k, v: attend(q, k, v, bias=bias).sum(), argnums=(0, 1, 2))(q, k, v)))(q, k, v)
     np.testing.assert_array_equal(out[0, 2, 1], 0.0)
     np.testing.assert_allclose(out[0, 0, 0], v[0, 0, 0], rtol=1e-6)  # all weight on key 0
     assert np.all(np.isfinite(out))
-    grads = jax.grad(lambda q, k, v: attend(q, k, v, bias=bias).sum(), argnums=(0, 1, 2))(q, k, v)
     assert all(np.all(np.isfinite(g)) for g in grads)
 
 
@@ -731,7 +732,9 @@ def test_soft_cap_and_sink_gradients_match_finite_differences(implementation):
                   functools.partial(scaled_dot_product_attention, implementation=implementation))
         f = functools.partial(attend, is_causal=True, local_window_size=(1, 0), logits_soft_cap=1.2,
                               key_value_seq_lengths=jnp.array([4, 0]))
-        check_grads(lambda q, k, v, b, s: f(q, k, v, b, sinks=s), (q, k, v, bias, sinks), order=1, modes=("rev",))
+        # Jitted: the many evaluations of the finite differences run one compiled program.
+        check_grads(jax.jit(lambda q, k, v, b, s: f(q, k, v, b, sinks=s)), (q, k, v, bias, sinks), order=1,
+                    modes=("rev",))
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS + ("reference",))
@@ -772,9 +775,9 @@ def test_every_feature_at_once_is_rank_promotion_clean(implementation):
     def loss(attend):
         return lambda q, k, v, b, s: jnp.vdot(attend(q, k, v, b, mask, sinks=s, **kw), target)
     args = (q, k, v, bias, _sinks(4))
-    value, grads = jax.value_and_grad(loss(functools.partial(scaled_dot_product_attention,
-                                                             implementation=implementation)), (0, 1, 2, 3, 4))(*args)
-    value_r, grads_r = jax.value_and_grad(loss(reference_attention), (0, 1, 2, 3, 4))(*args)
+    attend = functools.partial(scaled_dot_product_attention, implementation=implementation)
+    (value, grads), (value_r, grads_r) = jax.jit(lambda *args: [  # one compiled program for both
+        jax.value_and_grad(loss(f), (0, 1, 2, 3, 4))(*args) for f in (attend, reference_attention)])(*args)
     np.testing.assert_allclose(value, value_r, rtol=1e-5)
     for name, g, g_r in zip("qkvbs", grads, grads_r):
         np.testing.assert_allclose(g, g_r, rtol=1e-4, atol=1e-5, err_msg=name)

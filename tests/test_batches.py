@@ -252,6 +252,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_two_processes_read_disjoint_rows_that_make_the_global_batch(prepared):
     """Processes 0 and 1 (2 host devices each, a data:4 mesh) each read half of every batch's rows; the
     assembled array is the batch one process reads whole."""

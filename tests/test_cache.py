@@ -57,11 +57,13 @@ def test_cached_steps_equal_the_full_forward_with_bfloat16_matmuls(kind, batch):
     kernels = FAST_KERNELS.replace(mla=tiny_kernels(kind).mla)
     params = params_for(config)
     tokens = random_tokens((batch, T))
-    expected = full(config, params, tokens, kernels)
-    logits, cache = extend(config, params, tokens[:, :3], init_cache(config, batch, MAX_LEN), kernels=kernels)
+    # Jitted, as a run uses these kernels: three programs, where running eagerly compiles each operation.
+    step = jax.jit(functools.partial(extend, config, kernels=kernels))
+    expected = jax.jit(functools.partial(full, config, kernels=kernels))(params, tokens)
+    logits, cache = step(params, tokens[:, :3], init_cache(config, batch, MAX_LEN))
     np.testing.assert_allclose(logits, expected[:, :3], atol=1e-2, rtol=0)
     for t in range(3, T):
-        logits, cache = extend(config, params, tokens[:, t:t + 1], cache, kernels=kernels)
+        logits, cache = step(params, tokens[:, t:t + 1], cache)
         np.testing.assert_allclose(logits[:, 0], expected[:, t], atol=1e-2, rtol=0)
 
 

@@ -12,6 +12,7 @@ from jaxattn import decoding, windowed
 from jaxattn.config import MLAConfig, ModelConfig
 from jaxattn.kernels import Kernels
 from jaxattn.model import DecoderLM
+from tiny_models import drawn_params
 
 ATTENTION = {
     "mha": dict(),
@@ -27,20 +28,25 @@ NEW = 6
 
 
 def tiny_config(attention="mha", positions="learned", **changes) -> ModelConfig:
-    # init_std 0.2 makes the logits far from uniform, so argmax ties and float noise cannot hide a bug.
-    base = dict(vocab_size=17, d_model=32, num_layers=2, num_heads=4, max_seq_len=32, init_std=0.2,
-                positions=positions, **ATTENTION[attention])
+    base = dict(vocab_size=17, d_model=32, num_layers=2, num_heads=4, max_seq_len=32, positions=positions,
+                **ATTENTION[attention])
     return ModelConfig(**{**base, **changes})
 
 
 @functools.lru_cache(maxsize=None)
 def tiny_params(config: ModelConfig):
-    return jax.jit(DecoderLM(config).init)(jax.random.PRNGKey(0), jnp.zeros((1, 4), jnp.int32))["params"]
+    # std 0.2 makes the logits far from uniform, so argmax ties and float noise cannot hide a bug.
+    return drawn_params(config, std=0.2)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_forward(config: ModelConfig):
+    return jax.jit(DecoderLM(config).apply)  # one program per config and token shape, shared by the tests
 
 
 def forward(config, tokens):
     """Logits `[B, T, V]` of one full (uncached) forward pass."""
-    return jax.jit(DecoderLM(config).apply)({"params": tiny_params(config)}, jnp.asarray(tokens))
+    return _compiled_forward(config)({"params": tiny_params(config)}, jnp.asarray(tokens))
 
 
 def greedy(config, prompts=PROMPTS, lengths=LENGTHS, new=NEW, **kwargs):

@@ -1,4 +1,4 @@
-"""`python -m train.export` and the `--hf` inputs of train.sample and train.attention_maps (issue 13, "Use").
+"""`python -m train.export` and the `--hf` inputs of train.sample and train.attention_maps.
 
 A run is a checkpoint saved in-process (as training saves it) of the default model, scaled
 down, with random weights throughout, no scale 1 and no bias 0 (a swapped or transposed
@@ -318,6 +318,7 @@ def test_errors_of_the_hf_inputs(exported, tmp_path, capsys):
         assert code == 2 and "not allowed with argument" in err
 
 
+@pytest.mark.slow
 def test_the_real_programs_exit_with_one_line_and_no_traceback(tmp_path):
     def python(*argv):
         done = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=120)

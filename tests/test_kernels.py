@@ -4,6 +4,7 @@ The tests iterate `jaxattn.kernels.IMPLEMENTATIONS`, so an implementation added
 there is checked against the reference without a new test.
 """
 
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -43,7 +44,7 @@ MASKS = {
     "padding_bias": dict(mask=padding_mask(jnp.array([6, 2]), 6), bias=True),
     "window": dict(mask=sliding_window_mask(5, 6, 3)),
     "empty_rows": dict(mask=padding_mask(jnp.array([6, 0]), 6), is_causal=True),  # row 1: no key at all
-    # The features of issue 22: two-sided windows, soft caps and sinks, alone and together.
+    # The newer models' features: two-sided windows, soft caps and sinks, alone and together.
     "two_sided_window_lengths": dict(local_window_size=(1, 2), key_value_seq_lengths=jnp.array([6, 3])),
     "causal_window_cap_bias": dict(is_causal=True, local_window_size=(2, 1), logits_soft_cap=1.5, bias=True),
     "sinks_empty_rows": dict(mask=padding_mask(jnp.array([6, 0]), 6), is_causal=True, sinks=True),
@@ -52,22 +53,33 @@ MASKS = {
 }
 
 
-def _value_and_grads(implementation, q, k, v, case):
-    """The loss `<out, W>` and its gradients wrt q, k, v, the bias (zeros unless the case has one) and
-    the sinks (when the case has them), under rank promotion "raise"."""
+def _value_and_grads(implementations, q, k, v, case):
+    """`{implementation: (loss, gradients)}`: the loss `<out, W>` and its gradients wrt q, k, v, the bias
+    (zeros unless the case has one) and the sinks (when the case has them), under rank promotion "raise";
+    one compiled program for every implementation (compiling dominates these tests)."""
     kw = dict(MASKS[case])
     bias = jnp.asarray(np.random.default_rng(2).standard_normal((1, q.shape[2], q.shape[1], k.shape[1]), np.float32))
     bias = bias if kw.pop("bias", False) else jnp.zeros_like(bias)
     sinks = jnp.asarray(np.random.default_rng(3).standard_normal(q.shape[2]), jnp.float32) if kw.pop("sinks", False) \
         else None
     weights = jnp.asarray(np.random.default_rng(5).standard_normal(q.shape[:3] + v.shape[-1:], np.float32))
-
-    def loss(q, k, v, bias, sinks):
-        out = scaled_dot_product_attention(q, k, v, bias=bias, sinks=sinks, implementation=implementation, **kw)
-        return jnp.vdot(out, weights)
     argnums = (0, 1, 2, 3) + ((4,) if sinks is not None else ())
+
+    def value_and_grad(implementation):
+        def loss(q, k, v, bias, sinks):
+            out = scaled_dot_product_attention(q, k, v, bias=bias, sinks=sinks, implementation=implementation, **kw)
+            return jnp.vdot(out, weights)
+        return jax.value_and_grad(loss, argnums=argnums)
     with jax.numpy_rank_promotion("raise"):
-        return jax.jit(jax.value_and_grad(loss, argnums=argnums))(q, k, v, bias, sinks)
+        return jax.jit(lambda *args: {name: value_and_grad(name)(*args) for name in implementations})(
+            q, k, v, bias, sinks)
+
+
+@functools.cache
+def _attention_answers(heads, case):
+    """`_value_and_grads` of the reference and every alternative, once per heads and case."""
+    N, K = HEADS[heads]
+    return _value_and_grads(("xla", *ATTENTION), *qkv(N=N, K=K), case)
 
 
 @pytest.mark.parametrize("implementation", ATTENTION)
@@ -80,10 +92,9 @@ def test_attention_kernels_equal_the_reference(implementation, heads, case):
     The implementations contract in different orders (heads-major batched matmuls against the
     grouped einsum), so float32 rounding differs by a few ulp per sum: 1e-5 relative on the
     loss, a weighted sum of 160 outputs."""
-    N, K = HEADS[heads]
-    q, k, v = qkv(N=N, K=K)
-    loss, grads = _value_and_grads("xla", q, k, v, case)
-    loss_i, grads_i = _value_and_grads(implementation, q, k, v, case)
+    answers = _attention_answers(heads, case)
+    loss, grads = answers["xla"]
+    loss_i, grads_i = answers[implementation]
     np.testing.assert_allclose(loss_i, loss, rtol=1e-5)
     for name, g, g_i in zip("qkvbs", grads, grads_i):
         assert np.all(np.isfinite(g_i)), name
@@ -130,24 +141,35 @@ def test_every_kernel_returns_the_contracts_three_results(implementation, no_ran
 def test_cached_attention_kernels_equal_the_reference(implementation, heads, num_queries, features):
     """Against the reference decode kernel, and against attention on the transposed cache with the
     visibility rule as its mask; rows at different positions, batch 1 and 2; soft cap and sinks."""
+    for answers in _cached_answers(heads, num_queries, features):  # batch 1, then batch 2
+        np.testing.assert_allclose(answers[implementation], answers["reference"], rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(answers[implementation], answers["general"], rtol=1e-5, atol=1e-6)
+
+
+@functools.cache
+def _cached_answers(heads, num_queries, features):
+    """For batch 1 and batch 2: `{implementation: out}` of every decode implementation, the default's
+    as "reference" and attention on the transposed cache as "general"; one compiled program for all."""
     N, K = HEADS[heads]
     kw = dict(scale=0.3)
     if features != "plain":
         kw.update(window=3, logits_soft_cap=0.8, sinks=jnp.array([0.5, -1.0, 0.0, 2.0]))
-    for B in (1, 2):
-        keys = jax.random.split(jax.random.PRNGKey(3), 3)
-        query = jax.random.normal(keys[0], (B, num_queries, N, 8))
-        key_cache, value_cache = (jax.random.normal(kk, (B, K, 9, 8)) for kk in keys[1:])
-        positions = (jnp.array([[2], [6]]) + jnp.arange(num_queries)[None])[:B]
-        with jax.numpy_rank_promotion("raise"):
-            out = cached_attention(query, key_cache, value_cache, positions, implementation=implementation, **kw)
-            reference = cached_attention(query, key_cache, value_cache, positions, **kw)
-        np.testing.assert_allclose(out, reference, rtol=1e-6, atol=1e-6)
-        general = scaled_dot_product_attention(
+
+    def answers(query, key_cache, value_cache, positions):
+        out = {name: cached_attention(query, key_cache, value_cache, positions, implementation=name, **kw)
+               for name in choices("decode")}
+        out["reference"] = cached_attention(query, key_cache, value_cache, positions, **kw)
+        out["general"] = scaled_dot_product_attention(
             query, key_cache.transpose(0, 2, 1, 3), value_cache.transpose(0, 2, 1, 3),
             mask=visible_cache_slots(positions, 9, kw.get("window")), scale=0.3,
             logits_soft_cap=kw.get("logits_soft_cap"), sinks=kw.get("sinks"))
-        np.testing.assert_allclose(out, general, rtol=1e-5, atol=1e-6)
+        return out
+    rng = np.random.default_rng(3)
+    batches = [(rng.standard_normal((B, num_queries, N, 8), np.float32),
+                rng.standard_normal((B, K, 9, 8), np.float32), rng.standard_normal((B, K, 9, 8), np.float32),
+                (np.array([[2], [6]]) + np.arange(num_queries)[None])[:B]) for B in (1, 2)]
+    with jax.numpy_rank_promotion("raise"):
+        return jax.jit(lambda batches: [answers(*batch) for batch in batches])(batches)
 
 
 @pytest.mark.parametrize("implementation", choices("decode"))

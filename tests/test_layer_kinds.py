@@ -4,7 +4,7 @@ and the embedding scale. Each feature against its formula, with a negative contr
 same tolerance; cached decoding equals full recomputation for every new kind with MHA, GQA and MLA.
 
 Tiny models, every parameter re-drawn (std 0.1 around the init: norm scales near 1, or near 0 under
-the unit offset), sequences longer than the windows.
+the unit offset; whole models' drawn with numpy, nothing compiled), sequences longer than the windows.
 """
 
 import dataclasses
@@ -28,6 +28,7 @@ from jaxattn.mla import MultiHeadLatentAttention
 from jaxattn.model import Block, DecoderLM, attention_weights
 from jaxattn.primitives import RMSNorm
 from jaxattn.rope import RopeScaling, apply_rope, rope_frequencies, rotary_dims
+from tiny_models import drawn_params
 
 VOCAB, T, W = 13, 10, 3  # sequences longer than the window
 TOL = dict(atol=2e-5, rtol=2e-5)
@@ -52,7 +53,7 @@ def redrawn(params, seed=0, std=0.1):
 
 
 def model_params(config, seed=0):
-    return redrawn(DecoderLM(config).init(jax.random.PRNGKey(seed), jnp.zeros((1, T), jnp.int32))["params"], seed)
+    return drawn_params(config, seed, std=0.1)
 
 
 def tokens(batch=2, seed=3):
@@ -133,7 +134,7 @@ def test_configs_round_trip_and_old_ones_load_unchanged():
                         residual="parallel", norm_placement="sandwich", norm_unit_offset=True)
     again = ModelConfig.from_dict(json.loads(json.dumps(config.to_dict())))
     assert again == config and hash(again) == hash(config)
-    # Saved before issue 22: qk_norm a switch, none of the new fields.
+    # A config saved before the per-layer fields existed: qk_norm a switch, none of the new fields.
     new = {"layer_pattern", "rotary_fraction", "attn_logits_soft_cap", "final_logits_soft_cap", "attn_scale",
            "attn_sinks", "residual", "norm_placement", "norm_unit_offset", "embed_multiplier"}
     old = {k: v for k, v in ModelConfig().to_dict().items() if k not in new}

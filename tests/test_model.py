@@ -55,6 +55,7 @@ def test_a_few_gradient_steps_decrease_the_loss(kind):
     opt = optax.adam(1e-2)
     state = opt.init(params)
 
+    @jax.jit  # one program per kind: compiled once, where running it eagerly compiles each operation
     def step(p, s):
         loss, grads = jax.value_and_grad(loss_fn)(p)
         updates, s = opt.update(grads, s, p)
@@ -87,12 +88,16 @@ def test_training_kernels_keep_the_float32_model_within_bfloat16_rounding(kind):
         scale = float(jnp.abs(b).max())
         np.testing.assert_allclose(a, b, atol=0.05 * scale, rtol=0)
     steps = optax.adam(1e-2)
-    state, step = steps.init(params), loss_fn(fast)
+    state, value_and_grad = steps.init(params), loss_fn(fast)
+
+    @jax.jit
+    def update(params, state, grads):
+        updates, state = steps.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
     losses = []
     for _ in range(5):
-        loss, grads = step(params)
-        updates, state = steps.update(grads, state, params)
-        params = optax.apply_updates(params, updates)
+        loss, grads = value_and_grad(params)
+        params, state = update(params, state, grads)
         losses.append(float(loss))
     assert losses[-1] < losses[0] - 0.1, losses
 

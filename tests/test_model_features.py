@@ -12,18 +12,14 @@ from jaxattn.config import ModelConfig
 from jaxattn.gqa import Attention
 from jaxattn.model import DecoderLM
 from jaxattn.primitives import MLP
-from tiny_models import TINY_MLA, VOCAB, tiny_config
+from tiny_models import TINY_MLA, VOCAB, drawn_params, tiny_config
 
 T = 10
 
 
 def sharpened_params(config, seed=0):
     """Random params with std ~0.3 (biases and norm scales too) so every term shows in the logits."""
-    params = nn.unbox(DecoderLM(config).init(jax.random.PRNGKey(seed), jnp.zeros((1, T), jnp.int32))["params"])
-    leaves, tree = jax.tree_util.tree_flatten(params)
-    keys = jax.random.split(jax.random.PRNGKey(seed + 1), len(leaves))
-    noisy = [x + 0.3 * jax.random.normal(k, x.shape) for k, x in zip(keys, leaves)]
-    return jax.tree_util.tree_unflatten(tree, noisy)
+    return drawn_params(config, seed, std=0.3)
 
 
 def tokens(batch=2, length=T, seed=3):

@@ -8,6 +8,7 @@
 """
 
 import dataclasses
+import functools
 
 import chex
 import flax.linen as nn
@@ -60,11 +61,17 @@ def routing(E, K, M, skewed, rng):
     return np.stack([np.concatenate([[0], 1 + rng.choice(E // 2 - 1, K - 1, replace=False)]) for _ in range(M)])
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("E, K, M, activation, skewed", [
-    (4, 1, 9, "swiglu", False), (8, 2, 33, "gptoss", False), (16, 4, 3, "swiglu", False),
-    (64, 8, 40, "gptoss", False), (8, 2, 70, "swiglu", True)])
-def test_grouped_equals_dense_values_and_gradients(impl, E, K, M, activation, skewed):
+CASES = {  # (E, K, M, activation, skewed)
+    "4-1-9-swiglu": (4, 1, 9, "swiglu", False), "8-2-33-gptoss": (8, 2, 33, "gptoss", False),
+    "16-4-3-swiglu": (16, 4, 3, "swiglu", False), "64-8-40-gptoss": (64, 8, 40, "gptoss", False),
+    "8-2-70-swiglu-skewed": (8, 2, 70, "swiglu", True)}
+
+
+@functools.cache
+def _grouped_answers(case):
+    """`(index, {implementation: (y, (loss, gradients wrt x, gate, weights))})` for the dense reference and
+    every alternative, one compiled program per case."""
+    E, K, M, activation, skewed = CASES[case]
     cfg = MoEConfig(num_experts=E, experts_per_token=K, expert_hidden=8, activation=activation)
     rng = np.random.default_rng(E * 100 + M)
     x = jnp.asarray(rng.standard_normal((M, D)), jnp.float32)
@@ -74,18 +81,28 @@ def test_grouped_equals_dense_values_and_gradients(impl, E, K, M, activation, sk
     gate = jnp.asarray(rng.random((M, K)), jnp.float32)
     weights = expert_weights(E, 8, activation == "gptoss", seed=E + K)
 
-    def loss(fn, x, gate, weights):
-        y = fn(x, index, gate, weights, cfg)
-        return jnp.sum(y * jnp.cos(jnp.arange(y.size, dtype=jnp.float32).reshape(y.shape)))
+    def answers(x, gate, weights):
+        out = {}
+        for name in ["dense", *IMPLS]:
+            def loss(x, gate, weights, fn=moe_kernels.IMPLEMENTATIONS[name]):
+                y = fn(x, index, gate, weights, cfg)
+                return jnp.sum(y * jnp.cos(jnp.arange(y.size, dtype=jnp.float32).reshape(y.shape)))
+            out[name] = (moe_kernels.IMPLEMENTATIONS[name](x, index, gate, weights, cfg),
+                         jax.value_and_grad(loss, argnums=(0, 1, 2))(x, gate, weights))
+        return out
+    return index, jax.jit(answers)(x, gate, weights)
 
-    ref = jax.jit(jax.value_and_grad(lambda *a: loss(moe_kernels.IMPLEMENTATIONS["dense"], *a), argnums=(0, 1, 2)))
-    got = jax.jit(jax.value_and_grad(lambda *a: loss(moe_kernels.IMPLEMENTATIONS[impl], *a), argnums=(0, 1, 2)))
-    y_ref = moe_kernels.IMPLEMENTATIONS["dense"](x, index, gate, weights, cfg)
-    y = jax.jit(moe_kernels.IMPLEMENTATIONS[impl], static_argnums=4)(x, index, gate, weights, cfg)
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("case", CASES)
+def test_grouped_equals_dense_values_and_gradients(impl, case):
+    E, K, M, activation, skewed = CASES[case]
+    index, answers = _grouped_answers(case)
+    y_ref, (v_ref, g_ref) = answers["dense"]
+    y, (v, g) = answers[impl]
     chex.assert_shape(y, (M, D))
     chex.assert_type(y, jnp.float32)
     np.testing.assert_allclose(y, y_ref, **TOL)
-    (v_ref, g_ref), (v, g) = ref(x, gate, weights), got(x, gate, weights)
     np.testing.assert_allclose(v, v_ref, rtol=1e-5)
     chex.assert_trees_all_close(g, g_ref, atol=2e-5, rtol=1e-5)
     unused = np.setdiff1d(np.arange(E), np.asarray(index))

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from jaxattn import DecoderLM, Kernels, MLAConfig, ModelConfig, MoEConfig, generate
-from jaxattn.model import count_params
+from jaxattn.model import abstract_params, count_params
 from jaxattn.moe import LOSSES, MoE, active_params, load_balancing_loss, moe_losses
 
 EXPERTS = MoEConfig(num_experts=8, experts_per_token=2, expert_hidden=16, num_shared_experts=1,
@@ -28,12 +28,12 @@ def config(**changes) -> ModelConfig:
 
 
 def params_for(c: ModelConfig, seed=0):
-    """Parameters at a scale where routing is decisive (std 0.3 instead of 0.02)."""
-    shapes = nn.unbox(jax.eval_shape(DecoderLM(c).init, jax.random.PRNGKey(0), jnp.zeros((1, 2), jnp.int32)))
-    leaves, tree = jax.tree.flatten(shapes["params"])
-    keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
-    return jax.tree.unflatten(tree, [0.3 * jax.random.normal(k, s.shape) if len(s.shape) > 1 else jnp.ones(s.shape)
-                                     for k, s in zip(keys, leaves)])
+    """Parameters at a scale where routing is decisive (std 0.3 instead of 0.02), drawn with numpy from
+    the shapes (nothing compiled)."""
+    leaves, tree = jax.tree.flatten(nn.unbox(abstract_params(c)))
+    rng = np.random.default_rng(seed)
+    return jax.tree.unflatten(tree, [jnp.asarray(0.3 * rng.standard_normal(s.shape), s.dtype) if len(s.shape) > 1
+                                     else jnp.ones(s.shape, s.dtype) for s in leaves])
 
 
 def test_which_layers_are_moe_and_the_checks():
@@ -70,7 +70,8 @@ def test_cached_greedy_decoding_equals_the_whole_sequence_argmax(attention):
         out = generate(params, c, prompt, jnp.array([5, 5]), max_new_tokens=6, rng=jax.random.PRNGKey(0),
                        temperature=0.0, kernels=Kernels(moe=impl))
         runs[impl] = np.asarray(out.tokens)
-        whole = DecoderLM(c, Kernels(moe=impl)).apply({"params": params}, jnp.concatenate([prompt, out.tokens], 1))
+        whole = jax.jit(DecoderLM(c, Kernels(moe=impl)).apply)({"params": params},
+                                                              jnp.concatenate([prompt, out.tokens], 1))
         np.testing.assert_array_equal(np.argmax(whole[:, 4:-1], -1), runs[impl])
     assert len({r.tobytes() for r in runs.values()}) == 1
     assert len(np.unique(runs["dense"])) > 2  # not a degenerate constant continuation

@@ -362,6 +362,7 @@ def meshes():
     return json.loads(done.stdout)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["mha", "mla"])
 def test_muon_on_a_mesh_equals_one_device(meshes, kind):
     one = meshes[kind]["data:1"]
@@ -373,6 +374,7 @@ def test_muon_on_a_mesh_equals_one_device(meshes, kind):
         np.testing.assert_allclose(run["losses"], one["losses"], rtol=RTOL, err_msg=f"{kind} on {mesh}")
 
 
+@pytest.mark.slow
 def test_muon_momentum_lies_like_its_matrix(meshes):
     for kind, runs in meshes.items():
         for mesh, run in runs.items():

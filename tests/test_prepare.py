@@ -277,6 +277,7 @@ def test_the_cli_ends_in_one_line_with_its_exit_code(tmp_path, capsys):
                                                      "train_00000.bin", "val_00000.bin"]
 
 
+@pytest.mark.slow
 def test_the_real_program_has_no_traceback(tmp_path):
     done = subprocess.run([sys.executable, "-m", "train.prepare", "--data", str(tmp_path / "none"),
                            "--tokenizer", "char", "--out", str(tmp_path / "o")],

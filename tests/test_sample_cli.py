@@ -159,6 +159,7 @@ def test_checkpoint_whose_params_do_not_fit_its_config(tmp_path, capsys):
     assert code == 1 and "incompatible" in err
 
 
+@pytest.mark.slow
 def test_sampling_on_a_mesh_prints_the_one_device_samples(tiny, capsys):
     """--cpu-devices 4 --mesh data:2,tensor:2 in a fresh process (the device count is fixed when JAX starts)."""
     import os
@@ -177,6 +178,7 @@ def test_sampling_on_a_mesh_prints_the_one_device_samples(tiny, capsys):
     assert code == 2 and "tensor = 3 does not divide num_heads = 2" in err
 
 
+@pytest.mark.slow
 def test_ctrl_c_prints_what_was_generated_and_exits_130(tiny, tmp_path):
     """A real process: the signal comes once the warm-up has compiled, in the middle of 200,000 tokens."""
     import os
@@ -202,7 +204,8 @@ def test_ctrl_c_prints_what_was_generated_and_exits_130(tiny, tmp_path):
 
 @pytest.mark.parametrize("argv, message", [
     (["--cpu-devices", "4"], "--cpu-devices 4 makes host devices for a --mesh of that size: pass --mesh too"),
-    (["--cpu-devices", "4", "--mesh", "data:2"], "runtime.mesh='data:2' uses 2 device(s) but runtime.cpu_devices=4 makes 4"),
+    (["--cpu-devices", "4", "--mesh", "data:2"], "runtime.mesh='data:2,fsdp:1,tensor:1' uses 2 device(s) but "
+                                                  "runtime.cpu_devices=4 makes 4"),
     (["--data", "x.txt"], "--data goes with --random-init"),
     (["--allow-nonfinite"], "--allow-nonfinite goes with --hf"),
     (["--max-new-tokens", str(10 ** 13)], "10,000,000,000,000 tokens (1 x 10000000000000) take about"),

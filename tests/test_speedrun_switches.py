@@ -1,4 +1,4 @@
-"""The switches of the speedrun recipe (issue 23): the relu² MLP, zero-initialised output
+"""The switches of the speedrun recipe: the relu² MLP, zero-initialised output
 projections, the whole-split validation loss, the target loss and the training seconds of a run."""
 
 import json

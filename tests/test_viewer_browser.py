@@ -26,6 +26,8 @@ from browser import chromium, offline_page  # noqa: F401  (fixtures used by name
 from jaxattn.config import LayerKind, MLAConfig, ModelConfig
 from jaxattn.model import DecoderLM, attention_weights
 
+pytestmark = pytest.mark.slow  # every test drives a Chromium it launches
+
 VOCAB = 13
 TOKENS = list("ROMEO:<b>&'\" so!")  # HTML's special characters must show as text
 T = len(TOKENS)

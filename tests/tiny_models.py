@@ -1,14 +1,15 @@
-"""Tiny DecoderLM configs and params shared by the model and cache tests."""
+"""Tiny DecoderLM configs and params shared by the model tests."""
 
 import functools
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
+import numpy as np
+from flax.traverse_util import flatten_dict, unflatten_dict
 
 from jaxattn.config import MLAConfig, ModelConfig
 from jaxattn.kernels import Kernels
-from jaxattn.model import DecoderLM
+from jaxattn.model import abstract_params
 
 VOCAB, T, MAX_LEN = 13, 8, 12
 TINY_MLA = MLAConfig(kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=4)
@@ -39,13 +40,25 @@ def tiny_kernels(kind="mha"):
 
 @functools.lru_cache(maxsize=None)
 def learned_params(config):
-    return nn.unbox(DecoderLM(config).init(jax.random.PRNGKey(1), jnp.zeros((1, 2), jnp.int32))["params"])
+    """`drawn_params` at the scale of the model's own initialisation (std 0.02)."""
+    return drawn_params(config, seed=1, std=0.02)
 
 
 def params_for(config):
-    """Initialisation is the slow part of these tests (one kernel compile per parameter
-    shape), so every position scheme reuses the learned scheme's params minus `wpe`."""
+    """Every position scheme runs the learned scheme's params minus `wpe`: the same weights
+    under each scheme."""
     params = dict(learned_params(config.replace(positions="learned")))
     if config.positions != "learned":
         del params["wpe"]
     return params
+
+
+def drawn_params(config, seed=0, std=0.1):
+    """Params of `DecoderLM(config)` drawn with numpy from their shapes, so nothing is compiled (`init`
+    compiles a program per config, or a kernel per parameter shape when run eagerly): norm scales
+    1 + N(0, std) (N(0, std) under `norm_unit_offset`, whose norms scale by 1 + w), every other leaf,
+    biases included, N(0, std), so that no term hides at 0 or 1."""
+    rng, center = np.random.default_rng(seed), 0.0 if config.norm_unit_offset else 1.0
+    shapes = flatten_dict(nn.unbox(abstract_params(config)))
+    return unflatten_dict({path: jnp.asarray((center * (path[-1] == "scale") + std * rng.standard_normal(leaf.shape))
+                                             .astype(leaf.dtype)) for path, leaf in shapes.items()})
