@@ -99,7 +99,7 @@ class Block(nn.Module):
         return self.residuals(x, attend, True), caches[0]
 
     def feed_forward(self, h, deterministic, token_mask=None):
-        """The MLP branch `[B, T, D] -> [B, T, D]`: dense, or a mixture of experts (whose losses it sows)."""
+        """The MLP sublayer `[B, T, D] -> [B, T, D]`: dense, or a mixture of experts (whose losses it sows)."""
         if isinstance(self.mlp, MoE):
             return self.mlp(h, token_mask, deterministic=deterministic)[0]
         return self.mlp(h, deterministic=deterministic)
