@@ -33,9 +33,10 @@ $(TEST_STAMP): $(STAMP)
 test: $(TEST_STAMP) chromium
 	$(PY) -m pytest -n 2 tests
 
-# Everything but the tests marked `slow` (end-to-end runs in a fresh process).
+# Everything but the tests marked `slow` (end-to-end runs in a fresh process). Each file's tests
+# run in one worker (--dist loadfile), so a file's shared compiled programs are compiled once.
 test-fast: $(TEST_STAMP)
-	$(PY) -m pytest -n 2 -m "not slow" tests
+	$(PY) -m pytest -n 2 --dist loadfile -m "not slow" tests
 
 # The browser tests (tests/test_viewer_browser.py) drive Debian's chromium through Playwright
 # (tests/browser.py). Installed here when it is missing and the machine allows (root and apt-get);
