@@ -24,7 +24,8 @@ instead measures what one decode step costs against the cache's length and its
 allocation (`sweep_cache_lengths`): the baby model of configs/shakespeare_char_baby.toml
 (RoPE, max_seq_len raised to 8192) steps through the last --sweep-steps tokens up to
 each cache length, in a cache of max_len 8192 and, for 256, one of max_len 256, for
-each decode kernel in turns. Writes bench/results/decode_cache_sweep.json and .md.
+each decode kernel in turns. Writes bench/results/decode_cache_sweep.json and .md (with --batch N
+above 1: decode_cache_sweep_bN.json and .md).
 """
 
 from __future__ import annotations
@@ -275,7 +276,8 @@ def write_sweep(rows, args) -> None:
     for max_len, length in sorted({(m, n) for _, m, n in tps}, key=lambda c: (-c[0], c[1])):
         lines.append(f"| {length:,} | {max_len:,} | "
                      + " | ".join(f"{tps[(k, max_len, length)]:,.0f}" for k in SWEEP_KERNELS) + " |")
-    write_results(RESULTS, "decode_cache_sweep", dict(meta=meta, rows=rows), "\n".join(lines) + "\n")
+    name = "decode_cache_sweep" if args.batch == 1 else f"decode_cache_sweep_b{args.batch}"
+    write_results(RESULTS, name, dict(meta=meta, rows=rows), "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
