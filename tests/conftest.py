@@ -5,7 +5,10 @@ The library promises to be rank-promotion clean (no array silently broadcast aga
 lower rank). The tests check values, and compiling their many small programs is most of their
 time: level 0 leaves XLA's graph optimisations as they are and skips only LLVM's, which
 compiles faster and computes the same operations (float32 results may differ in the last bit, far
-inside every tolerance here). An XLA_FLAGS that already sets the level keeps its own. The
+inside every tolerance here). XLA's older loop emitters (`--xla_cpu_use_fusion_emitters=false`)
+would compile faster still, but at level 0 they round some fused programs far worse (Muon's update
+drifts from its float64 reference beyond tests/test_optim.py's tolerance), so the tests keep the
+emitters users get. An XLA_FLAGS that already sets the level keeps its own. The
 environment variables carry both settings into the programs tests start.
 
 Training runs started again, and models jitted anew, compile programs identical to ones compiled
