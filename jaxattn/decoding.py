@@ -343,17 +343,24 @@ def generate_without_cache(params, config: ModelConfig, prompt_tokens, prompt_le
                                 max_new_tokens=max_new_tokens, buffer_len=buffer_len, return_logits=return_logits)
 
 
+@functools.lru_cache(maxsize=32)
+def _checked_extend_program(model: DecoderLM) -> Callable:
+    """One jitted, checkified `extend` per model (equal models share it), so calls retrace only for new shapes."""
+    def extend(params, tokens, cache, num_new):
+        return model.apply({"params": params}, tokens, cache, num_new=num_new, check=True,
+                           method=DecoderLM.extend)
+    return jax.jit(checkify.checkify(extend))
+
+
 def checked_extend(model: DecoderLM, params, tokens, cache: DecodeCache, *, num_new=None):
     """`DecoderLM.extend` under `jit` with its preconditions checked on the device.
 
     Cache capacity, `num_new` and token ids are checked by `checkify`; a failed
     check raises a ValueError with its message instead of returning wrong logits.
-    Slower than `extend` (the checks and a host round trip), for tests and debugging.
+    Slower than `extend` (the checks and a host round trip), for tests and debugging; compiled
+    once per model and input shapes.
     """
-    def extend(params, tokens, cache, num_new):
-        return model.apply({"params": params}, tokens, cache, num_new=num_new, check=True,
-                           method=DecoderLM.extend)
-    error, out = jax.jit(checkify.checkify(extend))(params, tokens, cache, num_new)
+    error, out = _checked_extend_program(model)(params, tokens, cache, num_new)
     message = error.get()
     if message:
         raise ValueError(message.split(" (`check` failed)")[0])

@@ -181,7 +181,7 @@ def test_extend_rejects_mismatched_caches():
 
 
 def test_extend_refuses_what_would_give_wrong_logits():
-    from jaxattn.decoding import checked_extend
+    from jaxattn.decoding import _checked_extend_program, checked_extend
     config = tiny_config("gqa", "rope")
     params = params_for(config)
     full_cache = extend(config, params, random_tokens((2, 10)), init_cache(config, 2, MAX_LEN))[1]  # 10 of 12 slots
@@ -205,6 +205,8 @@ def test_extend_refuses_what_would_give_wrong_logits():
     expected, expected_cache = extend(config, params, tokens, full_cache)
     np.testing.assert_allclose(logits, expected, atol=1e-6)
     np.testing.assert_array_equal(cache.lengths, [12, 12])
+    # Equal models share one jitted program: a call retraces for new shapes only, not on every call.
+    assert _checked_extend_program(DecoderLM(config)) is _checked_extend_program(model)
     with pytest.raises(ValueError, match=r"token ids must be in \[0, vocab_size=13\)"):
         full(config, params, jnp.full((1, 3), -1))
 
