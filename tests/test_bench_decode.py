@@ -1,25 +1,15 @@
 """bench/decode.py's cache-length sweep: each batch size keeps its own results file."""
 
-import importlib.util
 import json
 import types
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
-@pytest.fixture(scope="module")
-def bench_decode():
-    spec = importlib.util.spec_from_file_location("bench_decode", ROOT / "bench" / "decode.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from bench import decode as bench_decode
 
 
 @pytest.mark.parametrize("batch,name", [(1, "decode_cache_sweep"), (8, "decode_cache_sweep_b8")])
-def test_a_sweep_writes_the_file_of_its_batch(bench_decode, monkeypatch, tmp_path, batch, name):
+def test_a_sweep_writes_the_file_of_its_batch(monkeypatch, tmp_path, batch, name):
     monkeypatch.setattr(bench_decode, "RESULTS", tmp_path)
     rows = [dict(kernel=kernel, max_len=max_len, cache_length=256, runs=[0.5], tokens_per_s=float(i))
             for i, (kernel, max_len) in enumerate((k, m) for k in bench_decode.SWEEP_KERNELS for m in (8192, 256))]

@@ -7,7 +7,6 @@ Tiny models, every parameter re-drawn (std 0.1 around the init: norm scales near
 the unit offset; whole models' drawn with numpy, nothing compiled), sequences longer than the windows.
 """
 
-import dataclasses
 import json
 
 import chex

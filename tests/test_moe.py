@@ -84,11 +84,11 @@ def _grouped_answers(case):
     def answers(x, gate, weights):
         out = {}
         for name in ["dense", *IMPLS]:
-            def loss(x, gate, weights, fn=moe_kernels.IMPLEMENTATIONS[name]):
+            def loss(x, gate, weights, fn=moe_kernels.IMPLEMENTATIONS[name]):  # the loss, and y as its aux
                 y = fn(x, index, gate, weights, cfg)
-                return jnp.sum(y * jnp.cos(jnp.arange(y.size, dtype=jnp.float32).reshape(y.shape)))
-            out[name] = (moe_kernels.IMPLEMENTATIONS[name](x, index, gate, weights, cfg),
-                         jax.value_and_grad(loss, argnums=(0, 1, 2))(x, gate, weights))
+                return jnp.sum(y * jnp.cos(jnp.arange(y.size, dtype=jnp.float32).reshape(y.shape))), y
+            (value, y), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(x, gate, weights)
+            out[name] = (y, (value, grads))
         return out
     return index, jax.jit(answers)(x, gate, weights)
 
