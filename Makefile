@@ -34,9 +34,12 @@ test: $(TEST_STAMP) chromium
 	$(PY) -m pytest -n 2 tests
 
 # Everything but the tests marked `slow` (end-to-end runs in a fresh process). Each file's tests
-# run in one worker (--dist loadfile), so a file's shared compiled programs are compiled once.
+# run in one worker (--dist loadfile), so a file's shared compiled programs are compiled once, and
+# every compiled program is kept in TEST_PROGRAMS for the next run (tests/conftest.py says how).
+TEST_PROGRAMS ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/jaxattn/test-programs
 test-fast: $(TEST_STAMP)
-	$(PY) -m pytest -n 2 --dist loadfile -m "not slow" tests
+	mkdir -p $(TEST_PROGRAMS)
+	JAXATTN_TEST_PROGRAMS=$(TEST_PROGRAMS) $(PY) -m pytest -n 2 --dist loadfile -m "not slow" tests
 
 # The browser tests (tests/test_viewer_browser.py) drive Debian's chromium through Playwright
 # (tests/browser.py). Installed here when it is missing and the machine allows (root and apt-get);

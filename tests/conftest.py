@@ -14,12 +14,21 @@ environment variables carry both settings into the programs tests start.
 Training runs started again, and models jitted anew, compile programs identical to ones compiled
 before in the same process: JAX's compilation cache, in a directory of this process's own that is
 removed when it ends, reads those back. Nothing carries over from one test run to the next.
+
+Unless JAXATTN_TEST_PROGRAMS names a directory (`make test-fast` does): then every compiled program
+is kept there, shared by the workers and read back by later runs, the way ccache keeps object files.
+A program's key is its HLO without source locations, the compile options, the XLA flags and the
+jaxlib version, so an edit recompiles only the programs it changes, and a clone elsewhere shares
+the directory. JAX writes entries without a lock: a worker that reads one while the other is still
+writing it warns and compiles it itself. At the end of a run the entries used longest ago go, past
+PROGRAMS_KEPT_BYTES.
 """
 
 import atexit
 import os
 import shutil
 import tempfile
+from pathlib import Path
 
 import jax
 
@@ -30,7 +39,35 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 if OPTIMISATION_LEVEL not in os.environ.get("XLA_FLAGS", ""):  # read when JAX starts its backend, after this
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {OPTIMISATION_LEVEL}=0".strip()
 
-_compiled = tempfile.mkdtemp(prefix="jaxattn-tests-compiled-")  # one per process: no two writers share it
-atexit.register(shutil.rmtree, _compiled, ignore_errors=True)
-jax.config.update("jax_compilation_cache_dir", _compiled)
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.1)  # what is dearer to compile than to read
+PROGRAMS_KEPT_BYTES = 1 << 30  # about fifteen runs' worth of edits; a whole fast tier is ~70 MB
+_kept = os.environ.get("JAXATTN_TEST_PROGRAMS")
+if _kept:
+    jax.config.update("jax_compilation_cache_dir", _kept)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)  # read back on later runs: keep all
+else:
+    _compiled = tempfile.mkdtemp(prefix="jaxattn-tests-compiled-")  # one per process: no two writers share it
+    atexit.register(shutil.rmtree, _compiled, ignore_errors=True)
+    jax.config.update("jax_compilation_cache_dir", _compiled)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.1)  # dearer to compile than to read
+
+
+def _prune(directory: Path, keep_bytes: int) -> None:
+    """Delete the entries used longest ago (access or write time, whichever is later) past keep_bytes."""
+    entries = []
+    for path in directory.iterdir():
+        try:
+            stat = path.stat()
+        except FileNotFoundError:  # another run pruned it
+            continue
+        entries.append((max(stat.st_atime, stat.st_mtime), stat.st_size, path))
+    total = sum(size for _, size, _ in entries)
+    for _, size, path in sorted(entries, key=lambda entry: entry[0]):
+        if total <= keep_bytes:
+            break
+        path.unlink(missing_ok=True)
+        total -= size
+
+
+def pytest_sessionfinish(session):
+    if _kept and not hasattr(session.config, "workerinput"):  # once, in the process that started the workers
+        _prune(Path(_kept), PROGRAMS_KEPT_BYTES)
