@@ -1,7 +1,7 @@
 """Decode tokens/s: KV-cached `generate` vs full recomputation vs Hugging Face, per attention kind.
 
     PYTHONPATH=$PWD python bench/decode.py [--hf-python PYTHON] [--hf-threads N] [--models baby,small]
-        [--kinds MHA,GQA\ kv=2,MQA,MLA] [--lengths 256,1000] [--repeats 3]
+        [--kinds 'MHA,GQA kv=2,MQA,MLA'] [--lengths 256,1000] [--repeats 3]
 
 Random-init models (speed does not depend on the weights), greedy, prompt of 16 tokens, batch 1 and
 8, 256 and 1000 new tokens (`--lengths 256`: the short run). Medians of --repeats runs, the
