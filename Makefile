@@ -38,7 +38,6 @@ test: $(TEST_STAMP) chromium
 # every compiled program is kept in TEST_PROGRAMS for the next run (tests/conftest.py says how).
 TEST_PROGRAMS ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/jaxattn/test-programs
 test-fast: $(TEST_STAMP)
-	mkdir -p $(TEST_PROGRAMS)
 	JAXATTN_TEST_PROGRAMS=$(TEST_PROGRAMS) $(PY) -m pytest -n 2 --dist loadfile -m "not slow" tests
 
 # The browser tests (tests/test_viewer_browser.py) drive Debian's chromium through Playwright

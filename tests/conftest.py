@@ -43,6 +43,7 @@ if OPTIMISATION_LEVEL not in os.environ.get("XLA_FLAGS", ""):  # read when JAX s
 PROGRAMS_KEPT_BYTES = 1 << 30  # a whole fast tier's programs are about 70 MB
 _kept = os.environ.get("JAXATTN_TEST_PROGRAMS")
 if _kept:
+    Path(_kept).mkdir(parents=True, exist_ok=True)  # pruned at the end even if nothing was compiled
     jax.config.update("jax_compilation_cache_dir", _kept)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)  # read back on later runs: keep all
 else:
