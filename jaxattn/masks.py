@@ -68,6 +68,21 @@ def window_sides(window) -> tuple[int, int]:
     return int(sides[0]), int(sides[1])
 
 
+def key_offsets(is_causal: bool, window: tuple[int, int] | None) -> tuple[int | None, int | None]:
+    """`(lo, hi)`: the causal mask and a window `(left, right)` let the query at absolute position p see
+    key j iff `lo <= j - p <= hi` (None: no bound on that side), the rule of `causal_mask` and
+    `local_window_mask` as two numbers.
+
+    A window bounds j - p to `[-left, right]`; causality also bounds it above by 0. The kernels
+    read from these bounds which key blocks a query block can see (`jaxattn.kernels.chunked`) and
+    whether a query row sees no key (`jaxattn.kernels.splash`), without building a mask.
+    """
+    lo, hi = (None, None) if window is None else (-window[0], window[1])
+    if is_causal:
+        hi = 0 if hi is None else min(hi, 0)
+    return lo, hi
+
+
 def local_window_mask(q_len: int, kv_len: int, window) -> jnp.ndarray:
     """`[T, S]` mask of a local window `(left, right)`: the query at absolute position p sees keys
     `p - left .. p + right` (an int w means `(w, w)`), jax.nn's `local_window_size`.

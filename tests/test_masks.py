@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jaxattn import causal_mask, combine_masks, mask_to_bias, padding_mask, sliding_window_mask
-from jaxattn.masks import local_window_mask, visible_cache_slots, window_sides
+from jaxattn.masks import key_offsets, local_window_mask, visible_cache_slots, window_sides
 
 
 class MaskShapeTest(chex.TestCase):
@@ -189,6 +189,23 @@ def test_local_window_mask_matches_jax_nn_when_the_lengths_agree():
         np.testing.assert_array_equal(np.asarray(weights) > 0, local_window_mask(6, 6, window))
     start_aligned = jax.nn.dot_product_attention(q[:, :3], k, eye, local_window_size=(1, 0))[0, :, 0]
     assert not np.array_equal(np.asarray(start_aligned) > 0, local_window_mask(3, 6, (1, 0)))
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("window", [None, (2, 1), (0, 3), (3, 0)])
+def test_key_offsets_are_the_causal_and_window_masks_as_bounds(is_causal, window):
+    """lo <= j - p <= hi exactly where `causal_mask` and `local_window_mask` allow (T != S: end-aligned)."""
+    T, S = 4, 7
+    lo, hi = key_offsets(is_causal, window)
+    expected = np.ones((T, S), bool)
+    if is_causal:
+        expected &= np.asarray(causal_mask(T, S))
+    if window is not None:
+        expected &= np.asarray(local_window_mask(T, S, window))
+    offsets = np.arange(S)[None, :] - (np.arange(T)[:, None] + S - T)  # j - p
+    allowed = (offsets >= (-np.inf if lo is None else lo)) & (offsets <= (np.inf if hi is None else hi))
+    np.testing.assert_array_equal(allowed, expected)
+    assert (lo is None) == (window is None) and (hi is None) == (window is None and not is_causal)
 
 
 @pytest.mark.parametrize("window", [(-1, 2), (1, -2), (1, 2, 3), (1.5, 2), 2.0, True, (True, 1), None, "2"])

@@ -78,14 +78,6 @@ class AttentionCall:
                    traced_scale=not _is_concrete(scale), soft_cap=logits_soft_cap is not None,
                    sinks=sinks is not None, residual=return_residual)
 
-    def key_offsets(self) -> tuple[int | None, int | None]:
-        """`(lo, hi)`: the causal and window structure lets the query at position p see key j iff
-        lo <= j - p <= hi (None: no bound on that side)."""
-        lo, hi = (None, None) if self.window is None else (-self.window[0], self.window[1])
-        if self.is_causal:
-            hi = 0 if hi is None else min(hi, 0)
-        return lo, hi
-
     def common_refusal(self, kernel: str) -> str | None:
         """Why a fused kernel that returns only the output and has no dropout cannot take this call."""
         if self.weights:
@@ -117,10 +109,11 @@ def _is_concrete(x) -> bool:
 
 def weights_or_dropout(call: AttentionCall) -> str | None:
     """The refusal of the hand-written kernels ("custom_vjp", "chunked"), said in their docs: they return
-    only the output (and residual), have no dropout, and take the scale as a constant of their backward."""
+    only the output (and residual), have no dropout, and take the scale as a constant of their backward.
+    The "auto" rules give the refused calls to the reference with this reason (`jaxattn.kernels.auto`)."""
     if call.weights or call.dropout:
-        return "attention weights or dropout"
-    return "a traced scale" if call.traced_scale else None
+        return "attention weights or dropout: the reference materialises the weights anyway"
+    return "a traced scale: the hand-written backwards take it as a constant" if call.traced_scale else None
 
 
 def reference_unless(refusal: Callable[[AttentionCall], str | None], warn_as: str | None = None):

@@ -34,7 +34,7 @@ import warnings
 from typing import Callable
 
 from jaxattn.kernels import blocked_decode, chunked, cudnn, custom_vjp, splash, xla, xla_cpu
-from jaxattn.kernels._call import AttentionCall, KernelFallbackWarning
+from jaxattn.kernels._call import AttentionCall, KernelFallbackWarning, weights_or_dropout
 
 # From this many keys the blockwise kernel beats the dense one forward and forward+backward on a CPU
 # (docs/performance.md, "Long sequences"; bench/attention.py measures it on any machine); below it
@@ -48,10 +48,11 @@ _log = logging.getLogger("jaxattn.kernels")
 
 
 def _by_length(call: AttentionCall, dense: str) -> tuple[str, str]:
-    if call.weights or call.dropout:
-        return "xla", "attention weights or dropout: the reference materialises the weights anyway"
-    if call.traced_scale:
-        return "xla", "a traced scale: the hand-written backwards take it as a constant"
+    """`dense` below `CHUNKED_FROM_KEYS` keys, "chunked" from there; the reference for the calls the
+    hand-written kernels refuse (`weights_or_dropout`, the one statement of that refusal)."""
+    refusal = weights_or_dropout(call)
+    if refusal is not None:
+        return "xla", refusal
     if call.S >= CHUNKED_FROM_KEYS:
         return "chunked", f"S={call.S} >= {CHUNKED_FROM_KEYS} keys: blockwise, O(T) memory, hidden blocks skipped"
     return dense, f"S={call.S} < {CHUNKED_FROM_KEYS} keys: the dense logits fit in cache"

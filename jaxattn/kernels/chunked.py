@@ -37,6 +37,7 @@ import numpy as np
 
 from jaxattn.kernels._call import reference_unless, weights_or_dropout
 from jaxattn.kernels._grouping import group_heads, heads_major, heads_minor
+from jaxattn.masks import key_offsets
 from jaxattn.softmax import softmax_dtype
 
 # Rows per query block and keys per key block: 512 x 256 ran fastest of 128-1024 x 128-512 on a CPU,
@@ -96,23 +97,12 @@ class Plan:
         return -(-self.S // self.bk) * self.bk
 
 
-def key_offsets(is_causal: bool, window: tuple[int, int] | None) -> tuple[int | None, int | None]:
-    """`(lo, hi)`: the structural rule lets query position p see key j iff lo <= j - p <= hi (None: no bound).
-
-    A window `(left, right)` bounds j - p to [-left, right]; causality also bounds it above by 0.
-    """
-    lo, hi = (None, None) if window is None else (-window[0], window[1])
-    if is_causal:
-        hi = 0 if hi is None else min(hi, 0)
-    return lo, hi
-
-
 def visible_blocks(T: int, S: int, bq: int, bk: int, is_causal: bool,
                    window: tuple[int, int] | None) -> np.ndarray:
     """`[nq, nk]` bool: True where block pair (i, j) holds a (query, key) the causal/window rule allows.
 
     Positions are end-aligned (query t sits at p = t + S - T); the rule bounds j - p to an interval
-    (`key_offsets`), so each row and each column of True is one interval (a band).
+    (`jaxattn.masks.key_offsets`), so each row and each column of True is one interval (a band).
     """
     nq, nk = -(-T // bq), -(-S // bk)
     lo, hi = key_offsets(is_causal, window)

@@ -23,7 +23,10 @@ import functools
 from pathlib import Path
 from typing import Callable
 
-from jaxattn.kernels import AUTO, IMPLEMENTATIONS, Kernels, auto, moe
+import jax
+
+from jaxattn.kernels import auto, moe
+from jaxattn.kernels.registry import AUTO, IMPLEMENTATIONS, Kernels
 
 ACCELERATORS = ("gpu", "cuda", "rocm", "tpu")
 
@@ -43,7 +46,6 @@ class Platform:
     @classmethod
     def detect(cls, cpuinfo: str = "/proc/cpuinfo") -> "Platform":
         """This process's platform. Starts JAX's backends: set device counts and XLA flags first."""
-        import jax
         return cls(backend=jax.default_backend(), cpu_flags=read_cpu_flags(cpuinfo))
 
     @property

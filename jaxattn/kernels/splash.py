@@ -25,11 +25,12 @@ import jax.numpy as jnp
 
 from jaxattn.kernels._call import AttentionCall, reference_unless
 from jaxattn.kernels._grouping import heads_major, heads_minor
+from jaxattn.masks import key_offsets
 
 
 def refusal(call: AttentionCall) -> str | None:
     """Why splash cannot take `call` here (None: it can)."""
-    _, hi = call.key_offsets()
+    _, hi = key_offsets(call.is_causal, call.window)
     if hi is not None and call.T - call.S > hi:  # the first query sits at S - T and sees up to S - T + hi
         structure = " and ".join(([] if call.window is None else [f"the window {call.window}"])
                                  + (["the causal mask"] if call.is_causal else []))
