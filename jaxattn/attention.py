@@ -21,8 +21,7 @@ Differences from `jax.nn.dot_product_attention`, whose arguments these share wit
 meaning otherwise: the causal mask and local windows are aligned to the END of the keys
 (query i sits at position i + S - T; jax.nn aligns at the start; the same when T == S);
 a query row with no key to attend to gives zeros (jax.nn: the mean of the values), and
-its residual is -inf; the residual is float32 (jax.nn: the input dtype). Everything
-here runs under `jax.numpy_rank_promotion("raise")`.
+its residual is -inf. Everything here runs under `jax.numpy_rank_promotion("raise")`.
 """
 
 from __future__ import annotations
@@ -70,10 +69,16 @@ class _Arguments(typing.NamedTuple):
     unbatched: bool
 
 
+def _softmax_scale(scale, H: int):
+    """`scale`, or jax.nn's default `1 / sqrt(H)` when it is None."""
+    return 1.0 / math.sqrt(H) if scale is None else scale
+
+
 def _positive_number(name: str, value) -> float:
     """`value` as a float if it is a positive finite number known now (not traced), else a ValueError."""
     known = concrete_or_none(value)
-    if (isinstance(value, bool) or known is None or known.ndim or not np.issubdtype(known.dtype, np.number)
+    # A bool is refused by its dtype: numpy's bool is not a number type.
+    if (known is None or known.ndim or not np.issubdtype(known.dtype, np.number)
             or not np.isfinite(known) or known <= 0):
         shown = "a traced value (pass it as a Python float, static under jit)" if known is None else repr(value)
         raise ValueError(f"{name} must be a positive finite number known when tracing, got {shown}")
@@ -94,6 +99,11 @@ def _lengths(name: str, lengths, B: int, bound: int, bound_name: str, shapes: st
     return lengths
 
 
+def _soft_cap(logits_soft_cap) -> float | None:
+    """None, or the soft cap as a float once it is known to be a positive finite number."""
+    return None if logits_soft_cap is None else _positive_number("logits_soft_cap", logits_soft_cap)
+
+
 def _sinks(sinks, N: int, shapes: str):
     """None, or `sinks` as an array once it is known to be `[N]` floats (one logit per query head)."""
     if sinks is None:
@@ -106,35 +116,50 @@ def _sinks(sinks, N: int, shapes: str):
     return sinks
 
 
+def _float_arrays(*named) -> None:
+    """A TypeError unless each `(name, x)` of `named` is an array of floats."""
+    for name, x in named:
+        if not hasattr(x, "shape"):
+            raise TypeError(f"{name} must be an array, got {type(x).__name__}")
+        require_float(name, x)
+
+
+def _check_sizes(query_shape, key_shape, value_shape, shapes: str, key: str = "key", value: str = "value",
+                 length: str = "S") -> None:
+    """The sizes queries, keys and values share, each a ValueError naming them and `shapes`.
+
+    `query_shape` `[B, T, N, H]`, `key_shape` `[B, S, K, H]`, `value_shape` `[B, S, K, Hv]` (a
+    cache's `[B, K, L, H]` passed as `[B, L, K, H]`, with `length="L"`): one batch size B, values
+    matching keys in length and heads K, one head dim H, and N query heads a multiple of K.
+    """
+    (B, _, N, H), (Bk, S, K, Hk) = query_shape, key_shape
+    if Bk != B or value_shape[0] != B:
+        raise ValueError(f"batch sizes differ: {shapes}")
+    if tuple(value_shape[1:3]) != (S, K):
+        raise ValueError(f"{value} must match {key} in length {length} and heads K: {shapes}")
+    if Hk != H:
+        raise ValueError(f"head dims differ: query has H={H}, {key} H={Hk}: {shapes}")
+    if N % K:
+        raise ValueError(f"query heads N={N} must be a multiple of key/value heads K={K}: {shapes}")
+
+
 def _check(query, key, value, bias=None, mask=None, *, dropout_rate=0.0, local_window_size=None,
            query_seq_lengths=None, key_value_seq_lengths=None, logits_soft_cap=None, sinks=None) -> _Arguments:
     """The one check of the attention arguments: a ValueError or TypeError naming the argument and the
     shapes, raised before tracing (values of lengths are checked when known, i.e. not under `jit`)."""
-    for name, x in (("query", query), ("key", key), ("value", value)):
-        if not hasattr(x, "shape"):
-            raise TypeError(f"{name} must be an array, got {type(x).__name__}")
-        require_float(name, x)
+    _float_arrays(("query", query), ("key", key), ("value", value))
     if query.ndim not in (3, 4):
         raise ValueError(f"query must have rank 4 [B, T, N, H] or 3 [T, N, H] (unbatched), got shape {query.shape}")
     unbatched = query.ndim == 3
     layout = {"key": "[S, K, H]", "value": "[S, K, Hv]"} if unbatched else {"key": "[B, S, K, H]",
                                                                            "value": "[B, S, K, Hv]"}
     for name, x in (("key", key), ("value", value)):
-        if x.ndim != query.ndim:
-            raise ValueError(f"{name} must have rank {query.ndim} {layout[name]} like query {query.shape}, "
-                             f"got shape {x.shape}")
+        require_rank(name, x, query.ndim, f"{layout[name]} like query {query.shape}")
     shapes = f"query {query.shape}, key {key.shape}, value {value.shape}"
     if unbatched:
         query, key, value = query[None], key[None], value[None]
-    (B, T, N, H), (Bk, S, K, Hk) = query.shape, key.shape
-    if Bk != B or value.shape[0] != B:
-        raise ValueError(f"batch sizes differ: {shapes}")
-    if value.shape[1:3] != (S, K):
-        raise ValueError(f"value must match key in length S and heads K: {shapes}")
-    if Hk != H:
-        raise ValueError(f"head dims differ: query has H={H}, key H={Hk}: {shapes}")
-    if N % K:
-        raise ValueError(f"query heads N={N} must be a multiple of key/value heads K={K}: {shapes}")
+    _check_sizes(query.shape, key.shape, value.shape, shapes)
+    (B, T, N, _), S = query.shape, key.shape[1]
     target, desc = ((N, T, S), "[N, T, S]") if unbatched else ((B, N, T, S), "[B, N, T, S]")
     arrays = {}
     for name, x in (("mask", mask), ("bias", bias)):
@@ -155,13 +180,16 @@ def _check(query, key, value, bias=None, mask=None, *, dropout_rate=0.0, local_w
         _lengths("query_seq_lengths", query_seq_lengths, B, T, "T", shapes),
         _lengths("key_value_seq_lengths", key_value_seq_lengths, B, S, "S", shapes),
         None if local_window_size is None else window_sides(local_window_size),
-        None if logits_soft_cap is None else _positive_number("logits_soft_cap", logits_soft_cap),
-        sinks, unbatched)
+        _soft_cap(logits_soft_cap), sinks, unbatched)
 
 
 def _results(a: _Arguments, out, weights, residual, return_weights: bool, return_residual: bool):
-    """Query rows past `query_seq_lengths` zeroed (their residual -inf), the batch axis of unbatched
-    inputs removed, and the tuple the flags ask for."""
+    """Query rows past `query_seq_lengths` zeroed (their residual -inf), the residual in the query's
+    dtype, the batch axis of unbatched inputs removed, and the tuple the flags ask for."""
+    if residual is not None:
+        # jax.nn's dtype. The kernels return it in the softmax's (float32 for 16-bit inputs); rounding it
+        # here, outside their custom VJPs, lets `jax.vjp` take a cotangent of the residual's own dtype.
+        residual = residual.astype(a.query.dtype)
     if a.query_lengths is not None:
         B, T = out.shape[:2]
         valid = jnp.arange(T).reshape(1, T) < a.query_lengths.reshape(B, 1)  # [B, T]
@@ -213,7 +241,8 @@ def scaled_dot_product_attention(query, key, value, bias=None, mask=None, *, sca
       return_weights: also return the attention weights `[B, N, T, S]` (float32, after dropout, as
         used for the output; without the sink, whose weight is 1 minus the row's sum).
       return_residual: also return the logsumexp of each row's logits and sink `[B, T, N]`
-        (float32, under `stop_gradient`; -inf for a row with no key and no sink): jax.nn's residual.
+        (in the query's dtype, as jax.nn's residual; computed in float32 and rounded; under
+        `stop_gradient`; -inf for a row with no key and no sink, where jax.nn's is finite).
       implementation: "auto" (default: this process's platform rule, e.g.
         "auto_cpu", which picks per call, see `jaxattn.kernels.auto`) or a
         name of `jaxattn.kernels.choices("attention")`: "xla" (the reference,
@@ -241,9 +270,9 @@ def scaled_dot_product_attention(query, key, value, bias=None, mask=None, *, sca
     if implementation == kernels.AUTO:
         implementation = kernels.select.attention_rule_here()
     attend = kernels.attention_kernel(implementation)
-    scale = 1.0 / math.sqrt(a.query.shape[-1]) if scale is None else scale
     out, weights, residual = attend(
-        a.query, a.key, a.value, mask=a.mask, bias=a.bias, is_causal=is_causal, scale=scale,
+        a.query, a.key, a.value, mask=a.mask, bias=a.bias, is_causal=is_causal,
+        scale=_softmax_scale(scale, a.query.shape[-1]),
         dropout_rate=dropout_rate, dropout_rng=dropout_rng, return_weights=return_weights,
         local_window_size=a.window, key_value_seq_lengths=a.key_lengths, logits_soft_cap=a.soft_cap,
         sinks=a.sinks, return_residual=return_residual)
@@ -274,26 +303,24 @@ def cached_attention(query, key_cache, value_cache, query_positions, *, scale=No
     Returns:
       `[B, T, N, Hv]` in the query's dtype; logits and softmax in float32.
     """
-    require_rank("query", query, 4, "[B, T, N, H]")
-    require_rank("key_cache", key_cache, 4, "[B, K, L, H]")
-    require_rank("value_cache", value_cache, 4, "[B, K, L, Hv]")
+    _float_arrays(("query", query), ("key_cache", key_cache), ("value_cache", value_cache))
+    layouts = {"query": "[B, T, N, H]", "key_cache": "[B, K, L, H]", "value_cache": "[B, K, L, Hv]"}
+    arrays = {"query": query, "key_cache": key_cache, "value_cache": value_cache}
+    for name, x in arrays.items():
+        require_rank(name, x, 4, layouts[name])
+    shapes = ", ".join(f"{name} {x.shape} {layouts[name]}" for name, x in arrays.items())
+    key_shape, value_shape = ((c.shape[0], c.shape[2], c.shape[1], c.shape[3]) for c in (key_cache, value_cache))
+    _check_sizes(query.shape, key_shape, value_shape, shapes, key="key_cache", value="value_cache", length="L")
     B, T, N, H = query.shape
-    K = key_cache.shape[1]
-    if key_cache.shape[0] != B or key_cache.shape[3] != H or N % K or value_cache.shape[:3] != key_cache.shape[:3]:
-        raise ValueError(f"query {query.shape} [B, T, N, H], key_cache {key_cache.shape} [B, K, L, H] and "
-                         f"value_cache {value_cache.shape} [B, K, L, Hv] must agree in B, H, K (N a multiple of K)")
     query_positions = jnp.asarray(query_positions)
     if query_positions.shape != (B, T):
         raise ValueError(f"query_positions must be [B, T] = {(B, T)}, got {query_positions.shape}")
     require_integer("query_positions", query_positions)
     attend = kernels.cached_attention_kernel(implementation)
-    scale = 1.0 / math.sqrt(H) if scale is None else scale
     if window is not None:
         require_positive_int("window", window)
-    cap = None if logits_soft_cap is None else _positive_number("logits_soft_cap", logits_soft_cap)
-    sinks = _sinks(sinks, N, f"query {query.shape}")
-    return attend(query, key_cache, value_cache, query_positions, scale=scale, window=window,
-                  logits_soft_cap=cap, sinks=sinks)
+    return attend(query, key_cache, value_cache, query_positions, scale=_softmax_scale(scale, H), window=window,
+                  logits_soft_cap=_soft_cap(logits_soft_cap), sinks=_sinks(sinks, N, shapes))
 
 
 def reference_attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
@@ -311,7 +338,7 @@ def reference_attention(query, key, value, bias=None, mask=None, *, scale=None, 
                logits_soft_cap=logits_soft_cap, sinks=sinks)
     B, T, N, H = a.query.shape
     S, K = a.key.shape[1], a.key.shape[2]
-    scale = 1.0 / math.sqrt(H) if scale is None else scale
+    scale = _softmax_scale(scale, H)
 
     k = repeat_kv(a.key, N // K).transpose(0, 2, 1, 3)  # [B, N, S, H]
     v = repeat_kv(a.value, N // K).transpose(0, 2, 1, 3)  # [B, N, S, Hv]

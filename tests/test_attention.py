@@ -526,7 +526,7 @@ def test_repeat_kv_errors():
     x = jnp.zeros((1, 2, 2, 4))
     with pytest.raises(ValueError, match=r"x must have rank 4"):
         repeat_kv(x[0], 2)
-    for bad in (0, -1, 1.5):
+    for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match=r"n_rep must be a positive integer"):
             repeat_kv(x, bad)
 
@@ -557,8 +557,21 @@ def test_cached_attention_errors():
     from jaxattn.attention import cached_attention
 
     q, cache = jnp.zeros((2, 1, 4, 8)), jnp.zeros((2, 3, 5, 8))
-    with pytest.raises(ValueError, match="multiple of K"):
+    with pytest.raises(ValueError, match=r"query heads N=4 must be a multiple of key/value heads K=3: "
+                                         r"query \(2, 1, 4, 8\) \[B, T, N, H\], key_cache \(2, 3, 5, 8\)"):
         cached_attention(q, cache, cache, jnp.zeros((2, 1), jnp.int32))
+    positions = jnp.zeros((2, 1), jnp.int32)
+    with pytest.raises(ValueError, match=r"batch sizes differ: query \(2, 1, 4, 8\) \[B, T, N, H\], key_cache "):
+        cached_attention(q, cache[:1, :2], cache[:1, :2], positions)
+    with pytest.raises(ValueError, match=r"value_cache must match key_cache in length L and heads K: .* "
+                                         r"value_cache \(2, 2, 4, 8\) \[B, K, L, Hv\]"):
+        cached_attention(q, cache[:, :2], cache[:, :2, :4], positions)
+    with pytest.raises(ValueError, match=r"head dims differ: query has H=8, key_cache H=4: "):
+        cached_attention(q, cache[:, :2, :, :4], cache[:, :2], positions)
+    with pytest.raises(ValueError, match=r"key_cache must have rank 4 \[B, K, L, H\], got shape \(2, 5, 8\)"):
+        cached_attention(q, cache[0, :2], cache[:, :2], positions)
+    with pytest.raises(TypeError, match=r"query must be a floating-point array, got dtype int32"):
+        cached_attention(q.astype(jnp.int32), cache[:, :2], cache[:, :2], positions)
     with pytest.raises(ValueError, match="query_positions"):
         cached_attention(q, cache[:, :2], cache[:, :2], jnp.zeros((2,), jnp.int32))
     with pytest.raises(TypeError, match="query_positions must be an integer array"):
@@ -661,13 +674,13 @@ def test_query_seq_lengths_zero_outputs_weights_and_gradients_of_padding_rows(im
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS + ("reference",))
 def test_the_residual_is_the_logsumexp_with_the_sink(implementation):
-    """log sum_j exp(logit_j) (+ exp(sink)) per row, float32, -inf for a row with nothing, no gradient."""
+    """log sum_j exp(logit_j) (+ exp(sink)) per row, in the query's dtype, -inf for a row with nothing, no gradient."""
     q, k, v = qkv(B=2, T=4, S=5, N=4, K=2)
     attend = reference if implementation == "reference" else functools.partial(sdpa, implementation=implementation)
     mask = padding_mask(jnp.array([5, 0]), 5)  # row 1 sees no key
     bias = jnp.asarray(np.random.default_rng(3).standard_normal((1, 4, 4, 5)), jnp.float32)
     out, residual = attend(q, k, v, bias, mask, scale=0.4, logits_soft_cap=2.0, return_residual=True)
-    assert residual.dtype == jnp.float32 and residual.shape == (2, 4, 4)
+    assert residual.dtype == q.dtype == jnp.float32 and residual.shape == (2, 4, 4)
     logits = 2.0 * np.tanh(0.4 * np.einsum("btnh,bsnh->bnts", q, np.repeat(k, 2, axis=2)) / 2.0) + np.asarray(bias)
     expected = np.log(np.exp(logits[0]).sum(-1)).T  # [T, N]
     np.testing.assert_allclose(residual[0], expected, rtol=1e-5, atol=1e-5)
@@ -678,6 +691,23 @@ def test_the_residual_is_the_logsumexp_with_the_sink(implementation):
     np.testing.assert_allclose(with_sink[1], np.broadcast_to(sinks, (4, 4)), rtol=1e-6)  # the sink alone
     grads = jax.grad(lambda q: attend(q, k, v, return_residual=True)[1].sum())(q)
     np.testing.assert_array_equal(grads, 0.0)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS + ("reference",))
+def test_the_residual_is_in_the_query_dtype_and_its_cotangent_too(implementation):
+    """jax.nn's dtype: bfloat16 inputs give the float32 logsumexp rounded to bfloat16 (-inf stays -inf),
+    and `jax.vjp` takes a bfloat16 cotangent for it, which changes no gradient."""
+    q, k, v = (x.astype(jnp.bfloat16) for x in qkv(B=2, T=4, S=5, N=4, K=2))
+    attend = reference if implementation == "reference" else functools.partial(sdpa, implementation=implementation)
+    mask = padding_mask(jnp.array([5, 0]), 5)  # row 1 sees no key
+    (out, residual), vjp = jax.vjp(lambda q, k, v: attend(q, k, v, mask=mask, return_residual=True), q, k, v)
+    assert residual.dtype == jnp.bfloat16 and np.all(residual[1] == -np.inf)
+    _, expected = reference(*(x.astype(jnp.float32) for x in (q, k, v)), mask=mask, return_residual=True)
+    np.testing.assert_allclose(np.asarray(residual[0], np.float32), expected[0], rtol=1e-2)
+    grads = vjp((jnp.ones_like(out), jnp.ones_like(residual)))
+    for g, g0 in zip(grads, vjp((jnp.ones_like(out), jnp.zeros_like(residual)))):
+        assert g.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(g, g0)
 
 
 def test_the_residual_matches_jax_nn_where_rows_see_keys():

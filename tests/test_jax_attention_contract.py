@@ -1,15 +1,18 @@
 """JAX's own attention tests, run against `scaled_dot_product_attention`.
 
 A port of `testDotProductAttention`, `testDotProductAttentionMask` and
-`testDotProductAttentionBiasGradient` from JAX's tests/nn_test.py (Copyright 2019 The
-JAX Authors, Apache License 2.0, https://www.apache.org/licenses/LICENSE-2.0; jax-ml/jax),
+`testDotProductAttentionBiasGradient` from JAX's tests/nn_test.py as of JAX v0.10.2 (Copyright
+2019 The JAX Authors, Apache License 2.0, https://www.apache.org/licenses/LICENSE-2.0; jax-ml/jax),
 with pytest in place of JAX's private test base (only public JAX APIs). As there,
 `jax.nn.dot_product_attention(implementation=None)` is the reference; the answer is
 `jaxattn.scaled_dot_product_attention` with each implementation that runs on a CPU
 ("xla", "custom_vjp", "chunked") where JAX's tests take its cuDNN kernel. Shapes, seeds,
 arguments (positional bias and mask, `query_seq_lengths`, two-sided `local_window_size`,
-vmapped unbatched calls) and tolerances are JAX's, and everything runs under
-`jax.numpy_rank_promotion("raise")`, which JAX's test base sets.
+vmapped unbatched calls, `return_residual`) and tolerances are JAX's, and everything runs under
+`jax.numpy_rank_promotion("raise")`, which JAX's test base sets. With `return_residual=True`
+the residual is compared like the output (the same dtype as jax.nn's, the input dtype, and the
+same tolerance), and the VJP takes a cotangent for it in that dtype: a normal draw from
+`keys[4]` of the residual's shape.
 
 Left out or changed, and why:
 - the checks that the cuDNN custom call is in the compiled program (not ours to make);
@@ -17,17 +20,21 @@ Left out or changed, and why:
   batch 16; here the bias gradient is compared at every batch size, with the tolerance
   JAX uses at batch 1;
 - `testDotProductAttentionMask` draws its bias from `keys[4]` of 4 keys, which JAX clamps
-  to `keys[3]`; kept as written.
+  to `keys[3]`; kept as written;
+- `testDotProductAttention`'s reference runs once, with the residual, for both values of
+  `return_residual`: the residual is under `stop_gradient`, so its cotangent changes no
+  gradient, and without it the output and gradients are the same operations.
 Documented differences that these tests do not reach: jaxattn aligns the causal mask and
-local windows to the end of the keys (here T == S, where both alignments agree), gives
-zeros for a query row with no visible key (jax.nn: the mean of the values; here every row
-of a real query sees a key) and returns the residual in float32.
+local windows to the end of the keys (here T == S, where both alignments agree), and gives
+zeros and a residual of -inf for a query row with no visible key (jax.nn: the mean of the
+values and a finite residual; here every row of a real query sees a key).
 
 Work is shared to keep CI short on two cores: the reference runs once per configuration
 (eagerly where JAX's test does, see `_vjp_program`), and the three implementations' outputs
-and gradients are one jitted program per configuration, compiled at XLA's backend
-optimisation level 0 (these tests check values, and compiling dominates their time: it
-halves). A failure names the implementation.
+and gradients are one jitted program per configuration (in `testDotProductAttention`, one for
+both values of `return_residual`: it compiles in about the time of one), compiled at XLA's
+backend optimisation level 0 (these tests check values, and compiling dominates their time:
+it halves). A failure names the implementation.
 """
 
 from __future__ import annotations
@@ -78,49 +85,70 @@ def _vjp_program(fn, argnums_out=3, jit=True):
     return jax.jit(run, compiler_options=COMPILER_OPTIONS) if jit else run
 
 
-def _answers(make_fn, argnums_out, args, grad):
-    """`{implementation: (out, cotangents)}` of `make_fn(implementation)` for each CPU implementation,
+def _answers(fns, argnums_out, args, cotangents):
+    """`{name: (out, cotangents)}` of each `fns[name]` at `args`, its VJP taken with `cotangents[name]`,
     computed by one compiled program."""
-    programs = {impl: _vjp_program(make_fn(impl), argnums_out, jit=False) for impl in IMPLEMENTATIONS}
-    run_all = jax.jit(lambda args, grad: {impl: run(args, grad) for impl, run in programs.items()},
+    programs = {name: _vjp_program(fn, argnums_out, jit=False) for name, fn in fns.items()}
+    run_all = jax.jit(lambda args, cotangents: {name: run(args, cotangents[name]) for name, run in programs.items()},
                       compiler_options=COMPILER_OPTIONS)
-    return run_all(args, grad)
+    return run_all(args, cotangents)
 
 
 # --------------------------------------------------------------------------------------------
-# testDotProductAttention: grouped heads, bfloat16 and float16, with and without vmap.
+# testDotProductAttention: grouped heads, bfloat16 and float16, with and without vmap, with and
+# without the residual.
 
 
 @functools.cache
 def _attention_case(dtype, group_num):
+    """JAX's inputs, the residual's cotangent, and the reference `{"out", "residual", "dQ", "dK", "dV"}`."""
     B, S, T, N, H, G = 2, 128, 128, 4, 32, group_num
     keys = random.split(random.PRNGKey(0), 5)
     Q = random.normal(keys[0], (B, T, N, H), dtype)
     K = random.normal(keys[1], (B, S, N // G, H), dtype)
     V = random.normal(keys[2], (B, S, N // G, H), dtype)
     grad = random.normal(keys[3], (B, T, N, H), dtype)
+    grad_residual = random.normal(keys[4], (B, T, N), dtype)  # the residual's shape and dtype (jax.nn's)
     # For testing purposes, we call the non-GQA version without vmap in the reference code.
     K_ref, V_ref = jnp.repeat(K, G, axis=2), jnp.repeat(V, G, axis=2)
-    sdpa_ref = functools.partial(jax.nn.dot_product_attention, implementation=None)
-    out_ref, (dQ_ref, dK_ref, dV_ref) = _vjp_program(sdpa_ref, jit=False)((Q, K_ref, V_ref, None, None), grad)
+    sdpa_ref = functools.partial(jax.nn.dot_product_attention, implementation=None, return_residual=True)
+    (out_ref, residual_ref), (dQ_ref, dK_ref, dV_ref) = _vjp_program(sdpa_ref, jit=False)(
+        (Q, K_ref, V_ref, None, None), (grad, grad_residual))
     dK_ref = dK_ref.reshape(B, S, N // G, G, H).sum(axis=3)
     dV_ref = dV_ref.reshape(B, S, N // G, G, H).sum(axis=3)
-    return (Q, K, V, grad), (out_ref, dQ_ref, dK_ref, dV_ref)
+    expected = {"out": out_ref, "residual": residual_ref, "dQ": dQ_ref, "dK": dK_ref, "dV": dV_ref}
+    return (Q, K, V, grad, grad_residual), expected
 
 
+@functools.cache
+def _attention_answers(dtype, group_num, use_vmap):
+    """`{(implementation, return_residual): (out, (dQ, dK, dV))}`: both values of `return_residual` in
+    one compiled program, which compiles in about the time of one of them."""
+    (Q, K, V, grad, grad_residual), _ = _attention_case(dtype, group_num)
+    fns, cotangents = {}, {}
+    for impl in IMPLEMENTATIONS:
+        for return_residual in (False, True):
+            attend = functools.partial(scaled_dot_product_attention, implementation=impl,
+                                       return_residual=return_residual)
+            # vmapped, each call sees unbatched [T, N, H] inputs
+            fns[impl, return_residual] = (jax.vmap(attend, in_axes=(0, 0, 0, None, None), out_axes=0) if use_vmap
+                                          else attend)
+            cotangents[impl, return_residual] = (grad, grad_residual) if return_residual else grad
+    return _answers(fns, 3, (Q, K, V, None, None), cotangents)
+
+
+@pytest.mark.parametrize("return_residual", [False, True])
 @pytest.mark.parametrize("use_vmap", [False, True])
 @pytest.mark.parametrize("group_num", [1, 2, 4])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bfloat16", "float16"])
-def test_dot_product_attention(dtype, group_num, use_vmap):
-    (Q, K, V, grad), expected = _attention_case(dtype, group_num)
-
-    def sdpa_ans(impl):
-        attend = functools.partial(scaled_dot_product_attention, implementation=impl)
-        # vmapped, each call sees unbatched [T, N, H] inputs
-        return jax.vmap(attend, in_axes=(0, 0, 0, None, None), out_axes=0) if use_vmap else attend
-    for impl, (out_ans, grads_ans) in _answers(sdpa_ans, 3, (Q, K, V, None, None), grad).items():
-        for name, ref, ans in zip(("out", "dQ", "dK", "dV"), expected, (out_ans,) + grads_ans):
-            assert_all_close(ref, ans, atol=.01, rtol=.01, what=f"{impl} {name}")
+def test_dot_product_attention(dtype, group_num, use_vmap, return_residual):
+    _, expected = _attention_case(dtype, group_num)
+    names = ("out", "residual", "dQ", "dK", "dV") if return_residual else ("out", "dQ", "dK", "dV")
+    for impl in IMPLEMENTATIONS:
+        out_ans, grads_ans = _attention_answers(dtype, group_num, use_vmap)[impl, return_residual]
+        outputs = out_ans if return_residual else (out_ans,)
+        for name, ans in zip(names, outputs + grads_ans):
+            assert_all_close(expected[name], ans, atol=.01, rtol=.01, what=f"{impl} {name}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -179,8 +207,9 @@ def test_dot_product_attention_mask(mask_mode):
     mask_mode = (mask_mode,) if isinstance(mask_mode, str) else mask_mode
     args, is_causal, window_size, grad = _mask_arguments(mask_mode)
     out_ref, (dQ_ref, dK_ref, dV_ref, dbias_ref) = _mask_reference(mask_mode)
-    answers = _answers(lambda impl: _masked_attention(scaled_dot_product_attention, is_causal, window_size,
-                                                      implementation=impl), 4, args, grad)
+    fns = {impl: _masked_attention(scaled_dot_product_attention, is_causal, window_size, implementation=impl)
+           for impl in IMPLEMENTATIONS}
+    answers = _answers(fns, 4, args, dict.fromkeys(IMPLEMENTATIONS, grad))
     for impl, (out_ans, (dQ_ans, dK_ans, dV_ans, dbias_ans)) in answers.items():
         assert_all_close(out_ref, out_ans, atol=.01, rtol=.01, what=f"{impl} out")
         assert_all_close(dQ_ref, dQ_ans, rtol=.02, atol=.02, what=f"{impl} dQ")

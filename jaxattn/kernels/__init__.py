@@ -14,7 +14,9 @@ tests/test_kernels.py:
 | moe | `jaxattn.moe.MoE` (the routed experts) | "dense", "grouped", "grouped_cpu", "gathered"; per-call rule "auto_cpu" |
 
 Every attention implementation has the signature of `xla.attention` and returns
-`(out, weights | None, residual | None)` (`jaxattn.kernels._call`). What each takes of
+`(out, weights | None, residual | None)` (`jaxattn.kernels._call`), the residual in the
+softmax's dtype (float32 for 16-bit inputs), which `scaled_dot_product_attention`
+rounds to the query's dtype as jax.nn does. What each takes of
 the features beyond masks and biases; what a fused kernel cannot take runs the
 reference with a one-line `KernelFallbackWarning`:
 
@@ -22,7 +24,7 @@ reference with a one-line `KernelFallbackWarning`:
 | --- | --- | --- | --- | --- | --- |
 | "xla" | yes | yes | yes | yes | yes |
 | "custom_vjp", "chunked" | yes | yes | yes | yes | the reference |
-| "cudnn" | no | no | left only (or causal), T == S | yes (rounded to the input dtype) | no |
+| "cudnn" | no | no | left only (or causal), T == S | yes | no |
 | "splash" | yes | no | yes | no | no |
 
 The choice is made once, when a program resolves a run for its platform

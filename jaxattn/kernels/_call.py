@@ -8,9 +8,11 @@ Every `jaxattn.kernels.*.attention` has the signature of `jaxattn.kernels.xla.at
       -> (out [B, T, N, Hv], weights [B, N, T, S] float32 | None, residual [B, T, N] float32 | None)
 
 with 4-D batched inputs, `local_window_size` already a `(left, right)` tuple or None, a
-concrete `logits_soft_cap`, `sinks` `[N]`, and weights (residual) only when asked for.
+concrete `logits_soft_cap`, `sinks` `[N]`, and weights (residual) only when asked for
+(float32 is the softmax's dtype: float64 for float64 inputs).
 `scaled_dot_product_attention` checks the arguments, adds and removes the batch axis of
-unbatched inputs and applies `query_seq_lengths` (no kernel sees them).
+unbatched inputs, applies `query_seq_lengths` (no kernel sees them) and rounds the residual
+to the query's dtype.
 """
 
 from __future__ import annotations

@@ -47,7 +47,9 @@ def attention(query, key, value, *, mask, bias, is_causal, scale, dropout_rate, 
     A window `(left, right)` reaches cuDNN as its sliding window of `left + 1` keys, causal: with
     `is_causal` the right side is cut to 0 anyway, and without it `refusal` lets only `right == 0`
     through (the query and `left` keys back, which is causal). The residual is jax.nn's
-    `return_residual` (cuDNN's logsumexp, rounded to the input dtype by jax.nn), in float32.
+    `return_residual` (cuDNN's logsumexp, rounded to the input dtype by jax.nn), widened to
+    float32 as the kernel contract has it; `scaled_dot_product_attention` rounds it back to the
+    input dtype, exactly.
     """
     if jax.default_backend() != "gpu":
         raise ValueError(f'implementation "cudnn" needs a CUDA GPU; this process runs on '
