@@ -9,8 +9,21 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+
+
+def is_int(value, *, numpy: bool = True) -> bool:
+    """Whether `value` is an integer: a Python int or (unless `numpy=False`) a numpy integer, never a bool.
+
+    `bool` is a subclass of `int` (`True == 1`), so `isinstance(value, int)` alone takes `True`
+    for a count. `numpy=False` takes Python ints only: for values read from JSON or written to it
+    (config fields: `to_dict` goes to JSON, which refuses numpy integers) and for arguments
+    documented as a Python `int`.
+    """
+    kinds = (int, np.integer) if numpy else int
+    return isinstance(value, kinds) and not isinstance(value, bool)
 
 
 def require_rank(name: str, x, rank: int, layout: str) -> None:
@@ -50,7 +63,6 @@ def require_float(name: str, x) -> None:
 
 def concrete_or_none(x):
     """`x` as a numpy array when its value is known now (not a tracer under `jit`), else None."""
-    import jax
     try:
         return np.asarray(x)
     except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
@@ -63,24 +75,24 @@ def require_integer(name: str, x) -> None:
 
 
 def require_positive_int(name: str, value) -> None:
-    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value <= 0:
+    if not is_int(value) or value <= 0:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
 def require_field_positive_int(owner: str, name: str, value) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+    if not is_int(value, numpy=False) or value <= 0:
         raise ValueError(f"{owner}.{name} must be a positive integer, got {value!r}")
 
 
 def require_field_positive_number(owner: str, name: str, value, *, none_ok: bool = True) -> None:
     if value is None and none_ok:
         return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+    if not (is_int(value, numpy=False) or isinstance(value, float)) or not math.isfinite(value) or value <= 0:
         raise ValueError(f"{owner}.{name} must be a positive number{' or None' if none_ok else ''}, got {value!r}")
 
 
 def require_field_fraction(owner: str, name: str, value, *, none_ok: bool) -> None:
     if value is None and none_ok:
         return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value <= 1.0:
+    if not (is_int(value, numpy=False) or isinstance(value, float)) or not 0.0 < value <= 1.0:
         raise ValueError(f"{owner}.{name} must be a number in (0, 1]{' or None' if none_ok else ''}, got {value!r}")

@@ -48,8 +48,7 @@ def repeat_kv(x: jnp.ndarray, n_rep: int) -> jnp.ndarray:
     of GQA against MHA.
     """
     require_rank("x", x, 4, "[B, S, K, H]")
-    if not isinstance(n_rep, int) or n_rep < 1:
-        raise ValueError(f"n_rep must be a positive integer, got {n_rep!r}")
+    require_positive_int("n_rep", n_rep)
     return x if n_rep == 1 else jnp.repeat(x, n_rep, axis=2)
 
 

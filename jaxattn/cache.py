@@ -29,6 +29,7 @@ import flax.struct
 import jax.numpy as jnp
 
 from jaxattn import kernels
+from jaxattn._validate import is_int
 from jaxattn.config import ModelConfig
 
 
@@ -93,7 +94,7 @@ def init_cache(config: ModelConfig, batch_size: int, max_len: int, dtype=None) -
     dtype defaults to the config's compute dtype.
     """
     for name, value in (("batch_size", batch_size), ("max_len", max_len)):
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        if not is_int(value, numpy=False) or value <= 0:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
     dtype = jnp.dtype(config.dtype if dtype is None else dtype)
     layer_type = KVCache if config.mla is None else LatentCache

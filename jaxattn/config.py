@@ -10,7 +10,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal, Mapping
 
-from jaxattn._validate import require_field_fraction, require_field_positive_int, require_field_positive_number
+from jaxattn._validate import (is_int, require_field_fraction, require_field_positive_int,
+                               require_field_positive_number)
 from jaxattn.layer_config import AttentionSpec, LayerKind, MLAConfig, MoEConfig
 from jaxattn.rope import RopeScaling, rotary_dims
 
@@ -230,7 +231,7 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.rotary_fraction applies to standard attention; MLA's rotary dims are "
                              f"already separate (mla.qk_rope_head_dim), got rotary_fraction {sorted(fractions)}")
         E, mla = self.value_embeddings, self.mla is not None
-        if isinstance(E, bool) or not isinstance(E, int) or not 0 <= 2 * E <= self.num_layers or (E and mla):
+        if not is_int(E, numpy=False) or not 0 <= 2 * E <= self.num_layers or (E and mla):
             raise ValueError(f"ModelConfig.value_embeddings must be an integer with 0 <= 2 * value_embeddings <= "
                              f"num_layers={self.num_layers}, and 0 with MLA (mla is {'set' if mla else 'None'}: "
                              f"its values come from the latent), got {E!r}")
@@ -246,8 +247,8 @@ class ModelConfig:
         layers = self.dense_layers
         if isinstance(layers, list):
             object.__setattr__(self, "dense_layers", layers := tuple(layers))
-        if not isinstance(layers, tuple) or any(isinstance(i, bool) or not isinstance(i, int) or
-                                                not 0 <= i < self.num_layers for i in layers) \
+        if not isinstance(layers, tuple) or any(not is_int(i, numpy=False) or not 0 <= i < self.num_layers
+                                                for i in layers) \
                 or list(layers) != sorted(set(layers)) or (layers and self.moe is None):
             raise ValueError(f"ModelConfig.dense_layers must be increasing distinct layers in [0, num_layers="
                              f"{self.num_layers}), and empty without moe, got {layers!r}")
@@ -280,7 +281,7 @@ class ModelConfig:
     def value_embedding_table(self, layer: int) -> int | None:
         """The value-embedding table of `layer` (U-net sharing): i for i < E, i - (L - E) for i >= L - E, else None."""
         E, L = self.value_embeddings, self.num_layers
-        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < L:
+        if not is_int(layer, numpy=False) or not 0 <= layer < L:
             raise ValueError(f"layer must be an integer in [0, num_layers={L}), got {layer!r}")
         return layer if layer < E else layer - (L - E) if layer >= L - E else None
 

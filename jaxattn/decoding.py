@@ -30,7 +30,8 @@ from jax.experimental import checkify
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxattn import sampling, sharding
-from jaxattn._validate import concrete_or_none
+from jaxattn._validate import concrete_or_none, is_int
+from jaxattn.axes import MeshShape
 from jaxattn.cache import DecodeCache, init_cache
 from jaxattn.config import ModelConfig
 from jaxattn.kernels import Kernels
@@ -253,7 +254,7 @@ def _validate(config, kernels, prompt_tokens, prompt_lengths, max_new_tokens, te
     if tokens.min() < 0 or tokens.max() >= config.vocab_size:
         raise ValueError(f"prompt_tokens must be in [0, vocab_size={config.vocab_size}), "
                          f"got range [{tokens.min()}, {tokens.max()}]")
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+    if not is_int(max_new_tokens, numpy=False) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
     if lengths.max() + max_new_tokens > config.max_seq_len:
         raise ValueError(f"longest prompt ({lengths.max()}) + max_new_tokens ({max_new_tokens}) exceeds "

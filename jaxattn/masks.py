@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-import numpy as np
-
-from jaxattn._validate import require_bool, require_integer, require_positive_int, require_rank
+from jaxattn._validate import is_int, require_bool, require_integer, require_positive_int, require_rank
 
 
 def _query_key_offsets(q_len: int, kv_len: int) -> jnp.ndarray:
@@ -60,9 +58,8 @@ def window_sides(window) -> tuple[int, int]:
 
     Each side must be a non-negative integer (a bool is refused).
     """
-    sides = (window, window) if isinstance(window, (int, np.integer)) and not isinstance(window, bool) else window
-    if (not isinstance(sides, (tuple, list)) or len(sides) != 2
-            or not all(isinstance(w, (int, np.integer)) and not isinstance(w, bool) and w >= 0 for w in sides)):
+    sides = (window, window) if is_int(window) else window
+    if not isinstance(sides, (tuple, list)) or len(sides) != 2 or not all(is_int(w) and w >= 0 for w in sides):
         raise ValueError("local_window_size must be a non-negative int w (meaning (w, w)) or a pair "
                          f"(left, right) of non-negative ints, got {window!r}")
     return int(sides[0]), int(sides[1])

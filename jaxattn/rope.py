@@ -25,7 +25,7 @@ from typing import Literal
 import jax.numpy as jnp
 import numpy as np
 
-from jaxattn._validate import require_integer, require_rank
+from jaxattn._validate import is_int, require_integer, require_rank
 
 ScalingKind = Literal["linear", "ntk", "llama3", "yarn"]
 
@@ -80,7 +80,7 @@ def rotary_dims(head_dim: int, fraction: float = 1.0) -> int:
 
 
 def _check_head_dim(head_dim: int) -> None:
-    if not isinstance(head_dim, (int, np.integer)) or head_dim <= 0 or head_dim % 2:
+    if not is_int(head_dim) or head_dim <= 0 or head_dim % 2:
         raise ValueError(f"RoPE needs an even, positive head dim, got head_dim={head_dim}")
 
 
@@ -185,7 +185,7 @@ def apply_rope(x, positions, *, theta: float = 10000.0, interleaved: bool,
         R = H if rotary_dim is None else rotary_dim
         if rotary_dim is None:
             _check_head_dim(H)
-        elif not isinstance(R, (int, np.integer)) or isinstance(R, bool) or not 0 < R <= H or R % 2:
+        elif not is_int(R) or not 0 < R <= H or R % 2:
             raise ValueError(f"rotary_dim must be an even integer in [2, H={H}], got {rotary_dim!r}")
         inv_freq = rope_frequencies(R, theta=theta, scaling=scaling)
     elif len(jnp.shape(inv_freq)) != 1 or not 0 < 2 * jnp.shape(inv_freq)[0] <= H:

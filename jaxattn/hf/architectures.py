@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+from jaxattn._validate import is_int
 from jaxattn.config import ModelConfig
 from jaxattn.hf.errors import HFCheckpointError, InvalidCheckpoint, UnsupportedCheckpoint
 from jaxattn.hf.families import FAMILIES
@@ -62,8 +63,7 @@ def _refuse_experts(hf: Fields, family: Family | None, name: str) -> None:
         key, count, layers = family.experts(hf)
         where = f"layers {layers}" if count and layers else ""
     else:  # any experts key set: every layer (the architecture's own rules are unknown here)
-        key = next((k for k in MOE_KEYS if isinstance(hf.get(k), int) and not isinstance(hf.get(k), bool)
-                    and hf[k] > 0), None)
+        key = next((k for k in MOE_KEYS if is_int(hf.get(k), numpy=False) and hf[k] > 0), None)
         count, where = (hf[key], "its MLP layers") if key else (0, "")
     if where:
         raise UnsupportedCheckpoint(f"{name}: {key}={count}: {where} are mixture-of-experts, which jaxattn does "

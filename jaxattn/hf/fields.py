@@ -22,6 +22,7 @@ import math
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
+from jaxattn._validate import is_int
 from jaxattn.hf.errors import InvalidCheckpoint
 
 REQUIRED = object()  # `default=`: the key must be present
@@ -114,7 +115,7 @@ class Fields(Mapping):
         value, fallback = self._raw(key, default, null)
         if fallback:
             return value
-        if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        if not is_int(value, numpy=False) or value < minimum:
             raise self._wrong(key, value, "a positive integer" if minimum == 1 else f"an integer >= {minimum}")
         return value
 
@@ -123,7 +124,7 @@ class Fields(Mapping):
         value, fallback = self._raw(key, default, null)
         if fallback:
             return value
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        ok = (is_int(value, numpy=False) or isinstance(value, float)) and math.isfinite(value)
         if not ok or value < 0 or (positive and value == 0):
             raise self._wrong(key, value, "a positive number" if positive else "a number >= 0")
         return float(value)

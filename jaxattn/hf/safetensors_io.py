@@ -31,6 +31,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
+from jaxattn._validate import is_int
 from jaxattn.hf.errors import InvalidCheckpoint
 from jaxattn.hf.fields import read_json_object
 
@@ -85,7 +86,7 @@ def _header_json(path: Path, raw: bytes) -> dict:
 
 
 def _is_index(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    return is_int(value, numpy=False) and value >= 0
 
 
 def _tensor_info(path: Path, name: str, entry) -> TensorInfo:

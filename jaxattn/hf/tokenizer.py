@@ -20,6 +20,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 from tokenizers import Tokenizer
 
+from jaxattn._validate import is_int
 from jaxattn.hf.errors import InvalidCheckpoint
 from jaxattn.hf.fields import Fields, read_json_object, read_text
 
@@ -77,7 +78,7 @@ def _first_id(fields: Fields, key: str) -> int | None:
     """An id, or the first of a list of ids (several stop tokens); None when absent."""
     value = fields.get(key)
     ids = value if isinstance(value, list) else [value]
-    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids if i is not None):
+    if not all(is_int(i, numpy=False) and i >= 0 for i in ids if i is not None):
         raise fields.invalid(key, f"expected a token id (an integer >= 0) or a list of them, got {value!r}")
     return ids[0] if ids else None
 

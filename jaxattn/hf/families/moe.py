@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
+from jaxattn._validate import is_int
 from jaxattn.config import ModelConfig
 from jaxattn.hf import weights as w
 from jaxattn.hf.families import common
@@ -50,7 +51,7 @@ def layer_list(hf: Fields, key: str) -> list[int]:
     value = hf.get(key)
     if value is None:
         return []
-    if not isinstance(value, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in value):
+    if not isinstance(value, list) or not all(is_int(i, numpy=False) for i in value):
         raise hf.invalid(key, f"expected a list of layer indices, got {value!r}")
     return value
 
