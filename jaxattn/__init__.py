@@ -30,9 +30,9 @@ window), and the pure sampling functions in
 Implementations: `Kernels`, `resolve_kernels` and the formulations behind
 them live in `jaxattn.kernels`, the one seam between maths and machine.
 
-Device meshes: `jaxattn.sharding` (`MeshShape`, `make_mesh`, `param_layout`: where
-each parameter lives by its logical axis names); `generate(..., mesh=mesh)` samples
-on one.
+Device meshes: `jaxattn.axes` (the mesh's and the logical axis names, their rules, `MeshShape`,
+`make_mesh`) and `jaxattn.sharding` (`param_layout`: where each parameter lives by its logical
+axis names); `generate(..., mesh=mesh)` samples on one.
 """
 
 from jaxattn.additive import additive_attention

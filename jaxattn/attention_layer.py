@@ -31,7 +31,7 @@ from jaxattn.config import AttentionSpec, ModelConfig
 from jaxattn.kernels import Kernels
 from jaxattn.primitives import logical
 from jaxattn.rope import rope_attention_factor, rope_frequencies
-from jaxattn.sharding import HEADS
+from jaxattn.axes import HEADS
 
 WEIGHTS = ("intermediates", "attention_weights")  # (collection, name) the layers sow their weights under
 

@@ -186,7 +186,7 @@ def _on_mesh(cache: DecodeCache, config: ModelConfig, mesh: Mesh | None) -> Deco
     """The cache split by rows (data x fsdp) and kv heads (tensor) where those divide; as is without a mesh."""
     if mesh is None:
         return cache
-    return sharding.constrain(cache, sharding.cache_specs(cache, config, sharding.MeshShape.of(mesh)), mesh)
+    return sharding.constrain(cache, sharding.cache_specs(cache, config, MeshShape.of(mesh)), mesh)
 
 
 @functools.partial(jax.jit, static_argnames=(*_STATIC, "cache_len", "mesh"))
@@ -303,8 +303,8 @@ def generate(params, config: ModelConfig, prompt_tokens, prompt_lengths, *, max_
       pad_token: id written after a row's stop token (and used to pad prompts).
       return_logits: also return the `[B, max_new_tokens, V]` logits of each draw.
       kernels: which implementations run the model (static; default the reference).
-      mesh: a device mesh over `jaxattn.sharding.MESH_AXES` (`jaxattn.sharding.make_mesh`) to
-        run on: the parameters are laid out by `jaxattn.sharding.RULES` and the cache
+      mesh: a device mesh over `jaxattn.axes.MESH_AXES` (`jaxattn.axes.make_mesh`) to
+        run on: the parameters are laid out by `jaxattn.axes.RULES` and the cache
         is split by rows and kv heads; the tokens equal one device's (up to float
         summation order in the logits). The outputs are replicated on the mesh.
 
@@ -323,7 +323,7 @@ def generate(params, config: ModelConfig, prompt_tokens, prompt_lengths, *, max_
 def _place_on(mesh: Mesh, config: ModelConfig, params, inputs):
     """Params laid out on `mesh` by the rules of `jaxattn.sharding` (a no-op for params already
     there), the other inputs replicated."""
-    layout = sharding.param_layout(config, sharding.MeshShape.of(mesh))
+    layout = sharding.param_layout(config, MeshShape.of(mesh))
     params = sharding.place(nn.unbox(params), layout.shardings(mesh))
     replicated = NamedSharding(mesh, PartitionSpec())
     return params, sharding.place(inputs, jax.tree.map(lambda _: replicated, inputs))

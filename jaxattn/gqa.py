@@ -18,7 +18,7 @@ from jaxattn.attention_layer import AttentionLayer
 from jaxattn.cache import KVCache, write_rows
 from jaxattn.primitives import check_config, logical, make_linear, make_rms_norm
 from jaxattn.rope import apply_rope, rotary_dims
-from jaxattn.sharding import EMBED, HEAD_DIM, HEADS, KV_HEADS, QKV
+from jaxattn.axes import EMBED, HEAD_DIM, HEADS, KV_HEADS, QKV
 
 
 class Attention(AttentionLayer):

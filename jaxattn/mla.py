@@ -29,7 +29,7 @@ from jaxattn.cache import LatentCache, write_rows
 from jaxattn.masks import causal_mask, combine_masks, sliding_window_mask, visible_cache_slots
 from jaxattn.primitives import check_config, logical, make_linear, make_rms_norm
 from jaxattn.rope import apply_rope, yarn_softmax_mscale
-from jaxattn.sharding import EMBED, HEAD_DIM, HEADS, LATENT
+from jaxattn.axes import EMBED, HEAD_DIM, HEADS, LATENT
 from jaxattn.softmax import dropout_weights, masked_softmax, soft_cap
 
 

@@ -5,10 +5,10 @@ Every module is built from one `ModelConfig` (the maths) and one
 reference). Dense projections run as 2-D matmuls on `[B*T, D]`.
 
 Every parameter carries the logical names of its axes (`nn.with_logical_partitioning`
-through `logical`; the names are `jaxattn.sharding`'s constants: "embed", "heads",
+through `logical`; the names are `jaxattn.axes`'s constants: "embed", "heads",
 "kv_heads", "qkv", "head_dim", "mlp", "vocab", "latent", "expert", "position"),
 so `init` returns `nn.LogicallyPartitioned` boxes (`nn.unbox` gives the arrays;
-`apply` takes either). `jaxattn.sharding.RULES` maps the names onto a device mesh.
+`apply` takes either). `jaxattn.axes.RULES` maps the names onto a device mesh.
 The attention layers built from these are `jaxattn.gqa` and `jaxattn.mla`
 (their shared steps: `jaxattn.attention_layer`).
 """
@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxattn import kernels as kernels_lib
-from jaxattn import sharding
+from jaxattn import axes
 from jaxattn.config import ModelConfig
 from jaxattn.kernels import Kernels
 
@@ -40,7 +40,7 @@ def leading_ones(v: jnp.ndarray, ndim: int) -> jnp.ndarray:
 
 def logical(init, *names: str | None):
     """`init` whose output carries the logical axis names `names` (one per axis; keys of
-    `jaxattn.sharding.RULES`, or None for an axis never split)."""
+    `jaxattn.axes.RULES`, or None for an axis never split)."""
     return nn.with_logical_partitioning(init, names)
 
 
@@ -90,7 +90,7 @@ class RMSNorm(nn.Module):
     """
 
     eps: float = 1e-6
-    axis: str | None = sharding.EMBED
+    axis: str | None = axes.EMBED
     unit_offset: bool = False
     dtype: jnp.dtype = jnp.float32
     param_dtype: jnp.dtype = jnp.float32
@@ -115,13 +115,13 @@ class LayerNorm(nn.Module):
 
     @nn.compact
     def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
-        scale = self.param("scale", logical(nn.initializers.ones, sharding.EMBED), (x.shape[-1],), self.param_dtype)
+        scale = self.param("scale", logical(nn.initializers.ones, axes.EMBED), (x.shape[-1],), self.param_dtype)
         xf = x.astype(jnp.float32)
         mean = jnp.mean(xf, axis=-1, keepdims=True)
         var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
         y = (xf - mean) * jax.lax.rsqrt(var + self.eps) * leading_ones(scale.astype(jnp.float32), xf.ndim)
         if self.use_bias:
-            bias = self.param("bias", logical(nn.initializers.zeros, sharding.EMBED), (x.shape[-1],), self.param_dtype)
+            bias = self.param("bias", logical(nn.initializers.zeros, axes.EMBED), (x.shape[-1],), self.param_dtype)
             y = y + leading_ones(bias.astype(jnp.float32), y.ndim)
         return y.astype(self.dtype)
 
@@ -129,7 +129,7 @@ class LayerNorm(nn.Module):
 def make_norm(config: ModelConfig, name: str | None = None) -> nn.Module:
     """The config's norm of the residual stream (the blocks' norms and the final norm)."""
     if config.norm == "rmsnorm":
-        return make_rms_norm(config, sharding.EMBED, name=name)
+        return make_rms_norm(config, axes.EMBED, name=name)
     dtypes = dict(dtype=jnp.dtype(config.dtype), param_dtype=jnp.dtype(config.param_dtype))
     return LayerNorm(eps=config.norm_eps, use_bias=config.use_bias, name=name, **dtypes)
 
@@ -171,11 +171,11 @@ class MLP(nn.Module):
         if self.gated:
             # One matmul for both; "mlp" is then [gate | up], so a split over the tensor axis is not
             # aligned to the halves (still exact: XLA moves the data, docs/theory.md §16).
-            self.gate_up = make_linear(c, k, 2 * c.mlp_hidden, (sharding.EMBED, sharding.MLP), **bias)
-            self.down = make_linear(c, k, c.d_model, (sharding.MLP, sharding.EMBED), residual=True, **bias)
+            self.gate_up = make_linear(c, k, 2 * c.mlp_hidden, (axes.EMBED, axes.MLP), **bias)
+            self.down = make_linear(c, k, c.d_model, (axes.MLP, axes.EMBED), residual=True, **bias)
         else:
-            self.c_fc = make_linear(c, k, c.mlp_hidden, (sharding.EMBED, sharding.MLP), **bias)
-            self.c_proj = make_linear(c, k, c.d_model, (sharding.MLP, sharding.EMBED), residual=True, **bias)
+            self.c_fc = make_linear(c, k, c.mlp_hidden, (axes.EMBED, axes.MLP), **bias)
+            self.c_proj = make_linear(c, k, c.d_model, (axes.MLP, axes.EMBED), residual=True, **bias)
         self.dropout = nn.Dropout(c.dropout)
 
     @property

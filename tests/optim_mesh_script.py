@@ -19,7 +19,7 @@ import numpy as np  # noqa: E402
 
 from jaxattn import sharding  # noqa: E402
 from jaxattn.config import MLAConfig, ModelConfig  # noqa: E402
-from jaxattn.sharding import MeshShape  # noqa: E402
+from jaxattn.axes import MeshShape  # noqa: E402
 from train import runtime as runtime_lib  # noqa: E402
 from train.batches import RunBatches  # noqa: E402
 from train.config import ExperimentConfig, RuntimeConfig, TrainConfig  # noqa: E402

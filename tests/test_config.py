@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from jaxattn.sharding import MeshShape
+from jaxattn.axes import MeshShape
 from train.config import CONFIG_DIR, ExperimentConfig, RuntimeConfig, TrainConfig, load_config, parse_override
 
 BABY_VARIANTS = ["gqa", "mqa", "mla", "learned", "sinusoidal", "rope"]

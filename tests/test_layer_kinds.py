@@ -19,6 +19,7 @@ from flax.traverse_util import flatten_dict, unflatten_dict
 
 import jaxattn
 from jaxattn import sharding
+from jaxattn.axes import MeshShape
 from jaxattn.cache import init_cache
 from jaxattn.config import AttentionSpec, LayerKind, MLAConfig, ModelConfig
 from jaxattn.gqa import Attention
@@ -512,7 +513,7 @@ def test_new_parameters_carry_logical_axes_the_mesh_rules_know():
     assert attn[("sinks",)] == (("heads",), (4,))
     assert attn[("q_norm", "scale")] == (("heads",), (32,)) and attn[("k_norm", "scale")] == (("kv_heads",), (16,))
     assert {("blocks_1", "post_attn_norm", "scale"), ("blocks_1", "post_mlp_norm", "scale")} <= set(names)
-    layout = sharding.param_layout(config, sharding.MeshShape(tensor=2))
+    layout = sharding.param_layout(config, MeshShape(tensor=2))
     specs = flatten_dict(layout.specs)
     assert specs[("blocks_0", "attn", "sinks")] == jax.sharding.PartitionSpec("tensor")
     assert specs[("blocks_0", "attn", "k_norm", "scale")] == jax.sharding.PartitionSpec("tensor")

@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jaxattn import sharding
+from jaxattn import axes, sharding
 from jaxattn.config import ModelConfig
 from jaxattn.model import RESIDUAL_AXES
-from jaxattn.sharding import MeshShape
+from jaxattn.axes import MeshShape
 
 ROOT = Path(__file__).resolve().parent.parent
 # Sharding reorders float32 sums (eps 1.2e-7); Adam's first steps divide each gradient by its own
@@ -151,7 +151,7 @@ def test_mesh_shapes_parse_and_say_what_is_wrong():
         with pytest.raises(ValueError, match=message):
             MeshShape.parse(text)
     with pytest.raises(ValueError, match=r"mesh data:4,fsdp:1,tensor:1 uses 4 device\(s\) but there are 2") as error:
-        sharding.make_mesh(MeshShape(data=4), devices=["a", "b"])
+        axes.make_mesh(MeshShape(data=4), devices=["a", "b"])
     assert "jax_num_cpu_devices" in str(error.value) and "--" not in str(error.value)  # a library setting, no flag
 
 
@@ -161,30 +161,30 @@ def test_a_mesh_that_does_not_divide_the_model_names_the_axis_and_size():
                            (MeshShape(tensor=3), "tensor = 3 does not divide the MLP hidden size = 100"),
                            (MeshShape(fsdp=5), "fsdp = 5 does not divide d_model = 48")]:
         with pytest.raises(ValueError, match=message):
-            sharding.check_mesh(config, shape)
+            axes.check_mesh(config, shape)
 
 
 def test_specs_replicate_what_a_mesh_axis_cannot_split():
-    spec, notes = sharding.spec_for(("embed", "kv_heads"), (64, 2 * 16), MeshShape(fsdp=2, tensor=4),
+    spec, notes = axes.spec_for(("embed", "kv_heads"), (64, 2 * 16), MeshShape(fsdp=2, tensor=4),
                                     counts={"kv_heads": 2})
     assert tuple(spec) == ("fsdp", None) and notes == ["kv_heads (2) is replicated over tensor (4), which does "
                                                        "not divide it"]
     assert tuple(sharding.batch_spec(MeshShape(data=2, fsdp=2), 8)) == (("data", "fsdp"), None)
     assert tuple(sharding.batch_spec(MeshShape(data=2, fsdp=2), 2)) == ("data", None)  # fsdp left whole
     with pytest.raises(ValueError, match="no sharding rule for the logical axis 'pipeline'"):
-        sharding.spec_for(("pipeline",), (4,), MeshShape())
+        axes.spec_for(("pipeline",), (4,), MeshShape())
 
 
 def test_activations_and_parameters_are_laid_out_by_the_one_rules_table():
     """While tracing, Flax resolves every logical name as `spec_for` does on a mesh that divides it;
     the residual stream is split by rows and kept whole along its width, unlike the parameters' "embed"."""
-    with sharding.activation_rules(sharding.make_mesh(MeshShape(), jax.devices()[:1])):
+    with axes.activation_rules(axes.make_mesh(MeshShape(), jax.devices()[:1])):
         assert nn.logical_to_mesh_axes(RESIDUAL_AXES) == P(("data", "fsdp"), None, None)
-        assert nn.logical_to_mesh_axes((sharding.ACTIVATION_VOCAB, sharding.ACTIVATION_EMBED)) == P(None, None)
-        for name in sharding.RULES:
-            expected, _ = sharding.spec_for((name,), (8,), MeshShape(2, 2, 2))
+        assert nn.logical_to_mesh_axes((axes.ACTIVATION_VOCAB, axes.ACTIVATION_EMBED)) == P(None, None)
+        for name in axes.RULES:
+            expected, _ = axes.spec_for((name,), (8,), MeshShape(2, 2, 2))
             assert nn.logical_to_mesh_axes((name,)) == expected, name
-    assert sharding.spec_for((sharding.EMBED,), (8,), MeshShape(fsdp=2))[0] == P("fsdp")
+    assert axes.spec_for((axes.EMBED,), (8,), MeshShape(fsdp=2))[0] == P("fsdp")
     rows = np.zeros((2, 3, 4), np.float32)
     assert nn.with_logical_constraint(rows, RESIDUAL_AXES) is rows  # outside the rules: a no-op
 
@@ -195,8 +195,8 @@ def test_every_parameter_names_its_axes_with_a_ruled_name():
                  "shakespeare_char_baby_learned", "shakespeare_char_baby_moe"):
         names = sharding.logical_names(load_config(name).model.replace(vocab_size=65))
         leaves = jax.tree.leaves(names, is_leaf=lambda x: isinstance(x, tuple) and len(x) == 2)
-        assert leaves and all(len(axes) == len(shape) for axes, shape in leaves), name
-        assert {a for axes, _ in leaves for a in axes if a is not None} <= set(sharding.RULES), name
+        assert leaves and all(len(axis_names) == len(shape) for axis_names, shape in leaves), name
+        assert {a for axis_names, _ in leaves for a in axis_names if a is not None} <= set(axes.RULES), name
 
 
 # ------------------------------------------------------------------------- two processes

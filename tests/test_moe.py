@@ -414,17 +414,17 @@ def test_auto_rules():
 
 
 def test_parameters_carry_the_expert_axis_and_shard_by_the_rules():
-    from jaxattn import sharding
-    cfg = MoEConfig(num_experts=4, experts_per_token=2, expert_hidden=8, activation="gptoss", router_bias=True,
+    from jaxattn import axes
+    cfg = MoEConfig(num_experts=4, experts_per_token=2, expert_hidden=8, **CLAMPED, router_bias=True,
                     num_shared_experts=1, shared_expert_hidden=8)
     boxed = jax.eval_shape(MoE(model(), cfg).init, jax.random.PRNGKey(0), jnp.zeros((1, 2, D)))["params"]
     names = {k: tuple(v.names) if isinstance(v, nn.LogicallyPartitioned) else None for k, v in boxed.items()}
     assert names["experts_gate_up"] == ("expert", "embed", "mlp")
     assert names["experts_down"] == ("expert", "mlp", "embed")
     assert names["router_kernel"] == ("embed", "expert") and names["experts_down_bias"] == ("expert", "embed")
-    mesh = sharding.MeshShape(fsdp=2, tensor=2)
-    spec, notes = sharding.spec_for(names["experts_gate_up"], (4, D, 16), mesh)
+    mesh = axes.MeshShape(fsdp=2, tensor=2)
+    spec, notes = axes.spec_for(names["experts_gate_up"], (4, D, 16), mesh)
     assert tuple(spec) == ("fsdp", None, "tensor") and not notes  # whole experts per device
-    spec, notes = sharding.spec_for(names["experts_gate_up"], (3, D, 16), mesh)  # 3 experts: split along embed
+    spec, notes = axes.spec_for(names["experts_gate_up"], (3, D, 16), mesh)  # 3 experts: split along embed
     assert tuple(spec) == (None, "fsdp", "tensor") and notes == ["expert (3) is replicated over fsdp (2), which does not divide it"]
     assert gate_matrix(jnp.array([[1, 3]]), jnp.array([[0.25, 0.75]]), 4).tolist() == [[0.0, 0.25, 0.0, 0.75]]

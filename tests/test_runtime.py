@@ -12,7 +12,7 @@ import pytest
 
 from jaxattn.config import ModelConfig
 from jaxattn.kernels import Kernels, Platform
-from jaxattn.sharding import MeshShape
+from jaxattn.axes import MeshShape
 from train import runtime
 from train.config import RuntimeConfig
 

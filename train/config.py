@@ -30,8 +30,9 @@ from pydantic import (BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativ
 from pydantic_core import PydanticCustomError
 
 from jaxattn import kernels
+from jaxattn.axes import MeshShape
 from jaxattn.config import ModelConfig
-from jaxattn.sharding import MeshShape
+from jaxattn.layer_config import MoEConfig
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 DEFAULT_CONFIG = "shakespeare_char_baby"

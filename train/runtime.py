@@ -19,7 +19,7 @@ from jax.sharding import Mesh
 
 from jaxattn.config import ModelConfig
 from jaxattn.kernels import Kernels, Platform, resolve_kernels
-from jaxattn.sharding import MeshShape, check_mesh, make_mesh
+from jaxattn.axes import MeshShape, check_mesh, make_mesh
 from train.config import RuntimeConfig
 
 

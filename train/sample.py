@@ -15,7 +15,7 @@ as nanoGPT crops its context; a prompt longer than the context is cropped to its
 generated (exit 130). With --hf (what `python -m train.export` writes, or any supported
 transformers save with a tokenizer.json) a sample ends at the tokenizer's end-of-sequence
 token, when it has one. With --mesh the parameters are laid out on a device mesh by
-`jaxattn.sharding`'s rules and the KV cache is split by rows (the samples) and kv heads;
+`jaxattn.axes.RULES` and the KV cache is split by rows (the samples) and kv heads;
 the tokens are those of one device.
 """
 
@@ -31,7 +31,7 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from jaxattn import Kernels, resolve_kernels, sharding
+from jaxattn import Kernels, axes, resolve_kernels
 from jaxattn.config import ModelConfig
 from jaxattn.windowed import windows
 from jaxattn.model import DecoderLM
@@ -192,9 +192,9 @@ def device_mesh(args: argparse.Namespace, config: ModelConfig):
     if args.mesh is None:
         return None
     try:
-        shape = sharding.MeshShape.parse(args.mesh)
-        sharding.check_mesh(config, shape)
-        return sharding.make_mesh(shape, jax.devices()[:shape.size] if shape.size <= jax.device_count() else None)
+        shape = axes.MeshShape.parse(args.mesh)
+        axes.check_mesh(config, shape)
+        return axes.make_mesh(shape, jax.devices()[:shape.size] if shape.size <= jax.device_count() else None)
     except ValueError as err:
         raise UsageError(str(err)) from err
 
@@ -250,7 +250,7 @@ def run(argv=None) -> int:
     mesh = device_mesh(args, config)
     kernels, reasons = resolve_kernels(Kernels.auto())
     print(f"kernels: decode {kernels.decode!r} ({reasons['decode']}), matmul {kernels.matmul!r} "
-          f"({reasons['matmul']})" + (f"; mesh {sharding.MeshShape.of(mesh)}" if mesh is not None else ""),
+          f"({reasons['matmul']})" + (f"; mesh {axes.MeshShape.of(mesh)}" if mesh is not None else ""),
           file=sys.stderr)
     ids, stopped = sample(args, params, config, prompt_ids, kernels, mesh)
     eos = getattr(tokenizer, "eos_token_id", None)
