@@ -48,7 +48,7 @@ def time_training(runtime, rounds: int) -> list[dict]:
 
     from train import data as data_lib
     from train.batches import RunBatches
-    from train.loop import with_vocabulary
+    from train.experiment import with_vocabulary
     from train.steps import build_programs
 
     config = load_config()

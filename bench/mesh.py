@@ -59,7 +59,7 @@ def train_worker(mesh: str, iters: int, batch: int) -> dict:
     """Trains the 10.7M config on `mesh` in this process; its figures."""
     from train import runtime as runtime_lib
     from train.config import load_config
-    from train.loop import train
+    from train.experiment import run_experiment
     from train.steps import build_programs
     import jax
     out = tempfile.mkdtemp()
@@ -68,7 +68,7 @@ def train_worker(mesh: str, iters: int, batch: int) -> dict:
         "train.plot=false", "train.checkpoint=false", f"train.batch_size={batch}", f"train.lr_decay_iters={iters}",
         f"train.out_dir='{out}'", f"runtime.mesh='{mesh}'", "train.steps_per_dispatch=1"])
     runtime = runtime_lib.start(config.runtime, batch, model=config.model)
-    result = train(config, runtime=runtime, quiet=True)
+    result = run_experiment(config, runtime=runtime, quiet=True)
     programs = build_programs(result.config, runtime)
     shapes = jax.eval_shape(lambda: programs.init(0))
     state = programs.layout.abstract(shapes)

@@ -7,10 +7,11 @@
 
 Every run is a fresh process, one after the other (JAX started anew, no compilation cache), in
 turns: each round runs every side once, the order rotated by one each round, so that the drift of
-a shared machine falls on all sides alike. Our runs go through `train.loop.train(..., sample=False,
-quiet=True)` with the val loss over the whole val split (`train.eval_whole_val=true`); our time to a
-loss is `train_seconds` (training time, compile and evaluation excluded) at the first evaluation
-at or below it, so the eval interval sets how finely it is seen.
+a shared machine falls on all sides alike. Our runs go through
+`train.experiment.run_experiment(..., sample=False, quiet=True)` with the val loss over the whole
+val split (`train.eval_whole_val=true`); our time to a loss is `train_seconds` (training time,
+compile and evaluation excluded) at the first evaluation at or below it, so the eval interval sets
+how finely it is seen.
 
 --race: nanoGPT's CPU baby run (bench/nanogpt_baseline.py, torch with --nanogpt-threads threads,
   by default as many as the cores JAX uses; its time = its iters x its median ms/iter, its loss its
@@ -267,10 +268,11 @@ def worker(spec: dict) -> dict:
     import jax
 
     from bench.machine import describe_machine
-    from train.loop import TrainingDiverged, train
+    from train.experiment import run_experiment
+    from train.loop import TrainingDiverged
     config = load_config(spec["config"], [*spec["overrides"], *RUN_ONLY, f"train.out_dir='{spec['out_dir']}'"])
     try:
-        result = train(config, overwrite=True, quiet=True, sample=False)
+        result = run_experiment(config, overwrite=True, quiet=True, sample=False)
     except TrainingDiverged as err:
         return {"error": f"diverged: {err}"[:300]}
     lines = (Path(result.out_dir) / "metrics.jsonl").read_text().splitlines()

@@ -41,7 +41,7 @@ from bench.machine import cpu_cores, describe_machine, machine_line, portable_co
 from train import runtime as runtime_lib  # noqa: E402
 from train.config import DEFAULT_CONFIG, load_config  # noqa: E402
 from train.data import resolve_data_path  # noqa: E402
-from train.loop import train  # noqa: E402
+from train.experiment import run_experiment  # noqa: E402
 
 NANOGPT_QUOTED = {"measured": False, "iters": 2000, "ms_per_iter_range": [45.6, 48.7],
                   "median_ms_per_iter": (45.6 + 48.7) / 2, "median_tokens_per_s": 16_000,
@@ -144,14 +144,15 @@ def main(argv=None) -> dict:
         nanogpt_run = NanoGPTInTurns(args.nanogpt_python, resolve_data_path(tc.data_path, download_if_missing=False),
                                      args.nanogpt_max_iters or tc.max_iters, tc.lr_decay_iters, args.nanogpt_threads)
     # runs/bench_train*: this benchmark's own scratch runs, replaced each time
-    result = train(config, runtime=runtime, overwrite=True, quiet=False,
-                   after_eval=nanogpt_run.turn if nanogpt_run else None)
+    result = run_experiment(config, runtime=runtime, overwrite=True, quiet=False,
+                            after_eval=nanogpt_run.turn if nanogpt_run else None)
     nanogpt = nanogpt_run.finish() if nanogpt_run else NANOGPT_QUOTED
     float32 = None
     if args.float32_too:
         plain = load_config(args.config, ["train.out_dir='runs/bench_train_float32'", *args.set,
                                           *FLOAT32_OVERRIDES])
-        r32 = train(plain, runtime=runtime_lib.resolve(plain.runtime, tc.batch_size), overwrite=True, quiet=False)
+        r32 = run_experiment(plain, runtime=runtime_lib.resolve(plain.runtime, tc.batch_size), overwrite=True,
+                             quiet=False)
         float32 = {"overrides": FLOAT32_OVERRIDES, "final_val_loss": r32.final_val_loss,
                    "median_tokens_per_s": r32.median_tokens_per_s, "median_ms_per_iter": r32.median_ms_per_iter,
                    "fastest_ms_per_iter": r32.fastest_ms_per_iter, "compile_s": r32.compile_s, "wall_s": r32.wall_s}

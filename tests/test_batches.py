@@ -17,10 +17,11 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from train import tiny_lm
-from train.batches import RANDINT_SPAN, Feed, RunBatches, ShardStream, draw_starts
+from train.batches import RANDINT_SPAN, TRAIN, Feed, RunBatches, ShardStream, batch_key, draw_starts
 from train.config import TrainConfig, load_config
-from train.data import TRAIN, DataError, batch_key, open_corpus
-from train.loop import train
+from train.data import open_corpus
+from train.data_errors import DataError
+from train.experiment import run_experiment
 from train.prepare import prepare
 from train.shards import open_prepared, write_shard
 
@@ -173,7 +174,7 @@ def test_a_prepared_char_corpus_trains_to_the_same_losses_as_its_text_file(text_
     for name, data in (("text", text_file), ("prepared", prepared)):
         config = load_config(overrides=TINY + ["train.max_iters=10", f"train.data_path='{data}'",
                                                f"train.out_dir='{tmp_path / name}'"])
-        result = train(config, quiet=True)
+        result = run_experiment(config, quiet=True)
         runs[name] = _losses(tmp_path / name)
         assert result.input_wait_s >= 0.0
     assert len(runs["text"][0]) == 10 and runs["text"][0] == runs["prepared"][0]  # bit for bit
@@ -182,18 +183,19 @@ def test_a_prepared_char_corpus_trains_to_the_same_losses_as_its_text_file(text_
 
 def test_a_resumed_run_on_a_prepared_corpus_replays_the_same_batches(prepared, tmp_path):
     common = TINY + [f"train.data_path='{prepared}'"]
-    train(load_config(overrides=common + ["train.max_iters=10", f"train.out_dir='{tmp_path / 'whole'}'"]),
-          quiet=True)
-    train(load_config(overrides=common + ["train.max_iters=5", f"train.out_dir='{tmp_path / 'cut'}'"]), quiet=True)
-    train(load_config(overrides=common + ["train.max_iters=10", f"train.out_dir='{tmp_path / 'cut'}'"]),
-          quiet=True, resume=True)
+    run_experiment(load_config(overrides=common + ["train.max_iters=10", f"train.out_dir='{tmp_path / 'whole'}'"]),
+                   quiet=True)
+    run_experiment(load_config(overrides=common + ["train.max_iters=5", f"train.out_dir='{tmp_path / 'cut'}'"]),
+                   quiet=True)
+    run_experiment(load_config(overrides=common + ["train.max_iters=10", f"train.out_dir='{tmp_path / 'cut'}'"]),
+                   quiet=True, resume=True)
     assert _losses(tmp_path / "cut")[0] == _losses(tmp_path / "whole")[0]
 
 
 def test_a_run_names_the_prepared_tokenizer_and_warns_of_the_split_it_cannot_change(prepared, tmp_path, capsys):
     config = load_config(overrides=TINY + ["train.max_iters=2", "train.val_fraction=0.2",
                                            f"train.data_path='{prepared}'", f"train.out_dir='{tmp_path}'"])
-    train(config)
+    run_experiment(config)
     out, err = capsys.readouterr()
     hash_ = open_prepared(prepared).tokenizer_hash.hex()
     assert f"(data {prepared}, prepared: char tokenizer of " in out and f"ids, hash {hash_}, " in out
@@ -234,7 +236,7 @@ def test_the_bpe_config_trains_on_a_prepared_bpe_corpus_and_samples_with_its_tok
               "train.steps_per_dispatch=2", "train.sample_tokens=8", "train.plot=false", "runtime.mesh=data:1"]
     config = load_config("bpe_corpus", overrides=shrink + [f"train.data_path='{tmp_path / 'bpe'}'",
                                                             f"train.out_dir='{tmp_path / 'run'}'"])
-    result = train(config, quiet=True)
+    result = run_experiment(config, quiet=True)
     tokenizer = open_prepared(tmp_path / "bpe").tokenizer
     assert result.config.model.vocab_size == tokenizer.vocab_size <= 300 and np.isfinite(result.final_val_loss)
     assert result.sample.startswith("The") and tokenizer.decode(tokenizer.encode(result.sample)) == result.sample

@@ -6,6 +6,7 @@ import threading
 import pytest
 
 from train import data
+from train.data_errors import DataError
 
 
 @pytest.fixture
@@ -57,27 +58,27 @@ def test_env_var_then_cache(tmp_path, no_shakespeare_env, monkeypatch):
 
 
 def test_bad_path_is_a_clear_error(tmp_path, monkeypatch):
-    with pytest.raises(data.DataError, match="does not exist"):
+    with pytest.raises(DataError, match="does not exist"):
         data.resolve_data_path(tmp_path / "nope.txt")
-    with pytest.raises(data.DataError, match="is not a file"):
+    with pytest.raises(DataError, match="is not a file"):
         data.resolve_data_path(tmp_path)
     monkeypatch.setenv(data.ENV_PATH, str(tmp_path / "gone.txt"))
-    with pytest.raises(data.DataError, match=r"\$JAXATTN_SHAKESPEARE"):
+    with pytest.raises(DataError, match=r"\$JAXATTN_SHAKESPEARE"):
         data.resolve_data_path()
 
 
 def test_empty_and_non_utf8_files(tmp_path):
     empty = tmp_path / "empty.txt"
     empty.write_text("")
-    with pytest.raises(data.DataError, match="is empty"):
+    with pytest.raises(DataError, match="is empty"):
         data.load_corpus(empty)
     binary = tmp_path / "bin.txt"
     binary.write_bytes(b"\xff\xfe\x00abc")
-    with pytest.raises(data.DataError, match="not UTF-8"):
+    with pytest.raises(DataError, match="not UTF-8"):
         data.load_corpus(binary)
     tiny = tmp_path / "tiny.txt"
     tiny.write_text("ab")
-    with pytest.raises(data.DataError, match="too short"):
+    with pytest.raises(DataError, match="too short"):
         data.load_corpus(tiny)
 
 
@@ -108,7 +109,7 @@ def test_checksum_mismatch_leaves_no_file(http_server, tmp_path):
     root, base = http_server
     (root / "input.txt").write_bytes(b"not shakespeare")
     dest = tmp_path / "dl" / "tinyshakespeare.txt"
-    with pytest.raises(data.DataError, match="checksum mismatch"):
+    with pytest.raises(DataError, match="checksum mismatch"):
         data.download(base + "/input.txt", dest, data.SHAKESPEARE_SHA256, progress=False)
     assert not dest.exists() and os.listdir(dest.parent) == []
 
@@ -116,7 +117,7 @@ def test_checksum_mismatch_leaves_no_file(http_server, tmp_path):
 def test_offline_message_says_where_to_put_the_file(http_server, no_shakespeare_env, monkeypatch):
     _, base = http_server
     monkeypatch.setenv(data.ENV_URL, base + "/missing.txt")  # 404, like being offline
-    with pytest.raises(data.DataError) as err:
+    with pytest.raises(DataError) as err:
         data.resolve_data_path()
     message = str(err.value)
     assert str(no_shakespeare_env) in message and data.ENV_PATH in message and "--data" in message

@@ -11,7 +11,8 @@ import pytest
 
 from train import prepare as prepare_lib
 from train import shards
-from train.data import DataError, load_corpus
+from train.data import load_corpus
+from train.data_errors import DataError
 from train.prepare import main, prepare
 from train.shards import open_prepared, open_shard, read_header, write_shard
 

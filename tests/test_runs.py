@@ -22,7 +22,8 @@ from train import crash_points, tiny_lm
 from train.checkpoint import CheckpointError
 from train.sampling_checkpoint import load_for_sampling
 from train.config import load_config
-from train.loop import TrainingDiverged, train
+from train.experiment import run_experiment
+from train.loop import TrainingDiverged
 from train.rundir import RunDirectoryError, RunLock, claim, repair_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -65,16 +66,17 @@ def cli(capsys, *argv):
 
 
 def test_a_new_run_refuses_a_directory_that_holds_a_run(text_file, tmp_path, capsys):
-    train(config(text_file, tmp_path, "train.max_iters=10"), quiet=True)
+    run_experiment(config(text_file, tmp_path, "train.max_iters=10"), quiet=True)
     before = (tmp_path / "metrics.jsonl").read_text()
     with pytest.raises(RunDirectoryError, match="already holds a run .*--resume continues it, --overwrite "
                                                 "replaces it, or choose another --out-dir"):
-        train(config(text_file, tmp_path, "train.max_iters=10", "model.positions='learned'"), quiet=True)
+        run_experiment(config(text_file, tmp_path, "train.max_iters=10", "model.positions='learned'"), quiet=True)
     assert (tmp_path / "metrics.jsonl").read_text() == before and (tmp_path / "checkpoints" / "latest").is_dir()
     code, err = cli(capsys, "--set", *TINY, "train.max_iters=10", "--data", str(text_file), "--out-dir", str(tmp_path),
                     "--quiet")
     assert code == 1 and err.startswith("error: ") and "already holds a run" in err
-    train(config(text_file, tmp_path, "train.max_iters=5", "train.eval_interval=5"), quiet=True, overwrite=True)
+    run_experiment(config(text_file, tmp_path, "train.max_iters=5", "train.eval_interval=5"), quiet=True,
+                   overwrite=True)
     assert [r["step"] for r in metrics(tmp_path) if "val_loss" in r] == [0, 5]  # replaced, as asked
 
 
@@ -105,10 +107,10 @@ def test_a_process_that_dies_holding_the_lock_releases_it(tmp_path):
 
 def test_a_failed_resume_writes_nothing(text_file, tmp_path, capsys):
     run = tmp_path / "run"
-    train(config(text_file, run, "train.max_iters=10"), quiet=True)
+    run_experiment(config(text_file, run, "train.max_iters=10"), quiet=True)
     saved_config = (run / "config.json").read_text()
     with pytest.raises(CheckpointError, match="d_model"):
-        train(config(text_file, run, "train.max_iters=20", "model.d_model=64"), quiet=True, resume=True)
+        run_experiment(config(text_file, run, "train.max_iters=20", "model.d_model=64"), quiet=True, resume=True)
     assert (run / "config.json").read_text() == saved_config  # not replaced by the rejected config
     fresh = tmp_path / "fresh"
     code, err = cli(capsys, "--set", *TINY, "--data", str(text_file), "--out-dir", str(fresh), "--resume", "--quiet")
@@ -156,8 +158,8 @@ def test_compare_writes_under_runs_and_checks_its_arguments_first(text_file, tmp
 
 def test_a_diverging_run_stops_before_logging_or_saving_a_non_finite_loss(text_file, tmp_path, capsys):
     with pytest.raises(TrainingDiverged, match=r"the training loss is (nan|inf) at step \d+: training stopped"):
-        train(config(text_file, tmp_path / "a", "train.max_iters=40", "train.lr=1e6", "train.min_lr=0",
-                     "train.steps_per_dispatch=5"), quiet=True)
+        run_experiment(config(text_file, tmp_path / "a", "train.max_iters=40", "train.lr=1e6", "train.min_lr=0",
+                              "train.steps_per_dispatch=5"), quiet=True)
     assert all(np.isfinite(v) for r in metrics(tmp_path / "a") for k, v in r.items() if k != "step")
     code, err = cli(capsys, "--set", *TINY, "train.max_iters=40", "train.lr=1e6", "train.min_lr=0",
                     "--data", str(text_file), "--out-dir", str(tmp_path / "b"), "--quiet")
@@ -165,7 +167,7 @@ def test_a_diverging_run_stops_before_logging_or_saving_a_non_finite_loss(text_f
 
 
 def test_resume_past_max_iters_says_there_is_nothing_to_train(text_file, tmp_path, capsys):
-    train(config(text_file, tmp_path, "train.max_iters=20"), quiet=True)
+    run_experiment(config(text_file, tmp_path, "train.max_iters=20"), quiet=True)
     code, err = cli(capsys, "--set", *TINY, "train.max_iters=10", "--data", str(text_file), "--out-dir",
                     str(tmp_path), "--resume", "--quiet")
     assert code == 1 and "checkpoint is at step 20 and train.max_iters=10: nothing to train" in err
@@ -461,7 +463,7 @@ def test_a_run_killed_after_its_final_save_is_finished_by_resume(text_file, tmp_
 
 
 def test_resume_refuses_a_corpus_that_gives_another_tokenizer(text_file, tmp_path, capsys):
-    train(config(text_file, tmp_path / "run", "train.max_iters=10"), quiet=True)
+    run_experiment(config(text_file, tmp_path / "run", "train.max_iters=10"), quiet=True)
     other = tmp_path / "other.txt"
     other.write_text(text_file.read_text(encoding="utf-8").upper(), encoding="utf-8")  # other characters
     saved = (tmp_path / "run" / "metrics.jsonl").read_text()
@@ -475,7 +477,7 @@ def test_resume_refuses_a_corpus_that_gives_another_tokenizer(text_file, tmp_pat
 
 
 def test_quiet_still_shows_that_a_resumed_run_will_not_replay_exactly(text_file, tmp_path, capsys):
-    train(config(text_file, tmp_path, "train.max_iters=10"), quiet=True)
+    run_experiment(config(text_file, tmp_path, "train.max_iters=10"), quiet=True)
     tiny_lm.main(["--set", *TINY, "train.max_iters=20", "train.lr=2e-3", "--data", str(text_file),
                   "--out-dir", str(tmp_path), "--resume", "--quiet"])
     err = capsys.readouterr().err
@@ -483,7 +485,7 @@ def test_quiet_still_shows_that_a_resumed_run_will_not_replay_exactly(text_file,
 
 
 def test_resume_falls_back_when_the_newest_meta_is_missing(text_file, tmp_path, capsys):
-    train(config(text_file, tmp_path, "train.max_iters=20"), quiet=True)  # latest keeps steps 10 and 20
+    run_experiment(config(text_file, tmp_path, "train.max_iters=20"), quiet=True)  # latest keeps steps 10 and 20
     (tmp_path / "checkpoints" / "latest" / "20" / "meta" / "metadata").unlink()
     tiny_lm.main(["--set", *TINY, "train.max_iters=30", "--data", str(text_file), "--out-dir", str(tmp_path),
                   "--resume", "--quiet"])

@@ -14,11 +14,10 @@ import pytest
 from jaxattn.config import MLAConfig, ModelConfig
 from jaxattn.model import DecoderLM
 from jaxattn.primitives import MLP
-from train import data as data_lib
 from train import runtime as runtime_lib
-from train.batches import RunBatches
+from train.batches import RunBatches, target_weights, whole_split_windows
 from train.config import ExperimentConfig, RuntimeConfig, TrainConfig, load_config
-from train.loop import train
+from train.experiment import run_experiment
 from train.metrics import RunResult, first_at_or_below
 from train.steps import build_programs
 from train.tiny_lm import final_line, target_part
@@ -123,8 +122,8 @@ def test_zero_init_out_keeps_a_tied_embedding_and_is_a_switch():
     (23, 7, 5),
 ])
 def test_whole_split_windows_count_every_target_once(num_tokens, block_size, rows):
-    starts, counted_from = data_lib.whole_split_windows(num_tokens, block_size, rows)
-    weights = data_lib.target_weights(counted_from, block_size)
+    starts, counted_from = whole_split_windows(num_tokens, block_size, rows)
+    weights = target_weights(counted_from, block_size)
     assert starts.dtype == np.int64 and weights.dtype == np.float32
     batches = starts.shape[0]
     assert starts.shape == (batches, rows) and weights.shape == (batches, rows, block_size)
@@ -144,7 +143,7 @@ def test_whole_split_windows_count_every_target_once(num_tokens, block_size, row
 @pytest.mark.parametrize("num_tokens", [16, 3])
 def test_whole_split_windows_need_a_window_and_its_target(num_tokens):
     with pytest.raises(ValueError, match=f"a split of {num_tokens} tokens has no window of block_size=16"):
-        data_lib.whole_split_windows(num_tokens, 16, 4)
+        whole_split_windows(num_tokens, 16, 4)
 
 
 def _programs(tc: TrainConfig, model: ModelConfig):
@@ -253,10 +252,10 @@ def run(text_file, tmp_path_factory):
     """20 steps of the recipe, then resumed to 30: (out dir, first result, its records, resumed result)."""
     out = tmp_path_factory.mktemp("run")
     target = math.log(_vocab(text_file)) - 0.5  # the zero-initialised head starts at exactly log V
-    first = train(_config(text_file, out, "train.max_iters=20", f"train.target_loss={target}"), quiet=True)
+    first = run_experiment(_config(text_file, out, "train.max_iters=20", f"train.target_loss={target}"), quiet=True)
     records = _records(out)
-    resumed = train(_config(text_file, out, "train.max_iters=30", f"train.target_loss={target}"), resume=True,
-                    quiet=True)
+    resumed = run_experiment(_config(text_file, out, "train.max_iters=30", f"train.target_loss={target}"), resume=True,
+                             quiet=True)
     return out, first, records, resumed
 
 

@@ -12,7 +12,7 @@ import pytest
 from train import optim, tiny_lm
 from train.sampling_checkpoint import load_for_sampling
 from train.config import load_config
-from train.loop import train
+from train.experiment import run_experiment
 
 TINY_MODEL = ["model.d_model=32", "model.num_layers=2", "model.num_heads=2", "model.max_seq_len=16"]
 TINY_TRAIN = ["train.batch_size=4", "train.block_size=16", "train.eval_iters=8", "train.eval_interval=10",
@@ -48,7 +48,7 @@ def full_run(text_file, tmp_path_factory):
     out = tmp_path_factory.mktemp("full")
     config = _config(text_file, out, "train.max_iters=30", "train.steps_per_dispatch=5")
     hooked = []
-    result = train(config, quiet=True, after_eval=hooked.append)
+    result = run_experiment(config, quiet=True, after_eval=hooked.append)
     return out, result, hooked
 
 
@@ -85,11 +85,11 @@ def test_the_runtime_is_resolved_in_the_saved_config(full_run):
 
 def test_resume_equals_uninterrupted(full_run, text_file, tmp_path):
     full_out, _, _ = full_run
-    first = train(_config(text_file, tmp_path, "train.max_iters=20", "train.steps_per_dispatch=5"),
-                  quiet=True, sample=False)
+    first = run_experiment(_config(text_file, tmp_path, "train.max_iters=20", "train.steps_per_dispatch=5"),
+                           quiet=True, sample=False)
     assert first.steps == 20
-    train(_config(text_file, tmp_path, "train.max_iters=30", "train.steps_per_dispatch=5"),
-          resume=True, quiet=True, sample=False)
+    run_experiment(_config(text_file, tmp_path, "train.max_iters=30", "train.steps_per_dispatch=5"),
+                   resume=True, quiet=True, sample=False)
     full, resumed = _metrics(full_out), _metrics(tmp_path)
     full_losses = {r["step"]: r["loss"] for r in full if "loss" in r}
     resumed_losses = {r["step"]: r["loss"] for r in resumed if "loss" in r}
@@ -104,8 +104,8 @@ def test_resume_equals_uninterrupted(full_run, text_file, tmp_path):
 
 def test_steps_per_dispatch_does_not_change_the_maths(full_run, text_file, tmp_path):
     full_out, _, _ = full_run
-    train(_config(text_file, tmp_path, "train.max_iters=10", "train.steps_per_dispatch=1",
-                  "train.checkpoint=false", "train.plot=false"), quiet=True, sample=False)
+    run_experiment(_config(text_file, tmp_path, "train.max_iters=10", "train.steps_per_dispatch=1",
+                           "train.checkpoint=false", "train.plot=false"), quiet=True, sample=False)
     one = [r["loss"] for r in _metrics(tmp_path) if "loss" in r]
     five = [r["loss"] for r in _metrics(full_out) if "loss" in r][:len(one)]
     np.testing.assert_allclose(one, five, rtol=1e-5)

@@ -107,7 +107,7 @@ def test_the_baby_moe_config_has_about_the_babys_active_parameters():
 
 
 def test_a_tiny_moe_run_logs_the_layer_losses(tmp_path):
-    from train.loop import train
+    from train.experiment import run_experiment
     text = tmp_path / "text.txt"
     text.write_text("To be, or not to be, that is the question.\n" * 200)
     overrides = ["model.d_model=32", "model.num_layers=2", "model.num_heads=2", "model.max_seq_len=16",
@@ -116,7 +116,7 @@ def test_a_tiny_moe_run_logs_the_layer_losses(tmp_path):
                  "train.eval_interval=6", "train.eval_iters=2", "train.log_interval=3", "train.warmup_iters=1",
                  "train.lr_decay_iters=6", "train.sample_tokens=0", "train.plot=false", "train.checkpoint=false",
                  "runtime.mesh=data:1", f"train.data_path='{text}'", f"train.out_dir='{tmp_path / 'run'}'"]
-    result = train(load_config(overrides=overrides), quiet=True)
+    result = run_experiment(load_config(overrides=overrides), quiet=True)
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     logged = [r for r in records if "loss" in r]
     assert [r["step"] for r in logged] == [3, 6] and all(set(LOSS_NAMES) <= set(r) for r in logged)

@@ -10,11 +10,14 @@ Programs (thin command-line interfaces):
 Modules:
   config: ExperimentConfig = [model] (the maths) + [train] + [runtime]; TOML files and --set overrides.
   runtime: devices, XLA flags and kernels, resolved once before JAX starts, with reasons.
-  data: find, download and split the corpus; deterministic batches.
+  data: find, download and split the corpus (a text file or a prepared directory).
+  batches: deterministic batches, a pure function of (seed, split, step), read on the host.
   tokenizer: character- and byte-level tokenizers, saved with checkpoints; as `tokenizers` ones.
   optim: nanoGPT's AdamW, schedule and weight-decay mask.
   steps: the jitted programs (init, train steps, evaluation) and data parallelism.
-  loop: a run: metrics, progress bar, checkpoints, the end-of-run sample and result.
+  experiment: a run end to end (run_experiment): corpus, runtime, run directory, then loop and finish.
+  loop: a run's steps (Run): metrics, progress bar, evaluations, checkpoints.
+  finish: the end of a run: the sample, the loss plot and result.json.
   checkpoint: orbax checkpoints (latest and best) and the one loader for sampling.
   plots: loss curves, the comparison chart, attention maps.
 """

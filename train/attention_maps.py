@@ -33,6 +33,7 @@ from train import outputs
 from train.checkpoint import CheckpointError
 from train.sampling_checkpoint import load_for_sampling
 from train.cli import ArgumentParser, UsageError, guard
+from train.data_errors import DataError
 from train.export import load_hf
 from train.plots import plot_attention_maps
 
@@ -208,7 +209,6 @@ def run(argv: list[str] | None) -> Path:
 def main(argv: list[str] | None = None) -> Path:
     """Writes the maps and returns their path; one line and exit 2 (usage), 1 (an unreadable
     checkpoint or corpus, an unwritable --out or --html) or 130 otherwise (train.cli)."""
-    from train.data import DataError
     return guard(PROGRAM, lambda: run(argv), expected=(CheckpointError, DataError))
 
 

@@ -1,7 +1,7 @@
 """Training and evaluation batches, read on the host: each process reads only its rows of the global batch.
 
 A batch is a pure function of (seed, split, step). The B window starts of a step are drawn
-with `jax.random` from `train.data.batch_key(seed, split, step)` on this host's CPU (`draw_starts`):
+with `jax.random` from `batch_key(seed, split, step)` on this host's CPU (`draw_starts`):
 every process draws the same B starts, reads only the rows its devices hold (`local_rows`), and
 the global `[n, B, T + 1]` array of a chunk of n steps is assembled with
 `jax.make_array_from_process_local_data`. So the batches do not depend on the mesh or the number
@@ -13,6 +13,9 @@ reads (`os.pread`), not through a memory map: the pages of a map that a run touc
 the process's resident memory, which on a long run over a large corpus would grow toward the
 file's size, while the page cache that `pread` fills is the kernel's to drop. A window may
 cross from one shard into the next.
+
+Whole-split evaluation predicts every token of a split once (`whole_split_windows`, weighted by
+`target_weights`).
 
 `Feed` reads the chunks of a run ahead in a thread and measures how long training waited for them.
 """
@@ -31,11 +34,18 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
-from train.data import TRAIN, DataError, batch_key, target_weights, whole_split_windows
+from train.data_errors import DataError
 
+TRAIN, VAL = 0, 1  # split ids folded into the batch rng
 RANDINT_SPAN = 2**31 - 1  # the largest span jax.random.randint's int32 draws cover
 EVAL_SPLITS = {"train": 2, "val": 3}  # split ids of the fixed evaluation batches (0, 1: training batches)
 EVAL_CHUNK_TOKENS = 1 << 22  # whole-split evaluation reads about this many tokens at a time
+
+
+def batch_key(seed: int | jax.Array, split: int, step: int | jax.Array) -> jax.Array:
+    """The rng of batch `step` of `split`: a pure function of (seed, split, step)."""
+    key = jax.random.fold_in(jax.random.PRNGKey(seed), split)
+    return jax.random.fold_in(key, step)
 
 
 class ArrayStream:
@@ -179,6 +189,34 @@ def place_rows(array: np.ndarray, sharding: NamedSharding) -> jax.Array:
     return jax.make_array_from_process_local_data(sharding, array[:, rows], array.shape)
 
 
+def whole_split_windows(num_tokens: int, block_size: int, rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """Windows that predict every token of a split once: starts `[batches, rows]` and, per window, the
+    first of its `block_size` targets that counts `[batches, rows]` (`target_weights` makes the weights).
+
+    Windows begin at 0, T, 2T, ... (every target counts); the tokens after the last whole window are
+    predicted by one more window ending at the split's end, counting only those. Padding windows (start
+    0, no target counts) fill the last row group. The weighted mean of the losses is the split's loss
+    over its `num_tokens - 1` targets.
+    """
+    if num_tokens <= block_size:
+        raise ValueError(f"a split of {num_tokens} tokens has no window of block_size={block_size} + 1")
+    starts = np.arange(0, num_tokens - block_size, block_size, dtype=np.int64)
+    counted_from = np.zeros(len(starts), np.int64)
+    left = num_tokens - 1 - (int(starts[-1]) + block_size)  # targets after the last whole window
+    if left > 0:
+        starts = np.append(starts, num_tokens - 1 - block_size)
+        counted_from = np.append(counted_from, block_size - left)
+    pad = -len(starts) % rows
+    starts = np.append(starts, np.zeros(pad, np.int64))
+    counted_from = np.append(counted_from, np.full(pad, block_size, np.int64))
+    return starts.reshape(-1, rows), counted_from.reshape(-1, rows)
+
+
+def target_weights(counted_from: np.ndarray, block_size: int) -> np.ndarray:
+    """Weights `[..., block_size]` (float32): 1 for the targets from `counted_from` `[...]` on, else 0."""
+    return (np.arange(block_size) >= np.asarray(counted_from)[..., None]).astype(np.float32)
+
+
 class RunBatches:
     """The batches of one run: the windows of each training chunk and the evaluation inputs.
 
@@ -190,7 +228,7 @@ class RunBatches:
 
     Training batch `step` is `draw_starts(seed, TRAIN, [step], B, len(train) - T)`; the fixed
     evaluation batches of a split are its steps 0 .. eval_iters - 1 under the split id of
-    `EVAL_SPLITS` (read once); whole-split evaluation (`train.data.whole_split_windows`) is read
+    `EVAL_SPLITS` (read once); whole-split evaluation (`whole_split_windows`) is read
     in chunks of about EVAL_CHUNK_TOKENS tokens at each evaluation.
     """
 

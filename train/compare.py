@@ -24,12 +24,13 @@ import numpy as np
 
 from jaxattn.cache import cache_bytes_per_token
 from jaxattn.decoding import generate
-from jaxattn.moe import active_params
+from jaxattn.model import active_params
 from train import outputs
 from train import runtime as runtime_lib
 from train.cli import ArgumentParser, Stopped, UsageError, guard
 from train.config import DEFAULT_CONFIG, ExperimentConfig, load_config
-from train.loop import Interrupted, train
+from train.experiment import run_experiment
+from train.loop import Interrupted
 from train.plots import plot_comparison
 from train.tiny_lm import RUNTIME_ERRORS
 
@@ -78,7 +79,8 @@ def run_one(kind: str, positions: str, args, runtime: runtime_lib.Runtime) -> di
                                f"train.eval_interval={min(250, args.iters)}",
                                f"train.out_dir='{args.runs}/{kind.lower()}_{positions}'",
                                "train.plot=false", "train.checkpoint=false", *args.set]
-    result = train(load_config(args.config, overrides), runtime=runtime, overwrite=True, quiet=True, sample=False)
+    result = run_experiment(load_config(args.config, overrides), runtime=runtime, overwrite=True, quiet=True,
+                            sample=False)
     row = {"kind": kind, "positions": positions, "val_loss": result.final_val_loss,
            "train_tokens_per_s": result.median_tokens_per_s, "ms_per_iter": result.median_ms_per_iter,
            "decode_tokens_per_s": decode_tokens_per_s(result.config, result.params, runtime.kernels),

@@ -1,4 +1,4 @@
-"""The training corpus: where it comes from, how it is split and how batches are drawn.
+"""The training corpus: where it comes from and how it is split.
 
 `train.data_path` (`--data`) is a text file, tokenized (characters or bytes) when the run
 starts, or a directory prepared by `python -m train.prepare` (any tokenizer, a corpus of any
@@ -11,8 +11,8 @@ Resolution of the text file, first match wins:
   3. the cache: $XDG_CACHE_HOME/jaxattn/tinyshakespeare.txt (default ~/.cache/jaxattn);
   4. a download of Tiny Shakespeare into the cache, checked against its sha256.
 
-Batches are a pure function of (seed, split, step) (`batch_key`), read on the host by
-`train.batches`, so a resumed run sees exactly the batches an uninterrupted run sees.
+Batches are drawn from the splits by `train.batches`; a corpus that cannot be found, fetched or
+read raises `train.data_errors.DataError`.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-import jax
-import numpy as np
-
+from train.batches import ShardStream
+from train.data_errors import DataError
+from train.shards import open_prepared
 from train.tokenizer import Tokenizer, build_tokenizer
 
 SHAKESPEARE_URL = (
@@ -37,12 +37,6 @@ SHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2d
 SHAKESPEARE_FILENAME = "tinyshakespeare.txt"
 ENV_PATH = "JAXATTN_SHAKESPEARE"
 ENV_URL = "JAXATTN_SHAKESPEARE_URL"
-
-TRAIN, VAL = 0, 1  # split ids folded into the batch rng
-
-
-class DataError(ValueError):
-    """The corpus cannot be found, fetched or read."""
 
 
 def cache_dir() -> Path:
@@ -185,9 +179,6 @@ def open_corpus(path: str | os.PathLike | None = None, *, tokenizer: str = "char
 
 
 def _prepared_corpus(directory: Path, tokenizer: str) -> Corpus:
-    from train.batches import ShardStream  # (train.batches reads this module)
-    from train.shards import open_prepared
-
     prepared = open_prepared(directory)
     if prepared.tokenizer_kind != tokenizer:
         raise DataError(f"the prepared corpus {directory} has a {prepared.tokenizer_kind} tokenizer and "
@@ -223,37 +214,3 @@ def check_block_size(corpus: Corpus, block_size: int) -> None:
     if shortest < block_size + 1:
         raise DataError(f"the corpus splits (train {len(corpus.train)}, val {len(corpus.val)} tokens) "
                         f"are shorter than block_size + 1 = {block_size + 1}")
-
-
-def batch_key(seed: int | jax.Array, split: int, step: int | jax.Array) -> jax.Array:
-    """The rng of batch `step` of `split`: a pure function of (seed, split, step)."""
-    key = jax.random.fold_in(jax.random.PRNGKey(seed), split)
-    return jax.random.fold_in(key, step)
-
-
-def whole_split_windows(num_tokens: int, block_size: int, rows: int) -> tuple[np.ndarray, np.ndarray]:
-    """Windows that predict every token of a split once: starts `[batches, rows]` and, per window, the
-    first of its `block_size` targets that counts `[batches, rows]` (`target_weights` makes the weights).
-
-    Windows begin at 0, T, 2T, ... (every target counts); the tokens after the last whole window are
-    predicted by one more window ending at the split's end, counting only those. Padding windows (start
-    0, no target counts) fill the last row group. The weighted mean of the losses is the split's loss
-    over its `num_tokens - 1` targets.
-    """
-    if num_tokens <= block_size:
-        raise ValueError(f"a split of {num_tokens} tokens has no window of block_size={block_size} + 1")
-    starts = np.arange(0, num_tokens - block_size, block_size, dtype=np.int64)
-    counted_from = np.zeros(len(starts), np.int64)
-    left = num_tokens - 1 - (int(starts[-1]) + block_size)  # targets after the last whole window
-    if left > 0:
-        starts = np.append(starts, num_tokens - 1 - block_size)
-        counted_from = np.append(counted_from, block_size - left)
-    pad = -len(starts) % rows
-    starts = np.append(starts, np.zeros(pad, np.int64))
-    counted_from = np.append(counted_from, np.full(pad, block_size, np.int64))
-    return starts.reshape(-1, rows), counted_from.reshape(-1, rows)
-
-
-def target_weights(counted_from: np.ndarray, block_size: int) -> np.ndarray:
-    """Weights `[..., block_size]` (float32): 1 for the targets from `counted_from` `[...]` on, else 0."""
-    return (np.arange(block_size) >= np.asarray(counted_from)[..., None]).astype(np.float32)

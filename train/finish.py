@@ -1,5 +1,5 @@
-"""The end of a trained run: its sample through the KV cache (cut short by a stop signal, if one
-comes), the loss plot, and its figures (`RunResult`, written as result.json)."""
+"""The end of a trained run (a `train.loop.Run`): its sample through the KV cache (cut short by a stop
+signal, if one comes), the loss plot, and its figures (`RunResult`, written as result.json)."""
 
 from __future__ import annotations
 
@@ -7,22 +7,20 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import jax
 import numpy as np
 
-from jaxattn import sharding
+from jaxattn.axes import MeshShape
 from jaxattn.model import count_params
 from jaxattn.windowed import windows
 from train.config import ExperimentConfig
-from train.data import DataError
+from train.data_errors import DataError
+from train.loop import Run
 from train.metrics import RunResult, first_at_or_below, peak_memory, speeds
 from train.plots import plot_losses
 from train.tokenizer import Tokenizer
-
-if TYPE_CHECKING:
-    from train.loop import Run
 
 
 def check_sample_prompt(config: ExperimentConfig, tokenizer: Tokenizer) -> None:
@@ -68,7 +66,7 @@ def end_of_run_sample(run: Run) -> tuple[str, str, str | None]:
     stopped = None if done == tc.sample_tokens else (
         f"{signals.requested} during the end-of-run sample, after {done} of {tc.sample_tokens} tokens: "
         "the run is trained and saved, its sample cut short")
-    on = f", on the {sharding.MeshShape.of(mesh)} mesh" if mesh.size > 1 else ""
+    on = f", on the {MeshShape.of(mesh)} mesh" if mesh.size > 1 else ""
     text = tokenizer.decode(np.concatenate([prompt, *drawn]))
     return text, f"jaxattn.generate_windowed, KV cache{on}", stopped
 

@@ -1,24 +1,15 @@
-"""A training run: one `Run` owns the state, the metrics file, the progress bar and the checkpoints.
+"""A training run's loop: one `Run` owns the state, the metrics file, the progress bar and the checkpoints.
 
-`train(config)` reads the corpus, resolves the runtime (kernels, devices),
-compiles the programs of `train.steps` ahead of time, then dispatches chunks
-of `steps_per_dispatch` optimizer steps, reading each chunk's losses while the
-next one runs, and evaluates (and checkpoints) every `eval_interval` steps.
-At the end it samples through the KV cache, plots the losses and writes
-`result.json` beside `metrics.jsonl`, `config.json` and `checkpoints/`
-(`train.finish`). `--resume` restores through `train.resume`.
+A `Run` is restored (when resumed, through `train.resume`), compiles the programs of `train.steps`
+ahead of time, then (`Run.run_steps`) dispatches chunks of `steps_per_dispatch` optimizer steps,
+reading each chunk's losses while the next one runs, and evaluates (and checkpoints) every
+`eval_interval` steps. What is around a run is elsewhere: its setup (the corpus, the runtime, the
+run directory) in `train.experiment`, its end (the sample, the loss plot, result.json) in `train.finish`.
 
-Nothing is lost and nothing is silent: the outputs are checked and the run
-directory is claimed and locked before anything is written (`train.outputs`,
-`train.rundir`); a non-finite loss stops the run before it is logged or saved
-(`TrainingDiverged`). From the claim to the end, SIGINT and SIGTERM only ask the
-run to stop, and it does so at the next safe point with what was done kept
-(`Interrupted`): after compiling (nothing trained, nothing written), at the next
-dispatch boundary (a checkpoint that `--resume` continues exactly), or between
-windows of the end-of-run sample (the partial sample printed, the plot and
-`result.json` written). A resumed run whose checkpoint is at `max_iters` (stopped
-or killed during its final save or sample) is finished: evaluated, sampled,
-plotted and its `result.json` written.
+Nothing is lost and nothing is silent: a non-finite loss stops the run before it is logged or saved
+(`TrainingDiverged`). A stop signal (`train.cli.StopSignals`) only asks the run to stop, and it does
+so at the next safe point with what was done kept (`Interrupted`): after compiling (nothing trained,
+nothing written) or at the next dispatch boundary (a checkpoint that `--resume` continues exactly).
 """
 
 from __future__ import annotations
@@ -33,21 +24,18 @@ from typing import Callable
 import jax
 import numpy as np
 
-from jaxattn import sharding
 from train import crash_points
 from train import data as data_lib
-from train import distributed, outputs
+from train import distributed
 from train.batches import Feed, RunBatches
 from train import runtime as runtime_lib
 from train.checkpoint import Checkpointer
 from train.cli import StopSignals
 from train.config import ExperimentConfig, TrainConfig
-from train.finish import check_sample_prompt, finish
-from train.metrics import MetricsLog, RunResult, Throughput, describe_params
+from train.metrics import MetricsLog, Throughput
 from train.resume import resume_from_checkpoint
-from train.rundir import claim_on_main, repair_metrics
+from train.rundir import repair_metrics
 from train.steps import build_programs
-from train.tokenizer import Tokenizer
 
 
 class TrainingDiverged(RuntimeError):
@@ -60,11 +48,6 @@ class Interrupted(RuntimeError):
     def __init__(self, message: str, step: int):
         super().__init__(message)
         self.step = step
-
-
-def with_vocabulary(config: ExperimentConfig, tokenizer: Tokenizer) -> ExperimentConfig:
-    """The config with the model's vocabulary set from the tokenizer."""
-    return config.replace(model=config.model.replace(vocab_size=tokenizer.vocab_size))
 
 
 def chunks(start: int, stop: int, tc: TrainConfig):
@@ -140,19 +123,21 @@ class Run:
     def _due_for_eval(self, step: int) -> bool:
         return step % self.config.train.eval_interval == 0 or step == self.config.train.max_iters
 
-    def train(self) -> None:
-        """Dispatches every chunk, reading a chunk's losses while the next one runs."""
+    def run_steps(self) -> None:
+        """Runs the steps from `start_step` to `max_iters`: dispatches every chunk, reading a chunk's
+        losses while the next one runs, and evaluates (and checkpoints) when due; a stop signal stops
+        it at the next dispatch boundary (`stop`)."""
         tc = self.config.train
         self.bar = _progress_bar(tc.max_iters, self.start_step, self.quiet)
         if self._due_for_eval(self.start_step):
             self.evaluate(self.start_step)
-        pending = None  # (first step, outputs) of the chunk in flight
+        pending = None  # (first step, chunk outputs) of the chunk in flight
         for first, last in chunks(self.start_step, tc.max_iters, tc):
-            self.state, outputs = self.compiled[last - first](self.state, self.feed.next())
+            self.state, chunk_outputs = self.compiled[last - first](self.state, self.feed.next())
             crash_points.kill_if_planned("step", *range(first + 1, last + 1))
             if pending is not None:
                 self.record(*pending)
-            pending = (first, outputs)
+            pending = (first, chunk_outputs)
             if self._due_for_eval(last) or self.signals.requested:
                 self.record(*pending)
                 pending = None
@@ -242,81 +227,3 @@ def _progress_bar(total: int, initial: int, quiet: bool):
     from tqdm import tqdm
     return tqdm(total=total, initial=initial, unit="it", disable=quiet, dynamic_ncols=True, mininterval=0.5,
                 file=sys.stdout)
-
-
-def train(config: ExperimentConfig, *, runtime: runtime_lib.Runtime | None = None, resume: bool = False,
-          overwrite: bool = False, quiet: bool = False, loss_plot: str | None = None, sample: bool = True,
-          after_eval: Callable[[int], None] | None = None) -> RunResult:
-    """Runs an experiment end to end and returns its figures.
-
-    Args:
-      runtime: the resolved runtime (default: `train.runtime.start(config.runtime, ...)` now).
-      resume: continue the run in `train.out_dir` from its newest valid checkpoint.
-      overwrite: replace a run already in `train.out_dir` (else that is refused).
-      loss_plot: where to write the loss curve (default `out_dir/loss.png`); checked first.
-      after_eval: called with the step after each evaluation, outside the timed steps
-        (bench/train.py runs a baseline in turns with this run).
-
-    A stop signal during the end-of-run sample does not raise: the result says so in `stopped`.
-
-    Raises:
-      RunDirectoryError, DataError, CheckpointError, TrainingDiverged, Interrupted, UnwritablePath.
-    """
-    wall_start, tc = time.perf_counter(), config.train
-    config, corpus, runtime = _prepare(config, runtime, loss_plot)
-    main = distributed.is_main()  # asked once the runtime has started JAX
-    log = (lambda *a: None) if quiet or not main else partial(print, flush=True)
-    _print_setup(config, corpus, runtime, log)
-    lock = claim_on_main(Path(tc.out_dir), resume=resume, overwrite=overwrite)
-    run = None
-    try:
-        with StopSignals() as signals:  # from here a signal asks; the run stops where nothing is lost
-            run = Run(config, runtime, corpus, resume=resume, quiet=quiet, after_eval=after_eval, signals=signals)
-            log("\n".join(describe_layout(run.programs.layout, run.state)))
-            log(describe_params(config.model, run.state["params"]))
-            compile_s = run.compile()
-            if main:  # once the checkpoint is accepted and the programs compiled: the run begins here
-                (run.out / "config.json").write_text(config.to_json())
-            run.train()
-            return finish(run, compile_s, wall_start, sample=sample, loss_plot=loss_plot, log=log)
-    finally:
-        if run is not None:
-            run.close()
-        if lock is not None:
-            lock.release()
-
-
-def _prepare(config: ExperimentConfig, runtime: runtime_lib.Runtime | None, loss_plot: str | None
-             ) -> tuple[ExperimentConfig, data_lib.Corpus, runtime_lib.Runtime]:
-    """Before anything is written: the outputs checked, the corpus read, the runtime resolved (unless
-    given). Returns the config completed with the vocabulary and the runtime, the corpus, the runtime."""
-    tc = config.train
-    if loss_plot is not None:
-        outputs.check_image_file(loss_plot, "--loss-plot")
-    corpus = data_lib.open_corpus(tc.data_path, tokenizer=tc.tokenizer, val_fraction=tc.val_fraction)
-    data_lib.check_block_size(corpus, tc.block_size)
-    check_sample_prompt(config, corpus.tokenizer)
-    runtime = runtime or runtime_lib.start(config.runtime, tc.batch_size, model=config.model)
-    return with_vocabulary(config, corpus.tokenizer).replace(runtime=runtime.config), corpus, runtime
-
-
-def _print_setup(config: ExperimentConfig, corpus: data_lib.Corpus, runtime: runtime_lib.Runtime,
-                 log: Callable[[str], None]) -> None:
-    """The warnings (process 0, even when quiet), then the resolved config and runtime."""
-    if distributed.is_main():
-        for warning in (*runtime.warnings, *data_lib.unused_settings(corpus, config.train)):
-            print(f"warning: {warning}", file=sys.stderr)
-    log(f"config {config.name} (data {data_lib.describe(corpus)}):")
-    log(config.to_json())
-    log("\n".join(runtime.describe()))
-
-
-def describe_layout(layout, state) -> list[str]:
-    """What the mesh splits: one line, plus the logical axes left replicated."""
-    shape = sharding.MeshShape.of(layout.mesh)
-    if shape.size == 1:
-        return []
-    held = sharding.per_device_bytes((state["params"], state["opt_state"]))
-    lines = [f"mesh {shape}: the batch split {shape.batch_ways} ways; parameters and optimizer state "
-             f"{held / 2**20:.2f} MiB per device"]
-    return lines + [f"  {note}" for note in layout.params.notes]

@@ -48,7 +48,7 @@ import numpy as np
 
 from train import shards
 from train.cli import ArgumentParser, UsageError, guard
-from train.data import DataError
+from train.data_errors import DataError
 from train.outputs import check_folder
 
 PROGRAM = "python -m train.prepare"

@@ -42,6 +42,7 @@ from train import runtime as runtime_lib
 from train import sampling_checkpoint, shards
 from train.checkpoint import CheckpointError
 from train.config import RuntimeConfig
+from train.data_errors import DataError
 from train.cli import ArgumentParser, StopSignals, Stopped, UsageError, guard
 from train.tokenizer import CharTokenizer, Tokenizer
 
@@ -263,7 +264,7 @@ def run(argv=None) -> int:
 
 def main(argv=None) -> int:
     """0 after printing the samples; one line and exit 1, 2 or 130 otherwise (train.cli)."""
-    return guard(PROGRAM, lambda: run(argv), expected=(CheckpointError, data_lib.DataError))
+    return guard(PROGRAM, lambda: run(argv), expected=(CheckpointError, DataError))
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ A shard is a fixed 64-byte little-endian header, then `count` tokens of its dtyp
 uint16 when the vocabulary has at most 65536 ids, else uint32. The canonical JSON of a tokenizer
 is its JSON parsed and written again with sorted keys, no spaces and UTF-8 (`canonical_json`), so
 the hash does not depend on how a file was indented. Every failure to read a prepared directory is
-a `train.data.DataError` with one line naming the file.
+a `train.data_errors.DataError` with one line naming the file.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from train.data import DataError
+from train.data_errors import DataError
 from train.tokenizer import JSONTokenizer, canonical_json, from_json  # canonical_json: what the hash is of
 
 MAGIC = b"JXATTOK1"

@@ -9,9 +9,11 @@ with loss and tokens/s, the evaluations, and at the end the final val loss, spee
 memory and a sample; it writes config.json, metrics.jsonl, loss.png, result.json and
 checkpoints (latest and best) under train.out_dir.
 
-Where the work is done: train.loop (the run; train.resume and train.finish its start and end),
-train.steps (the jitted programs), train.runtime (devices and kernels), train.checkpoint
-(with train.checkpoint_meta), train.plots.
+Where the work is done: train.experiment (the run end to end: corpus, runtime, run directory),
+train.loop (its steps, evaluations and checkpoints; train.resume and train.finish its start and
+end), train.steps (the jitted programs), train.runtime (devices and kernels), train.data and
+train.batches (the corpus and its batches), train.checkpoint (with train.checkpoint_meta),
+train.plots.
 """
 
 from __future__ import annotations
@@ -19,19 +21,19 @@ from __future__ import annotations
 import argparse
 import json
 
-from train import data as data_lib
 from train import distributed
 from train import runtime as runtime_lib
 from train.checkpoint import CheckpointError
 from train.cli import ArgumentParser, Stopped, UsageError, guard
 from train.config import DEFAULT_CONFIG, load_config
-from train.loop import Interrupted, TrainingDiverged, train
+from train.data_errors import DataError
+from train.experiment import run_experiment
+from train.loop import Interrupted, TrainingDiverged
 from train.metrics import RunResult, describe_memory
 from train.rundir import RunDirectoryError
 
 PROGRAM = "python -m train.tiny_lm"
-RUNTIME_ERRORS = (data_lib.DataError, CheckpointError, RunDirectoryError, TrainingDiverged,
-                  distributed.DistributedError)
+RUNTIME_ERRORS = (DataError, CheckpointError, RunDirectoryError, TrainingDiverged, distributed.DistributedError)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -93,8 +95,8 @@ def run(argv: list[str] | None) -> RunResult:
     except (ValueError, TypeError) as err:
         raise UsageError(str(err)) from err
     try:
-        result = train(config, runtime=runtime, resume=args.resume, overwrite=args.overwrite, quiet=args.quiet,
-                       loss_plot=args.loss_plot)
+        result = run_experiment(config, runtime=runtime, resume=args.resume, overwrite=args.overwrite, quiet=args.quiet,
+                                loss_plot=args.loss_plot)
     except Interrupted as stop:
         raise Stopped(str(stop)) from None
     if distributed.is_main():
