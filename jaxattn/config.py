@@ -306,6 +306,8 @@ class ModelConfig:
         if unknown:
             raise ValueError(f"unknown ModelConfig keys {unknown}; known keys: {sorted(known)}")
         values = dict(values)
+        if isinstance(values.get("moe"), Mapping):
+            values["moe"] = MoEConfig.upgrade(values["moe"])
         for name, kind in (("rope_scaling", RopeScaling), ("mla", MLAConfig), ("moe", MoEConfig)):
             if isinstance(values.get(name), Mapping):
                 values[name] = kind(**values[name])

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Literal, Mapping
+from typing import Any, Literal, Mapping
 
-from jaxattn._validate import (require_field_fraction, require_field_positive_int,
+from jaxattn._validate import (is_int, require_field_fraction, require_field_positive_int,
                                require_field_positive_number)
 from jaxattn.rope import RopeScaling
+
 
 @dataclasses.dataclass(frozen=True)
 class MLAConfig:
@@ -101,12 +102,11 @@ class AttentionSpec:
 
 
 
+ACTIVATIONS = ("swiglu", "clamped_swiglu")  # `MoEConfig.activation`: the routed experts' gated units
+
+
 def _bad(name: str, must: str, value) -> ValueError:
     return ValueError(f"MoEConfig.{name} must be {must}, got {value!r}")
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,10 +141,15 @@ class MoEConfig:
         of width num_shared_experts * shared_expert_hidden (DeepSeek: `n_shared_experts` and
         `moe_intermediate_size`; Qwen2-MoE: 1 and `shared_expert_intermediate_size`; 0 elsewhere).
       shared_gate: the shared expert's output times sigmoid(x w), w [D, 1] (Qwen2-MoE only).
-      activation: the routed experts': "swiglu" (silu(gate) * up; gate_up = [gate | up]) or
-        "gptoss" (GPT-OSS: gate_up interleaved, gate <= limit, |up| <= limit,
-        (up + 1) * gate * sigmoid(alpha * gate), and biases on both projections).
-      gptoss_limit, gptoss_alpha: GPT-OSS's `swiglu_limit` (7.0) and alpha (1.702).
+      activation: the routed experts' gated unit: "swiglu", silu(gate) * up, or "clamped_swiglu",
+        gate <= limit, |up| <= limit, then (up + 1) * gate * sigmoid(alpha * gate) (GPT-OSS's).
+      swiglu_limit, swiglu_alpha: the clamp and the sigmoid's slope of "clamped_swiglu" (GPT-OSS's
+        `swiglu_limit` 7.0 and alpha 1.702); unused by "swiglu".
+      expert_bias: the routed experts' two projections have biases, `experts_gate_up_bias [E, 2F]`
+        and `experts_down_bias [E, D]` (GPT-OSS); no other family's do.
+      gate_up_interleaved: how `experts_gate_up`'s 2F columns hold the two halves: False, the gate's
+        F columns then the up's; True, gate and up alternating, gate first (GPT-OSS's layout, kept
+        as stored).
       aux_loss_coef: the load-balancing loss's weight in `aux["aux_loss"]` (`router_aux_loss_coef`).
       z_loss_coef: the router z-loss's weight there (ST-MoE; no family above trains with one).
     """
@@ -164,9 +169,11 @@ class MoEConfig:
     num_shared_experts: int = 0
     shared_expert_hidden: int = 0
     shared_gate: bool = False
-    activation: Literal["swiglu", "gptoss"] = "swiglu"
-    gptoss_limit: float = 7.0
-    gptoss_alpha: float = 1.702
+    activation: Literal["swiglu", "clamped_swiglu"] = "swiglu"
+    swiglu_limit: float = 7.0
+    swiglu_alpha: float = 1.702
+    expert_bias: bool = False
+    gate_up_interleaved: bool = False
     aux_loss_coef: float = 0.0
     z_loss_coef: float = 0.0
 
@@ -197,16 +204,17 @@ class MoEConfig:
         for name in ("num_experts", "experts_per_token", "expert_hidden", "n_group", "topk_group"):
             require_field_positive_int("MoEConfig", name, getattr(self, name))
         for name in ("num_shared_experts", "shared_expert_hidden"):
-            if not _is_int(getattr(self, name)) or getattr(self, name) < 0:
+            if not is_int(getattr(self, name), numpy=False) or getattr(self, name) < 0:
                 raise _bad(name, "a non-negative integer", getattr(self, name))
         for name, choices in (("scoring", ("softmax", "sigmoid")), ("group_score", ("max", "top2_sum")),
-                              ("activation", ("swiglu", "gptoss"))):
+                              ("activation", ACTIVATIONS)):
             if getattr(self, name) not in choices:
                 raise _bad(name, f"one of {choices}", getattr(self, name))
-        for name in ("softmax_after_topk", "correction_bias", "norm_topk_prob", "router_bias", "shared_gate"):
+        for name in ("softmax_after_topk", "correction_bias", "norm_topk_prob", "router_bias", "shared_gate",
+                     "expert_bias", "gate_up_interleaved"):
             if not isinstance(getattr(self, name), bool):
                 raise _bad(name, "True or False", getattr(self, name))
-        for name in ("routed_scaling_factor", "gptoss_limit", "gptoss_alpha"):
+        for name in ("routed_scaling_factor", "swiglu_limit", "swiglu_alpha"):
             require_field_positive_number("MoEConfig", name, getattr(self, name), none_ok=False)
         for name in ("aux_loss_coef", "z_loss_coef"):
             value = getattr(self, name)
@@ -217,6 +225,25 @@ class MoEConfig:
     def shared_hidden(self) -> int:
         """The shared MLP's width (0: none)."""
         return self.num_shared_experts * self.shared_expert_hidden
+
+    def expert_params(self, d_model: int) -> int:
+        """The parameters of one routed expert: `gate_up [D, 2F]`, `down [F, D]` and their biases."""
+        F = self.expert_hidden
+        return 3 * d_model * F + (2 * F + d_model if self.expert_bias else 0)
+
+    @classmethod
+    def upgrade(cls, values: Mapping[str, Any]) -> dict[str, Any]:
+        """The fields of a saved config written before the routed experts' function was named by its
+        maths: `activation="gptoss"` (with `gptoss_limit`, `gptoss_alpha`) meant the clamped SwiGLU
+        with biased projections and interleaved columns, as GPT-OSS has them."""
+        values = dict(values)
+        legacy = {"gptoss_limit": "swiglu_limit", "gptoss_alpha": "swiglu_alpha"}
+        for old, new in legacy.items():
+            if old in values:
+                values[new] = values.pop(old)
+        if values.get("activation") == "gptoss":
+            values.update(activation="clamped_swiglu", expert_bias=True, gate_up_interleaved=True)
+        return values
 
     def replace(self, **changes) -> "MoEConfig":
         return dataclasses.replace(self, **changes)

@@ -3,6 +3,7 @@ import json
 import pytest
 
 from jaxattn.axes import MeshShape
+from jaxattn.config import ModelConfig
 from train.config import CONFIG_DIR, ExperimentConfig, RuntimeConfig, TrainConfig, load_config, parse_override
 
 BABY_VARIANTS = ["gqa", "mqa", "mla", "learned", "sinusoidal", "rope"]
@@ -141,6 +142,20 @@ def test_json_round_trip():
     cfg = load_config("shakespeare_char_baby_gqa", ["model.rope_scaling={kind='ntk', factor=4.0}"])
     again = ExperimentConfig.from_dict(json.loads(cfg.to_json()))
     assert again == cfg
+
+
+def test_a_saved_config_with_the_older_moe_names_reads_as_todays():
+    """Before the routed experts' function was named by its maths, GPT-OSS's was activation="gptoss"."""
+    config = load_config(overrides=["model.num_layers=2", "model.moe={num_experts = 4, experts_per_token = 2, "
+                                    "activation = 'clamped_swiglu', expert_bias = true, gate_up_interleaved = true, "
+                                    "swiglu_limit = 5.0}"])
+    saved = json.loads(config.to_json())
+    moe = saved["model"]["moe"]
+    for name in ("expert_bias", "gate_up_interleaved", "swiglu_alpha"):
+        del moe[name]
+    moe.update(activation="gptoss", gptoss_limit=moe.pop("swiglu_limit"), gptoss_alpha=1.702)
+    assert ExperimentConfig.from_dict(saved) == config
+    assert ModelConfig.from_dict(saved["model"]) == config.model
 
 
 def test_runtime_table_and_overrides():

@@ -67,7 +67,8 @@ def test_logits_equal_transformers(checkpoint):
     check_logits(loaded, "gpt_oss")
     c = loaded.config
     assert c.moe == MoEConfig(num_experts=8, experts_per_token=2, expert_hidden=16, softmax_after_topk=True,
-                              router_bias=True, activation="gptoss", gptoss_limit=7.0, gptoss_alpha=1.702)
+                              router_bias=True, activation="clamped_swiglu", expert_bias=True,
+                              gate_up_interleaved=True, swiglu_limit=7.0, swiglu_alpha=1.702)
     assert (c.attn_sinks, c.sliding_window, c.layer_pattern) == (True, WINDOW, (LayerKind(local=True), LayerKind()))
     assert (c.qkv_bias, c.out_bias, c.tie_embeddings, c.num_kv_heads, c.head_dim) == (True, True, False, 2, 16)
     assert c.rope_scaling.kind == "yarn" and not c.rope_scaling.truncate and c.rope_theta == 150000.0
@@ -101,7 +102,8 @@ def _without(*names):
 
 NEGATIVE_CONTROLS = {  # each must miss the tolerance
     "softmax over all E, then top-k": _moe(softmax_after_topk=False),
-    "no clamp": _moe(gptoss_limit=1e6),
+    "no clamp": _moe(swiglu_limit=1e6),
+    "gate and up as halves": _moe(gate_up_interleaved=False),
     "no router bias": lambda c, p: (c.replace(moe=c.moe.replace(router_bias=False)), _without("router_bias")(p)),
     "no sinks": lambda c, p: (c.replace(attn_sinks=False), _without("sinks")(p)),
     "no sliding windows": lambda c, p: (c.replace(layer_pattern=(), sliding_window=None), p),
@@ -130,7 +132,7 @@ def test_export_round_trip_writes_the_checkpoint_back_exactly(checkpoint, tmp_pa
 
 
 GPT_OSS = MoEConfig(num_experts=8, experts_per_token=2, expert_hidden=16, softmax_after_topk=True, router_bias=True,
-                    activation="gptoss")
+                    activation="clamped_swiglu", expert_bias=True, gate_up_interleaved=True)
 BASE = dict(num_layers=4, num_kv_heads=2, head_dim=16, moe=GPT_OSS, attn_sinks=True, qkv_bias=True, out_bias=True)
 EXPORTS = {
     "alternating windows, yarn, interleaved pairs": small(**BASE, sliding_window=WINDOW, layer_pattern=(

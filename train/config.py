@@ -222,7 +222,11 @@ class ExperimentConfig(_Table):
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> "ExperimentConfig":
-        """Inverse of to_dict, with the same checks as a config file (values of JSON's types)."""
+        """Inverse of to_dict, with the same checks as a config file (values of JSON's types); a saved
+        config's older MoE field names are read as today's (`MoEConfig.upgrade`)."""
+        model = values.get("model")
+        if isinstance(model, Mapping) and isinstance(model.get("moe"), Mapping):
+            values = {**values, "model": {**model, "moe": MoEConfig.upgrade(model["moe"])}}
         try:  # JSON mode: tables and arrays become the dataclasses and tuples of the fields
             return cls.model_validate_json(json.dumps(values, default=str))
         except ValidationError as err:

@@ -4,8 +4,10 @@ Contract (every implementation): `experts(x, expert_index, gate, weights, cfg) -
 
 * `x [M, D]` token rows in the compute dtype; `expert_index [M, K]` int32, the K distinct experts
   each row goes to; `gate [M, K]` float32, their weights (`jaxattn.moe.route`);
-* `weights`: an `ExpertWeights` (`gate_up [E, D, 2F]`, `down [E, F, D]`, GPT-OSS's biases);
-* `cfg`: a `jaxattn.moe.MoEConfig` (read here: `activation`, `gptoss_limit`, `gptoss_alpha`);
+* `weights`: an `ExpertWeights` (`gate_up [E, D, 2F]`, `down [E, F, D]`, their biases where
+  `MoEConfig.expert_bias`);
+* `cfg`: a `jaxattn.moe.MoEConfig` (read here: `activation`, `swiglu_limit`, `swiglu_alpha`,
+  `gate_up_interleaved`);
 * `y [M, D]` in x's dtype: `y_m = sum_k gate[m, k] * expert_{index[m, k]}(x_m)`, where
   `expert_e(x) = glu(x gate_up_e (+ b_e)) down_e (+ c_e)`.
 
@@ -46,9 +48,9 @@ GROUPED_FROM_TOKENS_HALF = 256
 class ExpertWeights(NamedTuple):
     """The routed experts' parameters, stacked on a leading expert axis E.
 
-    gate_up [E, D, 2F]: "swiglu": the gate's F columns, then the up's; "gptoss": interleaved,
-      gate in the even columns and up in the odd ones (GPT-OSS's layout, unchanged).
-    down [E, F, D]. gate_up_bias [E, 2F] and down_bias [E, D]: GPT-OSS only (None elsewhere).
+    gate_up [E, D, 2F]: the gate's F columns, then the up's; or, with `MoEConfig.gate_up_interleaved`,
+      gate in the even columns and up in the odd ones (GPT-OSS's layout, kept as stored).
+    down [E, F, D]. gate_up_bias [E, 2F] and down_bias [E, D]: with `MoEConfig.expert_bias` (else None).
     """
 
     gate_up: jax.Array
@@ -58,16 +60,19 @@ class ExpertWeights(NamedTuple):
 
 
 def glu(gate_up: jax.Array, cfg) -> jax.Array:
-    """`[..., 2F] -> [..., F]` in float32: silu(gate) * up ("swiglu"), or GPT-OSS's clamped form:
-    gate <= limit, |up| <= limit, (up + 1) * gate * sigmoid(alpha * gate)."""
+    """`[..., 2F] -> [..., F]` in float32, the gate and up halves laid out as `cfg.gate_up_interleaved`
+    says: silu(gate) * up ("swiglu"), or the clamped form ("clamped_swiglu"): gate <= limit,
+    |up| <= limit, (up + 1) * gate * sigmoid(alpha * gate)."""
     gate_up = gate_up.astype(jnp.float32)
-    if cfg.activation == "swiglu":
+    if cfg.gate_up_interleaved:
+        gate, up = gate_up[..., 0::2], gate_up[..., 1::2]
+    else:
         gate, up = jnp.split(gate_up, 2, axis=-1)
+    if cfg.activation == "swiglu":
         return jax.nn.silu(gate) * up
-    gate, up = gate_up[..., 0::2], gate_up[..., 1::2]
-    gate = jnp.minimum(gate, cfg.gptoss_limit)  # GPT-OSS clamps the gate from above only
-    up = jnp.clip(up, -cfg.gptoss_limit, cfg.gptoss_limit)
-    return (up + 1.0) * (gate * jax.nn.sigmoid(cfg.gptoss_alpha * gate))
+    gate = jnp.minimum(gate, cfg.swiglu_limit)  # the gate is clamped from above only
+    up = jnp.clip(up, -cfg.swiglu_limit, cfg.swiglu_limit)
+    return (up + 1.0) * (gate * jax.nn.sigmoid(cfg.swiglu_alpha * gate))
 
 
 def gate_matrix(expert_index: jax.Array, gate: jax.Array, num_experts: int) -> jax.Array:

@@ -11,11 +11,12 @@ As transformers 5.23 computes it (`models/gpt_oss`):
 * RoPE: `rope_parameters` (or a legacy `rope_scaling`); absent, transformers' default
   YaRN (factor 32, beta_fast 32, beta_slow 1, truncate false, original 4096 positions)
   with base `rope_theta` (default 150000).
-* every MLP a mixture of experts (`ModelConfig.moe`, `MoEConfig.activation="gptoss"`):
-  a biased router whose top `num_experts_per_tok` logits are softmaxed
-  (`softmax_after_topk`), experts `gate_up_proj [E, D, 2F]` (gate in even columns,
-  up in odd) and `down_proj [E, F, D]` with biases, gate clamped above at
-  `swiglu_limit`, up to +-`swiglu_limit`, (up + 1) * gate * sigmoid(`swiglu_alpha` * gate).
+* every MLP a mixture of experts (`ModelConfig.moe`, `EXPERTS`): a biased router whose top
+  `num_experts_per_tok` logits are softmaxed (`softmax_after_topk`), experts
+  `gate_up_proj [E, D, 2F]` (gate in even columns, up in odd: `gate_up_interleaved`) and
+  `down_proj [E, F, D]` with biases (`expert_bias`), the clamped SwiGLU
+  (`activation="clamped_swiglu"`): gate clamped above at `swiglu_limit`, up to
+  +-`swiglu_limit`, (up + 1) * gate * sigmoid(`swiglu_alpha` * gate).
   F is `intermediate_size`. `hidden_act` is unused by transformers' GPT-OSS, so ignored.
 * pre-norm RMSNorm (`rms_norm_eps`, default 1e-5); untied head by default.
 
@@ -56,6 +57,8 @@ BIASES = Biases(qkv=Switch("attention_bias", True), out=Switch("attention_bias",
 DEFAULT_ROPE = dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
                     original_max_position_embeddings=4096)
 DEFAULT_THETA = 150000.0
+# GPT-OSS's routed experts, in the names of their maths (`MoEConfig`).
+EXPERTS = dict(activation="clamped_swiglu", expert_bias=True, gate_up_interleaved=True)
 
 
 # ---------------------------------------------------------------- config.json
@@ -81,8 +84,8 @@ def _moe(hf: Fields) -> MoEConfig:
     return MoEConfig(num_experts=hf.integer("num_local_experts", 128),
                      experts_per_token=hf.integer("num_experts_per_tok", 4),
                      expert_hidden=hf.integer("intermediate_size", 2880), softmax_after_topk=True, router_bias=True,
-                     activation="gptoss", gptoss_limit=hf.number("swiglu_limit", 7.0),
-                     gptoss_alpha=hf.number("swiglu_alpha", 1.702),
+                     **EXPERTS, swiglu_limit=hf.number("swiglu_limit", 7.0),
+                     swiglu_alpha=hf.number("swiglu_alpha", 1.702),
                      aux_loss_coef=moe.aux_loss_coef(hf))
 
 
@@ -101,14 +104,14 @@ def write(c: ModelConfig) -> dict[str, Any]:
             "rope_parameters": common.rope_parameters(c), "hidden_act": "silu",
             "sliding_window": c.sliding_window or c.max_seq_len, "layer_types": common.layer_types(c),
             "num_local_experts": m.num_experts, "num_experts_per_tok": m.experts_per_token,
-            "swiglu_limit": m.gptoss_limit, "swiglu_alpha": m.gptoss_alpha,
+            "swiglu_limit": m.swiglu_limit, "swiglu_alpha": m.swiglu_alpha,
             "router_aux_loss_coef": m.aux_loss_coef, "output_router_logits": m.aux_loss_coef > 0}
 
 
 def refusal(c: ModelConfig) -> list[Problem]:
     # Every layer's MLP is routed experts, so the dense `mlp` kind never computes anything.
     problems = (features(c, ARCH, moe=moe.PRESENT, attn_sinks=True, mlp=ANY) + layers(c, ARCH, windows="any")
-                + moe.problems(c, ARCH, softmax_after_topk=True, router_bias=True, activation="gptoss"))
+                + moe.problems(c, ARCH, softmax_after_topk=True, router_bias=True, **EXPERTS))
     if c.dense_layers:
         problems.append(Problem("dense_layers", c.dense_layers, f"{ARCH} has experts in every layer"))
     return problems

@@ -36,11 +36,11 @@ from jaxattn.hf.weights import Entry
 from jaxattn.layer_config import MoEConfig
 
 # The MoEConfig of a plain top-K softmax router, field by field (fields not here are written, or do not
-# change the function: gptoss_* without its activation, the training losses' weights).
+# change the function: swiglu_* without the clamped activation, the training losses' weights).
 PLAIN: dict[str, Any] = dict(scoring="softmax", softmax_after_topk=False, n_group=1, topk_group=1, group_score=ANY,
                              correction_bias=False, norm_topk_prob=False, routed_scaling_factor=1.0,
                              router_bias=False, num_shared_experts=0, shared_expert_hidden=ANY, shared_gate=False,
-                             activation="swiglu")
+                             activation="swiglu", expert_bias=False, gate_up_interleaved=False)
 PRESENT = Need(lambda v, c: v is not None, "mixture-of-experts MLPs")  # `features(..., moe=PRESENT)`
 
 # ---------------------------------------------------------------- reading config.json
