@@ -38,8 +38,7 @@ from bench import fresh  # noqa: E402
 from bench.machine import cpu_cores, describe_machine, machine_line, portable_command, write_results  # noqa: E402
 from bench.timing import in_turns  # noqa: E402
 from jaxattn import DecoderLM, MLAConfig, ModelConfig, MoEConfig, generate, hf, resolve_kernels  # noqa: E402
-from jaxattn.model import count_params  # noqa: E402
-from jaxattn.moe import active_params  # noqa: E402
+from jaxattn.model import active_params, count_params  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PROMPT_LEN, VOCAB = 16, 256

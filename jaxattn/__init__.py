@@ -19,7 +19,7 @@ an optional `Kernels`, which implementations run it):
 * per-layer attention: `LayerKind` (`ModelConfig.layer_pattern`), `AttentionSpec`
 * mixture-of-experts MLPs: `MoE`, `MoEConfig` (`ModelConfig.moe`, `dense_layers`; `jaxattn.moe`:
   the router, the router losses; the routed experts' implementations behind `Kernels.moe`)
-* `Block`, `DecoderLM`, `abstract_params`, `count_params`, `attention_weights`
+* `Block`, `DecoderLM`, `abstract_params`, `count_params`, `active_params`, `attention_weights`
 * caches: `KVCache`, `LatentCache`, `DecodeCache`, `init_cache`, `cache_bytes_per_token`
 
 Decoding: `generate` (prefill + `jax.lax.scan` over one-token steps),
@@ -59,7 +59,7 @@ from jaxattn.masks import (
 )
 from jaxattn.mla import MultiHeadLatentAttention, latent_attention
 from jaxattn.moe import MoE
-from jaxattn.model import Block, DecoderLM, abstract_params, attention_weights, count_params
+from jaxattn.model import Block, DecoderLM, abstract_params, active_params, attention_weights, count_params
 from jaxattn.positions import sinusoidal_positions
 from jaxattn.rope import RopeScaling, apply_rope, rope_attention_factor, rope_frequencies
 from jaxattn.softmax import masked_softmax
@@ -85,6 +85,7 @@ __all__ = [
     "Platform",
     "RMSNorm",
     "RopeScaling",
+    "active_params",
     "additive_attention",
     "apply_rope",
     "abstract_params",

@@ -76,7 +76,7 @@ class AttentionLayer(nn.Module):
         raise NotImplementedError
 
     def update_cache(self, cache, kv, starts):
-        """Writes row b's new kv at slots `starts[b] + arange(T)` of the layer's cache."""
+        """Writes row b's new kv at slots `starts[b] + arange(T)` of the layer's cache (slot = position)."""
         raise NotImplementedError
 
     def attend(self, q, kv, *, mask=None, is_causal=False, window=None, deterministic=True,
@@ -141,29 +141,30 @@ class AttentionLayer(nn.Module):
             self.sow(*WEIGHTS, weights)
         return self.project_out(out, deterministic=deterministic)
 
-    def extend(self, x, cache, starts, *, value_embedding=None):
+    def extend(self, x, cache, positions, *, value_embedding=None):
         """Appends the T tokens of x to the cache and attends causally to all of row b's tokens.
 
         Args:
-          x: `[B, T, D]`; token t of row b sits at absolute position `starts[b] + t`.
-          cache: this layer's cache (`KVCache` or `LatentCache`), `starts[b] + T <= L`.
-          starts: `[B]` int, tokens of each row already in the cache.
+          x: `[B, T, D]` new tokens.
+          cache: this layer's cache (`KVCache` or `LatentCache`) of L slots; slot j holds position j.
+          positions: `[B, T]` int absolute positions of the new tokens, consecutive in each row from
+            the row's cache length: `positions[b, t] = positions[b, 0] + t`, `positions[b, -1] < L`
+            (the model computes them once for every layer).
           value_embedding: `[B, T, K, Hv]` or None, as in `__call__`; the cache keeps the mixed values.
 
         Returns:
           `([B, T, D], new_cache)`. Deterministic (no dropout).
         """
         self.check_inputs(x, None)
-        positions = starts[:, None] + jnp.arange(x.shape[1])[None, :]  # [B, T] absolute
         q, kv = self.project(x)
         q, kv = self.normalise(q, self.mix_values(kv, value_embedding))
         q, kv = self.rotate(q, kv, positions, positions)
-        cache = self.update_cache(cache, kv, starts)
+        cache = self.update_cache(cache, kv, positions[:, 0])  # the rows' first new slots
         return self.project_out(self.attend_cached(q, cache, positions)), cache
 
     # -- shared pieces -----------------------------------------------------------------------
 
-    def setup_shared(self, num_heads: int, rotated: int, all_rotated: bool) -> None:
+    def setup_rope_sinks_dropout(self, num_heads: int, rotated: int, all_rotated: bool) -> None:
         """From setup: this layer's RoPE frequencies over its `rotated` dims (`inv_freq`), YaRN's
         attention factor (`rope_factor`, 1 when `all_rotated` folds it into the scale), the
         `sinks` parameter `[N]` (logical axis "heads") and the residual dropout."""
@@ -178,8 +179,8 @@ class AttentionLayer(nn.Module):
                                     jnp.dtype(c.param_dtype))
         self.resid_dropout = nn.Dropout(c.dropout)
 
-    def features(self) -> dict:
-        """The attention features this layer has, as keyword arguments of the attention functions
+    def cap_and_sinks(self) -> dict:
+        """This layer's logit soft cap and sinks, as keyword arguments of the attention functions
         (only those it has, so a kernel that cannot take one is asked only where it is used)."""
         spec, extra = self.spec, {}
         if spec.logits_soft_cap is not None:
@@ -201,7 +202,7 @@ class AttentionLayer(nn.Module):
             q, k, v, mask=mask, is_causal=is_causal, scale=self.scale,
             local_window_size=None if window is None else (window - 1, 0),
             dropout_rate=rate, dropout_rng=rng, return_weights=return_weights,
-            implementation=self.kernels.attention, **self.features())
+            implementation=self.kernels.attention, **self.cap_and_sinks())
         return result if return_weights else (result, None)
 
     def dropout(self, deterministic: bool):

@@ -262,9 +262,18 @@ class ModelConfig:
         """The layers whose MLP is a mixture of experts (empty: a dense model)."""
         return tuple(i for i in range(self.num_layers) if self.layer_is_moe(i))
 
+    @property
+    def idle_expert_params(self) -> int:
+        """The routed experts' parameters one token does not touch: in each MoE layer, the E - K
+        experts it is not sent to (0 for a dense model)."""
+        if self.moe is None:
+            return 0
+        m = self.moe
+        return len(self.moe_layers) * (m.num_experts - m.experts_per_token) * m.expert_params(self.d_model)
+
     def layer_attention(self, i: int) -> AttentionSpec:
         """Layer i's attention: the model's settings with `layer_pattern[i % len]` applied."""
-        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.num_layers:
+        if not is_int(i, numpy=False) or not 0 <= i < self.num_layers:
             raise ValueError(f"layer must be an integer in [0, num_layers={self.num_layers}), got {i!r}")
         pattern = self.layer_pattern
         kind = pattern[i % len(pattern)] if pattern else LayerKind(local=self.sliding_window is not None)

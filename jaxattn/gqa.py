@@ -64,7 +64,7 @@ class Attention(AttentionLayer):
             self.value_lambdas = self.param("value_lambdas", logical(nn.initializers.constant(0.5), None), (2,),
                                             jnp.dtype(c.param_dtype))
         self.rotary = rotary_dims(H, spec.rotary_fraction) if spec.rope else 0
-        self.setup_shared(N, self.rotary, all_rotated=self.rotary == H)
+        self.setup_rope_sinks_dropout(N, self.rotary, all_rotated=self.rotary == H)
         if c.attn_scale is None:
             self.scale = self.scale_factor / math.sqrt(H)
         else:
@@ -151,7 +151,7 @@ class Attention(AttentionLayer):
     def attend_cached(self, q, cache: KVCache, positions):
         """`cached_attention` of q `[B, T, N, H]` at `positions` against the `[B, K, L, H]` cache."""
         return cached_attention(q, cache.k, cache.v, positions, scale=self.scale, window=self.spec.window,
-                                implementation=self.kernels.decode, **self.features())
+                                implementation=self.kernels.decode, **self.cap_and_sinks())
 
     def project_out(self, out, *, deterministic=True):
         """Merges heads `[B, T, N, H] -> [B, T, N*H]` (a free reshape) and applies W_O -> `[B, T, D]`."""

@@ -111,7 +111,7 @@ class MultiHeadLatentAttention(AttentionLayer):
         self.wkv_b = self.param("wkv_b", logical(nn.initializers.normal(c.init_std), LATENT, HEADS, HEAD_DIM),
                                 (R, N, P + V), jnp.dtype(c.param_dtype))
         self.wo = make_linear(c, k, c.d_model, (HEADS, EMBED), residual=True, use_bias=c.out_bias)
-        self.setup_shared(N, E, all_rotated=False)  # the factor stays on the rotary dims
+        self.setup_rope_sinks_dropout(N, E, all_rotated=False)  # the factor stays on the rotary dims
         mscale = yarn_softmax_mscale(spec.rope_scaling) ** 2
         self.scale = mscale / math.sqrt(P + E) if c.attn_scale is None else mscale * c.attn_scale
 
@@ -190,7 +190,7 @@ class MultiHeadLatentAttention(AttentionLayer):
         rate, rng = self.dropout(deterministic)
         o_latent, weights = latent_attention(
             q_latent, q_rope, c_kv.astype(q_nope.dtype), k_rope.astype(q_nope.dtype), scale=self.scale,
-            mask=mask, is_causal=is_causal, window=window, dropout_rate=rate, dropout_rng=rng, **self.features())
+            mask=mask, is_causal=is_causal, window=window, dropout_rate=rate, dropout_rng=rng, **self.cap_and_sinks())
         out = jnp.einsum("BTNR,RNV->BTNV", o_latent, w_uv)
         return out, (weights if return_weights else None)
 

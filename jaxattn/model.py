@@ -12,10 +12,14 @@ cache; the cache goes in and comes out, the module keeps no state.
 `DecoderLM(config, kernels)`: the config is the maths, the optional
 `jaxattn.kernels.Kernels` says which implementations run it.
 `abstract_params(config)` is its parameter tree as shapes and dtypes, with each
-leaf's logical axis names (nothing allocated). `attention_weights(model, variables, tokens)` returns the logits and every
+leaf's logical axis names (nothing allocated); `count_params` and `active_params` count it.
+`attention_weights(model, variables, tokens)` returns the logits and every
 layer's attention weights (sown by the layers into "intermediates"). A layer's
 MLP is dense or, where `ModelConfig.layer_is_moe`, a mixture of experts
-(`jaxattn.moe.MoE`), whose training losses are sown into `jaxattn.moe.LOSSES`.
+(`jaxattn.moe.MoE`): both are called alike, and a layer with training losses of its own sows
+them (`jaxattn.layer_losses`). The absolute positions added to the embeddings are one module,
+chosen once from the config (`jaxattn.position_embeddings`); positions are computed here, once
+per call, and passed down to every layer.
 """
 
 from __future__ import annotations
@@ -31,20 +35,20 @@ from jax.experimental import checkify
 
 from jaxattn import kernels as kernels_lib
 from jaxattn._validate import concrete_or_none
+from jaxattn.attention_layer import WEIGHTS
+from jaxattn.axes import ACTIVATION_EMBED, ACTIVATION_VOCAB, BATCH, EMBED, KV_HEADS, LENGTH, VOCAB
 from jaxattn.cache import DecodeCache, KVCache, LatentCache
 from jaxattn.config import ModelConfig
-from jaxattn.kernels import Kernels
-from jaxattn.attention_layer import WEIGHTS
 from jaxattn.gqa import Attention
+from jaxattn.kernels import Kernels
 from jaxattn.mla import MultiHeadLatentAttention
-from jaxattn.moe import MoE
-from jaxattn.positions import sinusoidal_positions
-from jaxattn.primitives import MLP, check_config, leading_ones, logical, make_linear, make_norm
-from jaxattn.sharding import ACTIVATION_EMBED, ACTIVATION_VOCAB, BATCH, EMBED, KV_HEADS, LENGTH, POSITION, VOCAB
+from jaxattn.moe import mlp_for_layer
+from jaxattn.position_embeddings import absolute_positions
+from jaxattn.primitives import check_config, logical, make_linear, make_norm
 from jaxattn.softmax import soft_cap
 
 
-# The logical axes of the residual stream `[B, T, D]`. Under `jaxattn.sharding.activation_rules`
+# The logical axes of the residual stream `[B, T, D]`. Under `jaxattn.axes.activation_rules`
 # (as `train.steps` traces its programs) rows are split over the batch axes and D is kept whole,
 # so each layer's weights are gathered to the rows rather than the rows resharded to the weights
 # (docs/theory.md §16); anywhere else the constraint is a no-op.
@@ -60,7 +64,8 @@ class Block(nn.Module):
     `post_mlp_norm`. `config.residual`: "sequential" feeds the MLP branch the
     stream after attention; "parallel" feeds both branches the same x,
     `x + attn_branch(x) + mlp_branch(x)` (GPT-NeoX). Residual dropout is inside
-    the attention layer and the MLP.
+    the attention layer and the MLP. The MLP is dense or a mixture of experts, called alike
+    (`x, *, padding_mask, deterministic -> y`).
     """
 
     config: ModelConfig
@@ -75,36 +80,35 @@ class Block(nn.Module):
         self.attn = attention(c, k, layer=self.layer)
         if c.norm_placement != "post":
             self.mlp_norm = make_norm(c)
-        self.mlp = MoE(c, c.moe, k) if c.layer_is_moe(self.layer) else MLP(c, k)
+        self.mlp = mlp_for_layer(c, k, self.layer)  # dense or a mixture of experts, called alike
         if c.norm_placement != "pre":
             self.post_attn_norm = make_norm(c)
             self.post_mlp_norm = make_norm(c)
 
-    def __call__(self, x, *, positions, mask=None, deterministic=True, value_embedding=None, token_mask=None):
-        """`[B, T, D] -> [B, T, D]`, causal; `value_embedding` `[B, T, K, H]` goes to the values (or None);
-        `token_mask [B, T]` (True = real) keeps padding out of a mixture-of-experts MLP's losses."""
+    def __call__(self, x, *, positions, padding_mask=None, deterministic=True, value_embedding=None):
+        """`[B, T, D] -> [B, T, D]`, causal, the tokens at `positions` (`[B, T]` or `[T]`).
+
+        `padding_mask [B, T]` (True = a real token) hides padding keys from attention and keeps
+        padding out of an MLP's losses; `value_embedding` `[B, T, K, H]` goes to the values (or None).
+        """
+        mask = None if padding_mask is None else padding_mask[:, None, None, :]  # [B, 1, 1, S]
         attend = lambda h: self.attn(h, positions=positions, mask=mask, is_causal=True,  # noqa: E731
                                      deterministic=deterministic, value_embedding=value_embedding)
-        return self.residuals(x, attend, deterministic, token_mask)
+        return self.residuals(x, attend, deterministic, padding_mask)
 
-    def extend(self, x, cache, starts, *, value_embedding=None):
-        """`[B, T, D]` new tokens at positions `starts[b] + t` -> (`[B, T, D]`, new layer cache)."""
+    def extend(self, x, cache, positions, *, value_embedding=None):
+        """`[B, T, D]` new tokens at absolute `positions [B, T]` (row b's from its cache length on)
+        -> (`[B, T, D]`, new layer cache)."""
         caches = []
 
         def attend(h):
-            out, new_cache = self.attn.extend(h, cache, starts, value_embedding=value_embedding)
+            out, new_cache = self.attn.extend(h, cache, positions, value_embedding=value_embedding)
             caches.append(new_cache)
             return out
 
         return self.residuals(x, attend, True), caches[0]
 
-    def feed_forward(self, h, deterministic, token_mask=None):
-        """The MLP sublayer `[B, T, D] -> [B, T, D]`: dense, or a mixture of experts (whose losses it sows)."""
-        if isinstance(self.mlp, MoE):
-            return self.mlp(h, token_mask, deterministic=deterministic)[0]
-        return self.mlp(h, deterministic=deterministic)
-
-    def residuals(self, x, attend, deterministic, token_mask=None):
+    def residuals(self, x, attend, deterministic, padding_mask=None):
         """The two branches around `attend` (`[B, T, D] -> [B, T, D]`) and the MLP, per the config."""
         c = self.config
         pre = c.norm_placement != "post"
@@ -114,18 +118,12 @@ class Block(nn.Module):
             y = f(pre_norm(h) if pre else h)
             return post_norm(y) if post else y
 
-        mlp = lambda h: self.feed_forward(h, deterministic, token_mask)  # noqa: E731
+        mlp = lambda h: self.mlp(h, padding_mask=padding_mask, deterministic=deterministic)  # noqa: E731
         attn_out = branch(x, attend, lambda h: self.attn_norm(h), lambda h: self.post_attn_norm(h))
         if c.residual == "parallel":
             return x + attn_out + branch(x, mlp, lambda h: self.mlp_norm(h), lambda h: self.post_mlp_norm(h))
         x = x + attn_out
         return x + branch(x, mlp, lambda h: self.mlp_norm(h), lambda h: self.post_mlp_norm(h))
-
-
-def _check_model_config(config: ModelConfig, kernels: Kernels) -> None:
-    check_config(config, kernels)
-    if config.positions == "sinusoidal" and config.d_model % 2:
-        raise ValueError(f"sinusoidal positions need an even d_model, got {config.d_model}")
 
 
 def _check_tokens(tokens) -> None:
@@ -136,25 +134,23 @@ def _check_tokens(tokens) -> None:
 
 
 class DecoderLM(nn.Module):
-    """Token embedding `wte`, optional position table `wpe`, value-embedding tables `value_embed_j`
-    (`[V, K*H]`, logical axes ("vocab", "kv_heads")), blocks `blocks_i`, `final_norm`, lm_head."""
+    """Token embedding `wte`, the absolute positions `wpe` (a learned table for "learned" positions),
+    value-embedding tables `value_embed_j` (`[V, K*H]`, logical axes ("vocab", "kv_heads")), blocks
+    `blocks_i`, `final_norm`, lm_head."""
 
     config: ModelConfig
     kernels: Kernels = Kernels()
 
     def setup(self):
         c, k = self.config, self.kernels
-        _check_model_config(c, k)
+        check_config(c, k)
         dtypes = dict(dtype=jnp.dtype(c.dtype), param_dtype=jnp.dtype(c.param_dtype))
-        table = lambda rows: logical(nn.initializers.normal(c.init_std), rows, EMBED)  # noqa: E731
-        self.wte = nn.Embed(c.vocab_size, c.d_model, embedding_init=table(VOCAB), **dtypes)
+        tokens = logical(nn.initializers.normal(c.init_std), VOCAB, EMBED)
+        self.wte = nn.Embed(c.vocab_size, c.d_model, embedding_init=tokens, **dtypes)
         values = logical(nn.initializers.normal(c.init_std), VOCAB, KV_HEADS)
         self.value_embed = [nn.Embed(c.vocab_size, c.num_kv_heads * c.head_dim, embedding_init=values, **dtypes)
                             for _ in range(c.value_embeddings)]  # params value_embed_0 .. value_embed_{E-1}
-        if c.positions == "learned":
-            self.wpe = nn.Embed(c.max_seq_len, c.d_model, embedding_init=table(POSITION), **dtypes)
-        elif c.positions == "sinusoidal":
-            self.sinusoid = sinusoidal_positions(c.max_seq_len, c.d_model)  # [P, D], not a param
+        self.wpe = absolute_positions(c)
         self.embed_dropout = nn.Dropout(c.dropout)
         self.blocks = [Block(c, k, layer=i) for i in range(c.num_layers)]
         self.final_norm = make_norm(c)
@@ -165,11 +161,8 @@ class DecoderLM(nn.Module):
     # -- the named steps -------------------------------------------------------------------
 
     def embed(self, tokens, positions, *, deterministic=True):
-        """tokens `[B, T]`, positions `[B, T]` or `[T]` -> `[B, T, D]`.
-
-        Learned and sinusoidal tables are indexed by absolute position (out of
-        range positions are clamped to the last row); RoPE and none add nothing here.
-        """
+        """tokens `[B, T]`, positions `[B, T]` or `[T]` -> `[B, T, D]`: the token rows, scaled, plus
+        the absolute positions (`jaxattn.position_embeddings`; RoPE and none add nothing here)."""
         # nn.Embed's lookup, with the table gathered first on a mesh (FSDP splits it along D; looking
         # rows up in a split table would give activations split along D, not by rows).
         table = nn.with_logical_constraint(self.wte.embedding, (ACTIVATION_VOCAB, ACTIVATION_EMBED))
@@ -177,11 +170,7 @@ class DecoderLM(nn.Module):
         c = self.config
         if c.embed_multiplier != 1.0:  # Gemma's sqrt(D), rounded to the compute dtype as Gemma does
             x = x * jnp.asarray(c.embed_multiplier, x.dtype)
-        if c.positions == "learned":
-            x = x + leading_ones(self.wpe(positions), x.ndim)  # [T, D] or [B, T, D]
-        elif c.positions == "sinusoidal":
-            x = x + leading_ones(self.sinusoid[positions].astype(x.dtype), x.ndim)
-        return self.embed_dropout(x, deterministic=deterministic)
+        return self.embed_dropout(self.wpe.add_to(x, positions), deterministic=deterministic)
 
     def embed_values(self, tokens) -> list:
         """tokens `[B, T]` -> per layer its value embedding `[B, T, K, H]` (compute dtype) or None.
@@ -235,16 +224,13 @@ class DecoderLM(nn.Module):
         if positions is None:
             self._check_length(T)
             positions = jnp.arange(T)
-        mask = None
-        if padding_mask is not None:
-            if padding_mask.shape != (B, T) or padding_mask.dtype != jnp.bool_:
-                raise ValueError(f"padding_mask must be bool [B, T] = {(B, T)}, got "
-                                 f"{padding_mask.dtype} {padding_mask.shape}")
-            mask = padding_mask[:, None, None, :]  # [B, 1, 1, S]
+        if padding_mask is not None and (padding_mask.shape != (B, T) or padding_mask.dtype != jnp.bool_):
+            raise ValueError(f"padding_mask must be bool [B, T] = {(B, T)}, got "
+                             f"{padding_mask.dtype} {padding_mask.shape}")
         x = nn.with_logical_constraint(self.embed(tokens, positions, deterministic=deterministic), RESIDUAL_AXES)
         for block, value_embedding in zip(self.blocks, self.embed_values(tokens)):
-            x = block(x, positions=positions, mask=mask, deterministic=deterministic, value_embedding=value_embedding,
-                      token_mask=padding_mask)
+            x = block(x, positions=positions, padding_mask=padding_mask, deterministic=deterministic,
+                      value_embedding=value_embedding)
             x = nn.with_logical_constraint(x, RESIDUAL_AXES)
         return self.logits(x)
 
@@ -284,7 +270,7 @@ class DecoderLM(nn.Module):
         x = self.embed(tokens, positions)
         layers = []
         for block, layer_cache, value_embedding in zip(self.blocks, cache.layers, self.embed_values(tokens)):
-            x, layer_cache = block.extend(x, layer_cache, starts, value_embedding=value_embedding)
+            x, layer_cache = block.extend(x, layer_cache, positions, value_embedding=value_embedding)
             layers.append(layer_cache)
         return self.logits(x), DecodeCache(layers=tuple(layers), lengths=starts + num_new)
 
@@ -312,8 +298,9 @@ class DecoderLM(nn.Module):
                            num_new)
 
     def _check_length(self, T: int) -> None:
-        if self.config.positions in ("learned", "sinusoidal") and T > self.config.max_seq_len:
-            raise ValueError(f"sequence length {T} exceeds max_seq_len={self.config.max_seq_len} "
+        table = self.wpe.max_positions
+        if table is not None and T > table:
+            raise ValueError(f"sequence length {T} exceeds max_seq_len={table} "
                              f"of the {self.config.positions} position table")
 
     def _check_cache(self, tokens, cache) -> None:
@@ -363,3 +350,9 @@ def attention_weights(model: nn.Module, variables, tokens, **kwargs):
 def count_params(params) -> int:
     """Total number of parameters (numbers) in a parameter pytree."""
     return sum(int(x.size) for x in jax.tree_util.tree_leaves(params))
+
+
+def active_params(config: ModelConfig) -> int:
+    """How many of `DecoderLM(config)`'s parameters touch one token: all but those of the routed
+    experts it is not sent to (`ModelConfig.idle_expert_params`; every parameter of a dense model)."""
+    return count_params(nn.unbox(abstract_params(config))) - config.idle_expert_params

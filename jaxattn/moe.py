@@ -17,7 +17,10 @@ F an expert's hidden width. A layer computes, per row x_m,
   no dropped rows.
 * `load_balancing_loss` (the Switch Transformer's, as transformers' `load_balancing_loss_func`)
   and `router_z_loss` (ST-MoE's): training settings `MoEConfig.aux_loss_coef`, `z_loss_coef`.
-* `MoE`: the Flax module owning the parameters, expert weights on the logical axis "expert".
+* `MoE`: the Flax module owning the parameters, expert weights on the logical axis "expert". It is
+  called as the dense `jaxattn.primitives.MLP` is, `[B, T, D] -> [B, T, D]`, and sows its losses
+  into `jaxattn.layer_losses.COLLECTION` (`LOSS_NAMES`), where a training step reads them, and its
+  routing into "intermediates" (`ROUTING`) when a caller makes that collection mutable.
 """
 
 from __future__ import annotations
@@ -28,18 +31,23 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jaxattn import layer_losses, primitives
 from jaxattn._validate import require_float, require_rank
+from jaxattn.axes import EMBED, EXPERT, MLP
 from jaxattn.config import ModelConfig
-from jaxattn.layer_config import MoEConfig
 from jaxattn.kernels import Kernels, moe_kernel
 from jaxattn.kernels.moe import IMPLEMENTATIONS, ExpertWeights, gate_matrix, glu
 from jaxattn.kernels.moe import (experts_dense, experts_gathered, experts_grouped,  # noqa: F401 (re-exported)
                                  experts_grouped_cpu)
+from jaxattn.layer_config import MoEConfig
 from jaxattn.primitives import logical, make_linear, residual_init_std
-from jaxattn.sharding import EMBED, EXPERT, MLP
 
-LOSSES = "moe_losses"  # the collection each MoE layer sows its losses into
-LOSS_NAMES = ("load_balancing_loss", "router_z_loss", "aux_loss")
+# The losses each MoE layer sows into `jaxattn.layer_losses.COLLECTION`; "aux_loss" (their sum weighted by
+# `aux_loss_coef` and `z_loss_coef`) is `layer_losses.OBJECTIVE`, the one a training step adds.
+LOSS_NAMES = ("load_balancing_loss", "router_z_loss", layer_losses.OBJECTIVE)
+# Where a layer sows its routing when "intermediates" is mutable: "router_logits" [B, T, E] float32,
+# "expert_index" [B, T, K] int32 and "gate" [B, T, K] float32.
+ROUTING = ("intermediates", "routing")
 
 
 class RouterWeights(NamedTuple):
@@ -161,7 +169,7 @@ def router_z_loss(router_logits: jax.Array, mask: jax.Array | None = None) -> ja
 
 
 class MoE(nn.Module):
-    """A mixture-of-experts MLP: `[B, T, D] -> ([B, T, D], aux)`.
+    """A mixture-of-experts MLP: `[B, T, D] -> [B, T, D]`, called as `jaxattn.primitives.MLP` is.
 
     Attributes:
       config: the model (`d_model`, dtypes, `init_std`, `num_layers` and `zero_init_out` for the
@@ -172,8 +180,8 @@ class MoE(nn.Module):
 
     Parameters (logical axes): `router_kernel [D, E]` ("embed", "expert"), `router_bias [E]` and
     `router_correction_bias [E]` (float32; "expert"); `experts_gate_up [E, D, 2F]` ("expert", "embed",
-    "mlp"), `experts_down [E, F, D]` ("expert", "mlp", "embed"), GPT-OSS's `experts_gate_up_bias [E, 2F]`
-    and `experts_down_bias [E, D]`; the shared experts' `shared_gate_up/kernel [D, 2S]` ([gate | up]),
+    "mlp"), `experts_down [E, F, D]` ("expert", "mlp", "embed"), and with `MoEConfig.expert_bias`
+    `experts_gate_up_bias [E, 2F]` and `experts_down_bias [E, D]`; the shared experts' `shared_gate_up/kernel [D, 2S]` ([gate | up]),
     `shared_down/kernel [S, D]` and `shared_expert_gate/kernel [D, 1]` (S = `MoEConfig.shared_hidden`).
     """
 
@@ -198,7 +206,7 @@ class MoE(nn.Module):
                              (E, D, 2 * F), dtype)
         down = self.param("experts_down", logical(nn.initializers.normal(out_std), EXPERT, MLP, EMBED),
                           (E, F, D), dtype)
-        if m.activation != "gptoss":
+        if not m.expert_bias:
             return ExpertWeights(gate_up, down)
         return ExpertWeights(gate_up, down,
                              self.param("experts_gate_up_bias", logical(nn.initializers.zeros, EXPERT, MLP),
@@ -219,22 +227,21 @@ class MoE(nn.Module):
         return out
 
     @nn.compact
-    def __call__(self, x: jax.Array, token_mask: jax.Array | None = None, *,
-                 deterministic: bool = True) -> tuple[jax.Array, dict]:
-        """`x [B, T, D]` -> `(y [B, T, D], aux)`, then residual dropout (`config.dropout`) as `MLP`.
+    def __call__(self, x: jax.Array, *, padding_mask: jax.Array | None = None,
+                 deterministic: bool = True) -> jax.Array:
+        """`x [B, T, D]` -> `y [B, T, D]`, then residual dropout (`config.dropout`) as `MLP`.
 
-        `token_mask [B, T]` (True = a real token) leaves padding out of the losses only.
-        aux: "router_logits" [B, T, E] float32, "expert_index" [B, T, K] int32, "gate" [B, T, K]
-        float32, "load_balancing_loss", "router_z_loss" and "aux_loss" (their sum weighted by
-        `aux_loss_coef` and `z_loss_coef`), float32 scalars. The three losses are also sown into
-        the `LOSSES` collection (kept where a caller makes it mutable: `moe_losses`).
+        `padding_mask [B, T]` (True = a real token) leaves padding out of the losses only. Sown:
+        into `jaxattn.layer_losses.COLLECTION`, "load_balancing_loss", "router_z_loss" and
+        "aux_loss" (their sum weighted by `aux_loss_coef` and `z_loss_coef`), float32 scalars; into
+        `ROUTING`, where "intermediates" is mutable, `{"router_logits", "expert_index", "gate"}`.
         """
         require_rank("x", x, 3, "[B, T, D]")
         B, T, D = x.shape
         if D != self.config.d_model:
             raise ValueError(f"x must be [B, T, d_model={self.config.d_model}], got shape {tuple(x.shape)}")
-        if token_mask is not None and tuple(token_mask.shape) != (B, T):
-            raise ValueError(f"token_mask must be [B, T] = {(B, T)}, got {tuple(token_mask.shape)}")
+        if padding_mask is not None and tuple(padding_mask.shape) != (B, T):
+            raise ValueError(f"padding_mask must be [B, T] = {(B, T)}, got {tuple(padding_mask.shape)}")
         rows = x.reshape(B * T, D).astype(jnp.dtype(self.config.dtype))  # [M, D]
         index, gate, logits = route(rows, self._router(), self.moe)
         y = moe_kernel(self.kernels.moe)(rows, index, gate, self._experts(), self.moe)
@@ -242,41 +249,23 @@ class MoE(nn.Module):
             y = y + self._shared(rows)
         m, E, K = self.moe, self.moe.num_experts, self.moe.experts_per_token
         logits = logits.reshape(B, T, E)
-        balance, z = load_balancing_loss(logits, K, token_mask), router_z_loss(logits, token_mask)
-        aux = {"router_logits": logits, "expert_index": index.reshape(B, T, K),
-               "gate": gate.reshape(B, T, K), "load_balancing_loss": balance, "router_z_loss": z,
-               "aux_loss": m.aux_loss_coef * balance + m.z_loss_coef * z}
-        for name in LOSS_NAMES:
-            self.sow(LOSSES, name, aux[name])
-        return nn.Dropout(self.config.dropout)(y.reshape(B, T, D), deterministic=deterministic), aux
+        balance, z = load_balancing_loss(logits, K, padding_mask), router_z_loss(logits, padding_mask)
+        losses = dict(zip(LOSS_NAMES, (balance, z, m.aux_loss_coef * balance + m.z_loss_coef * z)))
+        for name, value in losses.items():
+            self.sow(layer_losses.COLLECTION, name, value)
+        if self.is_mutable_collection(ROUTING[0]) and not self.is_initializing():
+            self.sow(*ROUTING, {"router_logits": logits, "expert_index": index.reshape(B, T, K),
+                                "gate": gate.reshape(B, T, K)})
+        return nn.Dropout(self.config.dropout)(y.reshape(B, T, D), deterministic=deterministic)
 
 
-def moe_losses(state: dict) -> dict[str, jax.Array]:
-    """The mean over a model's MoE layers of each loss they sowed (`state`: the mutable variables
-    returned by `apply(..., mutable=[LOSSES])`); zeros where no layer is MoE.
-
-    The mean, not the sum, so a coefficient means the same at any depth."""
-    sown = jax.tree_util.tree_leaves_with_path(state.get(LOSSES, {}))
-    out = {}
-    for name in LOSS_NAMES:
-        values = [v for path, v in sown if any(getattr(k, "key", None) == name for k in path)]
-        out[name] = jnp.mean(jnp.stack(values)) if values else jnp.zeros((), jnp.float32)
-    return out
+def mlp_for_layer(config: ModelConfig, kernels: Kernels, layer: int) -> nn.Module:
+    """Layer `layer`'s MLP: a mixture of experts where `config.layer_is_moe(layer)`, else the dense
+    `jaxattn.primitives.MLP`. Both are called alike (`x, *, padding_mask, deterministic -> y`), so a
+    block holds either without asking which."""
+    return MoE(config, config.moe, kernels) if config.layer_is_moe(layer) else primitives.MLP(config, kernels)
 
 
-def active_params(config: ModelConfig) -> int:
-    """How many of `DecoderLM(config)`'s parameters touch one token: all but the (E - K) routed
-    experts each MoE layer does not send it to."""
-    from jaxattn.model import abstract_params, count_params
-    total = count_params(nn.unbox(abstract_params(config)))
-    m = config.moe
-    if m is None:
-        return total
-    F, D = m.expert_hidden, config.d_model
-    per_expert = 3 * D * F + (2 * F + D if m.activation == "gptoss" else 0)
-    return total - len(config.moe_layers) * (m.num_experts - m.experts_per_token) * per_expert
-
-
-__all__ = ["IMPLEMENTATIONS", "LOSSES", "MoE", "MoEConfig", "ExpertWeights", "RouterWeights", "active_params",
+__all__ = ["IMPLEMENTATIONS", "LOSS_NAMES", "MoE", "MoEConfig", "ExpertWeights", "ROUTING", "RouterWeights",
            "experts_dense", "experts_gathered", "experts_grouped", "experts_grouped_cpu", "gate_matrix", "glu",
-           "load_balancing_loss", "moe_losses", "route", "router_z_loss"]
+           "load_balancing_loss", "mlp_for_layer", "route", "router_z_loss"]

@@ -190,8 +190,10 @@ class MLP(nn.Module):
         # GPT-2's tanh form by default; nanoGPT and transformers' "gelu" use erf (differ by < 1e-3).
         return nn.gelu(x, approximate=self.config.gelu_approximate)
 
-    def __call__(self, x: jnp.ndarray, *, deterministic: bool = True) -> jnp.ndarray:
-        """`[B, T, D] -> [B, T, D]`."""
+    def __call__(self, x: jnp.ndarray, *, padding_mask: jnp.ndarray | None = None,
+                 deterministic: bool = True) -> jnp.ndarray:
+        """`[B, T, D] -> [B, T, D]`. `padding_mask [B, T]` is the signature every MLP of a block shares
+        (a mixture of experts leaves padding out of its losses); a dense MLP has no use for it."""
         if self.gated:
             gate, up = jnp.split(self.gate_up(x), 2, axis=-1)  # [B, T, F] each
             y = self.down(self.activation(gate) * up)

@@ -96,11 +96,11 @@ def train_on(kind: str, mesh: str, corpus, initial=None) -> dict:
     host = jax.tree.map(np.asarray, state)
     held = sharding.per_device_bytes((state["params"], state["opt_state"]))
     windows = RunBatches(corpus, corpus, config.train, programs.layout.windows, programs.eval_rows).train_chunk(0, STEPS)
-    state, (losses, _, *moe) = programs.train_steps(state, windows)  # moe: the MoE layers' losses
+    state, (losses, _, layer_losses) = programs.train_steps(state, windows)  # the losses the layers sowed
     watched = {name: layout_of(leaf(state["params"], path)) for name, path in WATCHED[kind].items()}
     first = next(iter(WATCHED[kind].values()))
     return {"losses": np.asarray(losses).tolist(), "watched": watched, "bytes_per_device": held,
-            "layer_losses": {name: np.asarray(v).tolist() for m in moe for name, v in m.items()},
+            "layer_losses": {name: np.asarray(v).tolist() for name, v in layer_losses.items()},
             "moe_kernel": runtime.kernels.moe,
             "moments": [layout_of(x) for x in adam_moments_of(state["opt_state"], first)],
             "notes": list(programs.layout.params.notes), "params": state["params"], "mesh": programs.layout.mesh,

@@ -129,8 +129,8 @@ def test_extend_stores_only_the_latent_and_the_rotary_key():
     config = mla_config()
     x, params = setup_mla(config)
     cache = init_cache(config, B, 10).layers[0]
-    out, cache = run(config, params, x, cache, jnp.zeros((B,), jnp.int32),
-                     method=MultiHeadLatentAttention.extend)
+    positions = jnp.broadcast_to(jnp.arange(T), (B, T))  # an empty cache: the rows start at position 0
+    out, cache = run(config, params, x, cache, positions, method=MultiHeadLatentAttention.extend)
     assert isinstance(cache, LatentCache)
     chex.assert_shape([cache.c_kv, cache.k_rope], [(B, 10, 16), (B, 10, 4)])
     assert sum(a.shape[-1] for a in (cache.c_kv, cache.k_rope)) == 16 + 4  # R + E per token

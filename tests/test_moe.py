@@ -17,14 +17,23 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxattn import ModelConfig
+from jaxattn import ModelConfig, layer_losses
 from jaxattn.kernels import Kernels, Platform, resolve_kernels
 from jaxattn.kernels import moe as moe_kernels
-from jaxattn.moe import (ExpertWeights, MoE, MoEConfig, RouterWeights, experts_dense, gate_matrix,
-                         load_balancing_loss, route, router_z_loss)
+from jaxattn.moe import (LOSS_NAMES, ROUTING, ExpertWeights, MoE, MoEConfig, RouterWeights, experts_dense,
+                         gate_matrix, load_balancing_loss, route, router_z_loss)
 
 D = 16
 TOL = dict(atol=1e-5, rtol=1e-5)
+# GPT-OSS's routed experts, by their maths: the clamped SwiGLU, biased projections, interleaved columns.
+CLAMPED = dict(activation="clamped_swiglu", expert_bias=True, gate_up_interleaved=True)
+SOWN = [layer_losses.COLLECTION, ROUTING[0]]
+
+
+def sown(module: MoE, params, x, **kwargs):
+    """`(y, losses {name: scalar}, routing {"router_logits", "expert_index", "gate"})` of one call."""
+    y, state = module.apply({"params": params}, x, mutable=SOWN, **kwargs)
+    return y, {name: state[layer_losses.COLLECTION][name][0] for name in LOSS_NAMES}, state[ROUTING[0]][ROUTING[1]][0]
 # The alternatives to the reference; "auto_cpu" runs one of them per call (the module test runs it).
 IMPLS = [name for name in moe_kernels.IMPLEMENTATIONS if name not in ("dense", "auto_cpu")]
 
@@ -46,10 +55,10 @@ def random_params(module: MoE, x, seed=0, scale=0.3):
 # grouped == dense
 
 
-def expert_weights(E, F, gptoss, seed):
+def expert_weights(E, F, biased, seed):
     rng = np.random.default_rng(seed)
     draw = lambda *shape: jnp.asarray(0.3 * rng.standard_normal(shape), jnp.float32)  # noqa: E731
-    biases = (draw(E, 2 * F), draw(E, D)) if gptoss else ()
+    biases = (draw(E, 2 * F), draw(E, D)) if biased else ()
     return ExpertWeights(draw(E, D, 2 * F), draw(E, F, D), *biases)
 
 
@@ -61,25 +70,26 @@ def routing(E, K, M, skewed, rng):
     return np.stack([np.concatenate([[0], 1 + rng.choice(E // 2 - 1, K - 1, replace=False)]) for _ in range(M)])
 
 
-CASES = {  # (E, K, M, activation, skewed)
-    "4-1-9-swiglu": (4, 1, 9, "swiglu", False), "8-2-33-gptoss": (8, 2, 33, "gptoss", False),
-    "16-4-3-swiglu": (16, 4, 3, "swiglu", False), "64-8-40-gptoss": (64, 8, 40, "gptoss", False),
-    "8-2-70-swiglu-skewed": (8, 2, 70, "swiglu", True)}
+SWIGLU = dict(activation="swiglu")
+CASES = {  # (E, K, M, experts, skewed)
+    "4-1-9-swiglu": (4, 1, 9, SWIGLU, False), "8-2-33-clamped": (8, 2, 33, CLAMPED, False),
+    "16-4-3-swiglu": (16, 4, 3, SWIGLU, False), "64-8-40-clamped": (64, 8, 40, CLAMPED, False),
+    "8-2-70-swiglu-skewed": (8, 2, 70, SWIGLU, True)}
 
 
 @functools.cache
 def _grouped_answers(case):
     """`(index, {implementation: (y, (loss, gradients wrt x, gate, weights))})` for the dense reference and
     every alternative, one compiled program per case."""
-    E, K, M, activation, skewed = CASES[case]
-    cfg = MoEConfig(num_experts=E, experts_per_token=K, expert_hidden=8, activation=activation)
+    E, K, M, experts, skewed = CASES[case]
+    cfg = MoEConfig(num_experts=E, experts_per_token=K, expert_hidden=8, **experts)
     rng = np.random.default_rng(E * 100 + M)
     x = jnp.asarray(rng.standard_normal((M, D)), jnp.float32)
     index = jnp.asarray(routing(E, K, M, skewed, rng), jnp.int32)
     if skewed:  # the layout really overflows: expert 0's rows past its first tile go to overflow tiles
         assert M > 2 * moe_kernels.tile_rows(M * K, E)
     gate = jnp.asarray(rng.random((M, K)), jnp.float32)
-    weights = expert_weights(E, 8, activation == "gptoss", seed=E + K)
+    weights = expert_weights(E, 8, cfg.expert_bias, seed=E + K)
 
     def answers(x, gate, weights):
         out = {}
@@ -96,7 +106,7 @@ def _grouped_answers(case):
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("case", CASES)
 def test_grouped_equals_dense_values_and_gradients(impl, case):
-    E, K, M, activation, skewed = CASES[case]
+    E, K, M, _, skewed = CASES[case]
     index, answers = _grouped_answers(case)
     y_ref, (v_ref, g_ref) = answers["dense"]
     y, (v, g) = answers[impl]
@@ -129,17 +139,17 @@ def test_the_module_equals_across_implementations_and_jits():
     params = random_params(dense, x)
 
     def loss(module, params, x):
-        y, aux = module.apply({"params": params}, x)
-        return jnp.sum(jnp.sin(y)) + aux["load_balancing_loss"] + aux["router_z_loss"], (y, aux)
+        y, losses, routing = sown(module, params, x)
+        return jnp.sum(jnp.sin(y)) + losses["load_balancing_loss"] + losses["router_z_loss"], (y, routing)
 
     grads = jax.jit(jax.grad(loss, argnums=(1, 2), has_aux=True), static_argnums=0)  # one program per module
     ref, (y_ref, _) = grads(dense, params, x)
     for impl in IMPLS + ["auto"]:
         kernels = resolve_kernels(Kernels(moe=impl), Platform("cpu"))[0]
-        got, (y, aux) = grads(MoE(model(), cfg, kernels), params, x)
-        chex.assert_shape([y, aux["router_logits"], aux["expert_index"], aux["gate"]],
+        got, (y, routing) = grads(MoE(model(), cfg, kernels), params, x)
+        chex.assert_shape([y, routing["router_logits"], routing["expert_index"], routing["gate"]],
                           [(2, 7, D), (2, 7, 8), (2, 7, 2), (2, 7, 2)])
-        chex.assert_type([aux["expert_index"], aux["router_logits"]], [jnp.int32, jnp.float32])
+        chex.assert_type([routing["expert_index"], routing["router_logits"]], [jnp.int32, jnp.float32])
         np.testing.assert_allclose(y, y_ref, **TOL)
         chex.assert_trees_all_close(got, ref, atol=2e-5, rtol=1e-5)
     assert not np.any(ref[0]["router_correction_bias"])  # selection only: no gradient
@@ -238,7 +248,7 @@ def _gpt_oss():
               "experts_gate_up": _t(e.gate_up_proj), "experts_gate_up_bias": _t(e.gate_up_proj_bias),
               "experts_down": _t(e.down_proj), "experts_down_bias": _t(e.down_proj_bias)}  # the same layout
     cfg = MoEConfig(num_experts=8, experts_per_token=2, expert_hidden=8, softmax_after_topk=True,
-                    router_bias=True, activation="gptoss")
+                    router_bias=True, **CLAMPED)
     return block, block.router, cfg, params, lambda out: out[0]
 
 
@@ -270,14 +280,15 @@ CONTROLS = {
     "qwen3_moe": {"unnormalised top-k": dict(norm_topk_prob=False)},
     "mixtral": {"unnormalised top-k": dict(norm_topk_prob=False)},
     "gpt_oss": {"softmax over all E": dict(softmax_after_topk=False),
-                "no clamp": dict(gptoss_limit=1e6)},
+                "no clamp": dict(swiglu_limit=1e6), "plain swiglu": dict(activation="swiglu"),
+                "halves, not interleaved": dict(gate_up_interleaved=False)},
 }
 
 
 def _ours(cfg, params, x):
     module = MoE(model(), cfg, Kernels(moe="dense"))
     wanted = nn.unbox(jax.eval_shape(module.init, jax.random.PRNGKey(0), x))["params"]
-    return np.asarray(module.apply({"params": {name: params[name] for name in wanted}}, x)[0])
+    return np.asarray(module.apply({"params": {name: params[name] for name in wanted}}, x))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -298,7 +309,7 @@ def test_each_family_equals_transformers_and_each_feature_matters(family):
     by_index = lambda i, w: np.take_along_axis(np.asarray(w), np.argsort(np.asarray(i), axis=1), 1)  # noqa: E731
     np.testing.assert_allclose(by_index(index, gate), by_index(indices.numpy(), weights.numpy()), **TOL)
     for impl in ("dense", "grouped_cpu"):
-        y = MoE(model(), cfg, Kernels(moe=impl)).apply({"params": params}, xj)[0]
+        y = MoE(model(), cfg, Kernels(moe=impl)).apply({"params": params}, xj)
         np.testing.assert_allclose(y, expected, **TOL)
     scale = np.abs(expected).max()
     for what, change in CONTROLS[family].items():
@@ -348,12 +359,15 @@ def test_module_losses_and_their_weighted_sum():
     module = MoE(model(), cfg)
     params = random_params(module, x)
     mask = jnp.arange(5)[None, :] < jnp.array([[5], [3]])
-    _, aux = jax.jit(module.apply)({"params": params}, x, mask)
-    logits = aux["router_logits"]
-    np.testing.assert_allclose(aux["load_balancing_loss"], load_balancing_loss(logits, 2, mask), rtol=1e-6)
-    np.testing.assert_allclose(aux["aux_loss"], 0.01 * aux["load_balancing_loss"] + 0.001 * aux["router_z_loss"],
-                               rtol=1e-6)
-    chex.assert_rank([aux["load_balancing_loss"], aux["router_z_loss"], aux["aux_loss"]], 0)
+    _, losses, routing = jax.jit(functools.partial(sown, module))(params, x, padding_mask=mask)
+    logits = routing["router_logits"]
+    np.testing.assert_allclose(losses["load_balancing_loss"], load_balancing_loss(logits, 2, mask), rtol=1e-6)
+    np.testing.assert_allclose(losses["router_z_loss"], router_z_loss(logits, mask), rtol=1e-6)
+    np.testing.assert_allclose(losses["aux_loss"], 0.01 * losses["load_balancing_loss"]
+                               + 0.001 * losses["router_z_loss"], rtol=1e-6)
+    chex.assert_rank([losses["load_balancing_loss"], losses["router_z_loss"], losses["aux_loss"]], 0)
+    plain = jax.jit(module.apply)({"params": params}, x, padding_mask=mask)  # nothing mutable: y alone
+    np.testing.assert_allclose(plain, sown(module, params, x, padding_mask=mask)[0], rtol=1e-6)
 
 
 # --------------------------------------------------------------------------------------------
@@ -386,8 +400,8 @@ def test_bad_inputs_fail_before_tracing():
     module = MoE(model(), cfg)
     with pytest.raises(ValueError, match=r"x must be \[B, T, d_model=16\], got shape \(2, 3, 8\)"):
         module.init(jax.random.PRNGKey(0), jnp.zeros((2, 3, 8)))
-    with pytest.raises(ValueError, match=r"token_mask must be \[B, T\] = \(2, 3\)"):
-        module.init(jax.random.PRNGKey(0), jnp.zeros((2, 3, D)), jnp.ones((2, 4), bool))
+    with pytest.raises(ValueError, match=r"padding_mask must be \[B, T\] = \(2, 3\)"):
+        module.init(jax.random.PRNGKey(0), jnp.zeros((2, 3, D)), padding_mask=jnp.ones((2, 4), bool))
     with pytest.raises(ValueError, match=r"Kernels.moe must be one of \('dense', 'grouped', 'grouped_cpu'"):
         Kernels(moe="megablocks")
     x, index, gate = jnp.zeros((3, D)), jnp.zeros((3, 2), jnp.int32), jnp.ones((3, 2))

@@ -13,9 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxattn import DecoderLM, Kernels, MLAConfig, ModelConfig, MoEConfig, generate
-from jaxattn.model import abstract_params, count_params
-from jaxattn.moe import LOSSES, MoE, active_params, load_balancing_loss, moe_losses
+from jaxattn import DecoderLM, Kernels, MLAConfig, ModelConfig, MoEConfig, generate, layer_losses
+from jaxattn.model import abstract_params, active_params, count_params
+from jaxattn.moe import ROUTING, MoE, load_balancing_loss
 
 EXPERTS = MoEConfig(num_experts=8, experts_per_token=2, expert_hidden=16, num_shared_experts=1,
                     shared_expert_hidden=16, aux_loss_coef=0.01, z_loss_coef=0.001)
@@ -83,20 +83,26 @@ def test_sown_losses_are_the_mean_over_moe_layers():
     tokens = jax.random.randint(jax.random.PRNGKey(2), (2, 7), 0, c.vocab_size)
     padding = jnp.arange(7)[None, :] < jnp.array([[7], [4]])
     model = DecoderLM(c)
-    _, state = jax.jit(lambda p, t: model.apply({"params": p}, t, padding_mask=padding, mutable=[LOSSES]))(params,
+    mutable = [layer_losses.COLLECTION]
+    _, state = jax.jit(lambda p, t: model.apply({"params": p}, t, padding_mask=padding, mutable=mutable))(params,
                                                                                                           tokens)
-    losses = moe_losses(state)
-    per_layer = state[LOSSES]
+    losses = layer_losses.mean_over_layers(state)
+    per_layer = state[layer_losses.COLLECTION]
     assert set(per_layer) == {"blocks_0", "blocks_2"}  # the dense layer sows nothing
     balance = [per_layer[b]["mlp"]["load_balancing_loss"][0] for b in ("blocks_0", "blocks_2")]
     np.testing.assert_allclose(losses["load_balancing_loss"], np.mean(balance), rtol=1e-6)
     np.testing.assert_allclose(losses["aux_loss"], 0.01 * losses["load_balancing_loss"]
                                + 0.001 * losses["router_z_loss"], rtol=1e-6)
-    _, aux = MoE(c, c.moe).apply({"params": params["blocks_0"]["mlp"]}, jnp.ones((2, 7, 32)), padding)
-    np.testing.assert_allclose(aux["load_balancing_loss"], load_balancing_loss(aux["router_logits"], 2, padding),
-                               rtol=1e-6)
-    none = moe_losses({})
-    assert all(float(v) == 0.0 for v in none.values())
+    _, sown = MoE(c, c.moe).apply({"params": params["blocks_0"]["mlp"]}, jnp.ones((2, 7, 32)), padding_mask=padding,
+                                  mutable=[layer_losses.COLLECTION, ROUTING[0]])
+    routing = sown[ROUTING[0]][ROUTING[1]][0]
+    np.testing.assert_allclose(sown[layer_losses.COLLECTION]["load_balancing_loss"][0],
+                               load_balancing_loss(routing["router_logits"], 2, padding), rtol=1e-6)
+    dense = config(moe=None, dense_layers=())  # sows nothing, so a training step adds nothing
+    _, state = DecoderLM(dense).apply({"params": params_for(dense)}, tokens, mutable=mutable)
+    assert layer_losses.mean_over_layers(state) == {}
+    loss = jnp.float32(2.5)
+    assert layer_losses.add_objective(loss, {}) is loss
 
 
 def test_active_parameters_leave_out_the_experts_a_token_skips():
@@ -104,5 +110,6 @@ def test_active_parameters_leave_out_the_experts_a_token_skips():
     total = count_params(params_for(c))
     per_expert = 3 * c.d_model * EXPERTS.expert_hidden
     assert active_params(c) == total - 2 * (8 - 2) * per_expert  # two MoE layers, six experts idle each
+    assert c.idle_expert_params == 2 * (8 - 2) * per_expert
     dense = config(moe=None, dense_layers=())
     assert active_params(dense) == count_params(params_for(dense))

@@ -10,10 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxattn import layer_losses
 from jaxattn.config import ModelConfig
 from jaxattn.layer_config import MoEConfig
-from jaxattn.model import DecoderLM
-from jaxattn.moe import LOSS_NAMES, LOSSES, active_params, moe_losses
+from jaxattn.model import DecoderLM, active_params
+from jaxattn.moe import LOSS_NAMES
 from train import runtime as runtime_lib
 from train.config import ExperimentConfig, RuntimeConfig, TrainConfig, load_config
 from train.metrics import MetricsLog, describe_params
@@ -51,8 +52,9 @@ def test_a_step_trains_on_cross_entropy_plus_the_layers_mean_aux_loss():
     assert losses.shape == lrs.shape == (3,) and sorted(layers) == sorted(LOSS_NAMES)
 
     x, y = data[0, :, :-1], data[0, :, 1:]
-    logits, sown = DecoderLM(config.model, runtime.kernels).apply({"params": params}, x, mutable=[LOSSES])
-    per_layer = {name: [float(sown[LOSSES][f"blocks_{i}"]["mlp"][name][0]) for i in (0, 1)]
+    logits, sown = DecoderLM(config.model, runtime.kernels).apply({"params": params}, x,
+                                                                   mutable=[layer_losses.COLLECTION])
+    per_layer = {name: [float(sown[layer_losses.COLLECTION][f"blocks_{i}"]["mlp"][name][0]) for i in (0, 1)]
                  for name in ("load_balancing_loss", "router_z_loss")}
     balance, z = np.mean(per_layer["load_balancing_loss"]), np.mean(per_layer["router_z_loss"])
     ce = float(cross_entropy(logits, y))
@@ -60,13 +62,13 @@ def test_a_step_trains_on_cross_entropy_plus_the_layers_mean_aux_loss():
     np.testing.assert_allclose(losses[0], ce + 0.5 * balance + 0.25 * z, rtol=1e-5)
     np.testing.assert_allclose([layers["load_balancing_loss"][0], layers["router_z_loss"][0]], [balance, z],
                                rtol=1e-5)
-    np.testing.assert_allclose(layers["aux_loss"][0], moe_losses(sown)["aux_loss"], rtol=1e-6)
+    np.testing.assert_allclose(layers["aux_loss"][0], layer_losses.mean_over_layers(sown)["aux_loss"], rtol=1e-6)
     active = active_params(config.model)  # 2 of the 2 layers' 4 experts [32, 16] idle per token
     assert describe_params(config.model, params) == (f"parameters: {active + 2 * 2 * 3 * 32 * 16:,} "
                                                      f"({active:,} active: those one token touches)")
 
 
-def test_evaluation_is_the_plain_cross_entropy_and_dense_models_return_two_outputs():
+def test_evaluation_is_the_plain_cross_entropy_and_dense_models_sow_no_layer_losses():
     config = experiment()
     programs, runtime = programs_for(config)
     params = programs.init(0)["params"]
@@ -78,22 +80,27 @@ def test_evaluation_is_the_plain_cross_entropy_and_dense_models_return_two_outpu
     dense = experiment(moe=None)
     programs, _ = programs_for(dense)
     _, outputs = programs.train_steps(programs.init(0), jnp.asarray(windows(2, dense)))
-    assert not dense.model.moe_layers and len(outputs) == 2
+    assert not dense.model.moe_layers and len(outputs) == 3 and outputs[2] == {}
+    params = programs.init(0)["params"]
+    assert describe_params(dense.model, params) == f"parameters: {active_params(dense.model):,}"
     assert not experiment(num_layers=1, dense_layers=(0,)).model.moe_layers  # moe set, every layer dense
 
 
 def test_the_log_averages_the_layer_losses_per_interval_and_a_checkpoint_keeps_the_interval(tmp_path):
     log = MetricsLog(tmp_path / "metrics.jsonl", log_interval=2)
-    moe = {"load_balancing_loss": np.array([1.0, 3.0, 5.0]), "router_z_loss": np.array([2.0, 4.0, 6.0])}
-    log.add_steps(0, np.array([4.0, 6.0, 8.0]), np.array([0.1, 0.2, 0.3]), last_step=4, moe=moe)
+    sown = {"load_balancing_loss": np.array([1.0, 3.0, 5.0]), "router_z_loss": np.array([2.0, 4.0, 6.0])}
+    log.add_steps(0, np.array([4.0, 6.0, 8.0]), np.array([0.1, 0.2, 0.3]), last_step=4, layer_losses=sown)
     assert log.records() == [{"step": 2, "loss": 5.0, "lr": 0.2, "load_balancing_loss": 2.0, "router_z_loss": 3.0}]
     meta = json.loads(json.dumps(log.pending_meta()))  # as a checkpoint's meta stores it
-    assert meta == {"interval_losses": [8.0], "interval_moe": {"load_balancing_loss": [5.0], "router_z_loss": [6.0]}}
-    resumed = MetricsLog.resumed(tmp_path / "metrics.jsonl", 2, meta)
-    resumed.add_steps(3, np.array([10.0]), np.array([0.4]), last_step=4,
-                      moe={"load_balancing_loss": np.array([7.0]), "router_z_loss": np.array([8.0])})
-    assert resumed.records()[-1] == {"step": 4, "loss": 9.0, "lr": 0.4, "load_balancing_loss": 6.0,
-                                     "router_z_loss": 7.0}
+    pending = {"load_balancing_loss": [5.0], "router_z_loss": [6.0]}
+    assert meta == {"interval_losses": [8.0], "interval_layer_losses": pending}
+    older = {"interval_losses": [8.0], "interval_moe": pending}  # a checkpoint saved before the generic name
+    for saved in (meta, older):
+        resumed = MetricsLog.resumed(tmp_path / "metrics.jsonl", 2, saved)
+        resumed.add_steps(3, np.array([10.0]), np.array([0.4]), last_step=4,
+                          layer_losses={"load_balancing_loss": np.array([7.0]), "router_z_loss": np.array([8.0])})
+        assert resumed.records()[-1] == {"step": 4, "loss": 9.0, "lr": 0.4, "load_balancing_loss": 6.0,
+                                         "router_z_loss": 7.0}
     assert MetricsLog(tmp_path / "dense.jsonl", 2).pending_meta() == {"interval_losses": []}  # dense: as before
 
 

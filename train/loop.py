@@ -155,14 +155,13 @@ class Run:
         return 0.0 if self.feed is None else self.feed.waited
 
     def record(self, first_step: int, outputs) -> None:
-        """Waits for a chunk's (losses, lrs) (and an MoE model's layer losses), then logs them and
-        advances the bar."""
-        losses, lrs, *moe = jax.device_get(outputs)
+        """Waits for a chunk's (losses, lrs, the layers' sown losses), then logs them and advances the bar."""
+        losses, lrs, layer_losses = jax.device_get(outputs)
         self.throughput.lap(len(losses))
         if not np.all(np.isfinite(losses)):
             bad = int(np.flatnonzero(~np.isfinite(losses))[0])
             self.diverged(f"the training loss is {losses[bad]} at step {first_step + bad + 1}")
-        self.metrics.add_steps(first_step, losses, lrs, self.config.train.max_iters, *moe)
+        self.metrics.add_steps(first_step, losses, lrs, self.config.train.max_iters, layer_losses)
         self.bar.set_postfix(loss=f"{losses[-1]:.4f}", tok_s=f"{self.throughput.recent_tokens_per_s():,.0f}")
         self.bar.update(len(losses))
 

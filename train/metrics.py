@@ -12,26 +12,32 @@ from typing import Any
 
 import numpy as np
 
+from jaxattn.model import active_params, count_params
+
 
 class MetricsLog:
     """`metrics.jsonl`: the mean loss of each log interval, and each evaluation.
 
-    A model with MoE layers logs, beside each interval's mean loss (cross entropy + aux_loss),
-    the interval's means of the layers' `load_balancing_loss`, `router_z_loss` and `aux_loss`
-    (`train.steps`: each step's mean over the MoE layers; unweighted, but aux_loss)."""
+    A model whose layers sow losses of their own (`jaxattn.layer_losses`: a mixture of experts'
+    `load_balancing_loss`, `router_z_loss` and `aux_loss`) logs, beside each interval's mean loss
+    (cross entropy + aux_loss), the interval's mean of each (`train.steps`: each step's mean over
+    the layers that sowed it)."""
 
     def __init__(self, path: Path, log_interval: int, interval: list[float] = (), write: bool = True,
-                 interval_moe: dict[str, list[float]] | None = None):
-        """`interval`, `interval_moe`: the losses of the log interval in progress (a resumed run's, from its
-        checkpoint); `write`: False keeps the records off the file (the processes of a run other than process 0)."""
+                 interval_layer_losses: dict[str, list[float]] | None = None):
+        """`interval`, `interval_layer_losses`: the losses of the log interval in progress (a resumed
+        run's, from its checkpoint); `write`: False keeps the records off the file (the processes of
+        a run other than process 0)."""
         self.path, self.log_interval, self._interval = path, log_interval, list(interval)
-        self._moe = {name: list(values) for name, values in (interval_moe or {}).items()}
+        self._layer_losses = {name: list(values) for name, values in (interval_layer_losses or {}).items()}
         self.write = write
 
     @classmethod
     def resumed(cls, path: Path, log_interval: int, meta: dict, write: bool = True) -> "MetricsLog":
-        """The log going on from a checkpoint's `meta` (`pending_meta`; {} for a new run)."""
-        return cls(path, log_interval, meta.get("interval_losses", []), write, meta.get("interval_moe"))
+        """The log going on from a checkpoint's `meta` (`pending_meta`; {} for a new run). A checkpoint
+        saved before the layers' losses had their generic name holds them as "interval_moe"."""
+        layer_losses = meta.get("interval_layer_losses", meta.get("interval_moe"))
+        return cls(path, log_interval, meta.get("interval_losses", []), write, layer_losses)
 
     def pending(self) -> list[float]:
         """The losses of the log interval in progress (saved with a checkpoint taken mid-interval)."""
@@ -39,8 +45,9 @@ class MetricsLog:
 
     def pending_meta(self) -> dict:
         """What a checkpoint saves of the log interval in progress (`resumed` reads it back)."""
-        moe = {"interval_moe": {name: list(v) for name, v in self._moe.items()}} if self._moe else {}
-        return {"interval_losses": self.pending(), **moe}
+        sown = ({"interval_layer_losses": {name: list(v) for name, v in self._layer_losses.items()}}
+                if self._layer_losses else {})
+        return {"interval_losses": self.pending(), **sown}
 
     def _append(self, record: dict) -> None:
         if not self.write:
@@ -49,20 +56,20 @@ class MetricsLog:
             f.write(json.dumps(record) + "\n")
 
     def add_steps(self, first_step: int, losses: np.ndarray, lrs: np.ndarray, last_step: int,
-                  moe: dict[str, np.ndarray] | None = None) -> None:
-        """Step `first_step + i + 1` has loss `losses[i]`, lr `lrs[i]` and (MoE models) the layers'
-        mean losses `moe[name][i]`; logs each interval that ends among them."""
+                  layer_losses: dict[str, np.ndarray] | None = None) -> None:
+        """Step `first_step + i + 1` has loss `losses[i]`, lr `lrs[i]` and the layers' mean sown losses
+        `layer_losses[name][i]` (none for a dense model); logs each interval that ends among them."""
         for i, loss in enumerate(losses):  # step first_step + i + 1 has just finished
             step = first_step + i + 1
             self._interval.append(float(loss))
-            for name, values in (moe or {}).items():
-                self._moe.setdefault(name, []).append(float(values[i]))
+            for name, values in (layer_losses or {}).items():
+                self._layer_losses.setdefault(name, []).append(float(values[i]))
             if step % self.log_interval == 0 or step == last_step:
                 record = {"step": step, "loss": float(np.mean(self._interval)), "lr": float(lrs[i])}
-                record.update({name: float(np.mean(values)) for name, values in self._moe.items()})
+                record.update({name: float(np.mean(values)) for name, values in self._layer_losses.items()})
                 self._append(record)
                 self._interval.clear()
-                self._moe.clear()
+                self._layer_losses.clear()
 
     def add_eval(self, step: int, losses: dict, train_seconds: float) -> None:
         """`train_seconds`: the training time so far, compile and evaluations excluded."""
@@ -174,10 +181,7 @@ def describe_memory(memory: dict) -> str:
 
 
 def describe_params(model, params) -> str:
-    """"parameters: 795,904", plus how many touch one token for a model with MoE layers
-    (`jaxattn.moe.active_params`; `model` a `ModelConfig`, `params` its parameters)."""
-    from jaxattn.model import count_params
-    from jaxattn.moe import active_params
-    total = count_params(params)
-    return f"parameters: {total:,}" + (f" ({active_params(model):,} active: those one token touches)"
-                                       if model.moe_layers else "")
+    """"parameters: 795,904", plus how many touch one token where that is fewer (routed experts;
+    `jaxattn.model.active_params`; `model` a `ModelConfig`, `params` its parameters)."""
+    total, active = count_params(params), active_params(model)
+    return f"parameters: {total:,}" + (f" ({active:,} active: those one token touches)" if active < total else "")

@@ -5,11 +5,12 @@ the chunk, read on the host beforehand (`train.batches`): windows `[n, B, T + 1]
 first T tokens are the inputs and last T the targets. Evaluation takes windows the same
 way, with a weight per target, and returns the weighted sums of the losses.
 
-A model with mixture-of-experts layers (`jaxattn.moe`) trains on the cross entropy plus the
-mean over its MoE layers of their `aux_loss` (`MoEConfig.aux_loss_coef` times the Switch
-Transformer's load-balancing loss plus `z_loss_coef` times the router z-loss), and its
-`train_steps` also returns each step's mean layer losses. Evaluation is the plain cross
-entropy for every model, so val losses compare across dense and MoE models.
+The training loss is the cross entropy plus whatever objective the layers sowed
+(`jaxattn.layer_losses`: a mixture-of-experts layer's `aux_loss`, `MoEConfig.aux_loss_coef` times
+the Switch Transformer's load-balancing loss plus `z_loss_coef` times the router z-loss, averaged
+over the layers that sowed it; nothing for a dense model), and `train_steps` also returns each
+step's mean of every loss the layers sowed. Evaluation is the plain cross entropy for every
+model, so val losses compare across dense and MoE models.
 
 Every program is one `jax.jit` over the run's mesh (`jaxattn.sharding`): the
 state goes in and comes out with the shardings of `StateLayout` (parameters and
@@ -30,9 +31,8 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxattn import sharding
+from jaxattn import axes, layer_losses, sharding
 from jaxattn.model import DecoderLM
-from jaxattn.moe import LOSSES, moe_losses
 from train.config import ExperimentConfig
 from train.optim import lr_schedule, make_optimizer
 from train.runtime import Runtime
@@ -70,7 +70,7 @@ class StateLayout:
 
     def windows(self, rows: int) -> NamedSharding:
         """The sharding of windows `[n, rows, T + 1]` (and weights `[n, rows, T]`): rows over data x fsdp."""
-        return NamedSharding(self.mesh, P(None, *sharding.batch_spec(sharding.MeshShape.of(self.mesh), rows)))
+        return NamedSharding(self.mesh, P(None, *sharding.batch_spec(axes.MeshShape.of(self.mesh), rows)))
 
     def abstract(self, state_shapes: Any) -> Any:
         """`state_shapes` (ShapeDtypeStructs) with this layout's shardings: what a restore fills in."""
@@ -80,7 +80,7 @@ class StateLayout:
 
 def state_layout(config: ExperimentConfig, mesh: Mesh, init_state: Callable) -> StateLayout:
     """The layout of the state `init_state(seed)` returns, by the rules of `jaxattn.sharding`."""
-    shape = sharding.MeshShape.of(mesh)
+    shape = axes.MeshShape.of(mesh)
     params = sharding.param_layout(config.model, shape)
     shapes = jax.eval_shape(init_state, 0)
     opt_specs = sharding.mirror_specs(shapes["opt_state"], params.specs, shapes["params"])
@@ -96,10 +96,10 @@ class Programs:
 
     Attributes:
       init: (seed) -> state {'params', 'opt_state', 'step', 'rng'}, laid out on the mesh.
-      train_steps: (state, windows [n, B, T + 1] int32) -> (state, (losses, lrs) [n] each): one
-        optimizer step per batch of the chunk. With MoE layers (`ModelConfig.moe_layers`) the losses include
-        their aux_loss, and a third output follows: `{name: [n]}` for each of
-        `jaxattn.moe.LOSS_NAMES`, the step's mean over the MoE layers.
+      train_steps: (state, windows [n, B, T + 1] int32) -> (state, (losses [n], lrs [n], layer_losses)):
+        one optimizer step per batch of the chunk. `layer_losses` is `{name: [n]}`, each loss the
+        layers sowed (`jaxattn.layer_losses`), the step's mean over the layers that sowed it: `{}`
+        for a dense model; the losses include the sown objective.
       evaluate: (params, windows [n, R, T + 1] int32, weights [n, R, T] float32) -> [n] float32, the
         weighted sum of each batch's next-token losses.
       eval_rows: R of whole-split evaluation (about 256 windows a batch, split like B).
@@ -124,7 +124,7 @@ class Programs:
 def build_programs(config: ExperimentConfig, runtime: Runtime) -> Programs:
     model, tc = DecoderLM(config.model, runtime.kernels), config.train
     optimizer, schedule = make_optimizer(tc, sharding.logical_names(config.model)), lr_schedule(tc)
-    dropout, moe = config.model.dropout > 0, bool(config.model.moe_layers)
+    dropout = config.model.dropout > 0
     B, T = tc.batch_size, tc.block_size
     eval_rows = B * max(1, 256 // B)
 
@@ -137,33 +137,26 @@ def build_programs(config: ExperimentConfig, runtime: Runtime) -> Programs:
     params_sharding, replicated = layout.state["params"], layout.replicated
 
     def forward(params, x, **kwargs):
-        with sharding.activation_rules(layout.mesh):  # rows split through every layer
+        with axes.activation_rules(layout.mesh):  # rows split through every layer
             return model.apply({"params": params}, x, **kwargs)
 
-    def loss_fn(params, x, y, dropout_key):
+    def loss_fn(params, x, y, dropout_key):  # -> (cross entropy + the sown objective, the layers' mean losses)
         rngs = {"dropout": dropout_key} if dropout else None
-        return cross_entropy(forward(params, x, deterministic=not dropout, rngs=rngs), y)
-
-    def moe_loss_fn(params, x, y, dropout_key):  # -> (cross entropy + aux_loss, the layers' mean losses)
-        rngs = {"dropout": dropout_key} if dropout else None
-        logits, sown = forward(params, x, deterministic=not dropout, rngs=rngs, mutable=[LOSSES])
-        losses = moe_losses(sown)
-        return cross_entropy(logits, y) + losses["aux_loss"], losses
+        logits, sown = forward(params, x, deterministic=not dropout, rngs=rngs, mutable=[layer_losses.COLLECTION])
+        means = layer_losses.mean_over_layers(sown)
+        return layer_losses.add_objective(cross_entropy(logits, y), means), means
 
     def one_step(state, window):
         step = state["step"]
         x, y = window[:, :-1], window[:, 1:]  # [B, T] inputs and next-token targets
         args = (state["params"], x, y, jax.random.fold_in(state["rng"], step))
-        if moe:
-            (loss, layer_losses), grads = jax.value_and_grad(moe_loss_fn, has_aux=True)(*args)
-        else:
-            loss, grads = jax.value_and_grad(loss_fn)(*args)
+        (loss, sown_means), grads = jax.value_and_grad(loss_fn, has_aux=True)(*args)
         grads = jax.lax.with_sharding_constraint(grads, params_sharding)  # FSDP: reduce-scattered
         updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         # The lr comes back with the loss so that logging it needs no extra device call.
         state = {**state, "params": params, "opt_state": opt_state, "step": step + 1}
-        return state, ((loss, schedule(step), layer_losses) if moe else (loss, schedule(step)))
+        return state, (loss, schedule(step), sown_means)
 
     @partial(jax.jit, donate_argnums=(0,), in_shardings=(layout.state, layout.windows(B)),
              out_shardings=(layout.state, replicated))
