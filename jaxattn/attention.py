@@ -36,7 +36,7 @@ import numpy as np
 from jaxattn import kernels
 from jaxattn._validate import (concrete_or_none, require_bool, require_broadcastable, require_float,
                                require_integer, require_positive_int, require_rank)
-from jaxattn.masks import causal_mask, local_window_mask, padding_mask, window_sides
+from jaxattn.masks import causal_mask, check_lengths, local_window_mask, padding_mask, window_sides
 from jaxattn.softmax import softmax_dtype
 
 
@@ -69,8 +69,14 @@ class _Arguments(typing.NamedTuple):
 
 
 def _softmax_scale(scale, H: int):
-    """`scale`, or jax.nn's default `1 / sqrt(H)` when it is None."""
-    return 1.0 / math.sqrt(H) if scale is None else scale
+    """`scale`, or jax.nn's default `1 / sqrt(H)` when it is None; ValueError for a scale known to be
+    non-finite (a traced one is the caller's to keep finite)."""
+    if scale is None:
+        return 1.0 / math.sqrt(H)
+    known = concrete_or_none(scale)
+    if known is not None and not np.all(np.isfinite(known)):
+        raise ValueError(f"scale must be a finite number, got {scale!r}")
+    return scale
 
 
 def _positive_number(name: str, value) -> float:
@@ -92,9 +98,7 @@ def _lengths(name: str, lengths, B: int, bound: int, bound_name: str, shapes: st
     require_integer(name, lengths)
     if lengths.shape[0] != B:
         raise ValueError(f"{name} {lengths.shape} must be [B] = ({B},) for {shapes}")
-    known = concrete_or_none(lengths)
-    if known is not None and known.size and (known.min() < 0 or known.max() > bound):
-        raise ValueError(f"{name} must be in [0, {bound_name}={bound}] for {shapes}, got {known.tolist()}")
+    check_lengths(name, lengths, bound, bound_name, shapes)
     return lengths
 
 
@@ -129,9 +133,15 @@ def _check_sizes(query_shape, key_shape, value_shape, shapes: str, key: str = "k
 
     `query_shape` `[B, T, N, H]`, `key_shape` `[B, S, K, H]`, `value_shape` `[B, S, K, Hv]` (a
     cache's `[B, K, L, H]` passed as `[B, L, K, H]`, with `length="L"`): one batch size B, values
-    matching keys in length and heads K, one head dim H, and N query heads a multiple of K.
+    matching keys in length and heads K, one head dim H > 0, and N query heads a multiple of K > 0.
+    Every other axis may be 0: no rows, queries, query heads or value dims give an empty output,
+    and no keys (S = 0) a row with nothing to attend to, zeros.
     """
     (B, _, N, H), (Bk, S, K, Hk) = query_shape, key_shape
+    if H == 0 or Hk == 0:  # no dims to take a dot product over, and 1 / sqrt(H) undefined
+        raise ValueError(f"the head dim H must be positive, got query H={H}, {key} H={Hk}: {shapes}")
+    if K == 0:  # no key/value head for the query heads to share
+        raise ValueError(f"{key} and {value} need at least one key/value head, got K=0: {shapes}")
     if Bk != B or value_shape[0] != B:
         raise ValueError(f"batch sizes differ: {shapes}")
     if tuple(value_shape[1:3]) != (S, K):
@@ -180,6 +190,19 @@ def _check(query, key, value, bias=None, mask=None, *, dropout_rate=0.0, local_w
         _lengths("key_value_seq_lengths", key_value_seq_lengths, B, S, "S", shapes),
         None if local_window_size is None else window_sides(local_window_size),
         _soft_cap(logits_soft_cap), sinks, unbatched)
+
+
+def _without_queries_or_keys(a: _Arguments, return_weights: bool):
+    """`(out, weights, residual)` where T = 0 or S = 0, the same for every implementation: with no key,
+    every row has nothing to attend to (zeros; its residual is its head's sink logit, or -inf), and
+    with no query there is nothing to compute. Here, so that no kernel has to plan blocks of nothing."""
+    (B, T, N, _), S, Hv = a.query.shape, a.key.shape[1], a.value.shape[-1]
+    f32 = softmax_dtype(a.query.dtype)
+    out = jnp.zeros((B, T, N, Hv), a.query.dtype)
+    weights = jnp.zeros((B, N, T, S), f32) if return_weights else None
+    logit = jnp.full((N,), -jnp.inf, f32) if a.sinks is None else a.sinks.astype(f32)
+    residual = jax.lax.stop_gradient(jnp.broadcast_to(logit.reshape(1, 1, N), (B, T, N)))
+    return out, weights, residual
 
 
 def _results(a: _Arguments, out, weights, residual, return_weights: bool, return_residual: bool):
@@ -269,6 +292,8 @@ def scaled_dot_product_attention(query, key, value, bias=None, mask=None, *, sca
     if implementation == kernels.AUTO:
         implementation = kernels.select.attention_rule_here()
     attend = kernels.attention_kernel(implementation)
+    if 0 in a.query.shape[1:2] + a.key.shape[1:2]:  # T = 0 or S = 0
+        return _results(a, *_without_queries_or_keys(a, return_weights), return_weights, return_residual)
     out, weights, residual = attend(
         a.query, a.key, a.value, mask=a.mask, bias=a.bias, is_causal=is_causal,
         scale=_softmax_scale(scale, a.query.shape[-1]),
@@ -311,6 +336,9 @@ def cached_attention(query, key_cache, value_cache, query_positions, *, scale=No
     key_shape, value_shape = ((c.shape[0], c.shape[2], c.shape[1], c.shape[3]) for c in (key_cache, value_cache))
     _check_sizes(query.shape, key_shape, value_shape, shapes, key="key_cache", value="value_cache", length="L")
     B, T, N, H = query.shape
+    if key_cache.shape[2] == 0:
+        raise ValueError(f"key_cache and value_cache hold no slots (L=0); a cache holds at least the queries' "
+                         f"positions: {shapes}")
     query_positions = jnp.asarray(query_positions)
     if query_positions.shape != (B, T):
         raise ValueError(f"query_positions must be [B, T] = {(B, T)}, got {query_positions.shape}")
@@ -335,6 +363,8 @@ def reference_attention(query, key, value, bias=None, mask=None, *, scale=None, 
     a = _check(query, key, value, bias, mask, local_window_size=local_window_size,
                query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
                logits_soft_cap=logits_soft_cap, sinks=sinks)
+    if 0 in a.query.shape[1:2] + a.key.shape[1:2]:  # T = 0 or S = 0
+        return _results(a, *_without_queries_or_keys(a, return_weights), return_weights, return_residual)
     B, T, N, H = a.query.shape
     S, K = a.key.shape[1], a.key.shape[2]
     scale = _softmax_scale(scale, H)

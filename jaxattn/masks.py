@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from jaxattn._validate import is_int, require_bool, require_integer, require_positive_int, require_rank
+from jaxattn._validate import (concrete_or_none, is_int, require_bool, require_integer, require_positive_int,
+                               require_rank)
 
 
 def _query_key_offsets(q_len: int, kv_len: int) -> jnp.ndarray:
@@ -95,18 +96,29 @@ def local_window_mask(q_len: int, kv_len: int, window) -> jnp.ndarray:
     return (offsets <= left) & (offsets >= -right)
 
 
+def check_lengths(name: str, lengths, bound: int, bound_name: str, shapes: str = "") -> None:
+    """ValueError unless every length is in `[0, bound]`, when their values are known (outside `jit`;
+    under `jit` a length outside gives the mask of the nearest valid one, unchecked). The one rule
+    of `padding_mask` and of the attention functions' `key_value_seq_lengths`/`query_seq_lengths`."""
+    known = concrete_or_none(lengths)
+    if known is not None and known.size and (known.min() < 0 or known.max() > bound):
+        where = f" for {shapes}" if shapes else ""
+        raise ValueError(f"{name} must be in [0, {bound_name}={bound}]{where}, got {known.tolist()}")
+
+
 def padding_mask(lengths, max_len: int) -> jnp.ndarray:
     """`[B, 1, 1, S]` mask, True where key position `j < lengths[b]`.
 
     Args:
-      lengths: `[B]` integer count of real (non-padding) keys in each row;
-        padding is on the right.
+      lengths: `[B]` integer count of real (non-padding) keys in each row, in `[0, max_len]`
+        (`check_lengths`, the rule `key_value_seq_lengths` follows too); padding is on the right.
       max_len: S, the padded key length.
     """
     lengths = jnp.asarray(lengths)
     require_rank("lengths", lengths, 1, "[B]")
     require_integer("lengths", lengths)
     require_positive_int("max_len", max_len)
+    check_lengths("lengths", lengths, max_len, "max_len")
     valid = jnp.arange(max_len)[None, :] < lengths[:, None]  # [B, S]
     return valid[:, None, None, :]
 

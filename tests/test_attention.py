@@ -361,10 +361,10 @@ def test_custom_vjp_gradients_equal_autodiff(heads, case):
     T, S = (5, 3) if case == "empty_rows" else (4, 6)
     q, k, v = qkv(B=2, T=T, S=S, N=N, K=K, H=8, Hv=4)
     bias = jnp.asarray(np.random.default_rng(2).standard_normal((1, N, T, S), np.float32))
-    kw = {"none": {}, "causal": {"is_causal": True},
-          "padding_bias": {"mask": padding_mask(jnp.array([6, 2]), S)},
+    kw = {"none": lambda: {}, "causal": lambda: {"is_causal": True},
+          "padding_bias": lambda: {"mask": padding_mask(jnp.array([6, 2]), S)},
           # causal with T > S leaves the first queries no key; row 1 has no keys at all
-          "empty_rows": {"mask": padding_mask(jnp.array([3, 0]), S), "is_causal": True}}[case]
+          "empty_rows": lambda: {"mask": padding_mask(jnp.array([3, 0]), S), "is_causal": True}}[case]()
     bias = bias if case in ("padding_bias", "empty_rows") else jnp.zeros_like(bias)
     (loss, grads), (loss_c, grads_c) = _loss_and_grads(
         (scaled_dot_product_attention, functools.partial(scaled_dot_product_attention, implementation="custom_vjp")),
@@ -838,3 +838,66 @@ def test_new_arguments_are_checked_before_tracing(fn):
         fn(q[0], k[0], v[0], mask=jnp.ones((2, 4, 3, 4), bool))  # unbatched: a leading 1 at most
     with pytest.raises(ValueError, match=r"query_seq_lengths \(2,\) must be \[B\] = \(1,\)"):
         fn(q[0], k[0], v[0], query_seq_lengths=jnp.array([1, 2]))  # unbatched: B = 1, as jax.nn
+
+
+# --------------------------------------------------------------------------------------------
+# Axes of size zero, non-finite scales and lengths: what cannot work is refused naming the argument,
+# what can (no rows, queries or keys) gives the one result every implementation gives.
+
+ATTENDS = {impl: functools.partial(scaled_dot_product_attention, implementation=impl) for impl in IMPLEMENTATIONS}
+ATTENDS["reference"] = reference_attention
+
+
+@pytest.mark.parametrize("name", ATTENDS)
+def test_a_head_dim_or_kv_heads_of_zero_is_a_value_error_naming_them(name):
+    attend, z = ATTENDS[name], lambda *shape: jnp.ones(shape)
+    with pytest.raises(ValueError, match=r"the head dim H must be positive, got query H=0, key H=0: query \(1, 4, 2, 0\)"):
+        attend(z(1, 4, 2, 0), z(1, 4, 2, 0), z(1, 4, 2, 4))
+    with pytest.raises(ValueError, match=r"key and value need at least one key/value head, got K=0"):
+        attend(z(1, 4, 2, 4), z(1, 4, 0, 4), z(1, 4, 0, 4))
+    for scale in (float("nan"), float("inf"), jnp.float32(-jnp.inf)):
+        with pytest.raises(ValueError, match=r"scale must be a finite number, got"):
+            attend(z(1, 4, 2, 4), z(1, 4, 2, 4), z(1, 4, 2, 4), scale=scale)
+
+
+def test_cached_attention_refuses_the_same_and_an_empty_cache():
+    from jaxattn.attention import cached_attention
+    z, positions = (lambda *shape: jnp.ones(shape)), jnp.zeros((1, 1), jnp.int32)
+    with pytest.raises(ValueError, match=r"the head dim H must be positive, got query H=0, key_cache H=0"):
+        cached_attention(z(1, 1, 2, 0), z(1, 2, 5, 0), z(1, 2, 5, 4), positions)
+    with pytest.raises(ValueError, match=r"key_cache and value_cache need at least one key/value head, got K=0"):
+        cached_attention(z(1, 1, 2, 4), z(1, 0, 5, 4), z(1, 0, 5, 4), positions)
+    with pytest.raises(ValueError, match=r"key_cache and value_cache hold no slots \(L=0\)"):
+        cached_attention(z(1, 1, 2, 4), z(1, 2, 0, 4), z(1, 2, 0, 4), positions)
+    with pytest.raises(ValueError, match=r"scale must be a finite number, got nan"):
+        cached_attention(z(1, 1, 2, 4), z(1, 2, 5, 4), z(1, 2, 5, 4), positions, scale=float("nan"))
+
+
+@pytest.mark.parametrize("name", ATTENDS)
+def test_no_keys_or_no_queries_give_the_empty_rows_result(name):
+    """S = 0: every row has nothing to attend to (zeros, the residual -inf or the head's sink); T = 0:
+    an empty output. Every implementation alike, gradients included, causal or not."""
+    attend = ATTENDS[name]
+    q, k, v = (x.astype(jnp.bfloat16) for x in qkv(B=2, T=3, S=4, N=4, K=2, H=8))
+    sinks = jnp.array([0.5, -1.0, 2.0, 0.0])
+    out, weights, residual = attend(q, k[:, :0], v[:, :0], is_causal=True, sinks=sinks, return_weights=True,
+                                    return_residual=True)
+    chex.assert_shape([out, weights, residual], [(2, 3, 4, 8), (2, 4, 3, 0), (2, 3, 4)])
+    assert out.dtype == residual.dtype == jnp.bfloat16 and not np.any(np.asarray(out, np.float32))
+    np.testing.assert_array_equal(np.asarray(residual, np.float32), np.broadcast_to(sinks, (2, 3, 4)))
+    _, residual = attend(q, k[:, :0], v[:, :0], return_residual=True)
+    assert np.all(np.asarray(residual, np.float32) == -np.inf)
+    grads = jax.grad(lambda q: attend(q, k[:, :0], v[:, :0]).astype(jnp.float32).sum())(q)
+    assert grads.dtype == jnp.bfloat16 and not np.any(np.asarray(grads, np.float32))
+    chex.assert_shape(attend(q[:, :0], k, v, is_causal=True), (2, 0, 4, 8))
+
+
+def test_padding_mask_lengths_follow_the_rule_of_key_value_seq_lengths():
+    q, k, v = qkv(B=2, T=4, S=16, N=4, K=4)
+    bad = jnp.array([-1, 20])
+    with pytest.raises(ValueError, match=r"lengths must be in \[0, max_len=16\], got \[-1, 20\]"):
+        padding_mask(bad, 16)
+    with pytest.raises(ValueError, match=r"key_value_seq_lengths must be in \[0, S=16\] .* got \[-1, 20\]"):
+        scaled_dot_product_attention(q, k, v, key_value_seq_lengths=bad)
+    good = jnp.array([0, 16])
+    np.testing.assert_array_equal(padding_mask(good, 16)[:, 0, 0], np.arange(16)[None, :] < np.array([[0], [16]]))
