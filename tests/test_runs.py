@@ -189,7 +189,7 @@ def test_bad_input_gives_one_line(text_file, tmp_path, capsys):
         (run(tmp_path / "p", "train.sample_prompt='€'", "train.sample_tokens=5"), 1,
          "train.sample_prompt cannot be encoded"),
         (run(tmp_path / "t", "train.sample_temperature=nan"), 2, "sample_temperature"),
-        (run(tmp_path / "r", flags=("--resume", "--overwrite")), 1, "pick one"),
+        (run(tmp_path / "r", flags=("--resume", "--overwrite")), 2, "pick one"),
     ]:
         got, err = cli(capsys, *argv)
         assert got == code and message in err, (argv, got, err)

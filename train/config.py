@@ -11,12 +11,22 @@ A config file has up to three tables:
 
 `base = "other_name"` at the top inherits another file and overrides some of its
 values. Overrides use TOML's value syntax: `--set model.d_model=256 train.lr=3e-4
-model.num_kv_heads=none runtime.matmul=xla`.
+model.num_kv_heads=none runtime.matmul=xla`. An inline table is merged into the table it
+overrides (`model.moe={aux_loss_coef = 0}` keeps the file's other `[model.moe]` keys), and
+`model.moe.aux_loss_coef=0` sets one key of it; `model.moe=none` first drops the file's table.
 
 The tables are validated by pydantic as JSON data, the types TOML and a saved config.json
 share: an integer field takes only integers, a float field integers or floats, a bool field
 only true/false, a string field only strings. Unknown keys, wrong types and bad choices are
 one-line errors naming the field, e.g. `train.lr must be a valid number, got 'fast'`.
+
+Settings no run can use are refused the same way: every float, in every table and the model's,
+must be finite (`train.lr=inf` would only stop on the first NaN loss); paths must not be empty.
+The checks of settings a run could still train with, though not as asked (Muon's momentum
+warm-up going down, a WSD run that ends inside its warmup, a negative target loss, an empty
+path), apply to configs being made, not to a config a run saved: `ExperimentConfig.from_dict`
+reads a run from before such a check as it was written (train.sample, export, the checkpoint a
+`--resume` compares with).
 """
 
 import dataclasses
@@ -26,7 +36,7 @@ from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal, Mapping, Self, Sequence
 
 from pydantic import (BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, PlainSerializer, PlainValidator,
-                      PositiveFloat, PositiveInt, ValidationError, model_validator)
+                      PositiveFloat, PositiveInt, ValidationError, ValidationInfo, field_validator, model_validator)
 from pydantic_core import PydanticCustomError
 
 from jaxattn import kernels
@@ -39,6 +49,12 @@ DEFAULT_CONFIG = "shakespeare_char_baby"
 TABLES = ("model", "train", "runtime")
 
 OpenFraction = Annotated[float, Field(gt=0, lt=1)]
+SAVED = "saved"  # the validation context's key: True while reading a config a run saved (`from_dict`)
+
+
+def _saved(info: ValidationInfo) -> bool:
+    """Whether the table is read back from a run (`ExperimentConfig.from_dict`), not made now."""
+    return bool((info.context or {}).get(SAVED))
 
 
 class _OneLineErrors(type(BaseModel)):
@@ -55,9 +71,12 @@ class _OneLineErrors(type(BaseModel)):
 
 
 class _Table(BaseModel, metaclass=_OneLineErrors):
-    """A frozen config table: strict types, unknown keys refused."""
+    """A frozen config table: strict types, unknown keys refused, every float finite.
 
-    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
+    `allow_inf_nan=False` reaches the dataclasses a table holds too (pydantic validates a stdlib
+    dataclass with its parent's config): `model.norm_eps=inf` is refused like `train.lr=inf`."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True, allow_inf_nan=False)
     _where: ClassVar[str]  # how errors name this table when it is built directly
 
     def replace(self, **changes: Any) -> Self:
@@ -91,11 +110,12 @@ class TrainConfig(_Table):
       eval_whole_val: the val loss over every token of the validation split instead (windows
         of block_size), the train loss still on eval_iters batches.
       target_loss: report the training seconds and step of the first evaluation whose val
-        loss is at or below this (`--target-loss`).
+        loss is at or below this (`--target-loss`); a loss, so not negative.
       log_interval: steps between progress-bar/metrics updates.
       steps_per_dispatch: optimizer steps fused into one jitted call with lax.scan.
       seed: the one seed of params, batches and dropout.
-      out_dir: where checkpoints, metrics.jsonl, config.json and loss.png go.
+      out_dir: where checkpoints, metrics.jsonl, config.json and loss.png go (not empty: that
+        would be the current directory).
       checkpoint: save latest and best-by-val-loss checkpoints at each eval.
       data_path: the corpus: a text file or a directory made by `python -m train.prepare`
         (None: Tiny Shakespeare, see train.data).
@@ -130,7 +150,7 @@ class TrainConfig(_Table):
     eval_interval: PositiveInt = 250
     eval_iters: PositiveInt = 20
     eval_whole_val: bool = False
-    target_loss: float | None = None
+    target_loss: float | None = None  # >= 0: `_a_loss`
     log_interval: PositiveInt = 10
     steps_per_dispatch: PositiveInt = 1
     seed: Annotated[int, Field(ge=0, lt=2 ** 63)] = 1337
@@ -148,6 +168,50 @@ class TrainConfig(_Table):
     def _min_lr_at_most_lr(self) -> Self:
         if self.min_lr > self.lr:
             raise ValueError(f"min_lr={self.min_lr} exceeds lr={self.lr}")
+        return self
+
+    @field_validator("out_dir", "data_path")
+    @classmethod
+    def _a_path(cls, value: str | None, info: ValidationInfo) -> str | None:
+        """An empty path is the current directory: `out_dir=""` would write the run among the user's
+        files, `data_path=""` read the current directory as a corpus."""
+        if value is not None and not value.strip() and not _saved(info):
+            raise PydanticCustomError("empty_path", "Input should be a non-empty path")
+        return value
+
+    @field_validator("target_loss")
+    @classmethod
+    def _a_loss(cls, value: float | None, info: ValidationInfo) -> float | None:
+        if value is not None and value < 0 and not _saved(info):
+            raise PydanticCustomError("greater_than_equal", "Input should be greater than or equal to 0 (a loss)")
+        return value
+
+    @model_validator(mode="after")
+    def _runnable(self, info: ValidationInfo) -> Self:
+        """Settings a run would train with, but not as asked: refused when a config is made.
+
+        * Muon's momentum rises from `muon_momentum_start` to `muon_momentum` over
+          `muon_momentum_warmup` steps (`train.optim.momentum_schedule`); a start above the end
+          would make the warm-up lower it.
+        * WSD (`train.optim.lr_schedule`) warms up linearly to `lr` over `warmup_iters` steps, holds
+          it, then decays to `min_lr`. With `warmup_iters >= max_iters` the run ends inside the
+          warmup, its rate still rising below `lr`: neither the stable part nor the decay, which
+          is what a WSD run's final loss comes from, ever happens. That is refused rather than
+          warned about: nothing can come of such a run but a loss taken at a high rate, and a
+          shorter warmup (or the cosine schedule) is one setting away. The cosine schedule is
+          nanoGPT's and keeps nanoGPT's behaviour: a short trial of a config with a long warmup
+          (`--set train.max_iters=50` on the baby's 100 warmup steps) still runs.
+        """
+        if _saved(info):
+            return self
+        if self.muon_momentum_warmup and self.muon_momentum_start > self.muon_momentum:
+            raise ValueError(f"muon_momentum_start={self.muon_momentum_start} is above muon_momentum="
+                             f"{self.muon_momentum}: the warm-up over muon_momentum_warmup={self.muon_momentum_warmup} "
+                             "steps would lower the momentum; set muon_momentum_start <= muon_momentum")
+        if self.schedule == "wsd" and self.warmup_iters >= self.max_iters:
+            raise ValueError(f"schedule 'wsd' with warmup_iters={self.warmup_iters} >= max_iters={self.max_iters}: "
+                             "the run would end inside the warmup, the rate still rising, never held at lr or "
+                             "decayed to min_lr; set warmup_iters below max_iters")
         return self
 
 
@@ -221,14 +285,18 @@ class ExperimentConfig(_Table):
         return json.dumps(self.to_dict(), indent=2, sort_keys=True, ensure_ascii=False)
 
     @classmethod
-    def from_dict(cls, values: Mapping[str, Any]) -> "ExperimentConfig":
-        """Inverse of to_dict, with the same checks as a config file (values of JSON's types); a saved
-        config's older MoE field names are read as today's (`MoEConfig.upgrade`)."""
+    def from_dict(cls, values: Mapping[str, Any], *, saved: bool = True) -> "ExperimentConfig":
+        """Inverse of to_dict, with the checks of a config file (values of JSON's types); a saved
+        config's older MoE field names are read as today's (`MoEConfig.upgrade`).
+
+        `saved`: the values are a config a run saved, so the checks that only a config being made
+        gets (`TrainConfig._runnable`, empty paths, a negative target loss) are skipped: a run saved
+        before they existed still loads. `load_config` passes False."""
         model = values.get("model")
         if isinstance(model, Mapping) and isinstance(model.get("moe"), Mapping):
             values = {**values, "model": {**model, "moe": MoEConfig.upgrade(model["moe"])}}
         try:  # JSON mode: tables and arrays become the dataclasses and tuples of the fields
-            return cls.model_validate_json(json.dumps(values, default=str))
+            return cls.model_validate_json(json.dumps(values, default=str), context={SAVED: saved})
         except ValidationError as err:
             raise _one_line(err, "") from None
 
@@ -317,11 +385,15 @@ def _read_tables(name_or_path: str | Path, seen: tuple[str, ...] = ()) -> dict[s
 
 
 def parse_override(item: str) -> tuple[str, str, Any]:
-    """'model.d_model=256' -> ('model', 'd_model', 256); values use TOML syntax, bare words are strings."""
+    """'model.d_model=256' -> ('model', 'd_model', 256); values use TOML syntax, bare words are strings.
+
+    FIELD may name a key of a table field: 'model.moe.aux_loss_coef=0' -> ('model', 'moe.aux_loss_coef', 0)."""
     key, sep, text = item.partition("=")
     table, dot, field = key.strip().partition(".")
-    if not sep or not dot or table not in TABLES or not field:
-        raise ValueError(f"override {item!r} must look like TABLE.FIELD=VALUE with TABLE one of {TABLES}")
+    if not sep or not dot or table not in TABLES or not all(part.strip() for part in field.split(".")):
+        raise ValueError(f"override {item!r} must look like TABLE.FIELD=VALUE (or TABLE.FIELD.KEY=VALUE for a key of "
+                         f"a table such as model.moe) with TABLE one of {TABLES}")
+    field = ".".join(part.strip() for part in field.split("."))
     text = text.strip()
     if text.lower() in ("none", "null"):
         return table, field, None
@@ -332,11 +404,36 @@ def parse_override(item: str) -> tuple[str, str, Any]:
     return table, field, value
 
 
+def _merged(old: Any, new: Any) -> Any:
+    """`new` over `old`: a table's keys override those of the table it replaces, the others are kept
+    (tables within tables alike); anything else, arrays included, replaces it whole."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        return {**old, **{key: _merged(old.get(key), value) for key, value in new.items()}}
+    return new
+
+
+def apply_override(tables: dict[str, dict], item: str) -> None:
+    """Sets one `--set` item in `tables` (the config file's, in place), merging an inline table into the
+    table it overrides (`model.moe={aux_loss_coef = 0}` keeps the file's `num_experts`); a dotted field,
+    `model.moe.aux_loss_coef=0`, is the same as `model.moe={aux_loss_coef = 0}`. `model.moe=none` drops
+    the table (a later inline table then starts from nothing)."""
+    table, field, value = parse_override(item)
+    *outer, last = field.split(".")
+    for key in reversed(outer):
+        value = {last: value}
+        last = key
+    held, path = tables[table].get(last), f"{table}.{last}"
+    if outer and held is not None and not isinstance(held, dict):
+        kind = "an array" if isinstance(held, list) else repr(held)
+        raise ValueError(f"override {item!r}: {path} is {kind}, not a table: set it whole, {path}=VALUE")
+    tables[table][last] = _merged(held, value)
+
+
 def load_config(name_or_path: str | Path = DEFAULT_CONFIG,
                 overrides: Sequence[str] = ()) -> ExperimentConfig:
-    """Reads configs/NAME.toml (following `base`), applies overrides, validates everything."""
+    """Reads configs/NAME.toml (following `base`), applies overrides in order (`apply_override`),
+    validates everything."""
     tables = _read_tables(name_or_path)
     for item in overrides:
-        table, field, value = parse_override(item)
-        tables[table][field] = value
-    return ExperimentConfig.from_dict({"name": Path(name_or_path).stem, **tables})
+        apply_override(tables, item)
+    return ExperimentConfig.from_dict({"name": Path(name_or_path).stem, **tables}, saved=False)

@@ -19,6 +19,7 @@ from pathlib import Path
 
 RUN_FILES = ("config.json", "metrics.jsonl", "result.json", "loss.png", "checkpoints")
 LOCK_FILE = ".lock"
+RESUME_OR_OVERWRITE = "--resume continues the run in --out-dir, --overwrite replaces it: pick one"
 
 
 class RunDirectoryError(RuntimeError):
@@ -56,12 +57,18 @@ class RunLock:
 def claim(out: Path, *, resume: bool, overwrite: bool) -> RunLock:
     """Locks `out` for a run, refusing to replace a run there unless asked; returns the lock.
 
-    With `overwrite`, the previous run's files (RUN_FILES) are removed, nothing else.
+    With `overwrite`, the previous run's files (RUN_FILES) are removed, nothing else. With `resume`,
+    a directory that holds no run (or does not exist) is refused before anything is made there:
+    no directory, no lock file.
     """
     if resume and overwrite:
-        raise RunDirectoryError("--resume continues the run in --out-dir, --overwrite replaces it: pick one")
+        raise RunDirectoryError(RESUME_OR_OVERWRITE)
     if out.exists() and not out.is_dir():
         raise RunDirectoryError(f"--out-dir {out} is a file, not a directory")
+    if resume and not existing_run(out):
+        why = "no such directory" if not out.exists() else f"none of {', '.join(RUN_FILES)} is there"
+        raise RunDirectoryError(f"--resume: no checkpoint to continue: there is no run in {out} ({why}); "
+                                "leave out --resume to start one")
     try:
         out.mkdir(parents=True, exist_ok=True)
         lock = RunLock(out)

@@ -30,7 +30,7 @@ from train.data_errors import DataError
 from train.experiment import run_experiment
 from train.loop import Interrupted, TrainingDiverged
 from train.metrics import RunResult, describe_memory
-from train.rundir import RunDirectoryError
+from train.rundir import RESUME_OR_OVERWRITE, RunDirectoryError
 
 PROGRAM = "python -m train.tiny_lm"
 RUNTIME_ERRORS = (DataError, CheckpointError, RunDirectoryError, TrainingDiverged, distributed.DistributedError)
@@ -41,7 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--config", default=DEFAULT_CONFIG, help="configs/NAME.toml or a path")
     parser.add_argument("--set", nargs="+", action="extend", default=[], metavar="TABLE.FIELD=VALUE",
                         help="overrides, e.g. model.positions=rope train.max_iters=500 runtime.matmul=xla "
-                             "(may be repeated)")
+                             "(may be repeated; applied in order). An inline table is merged into the config's: "
+                             "\"model.moe={aux_loss_coef = 0}\" keeps its other keys, as does "
+                             "model.moe.aux_loss_coef=0; model.moe=none first drops it")
     parser.add_argument("--data", help="the text file to train on (= train.data_path)")
     parser.add_argument("--out-dir", help="= train.out_dir")
     parser.add_argument("--target-loss", type=float, metavar="LOSS",
@@ -63,9 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def overrides(args: argparse.Namespace) -> list[str]:
     """`--set` items plus the flags that are shorthands for config fields."""
-    extra = [f"train.data_path={json.dumps(args.data)}"] if args.data else []
-    extra += [f"train.out_dir={json.dumps(args.out_dir)}"] if args.out_dir else []
-    extra += [f"runtime.mesh={json.dumps(args.mesh)}"] if args.mesh else []
+    extra = [f"train.data_path={json.dumps(args.data)}"] if args.data is not None else []  # "" is refused, not ignored
+    extra += [f"train.out_dir={json.dumps(args.out_dir)}"] if args.out_dir is not None else []
+    extra += [f"runtime.mesh={json.dumps(args.mesh)}"] if args.mesh is not None else []
     extra += [f"train.target_loss={args.target_loss}"] if args.target_loss is not None else []
     extra += [f"runtime.cpu_devices={args.cpu_devices}"] if args.cpu_devices is not None else []
     return list(args.set) + extra
@@ -83,6 +85,8 @@ def cluster(args: argparse.Namespace) -> distributed.Cluster | None:
 def run(argv: list[str] | None) -> RunResult:
     """The program: parse, join the other processes, start JAX, train, print the final line."""
     args = build_parser().parse_args(argv)
+    if args.resume and args.overwrite:
+        raise UsageError(RESUME_OR_OVERWRITE)
     try:
         config, processes = load_config(args.config, overrides(args)), cluster(args)
     except (ValueError, TypeError, FileNotFoundError) as err:
