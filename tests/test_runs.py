@@ -18,6 +18,7 @@ import jax
 import numpy as np
 import pytest
 
+from train import checkpoint as checkpoint_lib
 from train import crash_points, tiny_lm
 from train.checkpoint import CheckpointError
 from train.sampling_checkpoint import load_for_sampling
@@ -121,11 +122,65 @@ def test_a_failed_resume_writes_nothing(text_file, tmp_path, capsys):
 @pytest.mark.slow
 def test_resume_without_a_checkpoint_in_a_real_process_is_one_line(text_file, tmp_path):
     """No orbax thread left behind to print a traceback at exit."""
+    (tmp_path / "config.json").write_text("{}")  # a run stopped after compiling, before its first save
     done = subprocess.run([sys.executable, "-m", "train.tiny_lm", "--set", *TINY, "--data", str(text_file),
                            "--out-dir", str(tmp_path), "--resume", "--quiet"], cwd=ROOT, capture_output=True,
                           text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
-    assert done.returncode == 1 and done.stderr.startswith("error: --resume: no checkpoint")
+    assert done.returncode == 1 and last_line(done.stderr).startswith("error: --resume: no checkpoint")
     assert len(done.stderr.strip().splitlines()) == 1 and "--overwrite starts it again" in done.stderr
+
+
+def opened_managers(monkeypatch) -> list:
+    """Every orbax manager the checkpoints open from here on, each with `closed` set once closed."""
+    opened, open_manager = [], checkpoint_lib.open_manager
+
+    def recording(*args, **kwargs):
+        manager = open_manager(*args, **kwargs)
+        close = manager.close
+        manager.closed = False
+
+        def closing():
+            close()
+            manager.closed = True
+        manager.close = closing
+        opened.append(manager)
+        return manager
+    monkeypatch.setattr(checkpoint_lib, "open_manager", recording)
+    return opened
+
+
+def test_a_resume_that_cannot_start_closes_the_checkpoints_it_opened(text_file, tmp_path, monkeypatch):
+    """The run stopped during its first save: only orbax's unfinished folder is there. The resume is
+    refused, and the manager it opened to look is closed (its threads finished), so nothing of it
+    can print after the program's `error:` line."""
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "checkpoints" / "latest" / "10.orbax-checkpoint-tmp-1").mkdir(parents=True)
+    opened = opened_managers(monkeypatch)
+    with pytest.raises(CheckpointError, match="--resume: no checkpoint"):
+        run_experiment(config(text_file, tmp_path, "train.max_iters=20"), quiet=True, resume=True)
+    assert opened and all(manager.closed for manager in opened)
+
+
+def test_a_second_signal_during_a_save_stops_the_run_once_the_save_is_written(text_file, tmp_path, monkeypatch,
+                                                                           capsys):
+    """Two SIGINTs while a checkpoint is being written: the checkpoint is written whole and its manager
+    closed, then the run stops at once, its one `stopped:` line last."""
+    opened, saves, save = opened_managers(monkeypatch), [], checkpoint_lib.Checkpointer.save
+
+    def interrupted_save(self, kind, step, *args, **kwargs):
+        if not saves:
+            signal.raise_signal(signal.SIGINT)  # the first asks the run to stop at its next safe point
+            signal.raise_signal(signal.SIGINT)  # the second, before the save begins
+        saves.append((kind, step))
+        return save(self, kind, step, *args, **kwargs)
+    monkeypatch.setattr(checkpoint_lib.Checkpointer, "save", interrupted_save)
+    code, err = cli(capsys, "--set", *TINY, "train.max_iters=10", "--data", str(text_file), "--out-dir",
+                    str(tmp_path), "--quiet")
+    assert code == 130 and last_line(err) == "stopped: interrupted before python -m train.tiny_lm had finished"
+    (kind, step), = saves
+    assert finished_steps(tmp_path / "checkpoints" / kind) == [step]
+    assert not [p for p in (tmp_path / "checkpoints" / kind).iterdir() if "tmp" in p.name]
+    assert opened and all(manager.closed for manager in opened)
 
 
 def test_repeated_set_flags_all_apply_in_compare():
@@ -301,8 +356,8 @@ def test_sigint_saves_exits_130_and_resume_continues_exactly(text_file, tmp_path
         time.sleep(0.05)
     proc.send_signal(signal.SIGINT)
     assert proc.wait(timeout=120) == 130
-    err = proc.stderr.read()
-    assert "Traceback" not in err and "stopped: SIGINT at step" in err and "--resume continues" in err
+    line = last_line(proc.stderr.read())
+    assert line.startswith("stopped: SIGINT at step") and "--resume continues" in line
     resumed = start(text_file, tmp_path, "--resume", env=compile_cache)
     assert resumed.wait(timeout=300) == 0, resumed.stderr.read()
     assert_same_run(tmp_path, uninterrupted)
@@ -366,8 +421,13 @@ def test_repair_metrics_keeps_each_step_once_and_drops_a_torn_line(tmp_path):
 
 
 def last_line(err: str) -> str:
+    """The program's outcome, its last `error:` or `stopped:` line, which must be the last line: nothing
+    (no background thread's report) may follow it."""
     assert "Traceback" not in err
-    return err.strip().splitlines()[-1]
+    lines = err.strip().splitlines()
+    outcome = max(i for i, line in enumerate(lines) if line.startswith(("error:", "stopped:")))
+    assert outcome == len(lines) - 1, f"lines after {lines[outcome]!r}: {lines[outcome + 1:]}"
+    return lines[outcome]
 
 
 def wait_for(predicate, proc, what: str, timeout: float = 240):

@@ -18,6 +18,7 @@ where the caller allows, the previous valid step is used instead, with a warning
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any, Callable
 
@@ -126,9 +127,12 @@ class Checkpointer:
         return moved
 
     def close(self) -> None:
-        for manager in self._managers.values():
-            manager.close()
-        self._managers.clear()
+        """Closes every manager this opened, each after its background work has finished (orbax's
+        `close` waits for it), all of them even if one fails; idempotent."""
+        managers, self._managers = list(self._managers.values()), {}
+        with contextlib.ExitStack() as stack:
+            for manager in managers:
+                stack.callback(manager.close)
 
 
 def read_newest_valid(directory: Path, abstract_state: Callable[[int], Any],

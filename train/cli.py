@@ -104,13 +104,30 @@ def sigterm_as_interrupt():
 
 class StopSignals:
     """While active, SIGINT and SIGTERM only ask the program to stop at its next safe point; a second
-    one stops it at once (KeyboardInterrupt: what was not saved is lost). Only possible in the
-    main thread; elsewhere signals keep their handlers."""
+    one stops it at once (KeyboardInterrupt: what was not saved is lost), or, inside `deferred()`
+    (a checkpoint being written), as soon as that block has finished. Only possible in the main
+    thread; elsewhere signals keep their handlers."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
     def __init__(self):
         self.requested = None  # the signal's name once one arrived
+        self._deferring = False  # inside `deferred()`
+        self._pending = False  # a second signal arrived there
+
+    @contextlib.contextmanager
+    def deferred(self) -> Iterator[None]:
+        """A block a second signal does not cut short: it stops the program (KeyboardInterrupt) when
+        the block has finished. For writing a checkpoint: cut short, orbax's background threads
+        would outlive the manager that owns them and print their errors after the program's last line."""
+        self._deferring = True
+        try:
+            yield
+        finally:
+            self._deferring = False
+        if self._pending:
+            self._pending = False
+            raise KeyboardInterrupt
 
     def __enter__(self) -> "StopSignals":
         self._previous = {}
@@ -127,6 +144,9 @@ class StopSignals:
 
     def _handle(self, signum, frame) -> None:
         if self.requested is not None:
+            if self._deferring:
+                self._pending = True
+                return
             raise KeyboardInterrupt
         self.requested = signal.Signals(signum).name
 

@@ -71,14 +71,21 @@ class Run:
         self.quiet = quiet or not self.main  # only process 0 prints and writes
         self.log = (lambda *a: None) if self.quiet else partial(print, flush=True)
         self.warn = partial(print, file=sys.stderr, flush=True) if self.main else (lambda *a: None)  # even --quiet
-        self.programs = build_programs(config, runtime)
-        self.batches = RunBatches(corpus.train, corpus.val, tc, self.programs.layout.windows, self.programs.eval_rows)
         self.feed: Feed | None = None  # reads the training batches ahead, from compile() on
-        self.state = self.programs.init(tc.seed)  # created where it lives on the mesh
-        self.checkpoints = Checkpointer(self.out) if tc.checkpoint or resume else None
-        self.best_val, self.last_eval, meta = math.inf, None, {}
-        if resume:
-            meta = self._resume()
+        self.batches: RunBatches | None = None
+        self.checkpoints: Checkpointer | None = None
+        try:  # what is opened here is closed here if the run cannot start (`close` otherwise)
+            self.programs = build_programs(config, runtime)
+            self.batches = RunBatches(corpus.train, corpus.val, tc, self.programs.layout.windows,
+                                      self.programs.eval_rows)
+            self.state = self.programs.init(tc.seed)  # created where it lives on the mesh
+            self.checkpoints = Checkpointer(self.out) if tc.checkpoint or resume else None
+            self.best_val, self.last_eval, meta = math.inf, None, {}
+            if resume:
+                meta = self._resume()
+        except BaseException:
+            self.close()
+            raise
         self.start_step = int(self.state["step"])
         self.metrics = MetricsLog.resumed(self.out / "metrics.jsonl", tc.log_interval, meta, write=self.main)
         self.throughput = Throughput(tc.batch_size * tc.block_size, meta.get("step_seconds", []),
@@ -195,11 +202,13 @@ class Run:
         self.throughput.restart()  # evaluation and checkpoints stay out of the rate
 
     def save(self, kind: str, step: int, val_loss: float | None) -> None:
-        self.checkpoints.save(kind, step, self.state, config=self.config, tokenizer=self.corpus.tokenizer,
-                              val_loss=val_loss, best_val_loss=self.best_val,
-                              extra={**self.metrics.pending_meta(),
-                                     "step_seconds": self.throughput.step_seconds(),
-                                     "train_seconds": self.throughput.seconds})
+        """Writes a checkpoint whole: a second stop signal takes effect once it is written."""
+        with self.signals.deferred():
+            self.checkpoints.save(kind, step, self.state, config=self.config, tokenizer=self.corpus.tokenizer,
+                                  val_loss=val_loss, best_val_loss=self.best_val,
+                                  extra={**self.metrics.pending_meta(),
+                                         "step_seconds": self.throughput.step_seconds(),
+                                         "train_seconds": self.throughput.seconds})
 
     def stop(self, step: int) -> None:
         """After a stop signal: a checkpoint at `step` (unless one exists), then `Interrupted`."""
@@ -215,11 +224,11 @@ class Run:
         raise Interrupted(f"{self.signals.requested} at step {step}: saved {where}; --resume {then}", step)
 
     def close(self) -> None:
-        if self.feed is not None:
-            self.feed.close()
-        self.batches.close()
-        if self.checkpoints is not None:
-            self.checkpoints.close()
+        """Stops the batch reader and closes the checkpoint managers (waiting for their threads), in
+        that order, whatever was opened; idempotent."""
+        for part in (self.feed, self.batches, self.checkpoints):
+            if part is not None:
+                part.close()
 
 
 def _progress_bar(total: int, initial: int, quiet: bool):
