@@ -12,7 +12,8 @@ or a prepared directory's shards (`ShardStream`, `train.shards`). Shards are rea
 reads (`os.pread`), not through a memory map: the pages of a map that a run touches count toward
 the process's resident memory, which on a long run over a large corpus would grow toward the
 file's size, while the page cache that `pread` fills is the kernel's to drop. A window may
-cross from one shard into the next.
+cross from one shard into the next. Every id read from a shard is checked against the vocabulary
+(one max over what was read): a damaged shard is a `DataError` naming it, not a NaN loss.
 
 Whole-split evaluation predicts every token of a split once (`whole_split_windows`, weighted by
 `target_weights`).
@@ -67,11 +68,14 @@ class ShardStream:
 
     Args:
       shards: `(path, offset of the first token in bytes, token count, dtype)` of each shard.
+      vocab_size: the ids lie below it: a read that finds one that does not is a DataError naming the
+        shard (None: not checked).
     """
 
-    def __init__(self, shards: Sequence[tuple[str | os.PathLike, int, int, np.dtype]]):
+    def __init__(self, shards: Sequence[tuple[str | os.PathLike, int, int, np.dtype]], vocab_size: int | None = None):
         if not shards:
             raise ValueError("a ShardStream needs at least one shard")
+        self.vocab_size = vocab_size
         self.paths = [os.fspath(p) for p, *_ in shards]
         self.offsets = [int(o) for _, o, _, _ in shards]
         self.dtypes = [np.dtype(d) for *_, d in shards]
@@ -79,9 +83,9 @@ class ShardStream:
         self._fds: list[int] | None = None
 
     @classmethod
-    def of_maps(cls, maps: Iterable[np.memmap]) -> "ShardStream":
+    def of_maps(cls, maps: Iterable[np.memmap], vocab_size: int | None = None) -> "ShardStream":
         """The stream of memory-mapped shards (`train.shards.PreparedCorpus.train`), read without the maps."""
-        return cls([(m.filename, m.offset, len(m), m.dtype) for m in maps])
+        return cls([(m.filename, m.offset, len(m), m.dtype) for m in maps], vocab_size)
 
     def __len__(self) -> int:
         return int(self.ends[-1])
@@ -92,7 +96,8 @@ class ShardStream:
         return self._fds
 
     def read(self, start: int, count: int) -> np.ndarray:
-        """Tokens `[start, start + count)` of the stream as int32, across shard boundaries."""
+        """Tokens `[start, start + count)` of the stream as int32, across shard boundaries; DataError
+        naming the shard for an id past the vocabulary."""
         if not 0 <= start <= start + count <= len(self):
             raise ValueError(f"tokens [{start}, {start + count}) lie outside a stream of {len(self)}")
         fds, out, at = self._open(), np.empty(count, np.int32), 0
@@ -104,9 +109,18 @@ class ShardStream:
             raw = os.pread(fds[shard], take * size, self.offsets[shard] + first * size)
             if len(raw) != take * size:
                 raise DataError(f"shard {self.paths[shard]} ended early: it was truncated while the run read it")
-            out[at:at + take] = np.frombuffer(raw, self.dtypes[shard])
+            ids = np.frombuffer(raw, self.dtypes[shard])  # unsigned: no id lies below 0
+            if self.vocab_size is not None and take and int(ids.max()) >= self.vocab_size:
+                self._past_the_vocabulary(shard, first, ids)
+            out[at:at + take] = ids
             at, shard = at + take, shard + 1
         return out
+
+    def _past_the_vocabulary(self, shard: int, first: int, ids: np.ndarray) -> None:
+        where = int(np.argmax(ids >= self.vocab_size))
+        raise DataError(f"shard {self.paths[shard]} holds token id {int(ids[where])} (token {first + where} of the "
+                        f"shard), past its vocabulary of {self.vocab_size} ids: the shard is damaged (prepare the "
+                        "corpus again with python -m train.prepare)")
 
     def windows(self, starts: np.ndarray, length: int) -> np.ndarray:
         """The windows `[..., length]` (int32) beginning at `starts` `[...]`."""

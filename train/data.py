@@ -13,6 +13,12 @@ Resolution of the text file, first match wins:
 
 Batches are drawn from the splits by `train.batches`; a corpus that cannot be found, fetched or
 read raises `train.data_errors.DataError`.
+
+A prepared directory's shards are verified against the checksums its manifest pins when a run opens
+it (`train.shards.verify_shards`): in full when a run starts, only the ends of each shard when it
+resumes (`verify_mode`); JAXATTN_VERIFY_SHARDS=quick or full chooses for every run (quick for a
+corpus too large to read at every start). A manifest from before the checksums loads with a warning
+(`Corpus.warnings`): only the ids of the windows a run reads are checked.
 """
 
 from __future__ import annotations
@@ -27,8 +33,9 @@ from pathlib import Path
 from typing import Any
 
 from train.batches import ShardStream
+from train.cli import UsageError
 from train.data_errors import DataError
-from train.shards import open_prepared
+from train.shards import VERIFY_MODES, open_prepared, verify_shards
 from train.tokenizer import Tokenizer, build_tokenizer
 
 SHAKESPEARE_URL = (
@@ -37,6 +44,7 @@ SHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2d
 SHAKESPEARE_FILENAME = "tinyshakespeare.txt"
 ENV_PATH = "JAXATTN_SHAKESPEARE"
 ENV_URL = "JAXATTN_SHAKESPEARE_URL"
+ENV_VERIFY = "JAXATTN_VERIFY_SHARDS"
 
 
 def cache_dir() -> Path:
@@ -135,6 +143,7 @@ class Corpus:
       tokenizer: the tokenizer the ids are of.
       path: the text file or prepared directory.
       prepared: a prepared directory's manifest (`train.shards`), else None.
+      warnings: what a run says before it starts (an unverified prepared corpus), one line each.
     """
 
     train: Any
@@ -142,6 +151,7 @@ class Corpus:
     tokenizer: Any
     path: str
     prepared: dict | None = None
+    warnings: tuple[str, ...] = ()
 
 
 def load_corpus(path: str | os.PathLike | None = None, *, tokenizer: str | Tokenizer = "char",
@@ -161,16 +171,29 @@ def load_corpus(path: str | os.PathLike | None = None, *, tokenizer: str | Token
     return Corpus(train=train, val=val, tokenizer=tok, path=str(file))
 
 
+def verify_mode(resume: bool) -> str:
+    """How a run verifies a prepared corpus's shards: JAXATTN_VERIFY_SHARDS (full or quick) when set,
+    else "full" when it starts and "quick" when it resumes; UsageError for another value."""
+    value = os.environ.get(ENV_VERIFY, "").strip()
+    if not value:
+        return "quick" if resume else "full"
+    if value not in VERIFY_MODES:
+        raise UsageError(f"{ENV_VERIFY}={value!r}: expected full (hash every shard) or quick (the ends of each "
+                         "shard), or unset (full when a run starts, quick when it resumes)")
+    return value
+
+
 def open_corpus(path: str | os.PathLike | None = None, *, tokenizer: str = "char",
-                val_fraction: float = 0.1) -> Corpus:
+                val_fraction: float = 0.1, verify: str = "full") -> Corpus:
     """The corpus of a run: a prepared directory (`python -m train.prepare`), whose shards are read
     as the run goes, or a text file read and tokenized now (`load_corpus`).
 
     A prepared directory fixes its tokenizer and split: DataError when its tokenizer kind is not
-    `tokenizer` (the run's `train.tokenizer`), or the directory is not a whole prepared corpus.
+    `tokenizer` (the run's `train.tokenizer`), or the directory is not a whole prepared corpus, or a
+    shard is not the one its manifest pins (`verify`: "full" or "quick", `train.shards.verify_shards`).
     """
     if path is not None and Path(path).expanduser().is_dir():
-        return _prepared_corpus(Path(path).expanduser(), tokenizer)
+        return _prepared_corpus(Path(path).expanduser(), tokenizer, verify)
     if tokenizer not in ("char", "byte"):
         raise DataError(f"train.tokenizer = {tokenizer!r} needs a prepared corpus: python -m train.prepare "
                         f"--data FILE_OR_DIR --tokenizer {'bpe:VOCAB' if tokenizer == 'bpe' else 'hf:DIR'} "
@@ -178,14 +201,18 @@ def open_corpus(path: str | os.PathLike | None = None, *, tokenizer: str = "char
     return load_corpus(path, tokenizer=tokenizer, val_fraction=val_fraction)
 
 
-def _prepared_corpus(directory: Path, tokenizer: str) -> Corpus:
+def _prepared_corpus(directory: Path, tokenizer: str, verify: str) -> Corpus:
     prepared = open_prepared(directory)
     if prepared.tokenizer_kind != tokenizer:
         raise DataError(f"the prepared corpus {directory} has a {prepared.tokenizer_kind} tokenizer and "
                         f"train.tokenizer is {tokenizer!r}: set train.tokenizer = \"{prepared.tokenizer_kind}\" "
                         f"(--set train.tokenizer={prepared.tokenizer_kind})")
-    return Corpus(train=ShardStream.of_maps(prepared.train), val=ShardStream.of_maps(prepared.val),
-                  tokenizer=prepared.tokenizer, path=str(directory), prepared=prepared.manifest)
+    verify_shards(prepared, verify)
+    unverified = prepared.unverified_warning()
+    vocab = prepared.vocab_size
+    return Corpus(train=ShardStream.of_maps(prepared.train, vocab), val=ShardStream.of_maps(prepared.val, vocab),
+                  tokenizer=prepared.tokenizer, path=str(directory), prepared=prepared.manifest,
+                  warnings=() if unverified is None else (unverified,))
 
 
 def describe(corpus: Corpus) -> str:

@@ -66,7 +66,7 @@ def run_experiment(config: ExperimentConfig, *, runtime: runtime_lib.Runtime | N
       RunDirectoryError, DataError, CheckpointError, TrainingDiverged, Interrupted, UnwritablePath.
     """
     wall_start, tc = time.perf_counter(), config.train
-    config, corpus, runtime = _prepare(config, runtime, loss_plot)
+    config, corpus, runtime = _prepare(config, runtime, loss_plot, resume)
     main = distributed.is_main()  # asked once the runtime has started JAX
     log = (lambda *a: None) if quiet or not main else partial(print, flush=True)
     _print_setup(config, corpus, runtime, log)
@@ -89,14 +89,16 @@ def run_experiment(config: ExperimentConfig, *, runtime: runtime_lib.Runtime | N
             lock.release()
 
 
-def _prepare(config: ExperimentConfig, runtime: runtime_lib.Runtime | None, loss_plot: str | None
+def _prepare(config: ExperimentConfig, runtime: runtime_lib.Runtime | None, loss_plot: str | None, resume: bool
              ) -> tuple[ExperimentConfig, data_lib.Corpus, runtime_lib.Runtime]:
-    """Before anything is written: the outputs checked, the corpus read, the runtime resolved (unless
-    given). Returns the config completed with the vocabulary and the runtime, the corpus, the runtime."""
+    """Before anything is written: the outputs checked, the corpus read (a prepared one verified: in
+    full, or quickly when resuming), the runtime resolved (unless given). Returns the config completed
+    with the vocabulary and the runtime, the corpus, the runtime."""
     tc = config.train
     if loss_plot is not None:
         outputs.check_image_file(loss_plot, "--loss-plot")
-    corpus = data_lib.open_corpus(tc.data_path, tokenizer=tc.tokenizer, val_fraction=tc.val_fraction)
+    corpus = data_lib.open_corpus(tc.data_path, tokenizer=tc.tokenizer, val_fraction=tc.val_fraction,
+                                  verify=data_lib.verify_mode(resume))
     data_lib.check_block_size(corpus, tc.block_size)
     check_sample_prompt(config, corpus.tokenizer)
     runtime = runtime or runtime_lib.start(config.runtime, tc.batch_size, model=config.model)
@@ -107,7 +109,7 @@ def _print_setup(config: ExperimentConfig, corpus: data_lib.Corpus, runtime: run
                  log: Callable[[str], None]) -> None:
     """The warnings (process 0, even when quiet), then the resolved config and runtime."""
     if distributed.is_main():
-        for warning in (*runtime.warnings, *data_lib.unused_settings(corpus, config.train)):
+        for warning in (*runtime.warnings, *corpus.warnings, *data_lib.unused_settings(corpus, config.train)):
             print(f"warning: {warning}", file=sys.stderr)
     log(f"config {config.name} (data {data_lib.describe(corpus)}):")
     log(config.to_json())

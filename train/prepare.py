@@ -5,8 +5,9 @@
     python -m train.prepare --data texts/ --tokenizer hf:exports/baby --out data/texts_hf --overwrite
 
 --data is a UTF-8 text file, or a directory whose *.txt files (not its subdirectories) are read in
-sorted name order. Text is read as `train.data.read_text` reads it (UTF-8, universal newlines: CRLF
-and CR become LF), in chunks, never whole. --tokenizer:
+sorted name order (a device, a named pipe or a socket is refused, named as what it is). Text is read
+as `train.data.read_text` reads it (UTF-8, universal newlines: CRLF and CR become LF), in chunks of
+at most 2 * CHUNK_CHARS characters, never whole, whatever its lines. --tokenizer:
 
 * char: the sorted set of the corpus's characters (train.tokenizer.CharTokenizer); needs a first
   pass over the text to find them, so two passes.
@@ -20,16 +21,22 @@ The split (deterministic): each file's token stream is split on its own, its fir
 int(n * (1 - val_fraction)) tokens to train and the rest to val, exactly as `train.data.load_corpus`
 splits a single file; the train stream is the files' train parts in order, and the val stream
 their val parts. For one file and `char`, the prepared streams are load_corpus's train and val ids.
-A file is encoded in chunks cut only after a newline that lies between two non-space characters,
-where GPT-2's pre-tokenizer always splits, so `bpe` tokens equal encoding each file whole; an
-`hf:` tokenizer whose pre-tokenizer splits elsewhere may differ there (a chunk holds 1 MiB of text
-or more).
+A file is encoded in chunks cut where GPT-2's pre-tokenizer always splits (`_cut`: after a newline,
+else before a space, that lies between two non-space characters), so `bpe` tokens equal encoding
+each file whole, except inside a run of 2 * CHUNK_CHARS characters with no such place, which is
+cut where the chunk is full; an `hf:` tokenizer whose pre-tokenizer splits elsewhere may differ at
+the cuts.
 
 A file's tokens are first spooled to a temporary file (its count is known only at its end), then
-cut into train and val shards. Everything is written in a temporary folder inside --out and moved
-into place at the end, so a failed or stopped run leaves --out as it was. A non-empty --out is
-refused unless --overwrite, which replaces the shards, tokenizer.json and prepared.json and leaves
-every other file there. Exit codes: 0 done, 1 bad input (one `error:` line naming it), 2 usage.
+cut into train and val shards, each hashed as it is written (sha256 of its body: prepared.json pins
+every shard's name, size and checksum, `train.shards`). Everything is written in a temporary folder
+`--out/.prepare-XXXXXXXX` and moved into place at the end, so a failed or stopped run leaves --out
+as it was. A run killed outright (SIGKILL, a power cut) leaves that folder behind: the folder holds
+a marker file, locked while its run lives, and the next run into --out removes such a folder (and
+says so) when its marker is unlocked and it holds nothing but what this program writes; nothing
+else is removed. A non-empty --out is refused unless --overwrite, which replaces the shards,
+tokenizer.json and prepared.json and leaves every other file there. Exit codes: 0 done, 1 bad input
+(one `error:` line naming it), 2 usage.
 """
 
 from __future__ import annotations
@@ -38,7 +45,10 @@ import argparse
 import codecs
 import io
 import json
+import os
+import re
 import shutil
+import stat
 import sys
 import tempfile
 from pathlib import Path
@@ -51,12 +61,26 @@ from train.cli import ArgumentParser, UsageError, guard
 from train.data_errors import DataError
 from train.outputs import check_folder
 
+try:
+    import fcntl
+except ImportError:  # not POSIX: the marker of a running prepare is not locked
+    fcntl = None
+
 PROGRAM = "python -m train.prepare"
-CHUNK_CHARS = 1 << 20  # text encoded at a time (at least; up to 16x while no cut place is found)
+CHUNK_CHARS = 1 << 20  # text encoded at a time: at least this much, at most twice (`_cut`)
 READ_BYTES = 1 << 20
 COPY_TOKENS = 1 << 22
-DEFAULT_SHARD_TOKENS = 100_000_000
+DEFAULT_SHARD_TOKENS = shards.DEFAULT_SHARD_TOKENS
 MAX_BPE_VOCAB = shards.MAX_VOCAB
+TEMP_PREFIX = ".prepare-"  # the temporary folder inside --out (tempfile.mkdtemp adds 8 characters)
+MARKER = "PREPARING"  # in the temporary folder: says who made it; locked while that run lives
+MARKER_TEXT = f"a temporary folder of {PROGRAM}"
+SPOOL = "spool.tmp"
+# Unicode's White_Space but the newline (what the tokenizers' `\s` matches; Python's str.isspace also counts
+# U+001C..U+001F), before a non-space character: the places of `_cut`'s rule 2.
+_BEFORE_WORD = re.compile("[\t\x0b\x0c\r \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000](?=\\S)")
+OWN_FILE = re.compile(rf"^((train|val)_\d{{5}}\.bin(\.part)?|{re.escape(shards.TOKENIZER)}|"
+                      rf"{re.escape(shards.MANIFEST)}|{re.escape(SPOOL)}|{MARKER})$")  # what may lie in it
 
 
 def parse_tokenizer(spec: str) -> tuple[str, str | int | None]:
@@ -72,13 +96,30 @@ def parse_tokenizer(spec: str) -> tuple[str, str | int | None]:
                      f"257..{MAX_BPE_VOCAB}) or hf:DIR (a directory with a tokenizer.json)")
 
 
+def special_kind(path: Path) -> str | None:
+    """"a character device", "a block device", "a named pipe (FIFO)" or "a socket"; None for anything else."""
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return None
+    for test, kind in ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return kind
+    return None
+
+
 def input_files(data: str | Path) -> list[Path]:
-    """The text files of --data: the file, or a directory's *.txt files by name; DataError if none."""
+    """The text files of --data: the file, or a directory's *.txt files by name; DataError if none, or
+    when --data is neither a file nor a directory (a device, a named pipe, a socket)."""
     data = Path(data)
     if not data.exists():
         raise DataError(f"--data {data} does not exist")
     if data.is_file():
         return [data]
+    if not data.is_dir():
+        raise DataError(f"--data {data} is {special_kind(data) or 'not a regular file'}, not a text file or a "
+                        "directory")
     files = sorted(p for p in data.glob("*.txt") if p.is_file())
     if not files:
         raise DataError(f"--data {data} is a directory with no *.txt files")
@@ -86,20 +127,51 @@ def input_files(data: str | Path) -> list[Path]:
 
 
 def _cut(text: str, final: bool) -> int:
-    """Where to end the next chunk of `text`: after the first newline between two non-space characters
-    at or after CHUNK_CHARS (0: none yet; the whole text once it is 16 * CHUNK_CHARS long, or `final`)."""
+    """Where the next chunk of `text` ends: between CHUNK_CHARS and 2 * CHUNK_CHARS characters (0: not
+    known yet, wait for more text; the whole text when it is the file's last).
+
+    A chunk is encoded on its own, so it ends where the tokenizer's pre-tokenization splits anyway.
+    GPT-2's pre-tokenizer (a `bpe:` tokenizer's, and that of the byte-level `hf:` ones) cuts text into
+    pieces that never hold whitespace except one leading space (" king") or whitespace alone, and a
+    run of whitespace before a non-space character is split before its last character, which begins a
+    piece of its own (a tab, a newline) or the next word's (a space). So a piece always ends before the
+    last whitespace character of such a run, and after a newline that stands alone between two
+    non-space characters, whatever comes before and after; the pieces, and the ids, of two chunks cut
+    there are those of the whole text. The places, in order:
+
+    1. after the first newline between two non-space characters at or after CHUNK_CHARS ("king\\nthe"
+       -> "king\\n" | "the"), as earlier versions cut (their ids are kept where such a place lies
+       within 2 * CHUNK_CHARS);
+    2. else before the first whitespace character other than a newline that is followed by a non-space
+       character, at or after CHUNK_CHARS ("king  the" -> "king " | " the"), so that text without
+       newlines is never held whole. Before it, not after: pre-tokenizers like Llama 3's join a space
+       or tab to the word after it (and punctuation to the newlines after it, hence rule 1's newline
+       between non-space characters);
+    3. else (2 * CHUNK_CHARS characters without either: one very long word, or text written without
+       spaces) at 2 * CHUNK_CHARS, the only cut that may split a piece of the pre-tokenizer in two and
+       give other ids than the whole text there.
+
+    A non-space character is one that Python's `str.isspace` refuses (it counts every character the
+    tokenizers' `\\s` does, and U+001C..U+001F besides); the whitespace a rule 2 place begins with is
+    one of Unicode's White_Space characters, what `\\s` matches.
+    """
     if final:
         return len(text)
-    pos = text.find("\n", max(CHUNK_CHARS - 1, 1))  # the first such place at or after CHUNK_CHARS
+    limit = 2 * CHUNK_CHARS
+    pos = text.find("\n", max(CHUNK_CHARS - 1, 1), limit)  # 1: ends at pos + 1 in [CHUNK_CHARS, limit]
     while 0 < pos < len(text) - 1:
         if not text[pos - 1].isspace() and not text[pos + 1].isspace():
             return pos + 1
-        pos = text.find("\n", pos + 1)
-    return len(text) if len(text) >= 16 * CHUNK_CHARS else 0  # no such place: 0 waits for more text
+        pos = text.find("\n", pos + 1, limit)
+    if len(text) <= limit:
+        return 0  # a place of kind 1 may still come
+    found = _BEFORE_WORD.search(text, max(CHUNK_CHARS, 1), limit + 2)  # 2: ends in [CHUNK_CHARS, limit]
+    return found.start() if found else limit  # 3
 
 
 def read_chunks(path: Path, progress: Callable[[int], None] = lambda n: None) -> Iterator[str]:
-    """The UTF-8 text of `path` in chunks of about CHUNK_CHARS characters, newlines made LF.
+    """The UTF-8 text of `path` in chunks of CHUNK_CHARS to 2 * CHUNK_CHARS characters (`_cut`; the
+    last may be shorter), newlines made LF.
 
     `progress(n)` is called with the bytes read. DataError naming the file and offset for bytes
     that are not UTF-8.
@@ -192,13 +264,76 @@ def _encoded(encode: Callable[[str], np.ndarray], text: str, path: Path, kind: s
         raise DataError(f"the {kind} tokenizer cannot encode {path}: {first}") from None
 
 
-def _check_out(out: Path, overwrite: bool) -> None:
+def _check_out(out: Path, overwrite: bool) -> list[tuple[Path, int | None]]:
+    """Refuses an --out that is not a directory, or holds anything but leftovers without `overwrite`;
+    returns the leftover temporary folders to remove (`_leftover`), locked."""
     if out.exists() and not out.is_dir():
-        raise DataError(f"--out {out} is a file, not a directory")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise DataError(f"--out {out} is {special_kind(out) or 'a file'}, not a directory")
+    check_folder(out, "--out")
+    leftovers, others = [], False
+    for entry in sorted(out.iterdir()) if out.is_dir() else ():
+        held = _leftover(entry)
+        if held is False:
+            others = True
+        else:
+            leftovers.append((entry, held))
+    if others and not overwrite:
+        for _, fd in leftovers:
+            _release(fd)
         raise DataError(f"--out {out} is not empty: pass --overwrite to replace a prepared corpus there "
                         "(other files stay), or choose another directory")
-    check_folder(out, "--out")
+    return leftovers
+
+
+def _hold(marker: Path, create: bool = False) -> int | bool | None:
+    """The marker opened and locked (its descriptor; None where files cannot be locked), or False when
+    another process holds it (or it cannot be opened)."""
+    try:
+        fd = os.open(marker, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o644)
+    except OSError:
+        return False
+    if fcntl is None:
+        os.close(fd)
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return False
+    return fd
+
+
+def _release(fd: int | None) -> None:
+    if fd is not None:
+        os.close(fd)  # closing the descriptor drops its lock
+
+
+def _leftover(entry: Path) -> int | bool | None:
+    """For a temporary folder this program left in --out when it was killed: its marker, locked (see
+    `_hold`); False for anything else, which is never removed: a name not TEMP_PREFIX + 8 characters, no
+    marker of this program, a file in it this program does not write, or a marker a running prepare holds."""
+    if not (entry.name.startswith(TEMP_PREFIX) and len(entry.name) == len(TEMP_PREFIX) + 8):
+        return False
+    if entry.is_symlink() or not entry.is_dir():
+        return False
+    try:
+        if not (entry / MARKER).read_text(encoding="utf-8").startswith(MARKER_TEXT):
+            return False
+        if not all(OWN_FILE.match(p.name) and p.is_file() and not p.is_symlink() for p in entry.iterdir()):
+            return False
+    except (OSError, UnicodeDecodeError):
+        return False
+    return _hold(entry / MARKER)
+
+
+def _make_temp(out: Path) -> tuple[Path, int | None]:
+    """The temporary folder of this run in `out`, with its marker created locked (so that no other run
+    takes the folder for a leftover while this one lives) and then filled in."""
+    tmp = Path(tempfile.mkdtemp(prefix=TEMP_PREFIX, dir=out))
+    fd = _hold(tmp / MARKER, create=True)
+    (tmp / MARKER).write_text(f"{MARKER_TEXT}, process {os.getpid()}: removed by the next run into "
+                              f"{out} once this one has ended\n", encoding="utf-8")
+    return tmp, (None if fd is False else fd)
 
 
 def _split_file(spool: Path, n: int, dtype, val_fraction: float, writers: dict) -> int:
@@ -222,8 +357,10 @@ def prepare(data: str | Path, tokenizer: str, out: str | Path, *, shard_tokens: 
     """Tokenizes `data` into a prepared directory `out` (see the module docstring); returns its manifest.
 
     UsageError for a bad `tokenizer` spec, `shard_tokens` or `val_fraction`; DataError for a
-    missing input, a non-UTF-8 or empty corpus, a split shorter than `min_split_tokens`, a
-    non-empty `out` without `overwrite`; UnwritablePath when `out` cannot be written.
+    missing input, a device or pipe as `data`, a non-UTF-8 or empty corpus, a split shorter than
+    `min_split_tokens`, a non-empty `out` without `overwrite`; UnwritablePath when `out` cannot be
+    written. The temporary folders a killed prepare left in `out` (`_leftover`) do not count as
+    anything in it: they are removed, with a `note:` line on stderr, once `out` is accepted.
     """
     kind, arg = parse_tokenizer(tokenizer)
     if shard_tokens < 1:
@@ -231,12 +368,19 @@ def prepare(data: str | Path, tokenizer: str, out: str | Path, *, shard_tokens: 
     if not 0.0 < val_fraction < 1.0:
         raise UsageError(f"--val-fraction must be in (0, 1), got {val_fraction}")
     files, out = input_files(data), Path(out)
-    _check_out(out, overwrite)
+    leftovers = _check_out(out, overwrite)
     if all(p.stat().st_size == 0 for p in files):
+        for _, fd in leftovers:
+            _release(fd)
         raise DataError(f"empty corpus: {', '.join(map(str, files))} hold no text")
+    for folder, fd in leftovers:
+        shutil.rmtree(folder, ignore_errors=True)
+        _release(fd)
+        print(f"note: removed {folder}, the temporary folder of a {PROGRAM} into {out} that was killed before "
+              "it finished", file=sys.stderr)
     made_out = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".prepare-", dir=out))
+    tmp, lock = _make_temp(out)
     try:
         manifest = _prepare_into(tmp, files, kind, arg, shard_tokens, val_fraction, min_split_tokens)
         manifest["source"] = str(data)
@@ -245,12 +389,16 @@ def prepare(data: str | Path, tokenizer: str, out: str | Path, *, shard_tokens: 
             if old != tmp and (shards.SHARD_NAME.match(old.name) or old.name in (shards.MANIFEST, shards.TOKENIZER)):
                 old.unlink()
         for new in sorted(tmp.iterdir()):
-            new.replace(out / new.name)
+            if new.name != MARKER:
+                new.replace(out / new.name)
+        (tmp / MARKER).unlink()
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         if made_out and not any(out.iterdir()):
             out.rmdir()
         raise
+    finally:
+        _release(lock)
     tmp.rmdir()
     return manifest
 
@@ -262,7 +410,7 @@ def _prepare_into(tmp: Path, files: list[Path], kind: str, arg, shard_tokens: in
     dtype = shards.dtype_for(vocab_size)
     (tmp / shards.TOKENIZER).write_text(tokenizer_json, encoding="utf-8")
     writers = {s: shards.SplitWriter(tmp, s, vocab_size, hash_, shard_tokens) for s in shards.SPLITS}
-    spool, sources = tmp / "spool.tmp", []
+    spool, sources = tmp / SPOOL, []
     passes = "pass 1/1" if kind in ("byte", "hf") else "pass 2/2"
     with _bar(sum(p.stat().st_size for p in files), f"{passes}: encoding") as bar:
         for path in files:
@@ -278,7 +426,8 @@ def _prepare_into(tmp: Path, files: list[Path], kind: str, arg, shard_tokens: in
             sources.append({"file": path.name, "bytes": path.stat().st_size, "tokens": n,
                             "train_tokens": n_train, "val_tokens": n - n_train})
     spool.unlink()
-    paths = {s: w.close() for s, w in writers.items()}
+    for writer in writers.values():
+        writer.close()
     counts = {s: writers[s].tokens for s in shards.SPLITS}
     if counts["train"] + counts["val"] == 0:
         raise DataError(f"empty corpus: {', '.join(map(str, files))} give no tokens")
@@ -292,7 +441,11 @@ def _prepare_into(tmp: Path, files: list[Path], kind: str, arg, shard_tokens: in
         "dtype": dtype.name, "shard_tokens": shard_tokens,
         "split": {"rule": "per file: the first int(n * (1 - val_fraction)) tokens train, the rest val",
                   "val_fraction": val_fraction},
-        **{s: {"tokens": counts[s], "shards": [p.name for p in paths[s]]} for s in shards.SPLITS},
+        "checksums": {"algorithm": shards.CHECKSUM, "of": f"each shard's body: the bytes after its "
+                      f"{shards.HEADER_SIZE}-byte header", f"ends_{shards.CHECKSUM}": "of the first and the last "
+                      "ends_bytes of the body (the whole body when it is at most twice that)",
+                      "ends_bytes": shards.ENDS_BYTES},
+        **{s: {"tokens": counts[s], "shards": writers[s].records} for s in shards.SPLITS},
         "sources": sources,
     }
 

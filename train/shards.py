@@ -8,8 +8,11 @@ A prepared directory holds:
   project's own JSON (`train.tokenizer.to_json`), `bpe` (trained by `train.prepare`) and `hf`
   (copied from a directory) are a Hugging Face `tokenizers` tokenizer.json.
 * `prepared.json`: the manifest (format version, tokenizer kind, hash and vocabulary size, the
-  dtype, the split rule and val fraction, token and shard counts per split, the source files with
-  their sizes and token counts). It is what tells the loader how to read tokenizer.json.
+  dtype, the split rule and val fraction, the token count of each split and its shards, the source
+  files with their sizes and token counts). It is what tells the loader how to read tokenizer.json,
+  and it pins each shard: its name, size, token count, the sha256 of its body (the bytes after the
+  header) and the sha256 of the first and last ENDS_BYTES of its body (`shard_record`). Manifests
+  written before the checksums name their shards only; they load unverified (`PreparedCorpus.verified`).
 
 A shard is a fixed 64-byte little-endian header, then `count` tokens of its dtype (no padding):
 
@@ -26,6 +29,11 @@ uint16 when the vocabulary has at most 65536 ids, else uint32. The canonical JSO
 is its JSON parsed and written again with sorted keys, no spaces and UTF-8 (`canonical_json`), so
 the hash does not depend on how a file was indented. Every failure to read a prepared directory is
 a `train.data_errors.DataError` with one line naming the file.
+
+`open_prepared` checks what costs no reading: the headers against tokenizer.json and the manifest,
+the shards' names and sizes against the manifest. `verify_shards` reads: "full" hashes every body
+and compares it with the manifest, "quick" only the ends of each body (which tell renamed or
+swapped shards apart, not a flipped bit in the middle).
 """
 
 from __future__ import annotations
@@ -35,7 +43,9 @@ import hashlib
 import json
 import os
 import re
+import shlex
 import struct
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +67,13 @@ TOKENIZER = "tokenizer.json"
 SPLITS = ("train", "val")
 TOKENIZER_KINDS = ("char", "byte", "bpe", "hf")
 SHARD_NAME = re.compile(r"^(train|val)_(\d{5})\.bin$")
+CHECKSUM = "sha256"  # of each shard's body: as fast as any stdlib hash where the CPU has SHA instructions
+# (docs/performance.md, "Input")
+ENDS_BYTES = 1 << 16  # the quick check hashes the first and the last ENDS_BYTES of each body
+VERIFY_MODES = ("full", "quick")
+READ_CHUNK = 1 << 23  # bytes hashed at a time
+DEFAULT_SHARD_TOKENS = 100_000_000  # python -m train.prepare --shard-tokens
+DEFAULT_VAL_FRACTION = 0.1  # python -m train.prepare --val-fraction
 
 
 def dtype_for(vocab_size: int) -> np.dtype:
@@ -124,11 +141,54 @@ def write_shard(path: str | os.PathLike, tokens, vocab_size: int, tokenizer_hash
     return path
 
 
+def _body_hasher():
+    return hashlib.new(CHECKSUM)
+
+
+def ends_digest(path: str | os.PathLike, body_bytes: int, ends_bytes: int | None = None) -> str:
+    """The hex sha256 of the first and the last `ends_bytes` (default ENDS_BYTES) of a shard's body of
+    `body_bytes` bytes (of the whole body when it is at most twice that long): what the quick check compares."""
+    ends_bytes = ENDS_BYTES if ends_bytes is None else ends_bytes
+    digest = _body_hasher()
+    with open(path, "rb") as f:
+        if body_bytes <= 2 * ends_bytes:
+            digest.update(os.pread(f.fileno(), body_bytes, HEADER_SIZE))
+        else:
+            digest.update(os.pread(f.fileno(), ends_bytes, HEADER_SIZE))
+            digest.update(os.pread(f.fileno(), ends_bytes, HEADER_SIZE + body_bytes - ends_bytes))
+    return digest.hexdigest()
+
+
+def body_digest(path: str | os.PathLike, progress=None) -> str:
+    """The hex sha256 of a shard's body (every byte after its header), read in chunks of READ_CHUNK;
+    `progress(n)` is called with the bytes hashed."""
+    digest, buffer = _body_hasher(), bytearray(READ_CHUNK)
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as f:
+        f.seek(HEADER_SIZE)
+        while n := f.readinto(buffer):
+            digest.update(view[:n])
+            if progress is not None:
+                progress(n)
+    return digest.hexdigest()
+
+
+def shard_record(path: str | os.PathLike, body_sha256: str | None = None) -> dict[str, Any]:
+    """What the manifest pins of the shard at `path`: its name, size in bytes, token count, the sha256 of
+    its body (computed unless given) and of the ends of its body (`ends_digest`)."""
+    header = read_header(path)
+    body = header.count * header.dtype.itemsize
+    return {"name": header.path.name, "bytes": HEADER_SIZE + body, "tokens": header.count,
+            CHECKSUM: body_sha256 or body_digest(path), f"ends_{CHECKSUM}": ends_digest(path, body)}
+
+
 class SplitWriter:
     """Streams one split's tokens into `{split}_NNNNN.bin` shards of `shard_tokens` tokens (the last fewer).
 
     `write(ids)` appends; `close()` finishes the last shard and returns the shard paths. A shard is
-    written as `NAME.part` and renamed once its header holds its count; no shard is ever empty.
+    written as `NAME.part` and renamed once its header holds its count; no shard is ever empty. The
+    body of each shard is hashed as it is written: `records` holds each finished shard's
+    `shard_record`, what the manifest pins.
     """
 
     def __init__(self, directory: str | os.PathLike, split: str, vocab_size: int, tokenizer_hash: bytes,
@@ -138,8 +198,9 @@ class SplitWriter:
         self.directory, self.split, self.vocab_size = Path(directory), split, vocab_size
         self.hash, self.shard_tokens, self.dtype = _hash_bytes(tokenizer_hash), shard_tokens, dtype_for(vocab_size)
         self.paths: list[Path] = []
+        self.records: list[dict[str, Any]] = []
         self.tokens = 0
-        self._file, self._in_shard = None, 0
+        self._file, self._in_shard, self._digest = None, 0, None
 
     def write(self, tokens) -> None:
         ids = _as_ids(tokens, self.vocab_size, self.dtype, f"{self.split} tokens")
@@ -148,6 +209,7 @@ class SplitWriter:
                 self._open()
             take = min(ids.size, self.shard_tokens - self._in_shard)
             ids[:take].tofile(self._file)
+            self._digest.update(np.ascontiguousarray(ids[:take]))
             self._in_shard += take
             self.tokens += take
             ids = ids[take:]
@@ -159,14 +221,15 @@ class SplitWriter:
         self._file = open(path.with_name(path.name + ".part"), "wb")
         self._file.write(_pack(self.dtype, self.vocab_size, 0, self.hash))
         self.paths.append(path)
-        self._in_shard = 0
+        self._in_shard, self._digest = 0, _body_hasher()
 
     def _finish(self) -> None:
         self._file.seek(0)
         self._file.write(_pack(self.dtype, self.vocab_size, self._in_shard, self.hash))
         self._file.close()
         os.replace(self._file.name, self.paths[-1])
-        self._file = None
+        self.records.append(shard_record(self.paths[-1], self._digest.hexdigest()))
+        self._file, self._digest = None, None
 
     def close(self) -> list[Path]:
         if self._file is not None:
@@ -247,6 +310,19 @@ class PreparedCorpus:
         """The whole stream of `split` as one int64 array in memory (tests and small corpora only)."""
         return np.concatenate([np.asarray(s, dtype=np.int64) for s in getattr(self, split)])
 
+    @property
+    def verified(self) -> bool:
+        """Whether the manifest pins each shard's checksum (False: written before it did)."""
+        return _has_checksums(self.manifest)
+
+    def unverified_warning(self) -> str | None:
+        """The one line a run warns with when the shards cannot be verified (None when they can)."""
+        if self.verified:
+            return None
+        return (f"the prepared corpus {self.directory} has no shard checksums ({MANIFEST} was written by an "
+                f"older jaxattn): its shards are not verified, only the ids of the windows a run reads; to "
+                f"verify them, prepare it again: {prepare_command(self.directory, self.manifest)}")
+
 
 def shard_paths(directory: str | os.PathLike, split: str) -> list[Path]:
     """The shards of `split` in `directory`, in order; DataError if their numbers are not 0, 1, 2, ..."""
@@ -287,14 +363,128 @@ def _load_tokenizer(directory: Path, kind: str, text: str):
         raise DataError(f"{path} is not a {kind} tokenizer this jaxattn reads: {err}") from None
 
 
+def _has_checksums(manifest: dict[str, Any]) -> bool:
+    return all(isinstance(manifest.get(split), dict) and isinstance(manifest[split].get("shards"), list)
+               and all(isinstance(entry, dict) for entry in manifest[split]["shards"]) for split in SPLITS)
+
+
+def prepare_command(directory: str | os.PathLike, manifest: dict[str, Any]) -> str:
+    """The `python -m train.prepare` command that writes `directory` again from its manifest's source."""
+    spec = manifest.get("tokenizer", {}).get("spec") or manifest.get("tokenizer", {}).get("kind")
+    words = ["python -m train.prepare --data", shlex.quote(str(manifest.get("source", "SOURCE"))),
+             "--tokenizer", shlex.quote(str(spec)), "--out", shlex.quote(str(directory))]
+    shard_tokens = manifest.get("shard_tokens", DEFAULT_SHARD_TOKENS)
+    val_fraction = manifest.get("split", {}).get("val_fraction", DEFAULT_VAL_FRACTION)
+    words += [] if shard_tokens == DEFAULT_SHARD_TOKENS else ["--shard-tokens", str(shard_tokens)]
+    words += [] if val_fraction == DEFAULT_VAL_FRACTION else ["--val-fraction", str(val_fraction)]
+    return " ".join(words + ["--overwrite"])
+
+
+def _check_manifest_against_headers(directory: Path, manifest: dict[str, Any], headers: dict[str, list[ShardHeader]],
+                                    tokenizer_vocab: int) -> None:
+    """The vocabulary and dtype prepared.json states against the shards' headers (which tokenizer.json
+    confirms), and the shards it names against those on disk: DataError saying which one is wrong."""
+    first = headers["train"][0]
+    said_vocab = manifest["tokenizer"].get("vocab_size")
+    if said_vocab != first.vocab_size:
+        raise DataError(f"{directory / MANIFEST} is wrong: its tokenizer.vocab_size is {said_vocab!r}, but "
+                        f"{TOKENIZER} and every shard header say {tokenizer_vocab} (prepared.json was edited or "
+                        f"comes from another corpus; prepare the corpus again)")
+    if manifest.get("dtype") != first.dtype.name:
+        raise DataError(f"{directory / MANIFEST} is wrong: its dtype is {manifest.get('dtype')!r}, but every shard "
+                        f"header says {first.dtype.name} (the dtype of a vocabulary of {first.vocab_size} ids; "
+                        f"prepared.json was edited or comes from another corpus; prepare the corpus again)")
+    for split in SPLITS:
+        named = manifest.get(split, {}).get("shards") if isinstance(manifest.get(split), dict) else None
+        if not isinstance(named, list):
+            continue  # an older manifest may lack the list: the token counts are still checked
+        names = [entry.get("name") if isinstance(entry, dict) else entry for entry in named]
+        on_disk = [h.path.name for h in headers[split]]
+        if names != on_disk:
+            extra, missing = sorted(set(on_disk) - set(names)), [str(n) for n in names if n not in on_disk]
+            what = (f"{missing[0]}, which it names, is missing" if missing else
+                    f"{extra[0]} is not one of the {split} shards it names ({', '.join(map(str, names[:3]))}"
+                    f"{', ...' if len(names) > 3 else ''})")
+            raise DataError(f"prepared corpus {directory} does not hold the {split} shards {MANIFEST} names: "
+                            f"{what} (restore it, or prepare the corpus again)")
+        entries = [e for e in named if isinstance(e, dict)]
+        for header, entry in zip(headers[split], entries):
+            size = HEADER_SIZE + header.count * header.dtype.itemsize
+            if entry.get("bytes") != size:
+                body = header.count * header.dtype.itemsize
+                raise DataError(_not_the_shard(directory, manifest, header.path, f"ends_{CHECKSUM}",
+                                               lambda: ends_digest(header.path, body, _ends_bytes(manifest)),
+                                               f"it is {size} bytes ({header.count} tokens), {MANIFEST} says "
+                                               f"{entry.get('bytes')} ({entry.get('tokens')} tokens)"))
+
+
+def _ends_bytes(manifest: dict[str, Any]) -> int:
+    return int(manifest.get("checksums", {}).get("ends_bytes", ENDS_BYTES))
+
+
+def _not_the_shard(directory: Path, manifest: dict[str, Any], path: Path, key: str, digest, why: str) -> str:
+    """The line for a shard that is not the one the manifest pins under its name: when its `key` digest
+    is another shard's, the shards were renamed or swapped; else it was damaged or changed."""
+    try:
+        found = digest()
+    except OSError:
+        found = None
+    for entry in (e for split in SPLITS for e in manifest[split]["shards"] if isinstance(e, dict)):
+        if found is not None and entry.get(key) == found and entry.get("name") != path.name:
+            return (f"prepared corpus {directory}: {path.name} holds what {MANIFEST} says {entry['name']} "
+                    f"holds: its shards were renamed or swapped after they were prepared (put them back, or "
+                    f"prepare the corpus again: {prepare_command(directory, manifest)})")
+    return (f"shard {path} is not the one {MANIFEST} pins: {why}; it was damaged, replaced or changed after it "
+            f"was prepared (prepare the corpus again: {prepare_command(directory, manifest)})")
+
+
+def verify_shards(prepared: PreparedCorpus, mode: str = "full", *, progress: bool = True) -> None:
+    """Reads the shards of `prepared` and compares them with the checksums its manifest pins.
+
+    "full": the sha256 of every shard's body (every byte of the corpus; a progress bar on stderr
+    when it is a terminal); "quick": the sha256 of the first and last ENDS_BYTES of each body, which
+    tells shards that were renamed, swapped or replaced from the right ones but not a flipped bit in
+    the middle of one. DataError (one line naming the shard) for the first shard that differs; nothing
+    is read for a manifest without checksums (`PreparedCorpus.verified`).
+    """
+    if mode not in VERIFY_MODES:
+        raise ValueError(f"mode must be one of {VERIFY_MODES}, got {mode!r}")
+    if not prepared.verified:
+        return
+    manifest, directory = prepared.manifest, prepared.directory
+    shards = [(directory / entry["name"], entry) for split in SPLITS for entry in manifest[split]["shards"]]
+    if mode == "quick":
+        ends = _ends_bytes(manifest)
+        for path, entry in shards:
+            body = entry["bytes"] - HEADER_SIZE
+            found = lambda: ends_digest(path, body, ends)  # noqa: E731
+            if found() != entry.get(f"ends_{CHECKSUM}"):
+                raise DataError(_not_the_shard(directory, manifest, path, f"ends_{CHECKSUM}", found,
+                                               f"the {CHECKSUM} of the ends of its tokens differs"))
+        return
+    from tqdm import tqdm
+    total = sum(entry["bytes"] - HEADER_SIZE for _, entry in shards)
+    with tqdm(total=total, unit="B", unit_scale=True, desc=f"verifying {directory.name} ({CHECKSUM})",
+              file=sys.stderr, disable=None if progress else True, dynamic_ncols=True, leave=False) as bar:
+        for path, entry in shards:
+            digest = body_digest(path, bar.update)
+            if digest != entry.get(CHECKSUM):
+                raise DataError(_not_the_shard(directory, manifest, path, CHECKSUM, lambda: digest,
+                                               f"the {CHECKSUM} of its tokens is {digest[:16]}..., {MANIFEST} "
+                                               f"says {str(entry.get(CHECKSUM))[:16]}..."))
+
+
 def open_prepared(directory: str | os.PathLike,
                   expected_tokenizer_hash: bytes | str | None = None) -> PreparedCorpus:
     """Opens a prepared directory: checks every shard header against tokenizer.json and the manifest.
 
     DataError (one line naming the file) for: a missing directory, no shards of a split, a gap in
     the shard numbers, a damaged or truncated shard, shards of different tokenizers or
-    vocabularies, a tokenizer.json whose hash is not the shards', a token count that is not the
-    manifest's, or a tokenizer other than `expected_tokenizer_hash` (16 bytes or 32 hex digits).
+    vocabularies, a tokenizer.json whose hash is not the shards', a manifest whose vocabulary or
+    dtype is not the headers', shards whose names or sizes are not those the manifest pins, a token
+    count that is not the manifest's, or a tokenizer other than `expected_tokenizer_hash` (16 bytes
+    or 32 hex digits). Nothing but the headers is read: `verify_shards` compares the shards' bytes
+    with their checksums.
     """
     directory = Path(directory)
     if not directory.is_dir():
@@ -325,11 +515,15 @@ def open_prepared(directory: str | os.PathLike,
         raise DataError(f"the shards in {directory} were written with another tokenizer: their hash is "
                         f"{first.tokenizer_hash.hex()}, {TOKENIZER}'s is {hash_.hex()}")
     if first.vocab_size != tokenizer.vocab_size:
+        said = manifest["tokenizer"].get("vocab_size")
+        odd = (f"; {MANIFEST} says {said}: the shards' headers are the wrong ones" if said == tokenizer.vocab_size
+               else f"; {MANIFEST} says {said}: {TOKENIZER} is the wrong one" if said == first.vocab_size else "")
         raise DataError(f"the shards in {directory} have a vocabulary of {first.vocab_size}, "
-                        f"{TOKENIZER} one of {tokenizer.vocab_size}")
+                        f"{TOKENIZER} one of {tokenizer.vocab_size}{odd}")
     if expected_tokenizer_hash is not None and _hash_bytes(expected_tokenizer_hash) != hash_:
         raise DataError(f"prepared corpus {directory} was made with another tokenizer (hash {hash_.hex()}, "
                         f"expected {_hash_bytes(expected_tokenizer_hash).hex()})")
+    _check_manifest_against_headers(directory, manifest, headers, tokenizer.vocab_size)
     for split in SPLITS:
         counted = sum(h.count for h in headers[split])
         said = manifest.get(split, {}).get("tokens")
