@@ -48,11 +48,16 @@ class GenerateOutput(NamedTuple):
         included).
       logits: `[B, max_new_tokens, V]` float32 logits each token was drawn
         from (only with `return_logits=True`, else None).
+      nonfinite_from: `[B]` int32 index of the row's first token drawn from
+        logits with no finite maximum (a NaN, +inf, or every logit -inf: the
+        draw, and every token after it, is arbitrary); -1 for a row whose
+        draws were all from finite logits.
     """
 
     tokens: jax.Array
     counts: jax.Array
     logits: jax.Array | None = None
+    nonfinite_from: jax.Array | None = None
 
 
 @flax.struct.dataclass
@@ -85,6 +90,8 @@ class DecodeState:
       done: `[B]` bool, True once the row has emitted the stop token.
       counts: `[B]` int32 real tokens generated so far per row.
       rng: PRNG key for the next draw.
+      nonfinite_from: `[B]` int32 index of the first token drawn from logits
+        with no finite maximum, -1 while there is none.
     """
 
     context: DecodeCache | "TokenBuffer"
@@ -92,6 +99,7 @@ class DecodeState:
     done: jax.Array
     counts: jax.Array
     rng: jax.Array
+    nonfinite_from: jax.Array
 
 
 @flax.struct.dataclass
@@ -125,12 +133,14 @@ def _choose(state: DecodeState, logits: jax.Array, context, knobs: SamplingKnobs
     rng, key = jax.random.split(state.rng)
     drawn = sampling.sample(logits, key, temperature=knobs.temperature, top_k=knobs.top_k, top_p=knobs.top_p)
     token = jnp.where(state.done, knobs.pad_token, drawn)  # [B]
+    unusable = ~jnp.isfinite(jnp.max(logits, axis=-1)) & ~state.done  # NaN, +inf or all -inf: nothing to draw from
     state = DecodeState(
         context=context,
         last_token=token,
         done=state.done | (token == knobs.stop_token),
         counts=state.counts + (~state.done).astype(jnp.int32),
         rng=rng,
+        nonfinite_from=jnp.where(unusable & (state.nonfinite_from < 0), state.counts, state.nonfinite_from),
     )
     return state, token
 
@@ -159,7 +169,8 @@ def _decode(first_logits, context, advance: Callable, rng, knobs: SamplingKnobs,
     """Samples from `[B, V]` prefill logits, then scans `max_new_tokens - 1` steps of `advance`."""
     batch = first_logits.shape[0]
     state = DecodeState(context=context, last_token=jnp.zeros((batch,), jnp.int32),
-                        done=jnp.zeros((batch,), bool), counts=jnp.zeros((batch,), jnp.int32), rng=rng)
+                        done=jnp.zeros((batch,), bool), counts=jnp.zeros((batch,), jnp.int32), rng=rng,
+                        nonfinite_from=jnp.full((batch,), -1, jnp.int32))
     state, first_token = _choose(state, first_logits, context, knobs)
 
     def step(state: DecodeState, _):
@@ -171,7 +182,7 @@ def _decode(first_logits, context, advance: Callable, rng, knobs: SamplingKnobs,
     tokens = jnp.concatenate([first_token[:, None], tokens.T], axis=1)  # [B, max_new_tokens]
     if return_logits:
         logits = jnp.concatenate([first_logits[:, None], jnp.swapaxes(logits, 0, 1)], axis=1)  # [B, max_new, V]
-    return GenerateOutput(tokens=tokens, counts=state.counts, logits=logits)
+    return GenerateOutput(tokens=tokens, counts=state.counts, logits=logits, nonfinite_from=state.nonfinite_from)
 
 
 def _last_real(logits, lengths):
@@ -309,7 +320,7 @@ def generate(params, config: ModelConfig, prompt_tokens, prompt_lengths, *, max_
         summation order in the logits). The outputs are replicated on the mesh.
 
     Returns:
-      `GenerateOutput(tokens [B, max_new_tokens], counts [B], logits)`.
+      `GenerateOutput(tokens [B, max_new_tokens], counts [B], logits, nonfinite_from [B])`.
     """
     prompt, lengths, knobs, cache_len = _prepare(config, kernels, prompt_tokens, prompt_lengths, max_new_tokens,
                                                  temperature, top_k, top_p, stop_token, pad_token)

@@ -17,11 +17,17 @@ Sources: `--checkpoint` (a training run), `--hf` (a transformers directory; toke
 tokenizer's decoded pieces) or `--random-init CONFIG` (a config of configs/ or a .toml
 file with fresh parameters from `--seed`; its char tokenizer is built from the corpus as
 training builds it: `--data`, the config's data_path, then train.data's defaults).
+
+A model loaded with `--allow-nonfinite` whose attention weights on the text are not finite is
+refused in one line (exit 1), naming the layers and heads and the first layer whose output is
+not finite; nothing is drawn, since every map from that layer on is NaN. When the maps are
+finite though some weights are not, they are drawn and a warning names those weights.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 import jax
@@ -31,7 +37,7 @@ import numpy as np
 from jaxattn.model import DecoderLM
 from train import outputs
 from train.checkpoint import CheckpointError
-from train.sampling_checkpoint import load_for_sampling
+from train.sampling_checkpoint import describe_nonfinite, list_weights, load_for_sampling
 from train.cli import ArgumentParser, UsageError, guard
 from train.data_errors import DataError
 from train.export import load_hf
@@ -40,6 +46,10 @@ from train.plots import plot_attention_maps
 PROGRAM = "python -m train.attention_maps"
 DEFAULT_TEXT = "ROMEO:\nBut soft, what light"
 HTML_SUFFIXES = (".html", ".htm")
+
+
+class NonFiniteError(RuntimeError):
+    """The attention weights are not finite (exit 1)."""
 
 
 def attention_weights(params, model_config, token_ids: np.ndarray) -> np.ndarray:
@@ -176,6 +186,23 @@ def model_and_ids(args: argparse.Namespace):
     return fresh_params(model_config, args.seed or 0), model_config, tokenizer, ids
 
 
+def check_finite(weights: np.ndarray, params, model_config, ids, allow_nonfinite: bool) -> None:
+    """`NonFiniteError` when the weights `[L, N, T, T]` hold NaN or infinity, naming the layers and heads
+    and where the forward pass first goes non-finite; a warning when they are finite but, with
+    `--allow-nonfinite`, some parameters are not."""
+    finite = np.isfinite(weights).all(axis=(2, 3))  # [L, N]
+    if not finite.all():
+        heads = "; ".join(f"layer {layer} head{'s' if (~finite[layer]).sum() > 1 else ''} "
+                          f"{', '.join(map(str, np.flatnonzero(~finite[layer])))}"
+                          for layer in np.flatnonzero(~finite.all(axis=1)))
+        raise NonFiniteError(f"the attention weights are not finite (NaN or infinity) in {heads}, so nothing is "
+                             f"drawn: {describe_nonfinite(params, model_config, ids)}")
+    listed = list_weights(params) if allow_nonfinite else ""
+    if listed:
+        print(f"warning: the weights holding NaN or infinity ({listed}) leave this text's attention weights "
+              "finite: drawing them", file=sys.stderr)
+
+
 def write_html(path: Path, weights: np.ndarray, tokens: list[str], model_config, title: str) -> None:
     from jaxattn.viewer import attention_page, describe_layers
     page = attention_page(weights, tokens, layers=describe_layers(model_config), title=title)
@@ -194,6 +221,7 @@ def run(argv: list[str] | None) -> Path:
         outputs.check_file(args.html, "--html")
     params, model_config, tokenizer, ids = model_and_ids(args)
     weights = attention_weights(params, model_config, ids)
+    check_finite(weights, params, model_config, ids, args.allow_nonfinite)
     chars = [tokenizer.decode([i]) for i in ids]
     kind = "MLA" if model_config.mla else f"{model_config.num_heads}q/{model_config.num_kv_heads}kv heads"
     title = f"attention weights ({kind}, {model_config.positions} positions) from {source_name(args)}"
@@ -209,7 +237,7 @@ def run(argv: list[str] | None) -> Path:
 def main(argv: list[str] | None = None) -> Path:
     """Writes the maps and returns their path; one line and exit 2 (usage), 1 (an unreadable
     checkpoint or corpus, an unwritable --out or --html) or 130 otherwise (train.cli)."""
-    return guard(PROGRAM, lambda: run(argv), expected=(CheckpointError, DataError))
+    return guard(PROGRAM, lambda: run(argv), expected=(CheckpointError, DataError, NonFiniteError))
 
 
 if __name__ == "__main__":

@@ -17,23 +17,33 @@ transformers save with a tokenizer.json) a sample ends at the tokenizer's end-of
 token, when it has one. With --mesh the parameters are laid out on a device mesh by
 `jaxattn.axes.RULES` and the KV cache is split by rows (the samples) and kv heads;
 the tokens are those of one device.
+
+The samples are drawn ROWS_PER_CALL at a time (fewer where memory is short), so what one call
+holds (its KV cache at the model's context, its logits, XLA's buffers) does not grow with
+--num-samples; before compiling, stderr gets the memory the whole run takes at its peak, a
+warning when that is most of what is free and an error when it is more than the machine has.
+A token drawn from logits that are not finite (a model loaded with --allow-nonfinite) ends the
+run with a line naming the first layer whose output is not finite.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import jax
 import numpy as np
+import psutil
 from tqdm import tqdm
 
 from jaxattn import Kernels, axes, resolve_kernels
+from jaxattn.cache import cache_bytes_per_token
 from jaxattn.config import ModelConfig
-from jaxattn.windowed import windows
+from jaxattn.decoding import prompt_bucket
+from jaxattn.windowed import NonFiniteLogits, windows
 from jaxattn.model import DecoderLM
 from train import config as config_lib
 from train import data as data_lib
@@ -48,8 +58,25 @@ from train.tokenizer import CharTokenizer, Tokenizer
 
 
 PROGRAM = "python -m train.sample"
-BIG_REQUEST = 1_000_000  # tokens (all samples together) from which the memory and time are announced
-BYTES_PER_TOKEN = 16  # a generous estimate of the host memory one drawn token takes: its id and its text
+BIG_REQUEST = 1_000_000  # tokens (all samples together) from which the time is announced
+ID_BYTES = 4  # a drawn token on the host: its int32 id (the texts are decoded and printed one sample at a time)
+# Samples drawn together by one call. On a CPU tokens/s gains little from wider calls (docs/performance.md,
+# "Sampling memory"), while the time and memory XLA takes to compile a call grow with its rows (the CPU
+# decode kernels write the cache with one update per row); an accelerator gains from wider calls.
+ROWS_PER_CALL = {"cpu": 16}
+ROWS_PER_CALL_ACCELERATOR = 256
+# XLA's own memory while it compiles a call's program: a part of its own, and a part per row and layer
+# where the cache is written one row at a time (every decode kernel but "xla"); a second program (the
+# later windows') adds a share of it. Fitted to the peak memory of the default model at 1 to 8 layers
+# (docs/performance.md, "Sampling memory"; bench/sample_memory.py measures it).
+COMPILE_BYTES = 100 * 2 ** 20
+COMPILE_BYTES_PER_ROW_LAYER = 3 * 2 ** 19
+SECOND_PROGRAM = 0.4
+# A paused `windows` stream, besides its arrays: its Python objects, and what the allocator keeps of the
+# memory freed between them (bench/sample_memory.py measures a run that holds thousands).
+STREAM_BYTES = 16 * 2 ** 10
+SAMPLING_BUFFERS = 4  # [rows, V] float32 buffers a decoding step holds: logits, top-k/top-p sorts, the draw
+WARN_FRACTION = 0.8  # of the memory free now, from which the estimate is a warning
 
 
 def random_init(name: str, seed: int = 0, data: str | None = None) -> tuple[dict, ModelConfig, Tokenizer]:
@@ -128,7 +155,11 @@ def _check_knobs(args) -> None:
         raise UsageError(f"--top-p must be in (0, 1], got {args.top_p}")
     if args.cpu_devices is not None:
         _check_cpu_devices(args.cpu_devices, args.mesh, args.num_samples)
-    _check_size(args.max_new_tokens * args.num_samples, f"{args.num_samples} x {args.max_new_tokens}")
+    tokens, what = args.max_new_tokens * args.num_samples, f"{args.num_samples} x {args.max_new_tokens}"
+    _check_size(tokens, what)
+    if tokens >= BIG_REQUEST:
+        print(f"warning: {tokens:,} tokens ({what}) take a while; Ctrl-C stops and prints what was generated",
+              file=sys.stderr)
 
 
 def _check_cpu_devices(cpu_devices: int, mesh: str | None, num_samples: int) -> None:
@@ -146,16 +177,175 @@ def _check_cpu_devices(cpu_devices: int, mesh: str | None, num_samples: int) -> 
         print(f"warning: {warning}", file=sys.stderr)
 
 
-def _check_size(tokens: int, what: str) -> None:
-    """UsageError for a request whose tokens cannot fit in this machine's memory; a warning for a big one."""
-    need = tokens * BYTES_PER_TOKEN
-    have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else None
-    if have and need > have:
-        raise UsageError(f"{tokens:,} tokens ({what}) take about {need / 2**30:,.0f} GiB of host memory, more than "
-                         f"this machine's {have / 2**30:,.0f} GiB: ask for fewer --max-new-tokens or --num-samples")
-    if tokens >= BIG_REQUEST:
-        print(f"warning: {tokens:,} tokens ({what}) take a while and up to {need / 2**30:,.2f} GiB of memory; "
-              "Ctrl-C stops and prints what was generated", file=sys.stderr)
+def _check_size(tokens: int, what: str, physical: int | None = None) -> None:
+    """UsageError, before any model is loaded, for a request whose token ids alone cannot fit in this
+    machine's memory (`physical` bytes, default: the machine's); the whole estimate comes after loading
+    (`plan_memory`)."""
+    need, have = tokens * ID_BYTES, physical_memory() if physical is None else physical
+    if need > have:
+        raise UsageError(f"{tokens:,} tokens ({what}) take about {gib(need)} of host memory for their ids alone, "
+                         f"more than this machine's {gib(have)}: ask for fewer --max-new-tokens or --num-samples")
+
+
+def physical_memory() -> int:
+    """This machine's memory in bytes."""
+    return int(psutil.virtual_memory().total)
+
+
+def gib(size: float) -> str:
+    """Bytes as GiB with two decimals ("0.47 GiB"), or thousands of GiB without."""
+    return f"{size / 2 ** 30:,.0f} GiB" if size >= 2 ** 40 else f"{size / 2 ** 30:,.2f} GiB"
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """What sampling holds at its peak, in bytes; `total` is the process's peak resident memory on a CPU.
+
+    Attributes:
+      rows: samples drawn together by one call; `calls` of them make one window of every sample.
+      process: this process before sampling (Python, JAX, the parameters): measured.
+      cache: one call's KV cache at its length (the model's context at most); XLA updates it in
+        place, in the prefill and in the decoding loop.
+      logits: one call's float32 logits: the prefill's `[rows, prompt bucket, V]` and the sampling
+        buffers of a step (sorts for top-k/top-p), `[rows, V]` each.
+      activations: one call's other buffers: a layer's activations and attention scores in the
+        prefill and in a step, the drawn tokens.
+      compile: XLA's own memory while compiling the calls' programs (`COMPILE_BYTES`).
+      ids: every sample's token ids on the host.
+      streams: what each call keeps between windows, when there are several: the history of its
+        rows (half a context), the tokens of its last window, its key (`STREAM_BYTES`).
+    """
+
+    rows: int
+    calls: int
+    process: int
+    cache: int
+    logits: int
+    activations: int
+    compile: int
+    ids: int
+    streams: int = 0
+
+    @property
+    def per_call(self) -> int:
+        """What one call's compiled program holds (buffers XLA allocates when it runs)."""
+        return self.cache + self.logits + self.activations
+
+    @property
+    def total(self) -> int:
+        return self.process + self.per_call + self.compile + self.ids + self.streams
+
+    def describe(self) -> str:
+        parts = [("this process now", self.process), ("KV cache", self.cache), ("logits", self.logits),
+                 ("activations", self.activations), ("compiling", self.compile), ("token ids", self.ids),
+                 ("between windows", self.streams)]
+        return (f"about {gib(self.total)} at its peak (" + ", ".join(f"{name} {gib(size)}" for name, size in parts)
+                + f"); {self.rows} sample(s) per call, {self.calls:,} call(s) a window")
+
+
+def _windows_shapes(config: ModelConfig, prompt_len: int, max_new_tokens: int) -> list[tuple[int, int, int]]:
+    """(prompt bucket, cache length, new tokens) of each program `windows` compiles: the first window's,
+    and the later windows' when there are any."""
+    context, keep = config.max_seq_len, max(1, config.max_seq_len // 2)
+    prompt = min(prompt_len, context - 1)
+    first_new = min(max_new_tokens, context - prompt)
+    bucket = prompt_bucket(prompt, context)
+    shapes = [(bucket, min(bucket + first_new, context), first_new)]
+    if max_new_tokens > first_new:
+        bucket = prompt_bucket(keep, context)
+        shapes.append((bucket, min(bucket + context - keep, context), context - keep))
+    return shapes
+
+
+def call_bytes(config: ModelConfig, rows: int, prompt_len: int, max_new_tokens: int) -> tuple[int, int, int]:
+    """(KV cache, logits, activations) in bytes that one call of `rows` samples holds at its peak: the
+    largest of the programs `windows` compiles, each the cache plus the larger of its two phases, the
+    prefill (logits `[rows, bucket, V]`) and the decoding loop (a few `[rows, V]` sampling buffers).
+    tests/test_sample_memory.py holds it against `memory_analysis()` of the compiled programs."""
+    act, V, N = np.dtype(config.dtype).itemsize, config.vocab_size, config.num_heads
+    hidden = 2 * config.d_model + config.mlp_hidden + (N + 2 * config.num_kv_heads) * config.head_dim
+    per_token = cache_bytes_per_token(config)["bytes"]
+    largest = (0, 0, 0)
+    for bucket, length, new in _windows_shapes(config, prompt_len, max_new_tokens):
+        per_position = hidden * act + 4 * N * length  # a layer's activations and float32 attention scores
+        prefill = (4 * rows * bucket * V, rows * bucket * per_position)
+        step = (4 * rows * V * SAMPLING_BUFFERS, rows * per_position)
+        logits, activations = max(prefill, step, key=sum)
+        largest = max(largest, (rows * length * per_token, logits, activations + 2 * 4 * rows * new), key=sum)
+    return largest
+
+
+def rows_per_call(num_samples: int, mesh=None, platform: str | None = None) -> int:
+    """How many samples one call draws: `ROWS_PER_CALL` for the platform, at most `num_samples`, a
+    multiple of the mesh's batch split where it has one."""
+    platform = jax.default_backend() if platform is None else platform
+    rows = min(num_samples, ROWS_PER_CALL.get(platform, ROWS_PER_CALL_ACCELERATOR))
+    if mesh is not None:
+        split = mesh.shape.get(axes.DATA, 1) * mesh.shape.get(axes.FSDP, 1)
+        rows = min(num_samples, -(-rows // split) * split)
+    return rows
+
+
+def estimate_memory(config: ModelConfig, *, prompt_len: int, num_samples: int, max_new_tokens: int, rows: int,
+                    process: int, kernels: Kernels = Kernels()) -> MemoryEstimate:
+    """What sampling `num_samples` x `max_new_tokens` tokens `rows` at a time holds (`MemoryEstimate`);
+    `process` is this process's resident memory before it starts."""
+    cache, logits, activations = call_bytes(config, rows, prompt_len, max_new_tokens)
+    unrolled = kernels.decode != "xla"  # every other decode kernel writes the cache one row at a time
+    programs = len(_windows_shapes(config, prompt_len, max_new_tokens))  # the later windows' too when > 1
+    compile_bytes = int((COMPILE_BYTES + (COMPILE_BYTES_PER_ROW_LAYER * rows * config.num_layers if unrolled else 0))
+                        * (1 + SECOND_PROGRAM * (programs - 1)))
+    calls, shapes = -(-num_samples // rows), _windows_shapes(config, prompt_len, max_new_tokens)
+    per_call = STREAM_BYTES + ID_BYTES * rows * (config.max_seq_len // 2 + shapes[-1][2])  # history, last window
+    held = 0 if len(shapes) == 1 else calls * per_call
+    return MemoryEstimate(rows=rows, calls=calls, process=process, cache=cache, logits=logits,
+                          activations=activations, compile=compile_bytes,
+                          ids=ID_BYTES * num_samples * max_new_tokens, streams=held)
+
+
+def plan_memory(config: ModelConfig, *, prompt_len: int, num_samples: int, max_new_tokens: int, rows: int,
+                process: int, available: int, physical: int, kernels: Kernels = Kernels()
+                ) -> tuple[MemoryEstimate, list[str]]:
+    """(the estimate, warnings): `rows` per call, fewer when one call would take more than half of the
+    `available` bytes. UsageError when the estimate exceeds `physical`, naming it and the
+    --num-samples (or --max-new-tokens) that fits."""
+    def estimate(rows_, samples=num_samples, new=max_new_tokens):
+        return estimate_memory(config, prompt_len=prompt_len, num_samples=samples, max_new_tokens=new,
+                               rows=rows_, process=process, kernels=kernels)
+
+    rows = min(rows, num_samples)
+    while rows > 1 and estimate(rows).per_call + estimate(rows).compile > available / 2:
+        rows = max(1, rows // 2)
+    plan = estimate(rows)
+    what = f"{num_samples} x {max_new_tokens} tokens"
+    if plan.total > physical:
+        def most(asked, passes) -> int:  # the largest n < asked with passes(n), by bisection; 0 if none
+            low, high = 0, asked - 1
+            while low < high:
+                middle = (low + high + 1) // 2
+                low, high = (middle, high) if passes(middle) else (low, middle - 1)
+            return low
+
+        free = lambda e: e.total <= physical and e.total - process <= WARN_FRACTION * available  # noqa: E731
+        fits, where = most(num_samples, lambda n: free(estimate(min(rows, n), samples=n))), "in the memory free"
+        if fits < 1:
+            fits = most(num_samples, lambda n: estimate(min(rows, n), samples=n).total <= physical)
+            where = "in this machine's memory"
+        new = most(max_new_tokens, lambda m: estimate(1, samples=1, new=m).total <= physical)
+        if fits >= 1:
+            hint = f"--num-samples {fits:,} fits {where} with --max-new-tokens {max_new_tokens}"
+        elif new >= 1:
+            hint = f"--max-new-tokens {new:,} fits in this machine's memory with --num-samples 1"
+        else:
+            hint = "even one sample of one token does not fit: this model's context is too large for it"
+        raise UsageError(f"sampling {what} takes {plan.describe()}, more than this machine's {gib(physical)} "
+                         f"of memory: {hint}")
+    warnings = []
+    if plan.total - process > WARN_FRACTION * available:
+        warnings.append(f"sampling {what} takes {plan.describe()}: {gib(plan.total - process)} more than now, "
+                        f"{(plan.total - process) / max(available, 1):.0%} of the {gib(available)} free; it may "
+                        "swap or be killed")
+    return plan, warnings
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -207,39 +397,117 @@ def warmup_tokens(config: ModelConfig, prompt_len: int, max_new_tokens: int) -> 
     return min(max_new_tokens, first + 1)
 
 
-def sample(args, params, config: ModelConfig, prompt_ids: np.ndarray, kernels, mesh) -> tuple[np.ndarray, str | None]:
-    """(`[num_samples, n]` ids, the stop signal's name or None): a warm-up call (compiling), then
-    the timed one, window by window (`jaxattn.windowed.windows`); a stop signal ends it between
-    windows with the n tokens drawn so far."""
-    def stream(max_new_tokens):
-        return windows(params, config, prompt_ids, max_new_tokens=max_new_tokens, rng=jax.random.PRNGKey(args.seed),
-                       num_samples=args.num_samples, temperature=args.temperature, top_k=args.top_k,
-                       top_p=args.top_p, kernels=kernels, mesh=mesh)
+BATCH_KEYS = 2 ** 31 - 1  # folded into the seed's key for the keys of several calls (windows fold in 1, 2, ...)
+
+
+class NonFiniteError(RuntimeError):
+    """A sample's token would be drawn from logits that are not finite (exit 1)."""
+
+
+def call_keys(seed: int, calls: int):
+    """The rng of each call, `keys[i]`: the seed's key itself when one call draws every sample (the
+    draws of `generate_windowed`), else keys folded from it apart from those the windows fold in, as
+    one `[calls, 2]` host array (8 bytes a call; a device array each would take kilobytes)."""
+    key = jax.random.PRNGKey(seed)
+    if calls == 1:
+        return [key]
+    base = jax.random.fold_in(key, BATCH_KEYS)
+    return np.asarray(jax.vmap(jax.random.fold_in, (None, 0))(base, np.arange(calls, dtype=np.uint32)))
+
+
+def nonfinite_error(err: NonFiniteLogits, params, config: ModelConfig, first_row: int) -> NonFiniteError:
+    """The one line for `err` (raised by the call whose rows start at `first_row`): which sample and
+    token, and the first layer whose output is not finite on what the model saw."""
+    where = sampling_checkpoint.describe_nonfinite(params, config, err.context, padding=0)  # generate's pad_token
+    return NonFiniteError(f"the logits that new token {err.token + 1} of sample {first_row + err.sample + 1} would "
+                          f"be drawn from are not finite (NaN or infinity): {where}")
+
+
+def sample(args, params, config: ModelConfig, prompt_ids: np.ndarray, kernels, mesh, rows: int | None = None
+           ) -> tuple[np.ndarray, str | None]:
+    """(`[num_samples, n]` ids, the stop signal's name or None): a warm-up call (compiling), then the
+    timed run, window by window (`jaxattn.windowed.windows`), each window drawn by calls of `rows`
+    samples (default: all of them). A stop signal ends it between calls, keeping the n tokens of the
+    windows every sample has finished; `NonFiniteError` when a token's logits are not finite."""
+    num_samples, max_new = args.num_samples, args.max_new_tokens
+    rows = num_samples if rows is None else rows
+    keys = call_keys(args.seed, -(-num_samples // rows))
+
+    def stream(key, max_new_tokens):
+        return windows(params, config, prompt_ids, max_new_tokens=max_new_tokens, rng=key, num_samples=rows,
+                       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, kernels=kernels,
+                       mesh=mesh, check_finite=True)
+
+    def draw(i, chunks):
+        try:
+            return next(chunks)
+        except NonFiniteLogits as err:
+            raise nonfinite_error(err, params, config, i * rows) from None
 
     with StopSignals() as signals:
-        start, warm = time.perf_counter(), warmup_tokens(config, len(prompt_ids), args.max_new_tokens)
-        for _ in stream(warm):
-            pass
+        start, warm = time.perf_counter(), warmup_tokens(config, len(prompt_ids), max_new)
+        try:
+            for _ in stream(keys[0], warm):
+                pass
+        except NonFiniteLogits as err:
+            raise nonfinite_error(err, params, config, 0) from None
         compile_s = time.perf_counter() - start
         if signals.requested:
             raise Stopped(f"{signals.requested} while compiling: nothing was generated")
         print(f"compile: {compile_s:.2f} s (a warm-up call of {warm} token(s) per sample, compiling)",
               file=sys.stderr, flush=True)
-        start, drawn = time.perf_counter(), []
-        with tqdm(total=args.max_new_tokens, unit="tok", desc="sampling", file=sys.stderr, disable=None,
+        start, done = time.perf_counter(), 0
+        ids = np.empty((num_samples, max_new), np.int32)  # pages are taken as they are written
+        streams = [None] * len(keys)  # each made at its first window and dropped after its last
+        with tqdm(total=num_samples * max_new, unit="tok", desc="sampling", file=sys.stderr, disable=None,
                   leave=False) as bar:
-            for chunk in signals.until_requested(stream(args.max_new_tokens)):
-                drawn.append(chunk)
-                bar.update(chunk.shape[1])
-    ids = np.concatenate(drawn, axis=1)
+            while done < max_new:  # the window in hand when a signal comes is finished, as `until_requested` does
+                for i in range(len(streams)):
+                    if i and signals.requested:
+                        break  # between calls of a window drawn by several: it is unfinished, and dropped
+                    if done == 0:
+                        streams[i] = stream(keys[i], max_new)
+                    chunk = draw(i, streams[i])
+                    low, high = i * rows, min(num_samples, (i + 1) * rows)
+                    ids[low:high, done:done + chunk.shape[1]] = chunk[:high - low]
+                    bar.update((high - low) * chunk.shape[1])
+                    if done + chunk.shape[1] == max_new:
+                        streams[i] = None  # its last window: what it holds can go
+                else:
+                    done += chunk.shape[1]
+                if signals.requested:
+                    break
+    ids = ids[:, :done]
     steady = time.perf_counter() - start
-    print(f"decode: {ids.size} tokens ({args.num_samples} x {ids.shape[1]}) in {steady:.3f} s "
+    print(f"decode: {ids.size} tokens ({num_samples} x {ids.shape[1]}) in {steady:.3f} s "
           f"= {ids.size / steady:,.0f} tokens/s", file=sys.stderr)
-    return ids, signals.requested if ids.shape[1] < args.max_new_tokens else None
+    return ids, signals.requested if ids.shape[1] < max_new else None
+
+
+def plan_sampling(args, config: ModelConfig, prompt_len: int, kernels, mesh) -> MemoryEstimate:
+    """The memory plan of this run on this machine, reported on stderr (`plan_memory`)."""
+    memory = psutil.virtual_memory()
+    plan, warnings = plan_memory(config, prompt_len=prompt_len, num_samples=args.num_samples,
+                                 max_new_tokens=args.max_new_tokens, rows=rows_per_call(args.num_samples, mesh),
+                                 process=psutil.Process().memory_info().rss, available=int(memory.available),
+                                 physical=int(memory.total), kernels=kernels)
+    print(f"memory: {plan.describe()}", file=sys.stderr)
+    for warning in warnings:
+        print(f"warning: {warning}", file=sys.stderr)
+    return plan
+
+
+def print_samples(prompt: str, ids: np.ndarray, tokenizer) -> None:
+    """The samples on stdout, prompt + text, between separator lines: decoded one at a time."""
+    eos = getattr(tokenizer, "eos_token_id", None)
+    for i, row in enumerate(ids):
+        sys.stdout.write(("\n---------------\n" if i else "") + prompt + tokenizer.decode(until_eos(row, eos)))
+    sys.stdout.write("\n")
+    sys.stdout.flush()
 
 
 def run(argv=None) -> int:
-    """Loads the model, samples, reports kernels and timing on stderr, prints the texts (prompt +
+    """Loads the model, samples, reports kernels, memory and timing on stderr, prints the texts (prompt +
     continuation) on stdout; after a stop signal prints what was drawn and raises `Stopped`."""
     args = parse_args(argv)
     _check_knobs(args)
@@ -247,15 +515,18 @@ def run(argv=None) -> int:
         jax.config.update("jax_num_cpu_devices", args.cpu_devices)  # before anything starts JAX
     prompt = read_prompt(args.prompt)
     params, config, tokenizer = load(args)
+    if args.allow_nonfinite and sampling_checkpoint.nonfinite_weights(params):
+        print(f"warning: the weights holding NaN or infinity: {sampling_checkpoint.list_weights(params)}; "
+              "sampling stops at the first token whose logits are not finite", file=sys.stderr)
     prompt_ids = encode_prompt(tokenizer, prompt, config)
     mesh = device_mesh(args, config)
     kernels, reasons = resolve_kernels(Kernels.auto())
     print(f"kernels: decode {kernels.decode!r} ({reasons['decode']}), matmul {kernels.matmul!r} "
           f"({reasons['matmul']})" + (f"; mesh {axes.MeshShape.of(mesh)}" if mesh is not None else ""),
           file=sys.stderr)
-    ids, stopped = sample(args, params, config, prompt_ids, kernels, mesh)
-    eos = getattr(tokenizer, "eos_token_id", None)
-    print("\n---------------\n".join(prompt + tokenizer.decode(until_eos(row, eos)) for row in ids), flush=True)
+    plan = plan_sampling(args, config, len(prompt_ids), kernels, mesh)
+    ids, stopped = sample(args, params, config, prompt_ids, kernels, mesh, plan.rows)
+    print_samples(prompt, ids, tokenizer)
     if stopped:
         raise Stopped(f"{stopped} after {ids.shape[1]} of {args.max_new_tokens} new tokens per sample: what was "
                       "generated is printed above")
@@ -264,7 +535,7 @@ def run(argv=None) -> int:
 
 def main(argv=None) -> int:
     """0 after printing the samples; one line and exit 1, 2 or 130 otherwise (train.cli)."""
-    return guard(PROGRAM, lambda: run(argv), expected=(CheckpointError, DataError))
+    return guard(PROGRAM, lambda: run(argv), expected=(CheckpointError, DataError, NonFiniteError))
 
 
 if __name__ == "__main__":
