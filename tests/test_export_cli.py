@@ -21,13 +21,13 @@ from safetensors.numpy import load_file, save_file
 
 from jaxattn.config import ModelConfig
 from jaxattn.model import DecoderLM
+from programs import CHARS, call
 from train import attention_maps, export, sample
 from train.checkpoint import Checkpointer
 from train.config import ExperimentConfig, TrainConfig, load_config
 from train.tokenizer import ByteTokenizer, CharTokenizer, to_hf_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
-CHARS = "\n !$&',-.3:;?ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"  # Tiny Shakespeare's 65
 TEXT = "ROMEO:\nBut soft, what light through yonder window breaks?\n\nJULIET:  Ay me! 'Tis 3 o'clock; -$&.\n"
 TINY = ["model.d_model=32", "model.num_layers=2", "model.num_heads=2", "model.max_seq_len=16",
         "train.block_size=16"]
@@ -65,17 +65,6 @@ def exported(run, tmp_path_factory):
     out = tmp_path_factory.mktemp("export") / "hf"
     assert export.main(["--checkpoint", str(run[0]), "--out", str(out)]) == 0
     return out
-
-
-def call(capsys, main, *argv):
-    """(exit code, stdout, stderr) of a CLI's `main` run in this process."""
-    try:
-        code = main(list(argv))
-    except SystemExit as stop:
-        code = stop.code
-    out, err = capsys.readouterr()
-    assert "Traceback" not in err
-    return code, out, err
 
 
 def test_the_char_tokenizer_round_trips_through_tokenizers():

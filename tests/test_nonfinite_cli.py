@@ -13,10 +13,10 @@ from jaxattn import generate, hf
 from jaxattn.config import ModelConfig
 from jaxattn.windowed import windows
 from tiny_models import drawn_params
+from programs import CHARS, call
 from train import attention_maps, sample
 from train.tokenizer import CharTokenizer, to_hf_tokenizer
 
-CHARS = "\n !$&',-.3:;?ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"  # Tiny Shakespeare's 65
 CONFIG = ModelConfig(vocab_size=65, d_model=16, num_layers=2, num_heads=2, max_seq_len=16, positions="rope",
                      norm="rmsnorm", mlp="swiglu", use_bias=False, tie_embeddings=False)  # a Llama
 PROMPT = ["--prompt", "ROMEO:", "--max-new-tokens", "20", "--num-samples", "2"]
@@ -65,43 +65,26 @@ def hf_dirs(tmp_path_factory) -> dict[str, Path]:
             for name, where in DAMAGE.items()}
 
 
-def call(capsys, main, *argv):
-    """(exit code or returned value, stdout, stderr) of a CLI's `main` run in this process."""
-    try:
-        code = main(list(argv))
-    except SystemExit as stop:
-        code = stop.code
-    out, err = capsys.readouterr()
-    assert "Traceback" not in err and "unexpected" not in err
-    return code, out, err
+STOPS = {  # damage: (extra flags, where the error line says the non-finite values first appear)
+    "query": ((), "new token 1 of sample 1 would be drawn from are not finite (NaN or infinity): they first "
+                  "appear in layer 1, at blocks_1/attn/query; the weights holding NaN or infinity: "
+                  "blocks_1/attn/query/kernel (1 value)"),
+    # a drawn token's embedding: the next token's logits
+    "token": (("--temperature", "0"), "new token 2 of sample 1 would be drawn from are not finite (NaN or "
+              "infinity): they first appear in the embeddings, at embed; the weights holding NaN or infinity: "
+              "wte/embedding (16 values)"),
+    "pad": ((), "new token 1 of sample 1 would be drawn from are not finite (NaN or infinity): they first appear "
+                "in the embeddings, at embed of the padding (token 0) after the prompt: attention gives it weight "
+                "0, but 0 x NaN is NaN; the weights holding NaN or infinity: wte/embedding (16 values)"),
+}
 
 
-def test_sampling_stops_naming_the_first_layer_whose_output_is_not_finite(hf_dirs, capsys):
-    code, out, err = call(capsys, sample.main, "--hf", str(hf_dirs["query"]), "--allow-nonfinite", *PROMPT)
+@pytest.mark.parametrize("damage", STOPS)
+def test_sampling_stops_naming_where_the_values_first_stop_being_finite(hf_dirs, capsys, damage):
+    flags, where = STOPS[damage]
+    code, out, err = call(capsys, sample.main, "--hf", str(hf_dirs[damage]), "--allow-nonfinite", *PROMPT, *flags)
     assert code == 1 and out == ""
-    assert err.splitlines()[-1] == (
-        "error: the logits that new token 1 of sample 1 would be drawn from are not finite (NaN or infinity): "
-        "they first appear in layer 1, at blocks_1/attn/query; the weights holding NaN or infinity: "
-        "blocks_1/attn/query/kernel (1 value)")
-
-
-def test_a_token_whose_embedding_is_nan_stops_sampling_at_the_next_token(hf_dirs, capsys):
-    code, out, err = call(capsys, sample.main, "--hf", str(hf_dirs["token"]), "--allow-nonfinite", *PROMPT,
-                          "--temperature", "0")
-    assert code == 1 and out == ""
-    assert err.splitlines()[-1] == (
-        "error: the logits that new token 2 of sample 1 would be drawn from are not finite (NaN or infinity): "
-        "they first appear in the embeddings, at embed; the weights holding NaN or infinity: wte/embedding "
-        "(16 values)")
-
-
-def test_a_padding_token_whose_embedding_is_nan_is_named(hf_dirs, capsys):
-    code, out, err = call(capsys, sample.main, "--hf", str(hf_dirs["pad"]), "--allow-nonfinite", *PROMPT)
-    assert code == 1 and out == ""
-    assert err.splitlines()[-1] == (
-        "error: the logits that new token 1 of sample 1 would be drawn from are not finite (NaN or infinity): "
-        "they first appear in the embeddings, at embed of the padding (token 0) after the prompt: attention gives "
-        "it weight 0, but 0 x NaN is NaN; the weights holding NaN or infinity: wte/embedding (16 values)")
+    assert err.splitlines()[-1] == f"error: the logits that {where}"
 
 
 def test_nan_weights_that_never_reach_the_logits_sample_as_before_with_a_warning(tmp_path, capsys):

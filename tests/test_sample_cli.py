@@ -11,46 +11,19 @@ import pytest
 from jaxattn import decoding
 from jaxattn.config import ModelConfig
 from jaxattn.model import DecoderLM
-from train import sample
+from programs import CHARS, TINY_TOML, run_sample, tiny_sampling_config
 from train.checkpoint import Checkpointer
 from train.config import ExperimentConfig, TrainConfig
 from train.tokenizer import CharTokenizer
 
-CHARS = "\n !$&',-.3:;?ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"  # Tiny Shakespeare's 65
-TINY_TOML = """
-[model]
-vocab_size = 65
-d_model = 16
-num_layers = 1
-num_heads = 2
-max_seq_len = 16
-init_std = 0.2
-
-[train]
-block_size = 16
-"""
 
 
 @pytest.fixture
 def tiny(tmp_path, monkeypatch):
-    """A tiny config file and a corpus holding exactly Tiny Shakespeare's characters."""
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_text(CHARS * 3)
-    monkeypatch.setenv("JAXATTN_SHAKESPEARE", str(corpus))
-    config = tmp_path / "tiny.toml"
-    config.write_text(TINY_TOML)
-    return str(config)
+    return tiny_sampling_config(tmp_path, monkeypatch)
 
 
-def run(capsys, *argv):
-    """(exit code, stdout, stderr) of `python -m train.sample` run in this process."""
-    try:
-        code = sample.main(list(argv))
-    except SystemExit as stop:
-        code = stop.code
-    out, err = capsys.readouterr()
-    assert "Traceback" not in err
-    return code, out, err
+run = run_sample
 
 
 def test_random_init_prints_samples_and_reports_compile_time_and_speed(tiny, capsys):

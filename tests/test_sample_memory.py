@@ -15,23 +15,11 @@ from jaxattn import Kernels, decoding, generate_windowed
 from jaxattn.cache import cache_bytes_per_token
 from jaxattn.config import ModelConfig
 from jaxattn.model import abstract_params
+from programs import run_sample, tiny_sampling_config
 from train import sample
 from train.cli import UsageError
 from train.tokenizer import CharTokenizer
 
-CHARS = "\n !$&',-.3:;?ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"  # Tiny Shakespeare's 65
-TINY_TOML = """
-[model]
-vocab_size = 65
-d_model = 16
-num_layers = 1
-num_heads = 2
-max_seq_len = 16
-init_std = 0.2
-
-[train]
-block_size = 16
-"""
 GIB = 2 ** 30
 CONFIG = ModelConfig(vocab_size=65, d_model=16, num_layers=2, num_heads=2, max_seq_len=16, positions="rope")
 VirtualMemory = namedtuple("VirtualMemory", "total available")
@@ -39,24 +27,10 @@ VirtualMemory = namedtuple("VirtualMemory", "total available")
 
 @pytest.fixture
 def tiny(tmp_path, monkeypatch):
-    """A tiny config file and a corpus holding exactly Tiny Shakespeare's characters."""
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_text(CHARS * 3)
-    monkeypatch.setenv("JAXATTN_SHAKESPEARE", str(corpus))
-    config = tmp_path / "tiny.toml"
-    config.write_text(TINY_TOML)
-    return str(config)
+    return tiny_sampling_config(tmp_path, monkeypatch)
 
 
-def run(capsys, *argv):
-    """(exit code, stdout, stderr) of `python -m train.sample` run in this process."""
-    try:
-        code = sample.main(list(argv))
-    except SystemExit as stop:
-        code = stop.code
-    out, err = capsys.readouterr()
-    assert "Traceback" not in err
-    return code, out, err
+run = run_sample
 
 
 def test_the_estimate_adds_up_what_is_held():
