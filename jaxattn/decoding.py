@@ -277,12 +277,19 @@ def _validate(config, kernels, prompt_tokens, prompt_lengths, max_new_tokens, te
     return tokens.astype(np.int32), lengths.astype(np.int32)
 
 
+def call_lengths(config: ModelConfig, prompt_len: int, max_new_tokens: int) -> tuple[int, int]:
+    """(padded prompt length, cache length) of a `generate` call whose longest prompt has `prompt_len`
+    tokens: the shapes its program is compiled for (and what it holds)."""
+    bucket = prompt_bucket(prompt_len, config.max_seq_len)
+    return bucket, min(bucket + max_new_tokens, config.max_seq_len)
+
+
 def _prepare(config, kernels, prompt_tokens, prompt_lengths, max_new_tokens, temperature, top_k, top_p,
              stop_token, pad_token):
     """Validates, pads the prompt to its bucket and packs the traced knobs."""
     tokens, lengths = _validate(config, kernels, prompt_tokens, prompt_lengths, max_new_tokens, temperature, top_p)
     _validate_tokens(config, top_k, stop_token, pad_token)
-    bucket = prompt_bucket(int(lengths.max()), config.max_seq_len)
+    bucket, context_len = call_lengths(config, int(lengths.max()), max_new_tokens)
     padded = np.full((tokens.shape[0], bucket), pad_token, np.int32)
     width = min(bucket, tokens.shape[1])
     padded[:, :width] = tokens[:, :width]
@@ -291,7 +298,6 @@ def _prepare(config, kernels, prompt_tokens, prompt_lengths, max_new_tokens, tem
         top_p=jnp.asarray(top_p, jnp.float32), stop_token=jnp.asarray(-1 if stop_token is None else stop_token,
                                                                        jnp.int32),
         pad_token=jnp.asarray(pad_token, jnp.int32))
-    context_len = min(bucket + max_new_tokens, config.max_seq_len)
     return jnp.asarray(padded), jnp.asarray(lengths), knobs, context_len
 
 

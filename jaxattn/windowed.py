@@ -63,13 +63,30 @@ def windows(params, config: ModelConfig, prompt_ids, *, max_new_tokens: int, rng
                     check_finite)
 
 
+def _kept(config: ModelConfig) -> int:
+    """The history a later window continues: the last half context."""
+    return max(1, config.max_seq_len // 2)
+
+
+def _first_new(config: ModelConfig, prompt_len: int, max_new_tokens: int) -> int:
+    """The tokens the first window draws after a prompt of `prompt_len` (already cropped to fit)."""
+    return min(max_new_tokens, config.max_seq_len - prompt_len)
+
+
+def window_programs(config: ModelConfig, prompt_len: int, max_new_tokens: int) -> list[tuple[int, int]]:
+    """(prompt length, new tokens) of each `generate` program `windows` runs for a prompt of `prompt_len`
+    ids: the first window's, and the later windows' when there are any (at most two compile)."""
+    prompt = min(prompt_len, config.max_seq_len - 1)  # as `windows` crops it
+    first, keep = _first_new(config, prompt, max_new_tokens), _kept(config)
+    return [(prompt, first)] + ([(keep, config.max_seq_len - keep)] if max_new_tokens > first else [])
+
+
 def _windows(params, config: ModelConfig, rows: np.ndarray, max_new_tokens: int, rng, knobs,
              check_finite: bool = False) -> Iterator[np.ndarray]:
     """The windows of `windows`: the first continues `rows` [B, P], each later one the last half context."""
-    context, window, drawn = config.max_seq_len, 0, 0
-    keep = max(1, context // 2)
+    context, window, drawn, keep = config.max_seq_len, 0, 0, _kept(config)
     while drawn < max_new_tokens:
-        num_new = min(max_new_tokens, context - rows.shape[1]) if window == 0 else context - keep
+        num_new = _first_new(config, rows.shape[1], max_new_tokens) if window == 0 else context - keep
         key = rng if window == 0 else jax.random.fold_in(rng, window)
         out = generate(params, config, rows, np.full(rows.shape[0], rows.shape[1]), max_new_tokens=num_new,
                        rng=key, **knobs)

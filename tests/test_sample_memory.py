@@ -38,6 +38,7 @@ def test_the_estimate_adds_up_what_is_held():
     # and the later windows (history 8, bucket 8, 8 new, cache 16).
     assert sample._windows_shapes(CONFIG, 6, 20) == [(8, 16, 10), (8, 16, 8)]
     assert sample._windows_shapes(CONFIG, 6, 5) == [(8, 13, 5)]
+    assert sample.warmup_tokens(CONFIG, 6, 20) == 11 and sample.warmup_tokens(CONFIG, 6, 5) == 5  # both programs
     rows = 4
     cache, logits, activations = sample.call_bytes(CONFIG, rows, 6, 20)
     assert cache == rows * 16 * cache_bytes_per_token(CONFIG)["bytes"] == rows * 16 * 2 * 2 * 2 * 8 * 4

@@ -42,8 +42,8 @@ from tqdm import tqdm
 from jaxattn import Kernels, axes, resolve_kernels
 from jaxattn.cache import cache_bytes_per_token
 from jaxattn.config import ModelConfig
-from jaxattn.decoding import prompt_bucket
-from jaxattn.windowed import NonFiniteLogits, windows
+from jaxattn.decoding import call_lengths
+from jaxattn.windowed import NonFiniteLogits, window_programs, windows
 from jaxattn.model import DecoderLM
 from train import config as config_lib
 from train import data as data_lib
@@ -246,15 +246,8 @@ class MemoryEstimate:
 def _windows_shapes(config: ModelConfig, prompt_len: int, max_new_tokens: int) -> list[tuple[int, int, int]]:
     """(prompt bucket, cache length, new tokens) of each program `windows` compiles: the first window's,
     and the later windows' when there are any."""
-    context, keep = config.max_seq_len, max(1, config.max_seq_len // 2)
-    prompt = min(prompt_len, context - 1)
-    first_new = min(max_new_tokens, context - prompt)
-    bucket = prompt_bucket(prompt, context)
-    shapes = [(bucket, min(bucket + first_new, context), first_new)]
-    if max_new_tokens > first_new:
-        bucket = prompt_bucket(keep, context)
-        shapes.append((bucket, min(bucket + context - keep, context), context - keep))
-    return shapes
+    return [(*call_lengths(config, prompt, new), new) for prompt, new in window_programs(config, prompt_len,
+                                                                                        max_new_tokens)]
 
 
 def call_bytes(config: ModelConfig, rows: int, prompt_len: int, max_new_tokens: int) -> tuple[int, int, int]:
@@ -292,10 +285,10 @@ def estimate_memory(config: ModelConfig, *, prompt_len: int, num_samples: int, m
     `process` is this process's resident memory before it starts."""
     cache, logits, activations = call_bytes(config, rows, prompt_len, max_new_tokens)
     unrolled = kernels.decode != "xla"  # every other decode kernel writes the cache one row at a time
-    programs = len(_windows_shapes(config, prompt_len, max_new_tokens))  # the later windows' too when > 1
+    shapes = _windows_shapes(config, prompt_len, max_new_tokens)  # the later windows' program too when 2
     compile_bytes = int((COMPILE_BYTES + (COMPILE_BYTES_PER_ROW_LAYER * rows * config.num_layers if unrolled else 0))
-                        * (1 + SECOND_PROGRAM * (programs - 1)))
-    calls, shapes = -(-num_samples // rows), _windows_shapes(config, prompt_len, max_new_tokens)
+                        * (1 + SECOND_PROGRAM * (len(shapes) - 1)))
+    calls = -(-num_samples // rows)
     per_call = STREAM_BYTES + ID_BYTES * rows * (config.max_seq_len // 2 + shapes[-1][2])  # history, last window
     held = 0 if len(shapes) == 1 else calls * per_call
     return MemoryEstimate(rows=rows, calls=calls, process=process, cache=cache, logits=logits,
@@ -314,7 +307,10 @@ def plan_memory(config: ModelConfig, *, prompt_len: int, num_samples: int, max_n
                                rows=rows_, process=process, kernels=kernels)
 
     rows = min(rows, num_samples)
-    while rows > 1 and estimate(rows).per_call + estimate(rows).compile > available / 2:
+    while rows > 1:  # halved until one call and its compiling take at most half of what is free
+        trial = estimate(rows)
+        if trial.per_call + trial.compile <= available / 2:
+            break
         rows = max(1, rows // 2)
     plan = estimate(rows)
     what = f"{num_samples} x {max_new_tokens} tokens"
@@ -393,8 +389,8 @@ def device_mesh(args: argparse.Namespace, config: ModelConfig):
 def warmup_tokens(config: ModelConfig, prompt_len: int, max_new_tokens: int) -> int:
     """The fewest new tokens that compile every program `max_new_tokens` needs: the first window's,
     and the later windows' when it has any."""
-    first = config.max_seq_len - min(prompt_len, config.max_seq_len - 1)
-    return min(max_new_tokens, first + 1)
+    programs = window_programs(config, prompt_len, max_new_tokens)
+    return programs[0][1] + (len(programs) > 1)  # one token of the later windows compiles theirs
 
 
 BATCH_KEYS = 2 ** 31 - 1  # folded into the seed's key for the keys of several calls (windows fold in 1, 2, ...)

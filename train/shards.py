@@ -409,9 +409,9 @@ def _check_manifest_against_headers(directory: Path, manifest: dict[str, Any], h
                             f"{what} (restore it, or prepare the corpus again)")
         entries = [e for e in named if isinstance(e, dict)]
         for header, entry in zip(headers[split], entries):
-            size = HEADER_SIZE + header.count * header.dtype.itemsize
+            body = header.count * header.dtype.itemsize
+            size = HEADER_SIZE + body
             if entry.get("bytes") != size:
-                body = header.count * header.dtype.itemsize
                 raise DataError(_not_the_shard(directory, manifest, header.path, f"ends_{CHECKSUM}",
                                                lambda: ends_digest(header.path, body, _ends_bytes(manifest)),
                                                f"it is {size} bytes ({header.count} tokens), {MANIFEST} says "
