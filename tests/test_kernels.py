@@ -251,7 +251,8 @@ def test_names_are_checked_and_auto_must_be_resolved():
         kernels.attention_kernel("auto")
     with pytest.raises(ValueError, match=r"matmul implementation must be one of"):
         kernels.matmul_kernel("float16")
-    assert Kernels() == Kernels(attention="xla", decode="xla", matmul="xla", mla="naive", moe="dense")  # the references
+    assert Kernels() == Kernels(attention="xla", decode="xla", matmul="xla", mla="naive", moe="dense",
+                                paged="gather")  # the references
     assert all(choices(field)[0] == getattr(Kernels(), field) for field in kernels.IMPLEMENTATIONS)
 
 
@@ -261,12 +262,12 @@ AVX2 = frozenset({"avx2", "fma"})
 
 
 @pytest.mark.parametrize("platform, expected", [
-    (Platform("cpu", AMX), Kernels(attention="auto_cpu", decode="auto_cpu", matmul="bfloat16_cpu", moe="auto_cpu")),
-    (Platform("cpu", AVX512), Kernels(attention="auto_cpu", decode="auto_cpu", matmul="xla", moe="auto_cpu")),
-    (Platform("cpu", AVX2), Kernels(attention="auto_cpu", decode="auto_cpu", matmul="xla", moe="auto_cpu")),
-    (Platform("cpu"), Kernels(attention="auto_cpu", decode="auto_cpu", matmul="xla", moe="auto_cpu")),
-    (Platform("gpu", AMX), Kernels(attention="auto_gpu", matmul="bfloat16", moe="grouped")),  # the host's AMX: no matter
-    (Platform("tpu"), Kernels(attention="auto_tpu", matmul="bfloat16", moe="grouped")),
+    (Platform("cpu", AMX), Kernels(attention="auto_cpu", decode="auto_cpu", matmul="bfloat16_cpu", moe="auto_cpu", paged="ragged")),
+    (Platform("cpu", AVX512), Kernels(attention="auto_cpu", decode="auto_cpu", matmul="xla", moe="auto_cpu", paged="ragged")),
+    (Platform("cpu", AVX2), Kernels(attention="auto_cpu", decode="auto_cpu", matmul="xla", moe="auto_cpu", paged="ragged")),
+    (Platform("cpu"), Kernels(attention="auto_cpu", decode="auto_cpu", matmul="xla", moe="auto_cpu", paged="ragged")),
+    (Platform("gpu", AMX), Kernels(attention="auto_gpu", matmul="bfloat16", moe="grouped", paged="ragged")),  # the host's AMX: no matter
+    (Platform("tpu"), Kernels(attention="auto_tpu", matmul="bfloat16", moe="grouped", paged="ragged")),
 ], ids=["cpu-amx", "cpu-avx512-no-amx", "cpu-amd-avx2", "cpu-unknown", "gpu", "tpu"])
 def test_auto_follows_the_rules_for_each_platform(platform, expected):
     chosen, reasons = resolve_kernels(Kernels.auto(), platform)

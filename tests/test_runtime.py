@@ -29,7 +29,8 @@ def test_auto_on_a_cpu_uses_the_cores_that_divide_the_batch(monkeypatch):
     monkeypatch.setattr(runtime, "cpu_cores", lambda: 2)
     resolved = runtime.resolve(RuntimeConfig(), batch_size=12, platform=AVX2, devices=2)
     assert resolved.mesh_shape == MeshShape(data=2) and resolved.config.mesh == MeshShape(data=2)
-    assert resolved.kernels == Kernels(attention="auto_cpu", decode="auto_cpu", matmul="xla", moe="auto_cpu")
+    assert resolved.kernels == Kernels(attention="auto_cpu", decode="auto_cpu", matmul="xla", moe="auto_cpu",
+                                       paged="ragged")
     assert resolved.config.requested_kernels() == resolved.kernels  # what gets saved has no "auto"
     assert "2 cores" in resolved.reasons["mesh"]
     lines = resolved.describe()
@@ -43,7 +44,8 @@ def test_auto_on_a_cpu_uses_the_cores_that_divide_the_batch(monkeypatch):
 def test_auto_on_an_accelerator_splits_the_batch_over_its_devices_and_picks_its_kernels():
     resolved = runtime.resolve(RuntimeConfig(), batch_size=64, platform=Platform("gpu"), devices=1)
     assert resolved.mesh_shape == MeshShape() and resolved.kernels == Kernels(attention="auto_gpu",
-                                                                                matmul="bfloat16", moe="grouped")
+                                                                                matmul="bfloat16", moe="grouped",
+                                                                                paged="ragged")
     assert runtime.resolve(RuntimeConfig(), 12, platform=Platform("gpu"), devices=8).mesh_shape.data == 6
 
 

@@ -233,7 +233,7 @@ class RuntimeConfig(_Table):
     """How this machine runs an experiment; never the model's maths (docs/theory.md §15).
 
     Attributes:
-      attention, decode, matmul, mla, moe: `jaxattn.Kernels` implementation names, or "auto":
+      attention, decode, matmul, mla, moe, paged: `jaxattn.Kernels` implementation names, or "auto":
         chosen for the platform when the run starts (`train.runtime`), printed with the
         reason and saved resolved.
       mesh: "auto" or the device mesh, a `MeshShape`, written "data:D,fsdp:F,tensor:T" (axes
@@ -252,6 +252,7 @@ class RuntimeConfig(_Table):
     matmul: _kernel_choice("matmul") = "auto"
     mla: _kernel_choice("mla") = "auto"
     moe: _kernel_choice("moe") = "auto"
+    paged: _kernel_choice("paged") = "auto"
     mesh: Annotated[MeshShape | Literal["auto"], PlainValidator(_mesh_or_auto), PlainSerializer(str)] = "auto"
     cpu_devices: PositiveInt | Literal["auto"] = "auto"
     xla_flags: str = ""

@@ -12,6 +12,7 @@ tests/test_kernels.py:
 | matmul | `Linear`, the tied lm_head | "xla", "bfloat16", "bfloat16_cpu" |
 | mla | `MultiHeadLatentAttention.__call__` | "naive", "absorb" |
 | moe | `jaxattn.moe.MoE` (the routed experts) | "dense", "grouped", "grouped_cpu", "gathered"; per-call rule "auto_cpu" |
+| paged | `AttentionLayer.attend_pages` (a paged cache, `jaxattn.serving`) | "gather", "ragged" (inference only) |
 
 Every attention implementation has the signature of `xla.attention` and returns
 `(out, weights | None, residual | None)` (`jaxattn.kernels._call`), the residual in the
@@ -38,9 +39,10 @@ automatically, a rule in `jaxattn.kernels.select`).
 
 from jaxattn.kernels._call import KernelFallbackWarning
 from jaxattn.kernels.registry import (AUTO, IMPLEMENTATIONS, Kernels, attention_kernel, cache_writer,
-                                      cached_attention_kernel, check_mla_path, choices, matmul_kernel, moe_kernel)
+                                      cached_attention_kernel, check_mla_path, check_paged, choices, matmul_kernel,
+                                      moe_kernel, paged_attention_kernel)
 from jaxattn.kernels.select import Platform, resolve_kernels
 
 __all__ = ["AUTO", "IMPLEMENTATIONS", "KernelFallbackWarning", "Kernels", "Platform", "attention_kernel",
-           "cache_writer", "cached_attention_kernel", "check_mla_path", "choices", "matmul_kernel", "moe_kernel",
-           "resolve_kernels"]
+           "cache_writer", "cached_attention_kernel", "check_mla_path", "check_paged", "choices", "matmul_kernel",
+           "moe_kernel", "paged_attention_kernel", "resolve_kernels"]

@@ -77,7 +77,7 @@ def _visible(query_positions, index, start, block_size: int, window: int | None)
     return visible[:, None, None]
 
 
-def _online_softmax_step(carry, logits, visible, value_block):
+def online_softmax_step(carry, logits, visible, value_block):
     """Folds one block into `(max [B,K,G,T], sum [B,K,G,T], acc [B,K,G,T,Hv])`, all float32.
 
     Earlier blocks are rescaled by exp(old max - new max). While a query has
@@ -114,7 +114,7 @@ def cached_attention(query, key_cache, value_cache, query_positions, *, scale, w
         logits = jnp.einsum("BKSH,BTKGH->BKGTS", keys, q, preferred_element_type=f32) * scale
         if logits_soft_cap is not None:  # c * tanh(s / c), after the scale
             logits = logits_soft_cap * jnp.tanh(logits / logits_soft_cap)
-        return _online_softmax_step(carry, logits, _visible(query_positions, index, start, size, window), values)
+        return online_softmax_step(carry, logits, _visible(query_positions, index, start, size, window), values)
 
     stats = jnp.zeros((B, K, N // K, T), f32)
     if sinks is None:  # nothing seen yet: max -inf, sum 0

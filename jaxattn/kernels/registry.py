@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-from jaxattn.kernels import auto, bf16_matmul, blocked_decode, moe, xla, xla_cpu
+from jaxattn.kernels import auto, bf16_matmul, blocked_decode, moe, paged, xla, xla_cpu
 
 AUTO = "auto"
 
@@ -25,6 +25,7 @@ IMPLEMENTATIONS: dict[str, dict[str, object]] = {
                "auto_cpu": (auto.cpu_cached_attention, xla_cpu.write_rows)},  # blocked or xla_cpu per call
     "matmul": {"xla": xla.matmul, "bfloat16": bf16_matmul.matmul, "bfloat16_cpu": bf16_matmul.matmul_cpu},
     "mla": {"naive": None, "absorb": None},
+    "paged": {"gather": None, "ragged": paged.ragged_paged_attention},  # "gather": the layer's own cached attention
     "moe": dict(moe.IMPLEMENTATIONS),
 }
 
@@ -53,6 +54,10 @@ class Kernels:
         operands, float32 sums, reverse mode only; the latter in XLA:CPU's fast forms).
       mla: "naive" (decompress keys and values) or "absorb" (attend in the latent space), for
         full-sequence passes; cached decoding always absorbs.
+      paged: attention against a paged cache (`jaxattn.serving`): "gather" (reference: each row's pages
+        gathered into the dense layout, then the layer's cached attention and the `decode` field's
+        kernel) or "ragged" (`jaxattn.kernels.paged`: reads only the pages that hold visible tokens,
+        online softmax in float32; forward only).
       moe: a mixture-of-experts layer's routed experts: "dense" (reference: every expert on every
         token, weighted by the sparse gates), "grouped" (tokens sorted by expert, `jax.lax.ragged_dot`),
         "grouped_cpu" (the same grouping in tiles of rows, batched matmuls), "gathered" (each
@@ -68,6 +73,7 @@ class Kernels:
     matmul: str = "xla"
     mla: str = "naive"
     moe: str = "dense"
+    paged: str = "gather"
 
     def __post_init__(self):
         for field in IMPLEMENTATIONS:
@@ -120,6 +126,17 @@ def matmul_kernel(name: str) -> Callable:
 def moe_kernel(name: str) -> Callable:
     """The routed-experts implementation `name` (`jaxattn.kernels.moe`'s contract)."""
     return _lookup("moe", name)
+
+
+def paged_attention_kernel(name: str) -> Callable:
+    """The paged attention of implementation `name` other than "gather" (`jaxattn.kernels.paged`'s contract)."""
+    return _lookup("paged", name)
+
+
+def check_paged(name: str) -> str:
+    """`name` if it is a paged-attention implementation, else a ValueError."""
+    _lookup("paged", name)
+    return name
 
 
 def check_mla_path(name: str) -> str:

@@ -114,8 +114,13 @@ def _mla(platform: Platform) -> tuple[str, str]:
     return "naive", "one decompression matmul per layer suits full sequences; decoding always absorbs"
 
 
+def _paged(platform: Platform) -> tuple[str, str]:
+    return "ragged", "reads only the pages that hold visible tokens; gathering copies every page a row may hold"
+
+
 RULES: dict[str, Callable[[Platform], tuple[str, str]]] = {
-    "attention": _attention, "decode": _decode, "matmul": _matmul, "mla": _mla, "moe": moe.rule}
+    "attention": _attention, "decode": _decode, "matmul": _matmul, "mla": _mla, "moe": moe.rule,
+    "paged": _paged}
 assert set(RULES) == set(IMPLEMENTATIONS)
 
 

@@ -1,0 +1,172 @@
+"""Paged attention (`jaxattn.kernels.paged`): the ragged kernel equals the gathered reference, the
+dense cached attention and JAX's own ragged paged attention reference.
+
+One pool of P = 12 pages of ps = 4 slots, a block table of Pr = 5 columns and blocks of 2 pages
+(2 does not divide 5: the last block's columns are clipped). Four rows of C = 3 query columns:
+a decode-like row (one real query), a prefill-like row, a padding row and a row that shares its
+first page with the decode row. Page 0 fills the table past each row's pages and holds random
+values: a slot read as visible by mistake would show.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ref_ragged_paged_attention
+
+from jaxattn.attention import cached_attention
+from jaxattn.kernels import paged
+
+P, PS, H, SCALE, PAGES_PER_BLOCK = 12, 4, 8, 0.3, 2
+BLOCK_TABLE = np.array([[7, 2, 11, 4, 0],  # 14 tokens
+                        [9, 1, 0, 0, 0],  # 8 tokens
+                        [0, 0, 0, 0, 0],  # no tokens
+                        [7, 3, 10, 5, 8]], np.int32)  # 20 tokens, its first page shared with row 0
+POSITIONS = np.array([[13, -1, -1], [5, 6, 7], [-1, -1, -1], [17, 18, 19]], np.int32)
+KV_LENS, Q_LENS, REAL_ROWS = np.array([14, 8, 20]), np.array([1, 3, 3]), [0, 1, 3]  # the same, as sequences
+
+# name: (N, K, head dims of the key parts, window, soft cap, with sinks); "mla": two parts, K = 1, values = part 0
+CASES = {"gqa": (4, 2, (H,), None, None, False),
+         "gqa-window-cap-sinks": (4, 2, (H,), 6, 1.5, True),
+         "mha-window-sinks": (4, 4, (H,), 5, None, True),
+         "mqa-cap": (4, 1, (H,), None, 2.0, False),
+         "mla-window-cap-sinks": (4, 1, (H, 4), 7, 1.0, True)}
+
+STATIC = ("scale", "window", "logits_soft_cap", "pages_per_block")
+# Jitted once (compiles are most of these tests' time); the positions, hence the trip counts, are traced.
+_ragged = jax.jit(paged.ragged_paged_attention, static_argnames=STATIC)
+_gathered = jax.jit(paged.gathered_paged_attention, static_argnames=STATIC)
+_cached = jax.jit(cached_attention, static_argnames=("scale", "window", "logits_soft_cap", "implementation"))
+
+
+def inputs(case, dtype=jnp.float32, seed=0):
+    """`(args, kwargs)` of both kernels for `CASES[case]`: numpy draws (a jax.random draw per shape compiles)."""
+    N, K, dims, window, cap, with_sinks = CASES[case]
+    rng = np.random.default_rng(seed)
+    draw = lambda *shape: jnp.asarray(rng.standard_normal(shape, np.float32)).astype(dtype)  # noqa: E731
+    queries = tuple(draw(4, 3, N, d) for d in dims)
+    key_pages = tuple(draw(P, PS, K, d) for d in dims)
+    value_pages = key_pages[0] if len(dims) == 2 else draw(P, PS, K, H)  # MLA: the latent is the value
+    sinks = jnp.asarray(np.linspace(-1.0, 2.0, N), jnp.float32) if with_sinks else None
+    args = (queries, key_pages, value_pages, jnp.asarray(BLOCK_TABLE), jnp.asarray(POSITIONS))
+    return args, dict(scale=SCALE, window=window, logits_soft_cap=cap, sinks=sinks)
+
+
+def ragged(args, kwargs, pages_per_block=PAGES_PER_BLOCK):
+    return _ragged(*args, **kwargs, pages_per_block=pages_per_block)
+
+
+def gathered(args, kwargs):
+    return _gathered(*args, **kwargs)
+
+
+def dense(pages):
+    """`[P, ps, K, H]` pages -> the heads-major cache `[R, K, Pr * ps, H]` of `cached_attention`."""
+    return pages[BLOCK_TABLE].reshape(len(BLOCK_TABLE), -1, *pages.shape[2:]).transpose(0, 2, 1, 3)
+
+
+def close(actual, expected, tol=1e-5):
+    np.testing.assert_allclose(np.asarray(actual, np.float32), np.asarray(expected, np.float32), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_ragged_equals_gathered(case):
+    """GQA, MHA, MQA and MLA's two parts, with windows, soft caps and sinks; rows of different lengths,
+    a shared page, a clipped last block; padding queries and the padding row give exact zeros."""
+    args, kwargs = inputs(case)
+    out, expected = ragged(args, kwargs), gathered(args, kwargs)
+    assert out.shape == expected.shape == (4, 3, 4, args[2].shape[-1]) and out.dtype == jnp.float32
+    close(out, expected)
+    padding = np.asarray(POSITIONS) < 0
+    np.testing.assert_array_equal(np.asarray(out)[padding], 0.0)
+    np.testing.assert_array_equal(np.asarray(expected)[padding], 0.0)
+    assert np.all(np.abs(np.asarray(out)[~padding]).sum(-1) > 0)
+
+
+@pytest.mark.parametrize("pages_per_block", [1, 3, 8])
+def test_any_pages_per_block_gives_the_same(pages_per_block):
+    """One page per block, 3 (the second block clipped to one column), 8 (capped at the table: one block)."""
+    args, kwargs = inputs("gqa-window-cap-sinks")
+    close(ragged(args, kwargs, pages_per_block), gathered(args, kwargs))
+
+
+@pytest.mark.parametrize("case", ["gqa-window-cap-sinks", "mla-window-cap-sinks"])
+def test_both_equal_cached_attention_on_the_dense_cache(case):
+    """The pages gathered into the heads-major cache of `jaxattn.attention.cached_attention` ("xla").
+    MLA's two parts are one attention over the concatenated head dims: q.k = q_l.c_kv + q_r.k_rope."""
+    args, kwargs = inputs(case)
+    queries, key_pages, value_pages = args[:3]
+    expected = _cached(jnp.concatenate(queries, -1), dense(jnp.concatenate(key_pages, -1)), dense(value_pages),
+                       args[4], implementation="xla", **kwargs)
+    close(ragged(args, kwargs), expected)
+    close(gathered(args, kwargs), expected)
+
+
+@pytest.mark.parametrize("window, cap", [(None, None), (6, 1.5)])
+def test_ragged_equals_jax_ref_ragged_paged_attention(window, cap):
+    """JAX's pure-JAX reference (a second, independent oracle; no sinks): flat queries, K and V
+    interleaved on one heads axis, each sequence's queries the last `q_len` of its `kv_len` tokens."""
+    args, kwargs = inputs("gqa", seed=1)
+    (query,), (keys,), values, block_table, positions = args
+    kwargs.update(window=window, logits_soft_cap=cap)
+    kv_pages = jnp.stack([keys, values], 3).reshape(P, PS, -1, H)  # [P, ps, 2K, H]: 0::2 keys, 1::2 values
+    flat = jnp.concatenate([query[r, :n] for r, n in zip(REAL_ROWS, Q_LENS)])
+    cu_q_lens = np.concatenate([[0], np.cumsum(Q_LENS)]).astype(np.int32)
+    assert np.array_equal(positions[REAL_ROWS, 0], KV_LENS - Q_LENS)  # the same case in both layouts
+    expected = ref_ragged_paged_attention(
+        flat, kv_pages, jnp.asarray(KV_LENS, jnp.int32), block_table[np.array(REAL_ROWS)], jnp.asarray(cu_q_lens),
+        jnp.array([len(REAL_ROWS)], jnp.int32), sm_scale=SCALE, sliding_window=window, soft_cap=cap)
+    out = ragged(args, kwargs)
+    close(jnp.concatenate([out[r, :n] for r, n in zip(REAL_ROWS, Q_LENS)]), expected)
+
+
+def test_bfloat16_pages_give_bfloat16_close_to_float32():
+    """bfloat16 queries and pages: bfloat16 out, within bfloat16 rounding of the float32 kernel on the
+    same (rounded) numbers; the sinks stay float32."""
+    args, kwargs = inputs("gqa-window-cap-sinks", jnp.bfloat16)
+    upcast = jax.tree.map(lambda x: x.astype(jnp.float32) if x.dtype == jnp.bfloat16 else x, args)
+    expected = ragged(upcast, kwargs)
+    for out in (ragged(args, kwargs), gathered(args, kwargs)):
+        assert out.dtype == jnp.bfloat16
+        close(out, expected, tol=2e-2)
+
+
+def _bad(**changes):
+    args, kwargs = inputs("gqa")
+    names = ("queries", "key_pages", "value_pages", "block_table", "query_positions")
+    return {**dict(zip(names, args)), **kwargs, **changes}
+
+
+@pytest.mark.parametrize("changes, message", [
+    (lambda a: dict(key_pages=a["key_pages"] * 2), "as many parts"),
+    (lambda a: dict(key_pages=(jnp.zeros((P, PS, 3, H)),), value_pages=jnp.zeros((P, PS, 3, H))),
+     "multiple of the key/value heads"),
+    (lambda a: dict(block_table=a["block_table"].astype(jnp.float32)), "block_table must be"),
+    (lambda a: dict(query_positions=a["query_positions"][:, :2]), "query_positions must be"),
+], ids=["parts", "heads", "table-dtype", "positions-shape"])
+@pytest.mark.parametrize("attend", [paged.ragged_paged_attention, paged.gathered_paged_attention],
+                         ids=["ragged", "gathered"])
+def test_bad_inputs_raise_value_errors(changes, message, attend):
+    arguments = _bad()
+    arguments.update(changes(arguments))
+    with pytest.raises(ValueError, match=message):
+        attend(**arguments)
+
+
+def test_traced_positions_read_only_the_blocks_they_see():
+    """One compiled program, two sets of positions (the trip count is traced: a `while` loop). With the
+    late positions and window 6, blocks start at slot 8, so pages only in the first two table columns
+    (7, 2, 9, 1, 3) are never read: NaN there changes nothing (a NaN read would reach the output)."""
+    args, kwargs = inputs("gqa-window-cap-sinks")
+    late = jnp.asarray([[19, -1, -1], [16, 17, -1], [-1, -1, -1], [17, 18, 19]], jnp.int32)
+    attend = functools.partial(paged.ragged_paged_attention, **kwargs, pages_per_block=PAGES_PER_BLOCK)
+    assert "while" in str(jax.make_jaxpr(attend)(*args))
+    for positions in (args[4], late):
+        moved = (*args[:4], positions)
+        close(ragged(moved, kwargs), gathered(moved, kwargs))
+    unread = np.isin(np.arange(P), [7, 2, 9, 1, 3])[:, None, None, None]
+    (query,), (keys,), values, block_table, _ = args
+    dirty = ((query,), (jnp.where(unread, jnp.nan, keys),), jnp.where(unread, jnp.nan, values), block_table, late)
+    close(ragged(dirty, kwargs), gathered((*args[:4], late), kwargs))
