@@ -20,12 +20,17 @@ an optional `Kernels`, which implementations run it):
 * mixture-of-experts MLPs: `MoE`, `MoEConfig` (`ModelConfig.moe`, `dense_layers`; `jaxattn.moe`:
   the router, the router losses; the routed experts' implementations behind `Kernels.moe`)
 * `Block`, `DecoderLM`, `abstract_params`, `count_params`, `active_params`, `attention_weights`
-* caches: `KVCache`, `LatentCache`, `DecodeCache`, `init_cache`, `cache_bytes_per_token`
+* caches: `KVCache`, `LatentCache`, `DecodeCache` (each attention kind declares what it keeps per
+  token, `jaxattn.cache`), `init_cache`, `cache_bytes_per_token` (`jaxattn.caches`: the dense cache
+  and the paged pools built from that declaration)
 
 Decoding: `generate` (prefill + `jax.lax.scan` over one-token steps),
 `generate_windowed` and `windows` (past the context, all at once or window by
 window), and the pure sampling functions in
 `jaxattn.sampling`.
+
+Many requests at once: `jaxattn.serving` (`Engine`, `EngineConfig`, `SamplingParams`): a paged
+KV cache, continuous batching, prefix caching and preemption (docs/serving.md).
 
 Implementations: `Kernels`, `resolve_kernels` and the formulations behind
 them live in `jaxattn.kernels`, the one seam between maths and machine.
@@ -37,7 +42,8 @@ axis names); `generate(..., mesh=mesh)` samples on one.
 
 from jaxattn.additive import additive_attention
 from jaxattn.attention import cached_attention, reference_attention, repeat_kv, scaled_dot_product_attention
-from jaxattn.cache import DecodeCache, KVCache, LatentCache, cache_bytes_per_token, init_cache
+from jaxattn.cache import DecodeCache, KVCache, LatentCache
+from jaxattn.caches import cache_bytes_per_token, init_cache
 from jaxattn.config import AttentionSpec, LayerKind, MLAConfig, ModelConfig, MoEConfig
 from jaxattn.decoding import GenerateOutput, generate
 from jaxattn.windowed import generate_windowed, windows

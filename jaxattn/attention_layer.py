@@ -10,9 +10,15 @@ defines the steps; this class runs them in the one order both share:
                 `ModelConfig.value_embeddings`; identity without one; docs/theory.md §23)
     normalise   q/k norms that act on whole projections (identity unless the layer has them)
     rotate      RoPE on the rotary part of q and of the keys (identity for a NoPE layer)
-    update_cache  (extend only) writes kv into the layer's cache
-    attend      whole sequences; `attend_cached` against the cache (extend)
+    update_cache  (extend) writes kv into the layer's cache; `write_pages` into its page pool (extend_paged)
+    attend      whole sequences; `attend_cached` against the cache (extend); `attend_pages` against
+                pages (extend_paged)
     project_out merges heads, W_O, residual dropout
+
+What a layer caches per token is declared once, by the layer: `cache_fields(config)` (a
+`jaxattn.cache.CacheField` per array of kv, in kv's order) and `cache_type` (the container). The
+dense cache and the paged pools are built from that declaration (`jaxattn.caches`), and the writes,
+the page gathers and the reference paged attention here are written once over it.
 
 Windows are passed structurally to the attention functions (`local_window_size=(W - 1, 0)`
 for whole sequences, `window=W` against the cache), so a blockwise kernel skips the
@@ -24,9 +30,12 @@ float32 weights there as "attention_weights"; otherwise they are never computed.
 from __future__ import annotations
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 
+from jaxattn import kernels as kernels_lib
 from jaxattn.attention import scaled_dot_product_attention
+from jaxattn.cache import CacheField, PagedBatch, RowGroup, gather_pages, write_pages, write_rows
 from jaxattn.config import AttentionSpec, ModelConfig
 from jaxattn.kernels import Kernels
 from jaxattn.primitives import logical
@@ -48,6 +57,13 @@ class AttentionLayer(nn.Module):
     config: ModelConfig
     kernels: Kernels = Kernels()
     layer: int = 0
+
+    cache_type = None  # the container of this kind's cache (a flax struct with one field per CacheField)
+
+    @staticmethod
+    def cache_fields(config: ModelConfig) -> dict[str, CacheField]:
+        """What this kind keeps per token: one `CacheField` per array of its kv, in kv's order."""
+        raise NotImplementedError
 
     @property
     def spec(self) -> AttentionSpec:
@@ -76,8 +92,25 @@ class AttentionLayer(nn.Module):
         raise NotImplementedError
 
     def update_cache(self, cache, kv, starts):
-        """Writes row b's new kv at slots `starts[b] + arange(T)` of the layer's cache (slot = position)."""
-        raise NotImplementedError
+        """Writes row b's new kv (`[B, T, ...]` arrays, tokens first) at slots `starts[b] + arange(T)` of the
+        layer's dense cache (slot = position), each array in its field's layout."""
+        fields = self.cache_fields(self.config)
+        return self.cache_type(**{
+            name: write_rows(getattr(cache, name), field.to_dense(new), starts, axis=1 + field.slot_axis,
+                             implementation=self.kernels.decode)
+            for (name, field), new in zip(fields.items(), kv)})
+
+    def write_pages(self, pool, kv, slots):
+        """Writes the step's new kv (`[1, Tf, ...]` arrays) to `slots [Tf]` of the layer's page pool."""
+        names = self.cache_fields(self.config)
+        return self.cache_type(**{name: write_pages(getattr(pool, name), new[0], slots)
+                                  for name, new in zip(names, kv)})
+
+    def gather_cache(self, pool, block_table):
+        """The dense cache `[R, ..., Pr * ps, ...]` of the rows whose pages `block_table [R, Pr]` lists."""
+        fields = self.cache_fields(self.config)
+        return self.cache_type(**{name: field.to_dense(gather_pages(getattr(pool, name), block_table))
+                                  for name, field in fields.items()})
 
     def attend(self, q, kv, *, mask=None, is_causal=False, window=None, deterministic=True,
                return_weights=False):
@@ -86,6 +119,19 @@ class AttentionLayer(nn.Module):
 
     def attend_cached(self, q, cache, positions):
         """Attention of queries at absolute `positions [B, T]` to everything the cache holds -> out."""
+        raise NotImplementedError
+
+    def attend_pages(self, q, pool, rows: RowGroup):
+        """Attention of one group's queries (`[R, C, ...]`, at `rows.positions`) to their rows' pages
+        -> `[R, C, N, Hv]`. `kernels.paged` chooses: "gather" (the reference) gathers each row's pages
+        into the dense layout and calls `attend_cached`; "ragged" (`attend_pages_ragged`) reads only the
+        pages that hold visible tokens."""
+        if kernels_lib.check_paged(self.kernels.paged) == "gather":
+            return self.attend_cached(q, self.gather_cache(pool, rows.block_table), rows.positions)
+        return self.attend_pages_ragged(q, pool, rows)
+
+    def attend_pages_ragged(self, q, pool, rows: RowGroup):
+        """`attend_pages` through `jaxattn.kernels.paged.ragged_paged_attention`."""
         raise NotImplementedError
 
     def project_out(self, out, *, deterministic=True):
@@ -161,6 +207,34 @@ class AttentionLayer(nn.Module):
         q, kv = self.rotate(q, kv, positions, positions)
         cache = self.update_cache(cache, kv, positions[:, 0])  # the rows' first new slots
         return self.project_out(self.attend_cached(q, cache, positions)), cache
+
+    def extend_paged(self, x, pool, batch: PagedBatch, *, value_embedding=None):
+        """The step's new tokens of many sequences, written to the layer's page pool and attending
+        causally to their own sequences' tokens (`jaxattn.cache.PagedBatch`).
+
+        Args:
+          x: `[1, Tf, D]` the step's tokens, flat (the groups of `batch` tile them in order).
+          pool: this layer's page pool (its `cache_type`, arrays `[P, ps, ...]`).
+          batch: where each token goes and which rows its queries belong to.
+          value_embedding: `[1, Tf, K, Hv]` or None, as in `extend`.
+
+        Returns:
+          `([1, Tf, D], new_pool)`; padding tokens' outputs are the projection of zeros.
+        """
+        self.check_inputs(x, None)
+        positions = batch.positions[None, :]  # [1, Tf]
+        q, kv = self.project(x)
+        q, kv = self.normalise(q, self.mix_values(kv, value_embedding))
+        q, kv = self.rotate(q, kv, positions, positions)
+        pool = self.write_pages(pool, kv, batch.slots)
+        outs, start = [], 0
+        for rows in batch.groups:  # each group's R x C queries are the next R * C flat tokens
+            R, C = rows.positions.shape
+            take = lambda a: a[0, start:start + R * C].reshape(R, C, *a.shape[2:])  # noqa: E731
+            out = self.attend_pages(jax.tree.map(take, q), pool, rows)  # [R, C, N, Hv]
+            outs.append(out.reshape(R * C, *out.shape[2:]))
+            start += R * C
+        return self.project_out(jnp.concatenate(outs)[None]), pool
 
     # -- shared pieces -----------------------------------------------------------------------
 

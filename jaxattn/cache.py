@@ -2,44 +2,95 @@
 
 Why a cache is exact (docs/theory.md §9): the key and value of token j depend
 only on tokens <= j and fixed weights, so they never change once computed.
-Each layer stores them once, in a buffer of `max_len` slots per row:
 
-* standard attention (MHA/MQA/GQA): `KVCache(k [B, K, L, H], v [B, K, L, Hv])`,
-  K/V kept at K heads (never repeated for GQA/MQA) and heads-major: each
-  (row, head) is one contiguous `[L, H]` matrix, so attention against the
-  cache is a matmul batched over (B, K) that reads the cache in place;
-* Multi-head Latent Attention: `LatentCache(c_kv [B, L, R], k_rope [B, L, E])`,
-  the normalised joint latent (R = kv_lora_rank) and the one rotary key shared
-  by all heads (E = qk_rope_head_dim); per-head keys and values are never stored.
+Each attention kind declares, in one place, what it keeps per token: its
+`cache_fields(config)`, a `CacheField` per array (per-token shape, logical axes,
+where the dense layout puts its slots), and its `cache_type`, the container:
 
-`DecodeCache` bundles the per-layer caches with `lengths [B]`: row b holds
-`lengths[b]` tokens, at slots `0 .. lengths[b] - 1` (slot = absolute position).
-Rows can be at different lengths. Writes put T new tokens of row b at slots
-`lengths[b] + arange(T)` (`jax.lax.dynamic_update_slice`, one per row);
-reads are masked by position (`jaxattn.masks.visible_cache_slots`): key slot j
-is visible to a query at absolute position p iff j <= p, so slots not yet
-written are never visible.
+* standard attention (MHA/MQA/GQA, `jaxattn.gqa`): `KVCache(k, v)`, per token
+  `[K, H]` each, K/V kept at K heads (never repeated for GQA/MQA);
+* Multi-head Latent Attention (`jaxattn.mla`): `LatentCache(c_kv, k_rope)`, per
+  token the normalised joint latent `[R]` (R = kv_lora_rank) and the one rotary
+  key shared by all heads `[E]`; per-head keys and values are never stored.
+
+Both caches a model has are built from those declarations (`jaxattn.caches`):
+
+* the dense cache, `DecodeCache`: per layer each field as `[B, ..., L, ...]`, the
+  L slots of a row at the field's `slot_axis` (heads-major `[B, K, L, H]` for
+  keys and values: each (row, head) one contiguous `[L, H]` matrix, read in
+  place by a matmul batched over (B, K); `[B, L, R]` for latents), with
+  `lengths [B]`: row b holds `lengths[b]` tokens at slots `0 .. lengths[b] - 1`
+  (slot = absolute position). Writes put T new tokens of row b at slots
+  `lengths[b] + arange(T)` (`write_rows`); reads are masked by position
+  (`jaxattn.masks.visible_cache_slots`): slot j is visible to a query at
+  position p iff j <= p, so slots not yet written are never visible;
+* the paged cache (docs/theory.md §25): per layer a pool of pages, each field as
+  `[P, page_size, *per-token shape]`, shared by every sequence; a sequence's
+  tokens live in the pages its block table lists (slot j at page
+  `block_table[j // page_size]`, offset `j % page_size`). `PagedBatch` describes
+  one step over such a pool: which slot each new token is written to and, per
+  group of rows, the queries' positions and block tables (`write_pages`,
+  `gather_pages`).
 """
 
 from __future__ import annotations
 
-import math
+import dataclasses
 
 import flax.struct
 import jax.numpy as jnp
 
 from jaxattn import kernels
-from jaxattn._validate import is_int
-from jaxattn.config import ModelConfig
+from jaxattn.axes import BATCH, LENGTH
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheField:
+    """One array an attention layer keeps per token.
+
+    Attributes:
+      shape: the per-token shape, e.g. `(K, H)` for keys.
+      axes: the logical axis names of those dims (`jaxattn.axes`), for meshes.
+      slot_axis: where the dense cache puts its L slots among them (1 for heads-major
+        `[K, L, H]`, 0 for `[L, R]`); the paged pool always keeps a page's tokens first.
+    """
+
+    shape: tuple[int, ...]
+    axes: tuple[str | None, ...]
+    slot_axis: int = 0
+
+    def dense_shape(self, batch_size: int, num_slots: int) -> tuple[int, ...]:
+        """`[B, ...]` with the L slots at `1 + slot_axis`."""
+        shape = list(self.shape)
+        shape.insert(self.slot_axis, num_slots)
+        return (batch_size, *shape)
+
+    def dense_axes(self) -> tuple[str | None, ...]:
+        """The logical names of the dense array's dims (rows "batch", slots "length")."""
+        axes = list(self.axes)
+        axes.insert(self.slot_axis, LENGTH)
+        return (BATCH, *axes)
+
+    def paged_shape(self, num_pages: int, page_size: int) -> tuple[int, ...]:
+        """`[P, page_size, *shape]`."""
+        return (num_pages, page_size, *self.shape)
+
+    def paged_axes(self) -> tuple[str | None, ...]:
+        """The pool's dims: pages and their tokens are never split, the rest as `axes`."""
+        return (None, None, *self.axes)
+
+    def to_dense(self, tokens: jnp.ndarray) -> jnp.ndarray:
+        """`[B, S, *shape]` (tokens first, as layers compute them) -> the dense layout `[B, ..., S, ...]`."""
+        return jnp.moveaxis(tokens, 1, 1 + self.slot_axis)
 
 
 @flax.struct.dataclass
 class KVCache:
-    """One standard-attention layer's cache.
+    """One standard-attention layer's cache (dense `[B, K, L, H]`, or a page pool `[P, ps, K, H]`).
 
     Attributes:
-      k: `[B, K, L, H]` rotated keys (RoPE already applied when used).
-      v: `[B, K, L, Hv]` values.
+      k: rotated keys (RoPE already applied when used).
+      v: values.
     """
 
     k: jnp.ndarray
@@ -48,11 +99,12 @@ class KVCache:
 
 @flax.struct.dataclass
 class LatentCache:
-    """One MLA layer's cache: `kv_lora_rank + qk_rope_head_dim` numbers per token.
+    """One MLA layer's cache: `kv_lora_rank + qk_rope_head_dim` numbers per token
+    (dense `[B, L, R]` and `[B, L, E]`, or pools `[P, ps, R]` and `[P, ps, E]`).
 
     Attributes:
-      c_kv: `[B, L, R]` the RMS-normalised joint key/value latent.
-      k_rope: `[B, L, E]` the decoupled rotary key, shared by all heads.
+      c_kv: the RMS-normalised joint key/value latent.
+      k_rope: the decoupled rotary key, shared by all heads.
     """
 
     c_kv: jnp.ndarray
@@ -61,66 +113,60 @@ class LatentCache:
 
 @flax.struct.dataclass
 class DecodeCache:
-    """The model's cache.
+    """The model's dense cache.
 
     Attributes:
-      layers: tuple over layers of `KVCache` or `LatentCache`.
+      layers: tuple over layers of each layer's `cache_type` (`KVCache`, `LatentCache`).
       lengths: `[B]` int32, tokens of each row already in the cache (the slot
         the next token of that row is written to).
+      num_slots: L, the slots per row (static).
     """
 
     layers: tuple
     lengths: jnp.ndarray
+    num_slots: int = flax.struct.field(pytree_node=False, default=0)
 
     @property
     def max_len(self) -> int:
         """L, the number of slots per row."""
-        first = self.layers[0]
-        return first.k.shape[2] if isinstance(first, KVCache) else first.c_kv.shape[1]
+        return self.num_slots
 
 
-def _layer_shapes(config: ModelConfig, batch_size: int, max_len: int) -> dict[str, tuple]:
-    """Shapes of one layer's cache arrays, by field name."""
-    if config.mla is not None:
-        return {"c_kv": (batch_size, max_len, config.mla.kv_lora_rank),
-                "k_rope": (batch_size, max_len, config.mla.qk_rope_head_dim)}
-    K, H = config.num_kv_heads, config.head_dim
-    return {"k": (batch_size, K, max_len, H), "v": (batch_size, K, max_len, H)}
+@flax.struct.dataclass
+class RowGroup:
+    """Rows of queries of one step over a paged cache, each row one sequence's new tokens.
 
-
-def init_cache(config: ModelConfig, batch_size: int, max_len: int, dtype=None) -> DecodeCache:
-    """An empty cache (all lengths 0) for `batch_size` rows of `max_len` slots.
-
-    dtype defaults to the config's compute dtype.
+    Attributes:
+      positions: `[R, C]` int32 absolute positions of the row's queries; -1 marks a padding
+        column (or a padding row): it sees nothing and its output is zeros.
+      block_table: `[R, Pr]` int32 the pages of the row's sequence in order (slot j at
+        page `block_table[r, j // page_size]`); entries past its pages may be any page id.
     """
-    for name, value in (("batch_size", batch_size), ("max_len", max_len)):
-        if not is_int(value, numpy=False) or value <= 0:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    dtype = jnp.dtype(config.dtype if dtype is None else dtype)
-    layer_type = KVCache if config.mla is None else LatentCache
-    shapes = _layer_shapes(config, batch_size, max_len)
-    layers = tuple(layer_type(**{name: jnp.zeros(shape, dtype) for name, shape in shapes.items()})
-                   for _ in range(config.num_layers))
-    return DecodeCache(layers=layers, lengths=jnp.zeros((batch_size,), jnp.int32))
+
+    positions: jnp.ndarray
+    block_table: jnp.ndarray
 
 
-def cache_bytes_per_token(config: ModelConfig, dtype=None) -> dict:
-    """What one token costs in the cache.
+@flax.struct.dataclass
+class PagedBatch:
+    """One step of new tokens from many sequences over a paged cache (`DecoderLM.extend_paged`).
 
-    Returns a dict with `numbers_per_layer` (2*K*H for standard attention,
-    kv_lora_rank + qk_rope_head_dim for MLA), `bytes_per_layer`, `num_layers`,
-    `numbers` and `bytes` (all layers), for the cache dtype (default: the
-    config's compute dtype). The per-row `lengths` counter is not per token.
+    The step's `Tf` tokens are flat; the groups tile them in order: group g's `R x C` queries
+    are the next `R * C` flat tokens, row by row (a group of decode rows `[R, 1]`, a group of
+    prefill chunks `[R, C]`).
+
+    Attributes:
+      positions: `[Tf]` int32 absolute positions (RoPE, learned positions); 0 for padding.
+      slots: `[Tf]` int32 where each token's cache entry is written, `page * page_size + offset`;
+        padding tokens carry a slot past the pool (`P * page_size`), and are not written.
+      groups: tuple of `RowGroup`.
+      logit_tokens: `[M]` int32 the flat tokens whose next-token logits are wanted.
     """
-    dtype = jnp.dtype(config.dtype if dtype is None else dtype)
-    numbers = sum(math.prod(shape) for shape in _layer_shapes(config, 1, 1).values())  # B = L = 1
-    return {
-        "numbers_per_layer": numbers,
-        "bytes_per_layer": numbers * dtype.itemsize,
-        "num_layers": config.num_layers,
-        "numbers": numbers * config.num_layers,
-        "bytes": numbers * dtype.itemsize * config.num_layers,
-    }
+
+    positions: jnp.ndarray
+    slots: jnp.ndarray
+    groups: tuple
+    logit_tokens: jnp.ndarray
 
 
 def write_rows(buffer: jnp.ndarray, update: jnp.ndarray, starts: jnp.ndarray, *, axis: int = 1,
@@ -138,3 +184,16 @@ def write_rows(buffer: jnp.ndarray, update: jnp.ndarray, starts: jnp.ndarray, *,
     start index so that the update fits, which would shift the write.
     """
     return kernels.cache_writer(implementation)(buffer, update, starts, axis=axis)
+
+
+def write_pages(pool: jnp.ndarray, tokens: jnp.ndarray, slots: jnp.ndarray) -> jnp.ndarray:
+    """Writes token t of `tokens [Tf, *shape]` to slot `slots[t]` of `pool [P, ps, *shape]`;
+    slots past the pool (padding) are dropped. Cast to the pool's dtype."""
+    flat = pool.reshape(-1, *pool.shape[2:])
+    return flat.at[slots].set(tokens.astype(pool.dtype), mode="drop").reshape(pool.shape)
+
+
+def gather_pages(pool: jnp.ndarray, block_table: jnp.ndarray) -> jnp.ndarray:
+    """`pool [P, ps, *shape]`, `block_table [R, Pr]` -> `[R, Pr * ps, *shape]`: each row's slots in order."""
+    rows = pool[block_table]  # [R, Pr, ps, *shape]
+    return rows.reshape(block_table.shape[0], -1, *pool.shape[2:])

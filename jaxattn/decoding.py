@@ -32,7 +32,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxattn import sampling, sharding
 from jaxattn._validate import concrete_or_none, is_int
 from jaxattn.axes import MeshShape
-from jaxattn.cache import DecodeCache, init_cache
+from jaxattn.cache import DecodeCache
+from jaxattn.caches import init_cache
 from jaxattn.config import ModelConfig
 from jaxattn.kernels import Kernels
 from jaxattn.model import DecoderLM

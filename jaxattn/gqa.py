@@ -15,7 +15,8 @@ import jax.numpy as jnp
 
 from jaxattn.attention import cached_attention
 from jaxattn.attention_layer import AttentionLayer
-from jaxattn.cache import KVCache, write_rows
+from jaxattn.cache import CacheField, KVCache, RowGroup
+from jaxattn.kernels import paged_attention_kernel
 from jaxattn.primitives import check_config, logical, make_linear, make_rms_norm
 from jaxattn.rope import apply_rope, rotary_dims
 from jaxattn.axes import EMBED, HEAD_DIM, HEADS, KV_HEADS, QKV
@@ -43,6 +44,14 @@ class Attention(AttentionLayer):
     (else the factor multiplies the rotated dims of queries and keys, as
     transformers multiplies cos and sin).
     """
+
+    cache_type = KVCache
+
+    @staticmethod
+    def cache_fields(config) -> dict[str, CacheField]:
+        """Keys and values, `[K, H]` per token each, heads-major in the dense cache (`[B, K, L, H]`)."""
+        kv = CacheField(shape=(config.num_kv_heads, config.head_dim), axes=(KV_HEADS, HEAD_DIM), slot_axis=1)
+        return {"k": kv, "v": kv}
 
     def setup(self):
         c, k = self.config, self.kernels
@@ -133,14 +142,6 @@ class Attention(AttentionLayer):
             q, k = scaled(q), scaled(k)
         return q, (k, v)
 
-    def update_cache(self, cache: KVCache, kv, starts) -> KVCache:
-        """Writes the new k, v `[B, T, K, H]` of row b at slots `starts[b] + arange(T)` of the `[B, K, L, H]` cache."""
-        k, v = kv
-        write = dict(axis=2, implementation=self.kernels.decode)
-        heads_major = lambda x: jnp.swapaxes(x, 1, 2)  # [B, T, K, H] -> [B, K, T, H]  # noqa: E731
-        return KVCache(k=write_rows(cache.k, heads_major(k), starts, **write),
-                       v=write_rows(cache.v, heads_major(v), starts, **write))
-
     def attend(self, q, kv, *, mask=None, is_causal=False, window=None, deterministic=True,
                return_weights=False):
         """`(out [B, T, N, H], weights [B, N, T, S] or None)` of q against kv = (k, v) (`attend_heads`)."""
@@ -152,6 +153,12 @@ class Attention(AttentionLayer):
         """`cached_attention` of q `[B, T, N, H]` at `positions` against the `[B, K, L, H]` cache."""
         return cached_attention(q, cache.k, cache.v, positions, scale=self.scale, window=self.spec.window,
                                 implementation=self.kernels.decode, **self.cap_and_sinks())
+
+    def attend_pages_ragged(self, q, pool: KVCache, rows: RowGroup):
+        """`ragged_paged_attention` of q `[R, C, N, H]` against the `[P, ps, K, H]` pools."""
+        attend = paged_attention_kernel(self.kernels.paged)
+        return attend((q,), (pool.k,), pool.v, rows.block_table, rows.positions, scale=self.scale,
+                      window=self.spec.window, **self.cap_and_sinks())
 
     def project_out(self, out, *, deterministic=True):
         """Merges heads `[B, T, N, H] -> [B, T, N*H]` (a free reshape) and applies W_O -> `[B, T, D]`."""

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 from jaxattn import kernels as kernels_lib
 from jaxattn.attention_layer import AttentionLayer
-from jaxattn.cache import LatentCache, write_rows
+from jaxattn.cache import CacheField, LatentCache, RowGroup
 from jaxattn.masks import causal_mask, combine_masks, sliding_window_mask, visible_cache_slots
 from jaxattn.primitives import check_config, logical, make_linear, make_rms_norm
 from jaxattn.rope import apply_rope, yarn_softmax_mscale
@@ -90,6 +90,16 @@ class MultiHeadLatentAttention(AttentionLayer):
     window of `latent_attention`). Self-attention only.
     """
 
+    cache_type = LatentCache
+
+    @staticmethod
+    def cache_fields(config) -> dict[str, CacheField]:
+        """The normalised latent `[R]` and the shared rotary key `[E]` per token, nothing per head (kept
+        whole on a mesh: every head reads all of it)."""
+        m = config.mla
+        return {"c_kv": CacheField(shape=(m.kv_lora_rank,), axes=(None,)),
+                "k_rope": CacheField(shape=(m.qk_rope_head_dim,), axes=(None,))}
+
     def setup(self):
         c, k = self.config, self.kernels
         check_config(c, k)
@@ -148,13 +158,6 @@ class MultiHeadLatentAttention(AttentionLayer):
             q_rope, k_rope = q_rope * self.rope_factor, k_rope * self.rope_factor
         return (q_nope, q_rope), (c_kv, k_rope)
 
-    def update_cache(self, cache: LatentCache, kv, starts) -> LatentCache:
-        """Writes row b's new latents and rotary keys at slots `starts[b] + arange(T)`."""
-        c_kv, k_rope = kv
-        write = dict(axis=1, implementation=self.kernels.decode)
-        return LatentCache(c_kv=write_rows(cache.c_kv, c_kv, starts, **write),
-                           k_rope=write_rows(cache.k_rope, k_rope, starts, **write))
-
     def attend(self, q, kv, *, mask=None, is_causal=False, window=None, deterministic=True,
                return_weights=False):
         """`kernels.mla`'s path: `attend_naive` or `attend_absorbed` -> `(out [B, T, N, V], weights or None)`."""
@@ -198,6 +201,18 @@ class MultiHeadLatentAttention(AttentionLayer):
         """Absorbed attention of queries at `positions [B, T]` to the slots they may see (window included)."""
         mask = visible_cache_slots(positions, cache.c_kv.shape[1], self.spec.window)  # [B, 1, T, L]
         return self.attend_absorbed(q, (cache.c_kv, cache.k_rope), mask=mask)[0]
+
+    def attend_pages_ragged(self, q, pool: LatentCache, rows: RowGroup):
+        """Absorbed attention against the latent pages, as MQA (one kv head) over two parts: the latent
+        `[P, ps, R]` (keys and values at once) and the rotary key `[P, ps, E]`."""
+        (q_nope, q_rope), P = q, self.config.mla.qk_nope_head_dim
+        q_latent = jnp.einsum("BTNP,RNP->BTNR", q_nope, self.wkv_b[..., :P].astype(q_nope.dtype))
+        one_head = lambda pages: pages[:, :, None, :].astype(q_nope.dtype)  # [P, ps, 1, ...]  # noqa: E731
+        latent = one_head(pool.c_kv)
+        attend = paged_attention_kernel(self.kernels.paged)
+        o_latent = attend((q_latent, q_rope), (latent, one_head(pool.k_rope)), latent, rows.block_table,
+                          rows.positions, scale=self.scale, window=self.spec.window, **self.cap_and_sinks())
+        return jnp.einsum("BTNR,RNV->BTNV", o_latent, self.wkv_b[..., P:].astype(q_nope.dtype))
 
     def project_out(self, out, *, deterministic=True):
         """`[B, T, N, V] -> [B, T, D]` through W_O, then residual dropout."""

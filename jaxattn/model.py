@@ -35,13 +35,12 @@ from jax.experimental import checkify
 
 from jaxattn import kernels as kernels_lib
 from jaxattn._validate import concrete_or_none
+from jaxattn.attention_kinds import attention_class
 from jaxattn.attention_layer import WEIGHTS
 from jaxattn.axes import ACTIVATION_EMBED, ACTIVATION_VOCAB, BATCH, EMBED, KV_HEADS, LENGTH, VOCAB
-from jaxattn.cache import DecodeCache, KVCache, LatentCache
+from jaxattn.cache import DecodeCache, PagedBatch
 from jaxattn.config import ModelConfig
-from jaxattn.gqa import Attention
 from jaxattn.kernels import Kernels
-from jaxattn.mla import MultiHeadLatentAttention
 from jaxattn.moe import mlp_for_layer
 from jaxattn.position_embeddings import absolute_positions
 from jaxattn.primitives import check_config, logical, make_linear, make_norm
@@ -76,8 +75,7 @@ class Block(nn.Module):
         c, k = self.config, self.kernels
         if c.norm_placement != "post":
             self.attn_norm = make_norm(c)
-        attention = Attention if c.mla is None else MultiHeadLatentAttention
-        self.attn = attention(c, k, layer=self.layer)
+        self.attn = attention_class(c)(c, k, layer=self.layer)
         if c.norm_placement != "post":
             self.mlp_norm = make_norm(c)
         self.mlp = mlp_for_layer(c, k, self.layer)  # dense or a mixture of experts, called alike
@@ -107,6 +105,17 @@ class Block(nn.Module):
             return out
 
         return self.residuals(x, attend, True), caches[0]
+
+    def extend_paged(self, x, pool, batch: PagedBatch, *, value_embedding=None):
+        """`[1, Tf, D]` flat new tokens of many sequences (`PagedBatch`) -> (`[1, Tf, D]`, new layer pool)."""
+        pools = []
+
+        def attend(h):
+            out, new_pool = self.attn.extend_paged(h, pool, batch, value_embedding=value_embedding)
+            pools.append(new_pool)
+            return out
+
+        return self.residuals(x, attend, True), pools[0]
 
     def residuals(self, x, attend, deterministic, padding_mask=None):
         """The two branches around `attend` (`[B, T, D] -> [B, T, D]`) and the MLP, per the config."""
@@ -272,7 +281,31 @@ class DecoderLM(nn.Module):
         for block, layer_cache, value_embedding in zip(self.blocks, cache.layers, self.embed_values(tokens)):
             x, layer_cache = block.extend(x, layer_cache, positions, value_embedding=value_embedding)
             layers.append(layer_cache)
-        return self.logits(x), DecodeCache(layers=tuple(layers), lengths=starts + num_new)
+        return self.logits(x), DecodeCache(layers=tuple(layers), lengths=starts + num_new, num_slots=cache.num_slots)
+
+    def extend_paged(self, tokens, pools: tuple, batch: PagedBatch):
+        """One step of a paged cache: the new tokens of many sequences at once, flat.
+
+        Args:
+          tokens: `[Tf]` int ids (`batch` says where each belongs; padding tokens are any id).
+          pools: tuple over layers of each layer's page pool (`jaxattn.caches.init_pools`).
+          batch: positions, cache slots, rows of queries and the tokens to read logits at.
+
+        Returns:
+          `(logits [M, V] float32 at batch.logit_tokens, new pools)`: the head runs only where a token
+          is drawn. Deterministic; token ids are not checked (the engine checks them on admission).
+        """
+        if not hasattr(tokens, "ndim") or tokens.ndim != 1 or tokens.shape != batch.positions.shape:
+            raise ValueError(f"tokens must be [Tf] = {batch.positions.shape}, got {getattr(tokens, 'shape', None)}")
+        if len(pools) != self.config.num_layers:
+            raise ValueError(f"pools must hold {self.config.num_layers} layers, got {len(pools)}")
+        tokens = tokens[None, :]  # [1, Tf]: one row of flat tokens; only attention looks at rows
+        x = self.embed(tokens, batch.positions[None, :])
+        new_pools = []
+        for block, pool, value_embedding in zip(self.blocks, pools, self.embed_values(tokens)):
+            x, pool = block.extend_paged(x, pool, batch, value_embedding=value_embedding)
+            new_pools.append(pool)
+        return self.logits(x[:, batch.logit_tokens])[0], tuple(new_pools)
 
     def _check_token_range(self, tokens, check: bool) -> None:
         V = self.config.vocab_size
@@ -307,7 +340,7 @@ class DecoderLM(nn.Module):
         if not isinstance(cache, DecodeCache):
             raise TypeError(f"cache must be a DecodeCache (see init_cache), got {type(cache).__name__}")
         c = self.config
-        expected = KVCache if c.mla is None else LatentCache
+        expected = attention_class(c).cache_type
         if len(cache.layers) != c.num_layers or not all(isinstance(l, expected) for l in cache.layers):
             raise ValueError(f"cache must hold {c.num_layers} {expected.__name__} layers for "
                              f"attention={c.attention!r}, got "

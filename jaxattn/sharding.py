@@ -23,8 +23,9 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxattn.axes import BATCH, HEAD_DIM, KV_HEADS, LENGTH, MeshShape, logical_counts, spec_for
-from jaxattn.cache import DecodeCache, KVCache
+from jaxattn.axes import BATCH, MeshShape, logical_counts, spec_for
+from jaxattn.cache import DecodeCache
+from jaxattn.caches import cache_fields
 from jaxattn.config import ModelConfig
 from jaxattn.model import abstract_params
 
@@ -110,18 +111,25 @@ def batch_spec(mesh: MeshShape, batch_size: int, ndim: int = 2) -> P:
 
 
 def cache_specs(cache: DecodeCache, config: ModelConfig, mesh: MeshShape) -> DecodeCache:
-    """A `DecodeCache` of PartitionSpecs: rows over data x fsdp, kv heads over tensor (where they divide)."""
+    """A `DecodeCache` of PartitionSpecs, by each field's logical axes (`jaxattn.cache.CacheField`):
+    rows over data x fsdp, kv heads over tensor (where they divide); a latent every head reads stays whole."""
     counts = logical_counts(config)
+    fields = cache_fields(config)
 
     def layer(cache_layer):
-        if isinstance(cache_layer, KVCache):  # [B, K, L, H]
-            names = (BATCH, KV_HEADS, LENGTH, HEAD_DIM)
-        else:  # LatentCache [B, L, R]: every head reads the whole latent
-            names = (BATCH, LENGTH, None)
-        return jax.tree.map(lambda x: spec_for(names[:x.ndim], x.shape, mesh, counts)[0], cache_layer)
+        return type(cache_layer)(**{name: spec_for(field.dense_axes(), getattr(cache_layer, name).shape, mesh,
+                                                   counts)[0] for name, field in fields.items()})
 
     return DecodeCache(layers=tuple(layer(c) for c in cache.layers),
-                       lengths=spec_for((BATCH,), cache.lengths.shape, mesh)[0])
+                       lengths=spec_for((BATCH,), cache.lengths.shape, mesh)[0], num_slots=cache.num_slots)
+
+
+def pool_specs(pools: tuple, config: ModelConfig, mesh: MeshShape) -> tuple:
+    """The page pools' PartitionSpecs: kv heads over tensor where they divide, pages whole."""
+    counts = logical_counts(config)
+    fields = cache_fields(config)
+    return tuple(type(pool)(**{name: spec_for(field.paged_axes(), getattr(pool, name).shape, mesh, counts)[0]
+                               for name, field in fields.items()}) for pool in pools)
 
 
 def constrain(tree: Any, specs: Any, mesh: Mesh) -> Any:

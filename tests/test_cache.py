@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxattn.cache import DecodeCache, LatentCache, cache_bytes_per_token, init_cache, write_rows
+from jaxattn.cache import DecodeCache, LatentCache, write_rows
+from jaxattn.caches import cache_bytes_per_token, init_cache
 from jaxattn.kernels import Kernels, choices
 from jaxattn.masks import visible_cache_slots
 from jaxattn.model import DecoderLM

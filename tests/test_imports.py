@@ -147,3 +147,26 @@ def test_only_the_mixture_of_experts_own_modules_branch_on_it():
                 tests += node.ifs if isinstance(node, ast.comprehension) else []
                 branches += [f"{where}:{node.lineno}: {ast.unparse(t)}" for t in tests if _mentions_moe(t)]
     assert branches == []
+
+
+def _mentions(node: ast.AST, names: set[str]) -> bool:
+    found = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+    found |= {n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)}
+    return bool(found & names)
+
+
+def test_the_caches_never_ask_which_attention_a_layer_has():
+    """Each attention kind declares its cache (`cache_fields`, `cache_type`); the caches, the model, the
+    mesh layout and the engine are built from that declaration, without a branch on the kind."""
+    kinds = {"mla", "MLAConfig", "KVCache", "LatentCache", "Attention", "MultiHeadLatentAttention"}
+    generic = ["jaxattn/cache.py", "jaxattn/caches.py", "jaxattn/model.py", "jaxattn/sharding.py",
+               *sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "jaxattn" / "serving").glob("*.py"))]
+    asked = []
+    for where in generic:
+        for node in ast.walk(ast.parse((ROOT / where).read_text())):
+            tests = [node.test] if isinstance(node, (ast.If, ast.IfExp, ast.While)) else []
+            tests += node.ifs if isinstance(node, ast.comprehension) else []
+            if isinstance(node, ast.Call) and ast.unparse(node.func) == "isinstance":
+                tests.append(node)
+            asked += [f"{where}:{node.lineno}: {ast.unparse(t)}" for t in tests if _mentions(t, kinds)]
+    assert len(generic) >= 8 and asked == []

@@ -20,7 +20,7 @@ from flax.traverse_util import flatten_dict, unflatten_dict
 import jaxattn
 from jaxattn import sharding
 from jaxattn.axes import MeshShape
-from jaxattn.cache import init_cache
+from jaxattn.caches import init_cache
 from jaxattn.config import AttentionSpec, LayerKind, MLAConfig, ModelConfig
 from jaxattn.gqa import Attention
 from jaxattn.kernels import Kernels

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from jaxattn.attention import scaled_dot_product_attention
-from jaxattn.cache import LatentCache, init_cache
+from jaxattn.cache import LatentCache
+from jaxattn.caches import init_cache
 from jaxattn.config import MLAConfig, ModelConfig
 from jaxattn.kernels import Kernels
 from jaxattn.mla import MultiHeadLatentAttention, latent_attention

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxattn.cache import init_cache
+from jaxattn.caches import init_cache
 from jaxattn.config import ModelConfig
 from jaxattn.gqa import Attention
 from jaxattn.model import DecoderLM

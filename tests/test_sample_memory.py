@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from jaxattn import Kernels, decoding, generate_windowed
-from jaxattn.cache import cache_bytes_per_token
+from jaxattn.caches import cache_bytes_per_token
 from jaxattn.config import ModelConfig
 from jaxattn.model import abstract_params
 from programs import run_sample, tiny_sampling_config

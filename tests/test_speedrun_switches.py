@@ -388,7 +388,7 @@ def test_value_embeddings_mix_each_layers_table_row_of_its_token_into_the_values
 
 @pytest.mark.parametrize("positions", ["rope", "learned"])
 def test_cached_decoding_with_value_embeddings_equals_the_full_forward(positions):
-    from jaxattn.cache import init_cache
+    from jaxattn.caches import init_cache
     config = ModelConfig(**VALUES, value_embeddings=2, positions=positions)
     model, params = _init(config)
     params = _lambdas(params, [0.7, 1.3])  # away from the init: a cache of unmixed values would differ

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxattn.cache import cache_bytes_per_token
+from jaxattn.caches import cache_bytes_per_token
 from jaxattn.decoding import generate
 from jaxattn.model import active_params
 from train import outputs

@@ -40,7 +40,7 @@ import psutil
 from tqdm import tqdm
 
 from jaxattn import Kernels, axes, resolve_kernels
-from jaxattn.cache import cache_bytes_per_token
+from jaxattn.caches import cache_bytes_per_token
 from jaxattn.config import ModelConfig
 from jaxattn.decoding import call_lengths
 from jaxattn.windowed import NonFiniteLogits, window_programs, windows

@@ -1,0 +1,78 @@
+"""The model's caches, built from what each attention layer declares it keeps per token.
+
+A layer kind declares its cache once (`cache_fields`, `cache_type`; `jaxattn.cache`), and the
+model's layer kind is `jaxattn.attention_kinds.attention_class(config)`. From that declaration:
+
+* `init_cache`: the dense `DecodeCache`, `B` rows of `L` slots per layer (`generate`);
+* `init_pools`: the paged cache, per layer a pool of `P` pages of `page_size` slots, shared by
+  every sequence through block tables (`jaxattn.serving`);
+* `cache_bytes_per_token`: what one token costs in either.
+
+Nothing here asks which kind of attention a layer has.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+
+from jaxattn._validate import is_int
+from jaxattn.cache import CacheField, DecodeCache
+from jaxattn.config import ModelConfig
+from jaxattn.attention_kinds import attention_class
+
+
+def cache_fields(config: ModelConfig) -> dict[str, CacheField]:
+    """What each layer of `config` keeps per token (every layer has the same kind)."""
+    return attention_class(config).cache_fields(config)
+
+
+def _positive(**values) -> None:
+    for name, value in values.items():
+        if not is_int(value, numpy=False) or value <= 0:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def init_cache(config: ModelConfig, batch_size: int, max_len: int, dtype=None) -> DecodeCache:
+    """An empty dense cache (all lengths 0) for `batch_size` rows of `max_len` slots.
+
+    dtype defaults to the config's compute dtype.
+    """
+    _positive(batch_size=batch_size, max_len=max_len)
+    dtype = jnp.dtype(config.dtype if dtype is None else dtype)
+    container, fields = attention_class(config).cache_type, cache_fields(config)
+    layers = tuple(container(**{name: jnp.zeros(field.dense_shape(batch_size, max_len), dtype)
+                                for name, field in fields.items()})
+                   for _ in range(config.num_layers))
+    return DecodeCache(layers=layers, lengths=jnp.zeros((batch_size,), jnp.int32), num_slots=max_len)
+
+
+def init_pools(config: ModelConfig, num_pages: int, page_size: int, dtype=None) -> tuple:
+    """The paged cache: per layer a pool of `num_pages` pages of `page_size` slots (`[P, ps, ...]`
+    per field), zeros. dtype defaults to the config's compute dtype."""
+    _positive(num_pages=num_pages, page_size=page_size)
+    dtype = jnp.dtype(config.dtype if dtype is None else dtype)
+    container, fields = attention_class(config).cache_type, cache_fields(config)
+    return tuple(container(**{name: jnp.zeros(field.paged_shape(num_pages, page_size), dtype)
+                              for name, field in fields.items()})
+                 for _ in range(config.num_layers))
+
+
+def cache_bytes_per_token(config: ModelConfig, dtype=None) -> dict:
+    """What one token costs in the cache.
+
+    Returns a dict with `numbers_per_layer` (2*K*H for standard attention,
+    kv_lora_rank + qk_rope_head_dim for MLA), `bytes_per_layer`, `num_layers`,
+    `numbers` and `bytes` (all layers), for the cache dtype (default: the
+    config's compute dtype). The per-row `lengths` counter is not per token.
+    """
+    dtype = jnp.dtype(config.dtype if dtype is None else dtype)
+    numbers = sum(math.prod(field.shape) for field in cache_fields(config).values())
+    return {
+        "numbers_per_layer": numbers,
+        "bytes_per_layer": numbers * dtype.itemsize,
+        "num_layers": config.num_layers,
+        "numbers": numbers * config.num_layers,
+        "bytes": numbers * dtype.itemsize * config.num_layers,
+    }

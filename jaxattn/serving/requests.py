@@ -1,0 +1,119 @@
+"""A request's sampling settings, its state in the engine, and what it streams out."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import itertools
+import math
+import time
+from typing import Callable
+
+from jaxattn.serving.text import TextStream
+
+_ids = itertools.count()
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How one request draws its tokens.
+
+    Attributes:
+      temperature: 0 = greedy; else the softmax temperature (>= 0).
+      top_k: keep the k most likely tokens; 0 = off.
+      top_p: keep the smallest most likely set of mass >= top_p, in (0, 1]; 1 = off.
+      seed: the draws' seed: a seeded request's tokens depend on its seed and positions only,
+        never on what else runs. None: drawn from the engine's own generator.
+      max_tokens: the most new tokens (>= 1).
+      stop_token_ids: tokens that end the request (emitted, then it is done).
+      stop: strings that end the request (needs the engine's detokenizer); the text stops
+        before the first one.
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    max_tokens: int = 16
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
+                and self.temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
+            raise ValueError(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
+        if not (isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError(f"stop must hold non-empty strings, got {self.stop!r}")
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Request:
+    """One request: its prompt, its draws so far, and its place in the engine.
+
+    What streams out: `output_ids` grows by one token per step that draws for it, with
+    `token_times` (`time.perf_counter()` per token); `take_new()` returns the tokens (and text,
+    with a detokenizer) since the last call. `finished` and `finish_reason` ("stop", "length" or
+    "cancelled") say when and why it ended.
+    """
+
+    def __init__(self, prompt_ids: tuple[int, ...], sampling: SamplingParams, seed: int,
+                 detokenize: Callable[[list[int]], str] | None):
+        self.id = next(_ids)
+        self.prompt_ids, self.sampling, self.seed = prompt_ids, sampling, seed
+        self.arrival_time = time.perf_counter()
+        self.output_ids: list[int] = []
+        self.token_times: list[float] = []
+        self.status = Status.WAITING
+        self.finish_reason: str | None = None
+        self.text = TextStream(detokenize, sampling.stop) if detokenize is not None else None
+        self.num_preemptions = 0
+        self.num_cached_tokens = 0  # prompt tokens found in the prefix cache (last admission)
+        self._taken = 0
+        # The engine's bookkeeping: pages held (block table; -1 for pages given back past a window),
+        # tokens whose keys and values are in them, the hash-chain keys of its full computed pages.
+        self.pages: list[int] = []
+        self.num_computed = 0
+        self.page_keys: list[bytes] = []
+
+    @property
+    def tokens(self) -> list[int]:
+        """Prompt and output so far: what the cache must hold to draw the next token."""
+        return list(self.prompt_ids) + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    @property
+    def first_token_time(self) -> float | None:
+        return self.token_times[0] if self.token_times else None
+
+    def take_new(self) -> tuple[list[int], str]:
+        """The tokens drawn since the last call, and the text they complete (whole characters only;
+        "" without a detokenizer)."""
+        new = self.output_ids[self._taken:]
+        self._taken = len(self.output_ids)
+        return new, (self.text.take() if self.text is not None else "")
+
+    def __repr__(self) -> str:
+        return (f"Request(id={self.id}, prompt={len(self.prompt_ids)} tokens, output={len(self.output_ids)}, "
+                f"{self.status.value}{'' if self.finish_reason is None else ': ' + self.finish_reason})")

@@ -1,0 +1,52 @@
+"""Streaming text out of token ids: whole characters only, and stop strings.
+
+A byte-level tokenizer's token can end inside a UTF-8 character; decoding it alone gives the
+replacement character U+FFFD. The stream decodes all the ids so far and releases text only up
+to the last complete character (the held-back tail is released once the next tokens complete
+it, or at the end). A stop string ends the text before its first occurrence, even when it spans
+tokens. Decoding the whole output each time is O(n) per token; the outputs an engine streams are
+short enough that this is cheaper than being clever (transformers' TextStreamer does the same).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+
+class TextStream:
+    """The text of a growing list of ids, released in whole characters, cut at stop strings."""
+
+    def __init__(self, detokenize: Callable[[list[int]], str], stop: tuple[str, ...] = ()):
+        self._detokenize, self._stop = detokenize, stop
+        self._ids: list[int] = []
+        self.text = ""  # released so far (never contains a stop string)
+        self._given = 0
+        self.stopped = False
+
+    def add(self, token: int, *, final: bool = False) -> bool:
+        """Appends a token; returns True if a stop string has now appeared (the text ends before it)."""
+        if self.stopped:
+            return True
+        self._ids.append(int(token))
+        decoded = self._detokenize(self._ids)
+        ready = decoded if final else decoded.rstrip("\ufffd")
+        cut = min((i for i in (ready.find(s) for s in self._stop) if i >= 0), default=-1)
+        if cut >= 0:
+            self.text, self.stopped = ready[:cut], True
+            return True
+        # Hold back what could still become a stop string: the longest tail that starts one.
+        hold = max((k for s in self._stop for k in range(1, len(s)) if ready.endswith(s[:k])), default=0)
+        self.text = ready[:len(ready) - hold] if not final else ready
+        return False
+
+    def finish(self) -> None:
+        """The request ended: release what was held back (unless a stop string cut it)."""
+        if not self.stopped and self._ids:
+            decoded = self._detokenize(self._ids)
+            self.text = decoded
+
+    def take(self) -> str:
+        """The text released since the last call."""
+        new = self.text[self._given:]
+        self._given = len(self.text)
+        return new
