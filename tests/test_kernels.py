@@ -259,15 +259,16 @@ def test_names_are_checked_and_auto_must_be_resolved():
 AMX = frozenset({"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"})
 AVX512 = frozenset({"avx2", "avx512f", "avx512_bf16"})
 AVX2 = frozenset({"avx2", "fma"})
+CPU_AUTO = dict(attention="auto_cpu", decode="auto_cpu", moe="auto_cpu", paged="ragged")  # every CPU alike
 
 
 @pytest.mark.parametrize("platform, expected", [
-    (Platform("cpu", AMX), Kernels(attention="auto_cpu", decode="auto_cpu", matmul="bfloat16_cpu", moe="auto_cpu", paged="ragged")),
-    (Platform("cpu", AVX512), Kernels(attention="auto_cpu", decode="auto_cpu", matmul="xla", moe="auto_cpu", paged="ragged")),
-    (Platform("cpu", AVX2), Kernels(attention="auto_cpu", decode="auto_cpu", matmul="xla", moe="auto_cpu", paged="ragged")),
-    (Platform("cpu"), Kernels(attention="auto_cpu", decode="auto_cpu", matmul="xla", moe="auto_cpu", paged="ragged")),
-    (Platform("gpu", AMX), Kernels(attention="auto_gpu", matmul="bfloat16", moe="grouped", paged="ragged")),  # the host's AMX: no matter
-    (Platform("tpu"), Kernels(attention="auto_tpu", matmul="bfloat16", moe="grouped", paged="ragged")),
+    (Platform("cpu", AMX), Kernels(**CPU_AUTO, matmul="bfloat16_cpu")),
+    (Platform("cpu", AVX512), Kernels(**CPU_AUTO, matmul="xla")),
+    (Platform("cpu", AVX2), Kernels(**CPU_AUTO, matmul="xla")),
+    (Platform("cpu"), Kernels(**CPU_AUTO, matmul="xla")),
+    (Platform("gpu", AMX), Kernels(attention="auto_gpu", matmul="bfloat16", moe="grouped")),  # the host's AMX: no matter
+    (Platform("tpu"), Kernels(attention="auto_tpu", matmul="bfloat16", moe="grouped")),
 ], ids=["cpu-amx", "cpu-avx512-no-amx", "cpu-amd-avx2", "cpu-unknown", "gpu", "tpu"])
 def test_auto_follows_the_rules_for_each_platform(platform, expected):
     chosen, reasons = resolve_kernels(Kernels.auto(), platform)

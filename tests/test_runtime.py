@@ -44,8 +44,7 @@ def test_auto_on_a_cpu_uses_the_cores_that_divide_the_batch(monkeypatch):
 def test_auto_on_an_accelerator_splits_the_batch_over_its_devices_and_picks_its_kernels():
     resolved = runtime.resolve(RuntimeConfig(), batch_size=64, platform=Platform("gpu"), devices=1)
     assert resolved.mesh_shape == MeshShape() and resolved.kernels == Kernels(attention="auto_gpu",
-                                                                                matmul="bfloat16", moe="grouped",
-                                                                                paged="ragged")
+                                                                                matmul="bfloat16", moe="grouped")
     assert runtime.resolve(RuntimeConfig(), 12, platform=Platform("gpu"), devices=8).mesh_shape.data == 6
 
 

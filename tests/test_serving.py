@@ -100,10 +100,12 @@ def test_greedy_tokens_equal_generate_under_any_schedule_and_no_page_leaks(name)
             else:
                 assert request.finish_reason == "length" and request.output_ids == want, (seed, i, request)
         engine.allocator.check_all_free()
-    # The schedules did what they are for: prompts were found in the cache and, where a window does
-    # not give pages back as it slides (it does in windows_sinks), sequences were preempted.
-    assert engine.stats["prefix_hit_tokens"] > 0, dict(engine.stats)
-    assert engine.stats["preemptions"] > 0 or engine.window is not None, dict(engine.stats)
+    # The schedules did what they are for: prompts were found in the cache and sequences preempted or,
+    # where a window gives pages back as it slides (and the pool soon reuses them), pages given back.
+    if engine.window is None:
+        assert engine.stats["prefix_hit_tokens"] > 0 and engine.stats["preemptions"] > 0, dict(engine.stats)
+    else:
+        assert engine.stats["pages_past_window"] > 0, dict(engine.stats)
 
 
 def test_a_sliding_window_model_gives_back_the_pages_past_its_window():

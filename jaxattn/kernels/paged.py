@@ -146,7 +146,7 @@ def _blocks(query_positions, table_slots: int, block_slots: int, window):
 
 
 def ragged_paged_attention(queries, key_pages, value_pages, block_table, query_positions, *, scale,
-                           window=None, logits_soft_cap=None, sinks=None, pages_per_block=8):
+                           window=None, logits_soft_cap=None, sinks=None, pages_per_block=4):
     """The module docstring's contract, reading only blocks of `pages_per_block` table columns that
     hold a visible slot. Forward only: JAX cannot reverse-differentiate a loop whose trip count is
     traced. `pages_per_block` is capped at the table width; columns past the table's end are

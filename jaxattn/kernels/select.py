@@ -115,7 +115,9 @@ def _mla(platform: Platform) -> tuple[str, str]:
 
 
 def _paged(platform: Platform) -> tuple[str, str]:
-    return "ragged", "reads only the pages that hold visible tokens; gathering copies every page a row may hold"
+    if platform.is_cpu:
+        return "ragged", "reads only the pages that hold visible tokens; gathering copies every page a row may hold"
+    return "gather", f"{platform.backend}: one gather beats a loop whose every trip checks its bound on the host"
 
 
 RULES: dict[str, Callable[[Platform], tuple[str, str]]] = {

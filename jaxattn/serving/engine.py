@@ -14,8 +14,9 @@ hands each drawn token to its request:
   admitted holds back the ones behind it;
 * a token budget per step: every running sequence that has drawn its prompt decodes one token,
   and the rest of the budget goes to prompt chunks (at most `prefill_rows` rows of `chunk`
-  tokens): a long prompt is computed over several steps, mixed with the others' decoding, and
-  never stalls them;
+  tokens, one prompt taking several rows if it is alone): a long prompt is computed over several
+  steps, mixed with the others' decoding, and never stalls them; a step whose prompt work is one
+  short piece runs a shape of one short row (`EngineConfig.short_chunk`);
 * prefix caching (`jaxattn.serving.pages`): a new prompt's full pages whose hash chain is known
   are shared, not recomputed;
 * preemption by recompute: when a decoding sequence needs a page and none can be had, the newest
@@ -65,6 +66,9 @@ class EngineConfig:
       token_budget: tokens per step, decoding first (None: max_seqs + prefill_rows * chunk).
       decode_buckets: the decode-row counts compiled (None: 1, 4, 16, ... up to max_seqs); a
         step runs the smallest that holds its decoding sequences.
+      short_chunk: a second prefill shape, one row of this many tokens (None: chunk // 8, at least
+        page_size; 0: none), for a step whose prompt work is one short piece (a prompt's tail, a
+        short prompt, the few tokens after a prefix-cache hit): it costs its tokens, not a full chunk.
       prefix_caching: share full prompt pages between requests.
       max_model_len: the longest sequence (prompt + output; None: the model's max_seq_len).
     """
@@ -79,6 +83,7 @@ class EngineConfig:
     decode_buckets: tuple[int, ...] | None = None
     prefix_caching: bool = True
     max_model_len: int | None = None
+    short_chunk: int | None = None
 
     def __post_init__(self):
         for name in ("max_seqs", "page_size", "chunk", "prefill_rows"):
@@ -93,10 +98,18 @@ class EngineConfig:
             raise ValueError("EngineConfig: give num_pages or kv_memory_gib, not both")
         if self.kv_memory_gib is not None and not self.kv_memory_gib > 0:
             raise ValueError(f"EngineConfig.kv_memory_gib must be > 0, got {self.kv_memory_gib!r}")
+        if self.short_chunk is not None and (not isinstance(self.short_chunk, int) or self.short_chunk < 0):
+            raise ValueError(f"EngineConfig.short_chunk must be an int >= 0 or None, got {self.short_chunk!r}")
         if self.decode_buckets is not None and (not self.decode_buckets or any(
                 not isinstance(b, int) or b < 1 or b > self.max_seqs for b in self.decode_buckets)):
             raise ValueError(f"EngineConfig.decode_buckets must be ints in [1, max_seqs={self.max_seqs}], "
                              f"got {self.decode_buckets!r}")
+
+    def prefill_shapes(self) -> tuple[tuple[int, int], ...]:
+        """The (rows, chunk) prefill shapes compiled: the full one and, unless 0, one short row."""
+        short = max(self.page_size, self.chunk // 8) if self.short_chunk is None else self.short_chunk
+        full = (self.prefill_rows, self.chunk)
+        return (full,) if short == 0 or short >= self.chunk else ((1, short), full)
 
     def buckets(self) -> tuple[int, ...]:
         """The decode-row counts compiled, always ending at max_seqs."""
@@ -152,7 +165,7 @@ class Engine:
         params, pools, place = self._placed(params, init_pools(config, num_pages, ec.page_size), mesh)
         self.params, self.pools = params, pools
         shapes = [StepShape(d, 0, ec.chunk) for d in ec.buckets()]
-        shapes += [StepShape(d, ec.prefill_rows, ec.chunk) for d in (0, *ec.buckets())]
+        shapes += [StepShape(d, rows, chunk) for d in (0, *ec.buckets()) for rows, chunk in ec.prefill_shapes()]
         self.programs = StepPrograms(config, kernels, params, pools, shapes, pages_per_seq=self.pages_per_seq,
                                      num_slots=num_pages * ec.page_size, place=place, progress=progress)
         self.waiting: collections.deque[Request] = collections.deque()
@@ -235,18 +248,18 @@ class Engine:
         decode, prefill = self._schedule()
         if not decode and not prefill:
             return touched
-        shape = self._shape(len(decode), bool(prefill))
+        shape = self._shape(len(decode), prefill)
         inputs = self._inputs(shape, decode, prefill)
         self.pools, drawn, finite = self.programs(shape, self.params, self.pools, inputs)
         now = time.perf_counter()
         self.stats["steps"] += 1
         self.stats["decode_tokens"] += len(decode)
-        self.stats["prefill_tokens"] += sum(n for _, n in prefill)
+        self.stats["prefill_tokens"] += sum(n for _, _, n in prefill)
         for row, request in enumerate(decode):
             self._computed(request, 1)
             self._append(request, int(drawn[row]), bool(finite[row]), now)
             touched.append(request)
-        for row, (request, count) in enumerate(prefill):
+        for row, (request, _, count) in enumerate(prefill):
             self._computed(request, count)
             if request.num_computed == request.num_tokens:  # the chunk reached the end: draw
                 self._append(request, int(drawn[shape.decode_rows + row]), bool(finite[shape.decode_rows + row]), now)
@@ -266,9 +279,9 @@ class Engine:
 
     # -- scheduling ---------------------------------------------------------------------------
 
-    def _schedule(self) -> tuple[list[Request], list[tuple[Request, int]]]:
+    def _schedule(self) -> tuple[list[Request], list[tuple[Request, int, int]]]:
         """This step's rows: the decoding requests (1 token each, first) and the prompt chunks
-        `(request, tokens)` in arrival order, within the token budget."""
+        `(request, first position, tokens)` in arrival order, within the token budget."""
         decode = [r for r in self.running if r.num_tokens - r.num_computed == 1]
         for request in list(decode):
             if request in decode:  # not preempted for an earlier one's page
@@ -281,10 +294,14 @@ class Engine:
                 continue
             if left == 1:  # admitted with one token to compute (its pages were taken on admission)
                 decode.append(request)
-            elif len(prefill) < self.engine_config.prefill_rows and budget > 0:
+                continue
+            # A prompt may take several rows of one step: every row's keys are written before any row
+            # attends, so a row sees the rows before it as it sees earlier steps.
+            start = request.num_computed
+            while left > 0 and len(prefill) < self.engine_config.prefill_rows and budget > 0:
                 count = min(left, self.engine_config.chunk, budget)
-                prefill.append((request, count))
-                budget -= count
+                prefill.append((request, start, count))
+                start, left, budget = start + count, left - count, budget - count
         return decode, prefill
 
     def _admit(self) -> None:
@@ -373,6 +390,7 @@ class Engine:
                 if request.pages[index] >= 0:
                     self.allocator.release([request.pages[index]])
                     request.pages[index] = -1
+                    self.stats["pages_past_window"] += 1
 
     def _append(self, request: Request, token: int, finite: bool, now: float) -> None:
         request.output_ids.append(token)
@@ -399,27 +417,32 @@ class Engine:
 
     # -- shapes and inputs --------------------------------------------------------------------
 
-    def _shape(self, decoding: int, prefilling: bool) -> StepShape:
-        buckets = [d for d in self.engine_config.buckets() if d >= decoding]
-        rows = 0 if prefilling and decoding == 0 else buckets[0]
-        return StepShape(rows, self.engine_config.prefill_rows if prefilling else 0, self.engine_config.chunk)
+    def _shape(self, decoding: int, prefill: list[tuple[Request, int, int]]) -> StepShape:
+        """The smallest compiled shape that holds the step: decode rows, then prefill rows and chunk."""
+        decode_rows = min((d for d in self.engine_config.buckets() if d >= decoding), default=0)
+        if not prefill:
+            return StepShape(decode_rows, 0, self.engine_config.chunk)
+        rows, chunk = next((r, c) for r, c in self.engine_config.prefill_shapes()
+                           if r >= len(prefill) and c >= max(n for _, _, n in prefill))
+        return StepShape(0 if decoding == 0 else decode_rows, rows, chunk)
 
     def _block_table(self, request: Request) -> np.ndarray:
         table = np.zeros(self.pages_per_seq, np.int32)
         table[:len(request.pages)] = np.maximum(request.pages, 0)  # pages given back: never visible again
         return table
 
-    def _inputs(self, shape: StepShape, decode: list[Request], prefill: list[tuple[Request, int]]) -> StepInputs:
+    def _inputs(self, shape: StepShape, decode: list[Request],
+                prefill: list[tuple[Request, int, int]]) -> StepInputs:
         """The step's host arrays: flat tokens, positions and slots, the rows' groups, the draws' knobs."""
         inputs = StepInputs.empty(shape, self.pages_per_seq, self.allocator.num_pages * self.page_size)
         groups = iter(inputs.batch.groups)
         decode_group = next(groups) if shape.decode_rows else None
         prefill_group = next(groups, None)
-        rows = [(request, 1, row, row, decode_group) for row, request in enumerate(decode)]
-        rows += [(request, count, row, shape.decode_rows + row * shape.chunk, prefill_group)
-                 for row, (request, count) in enumerate(prefill)]
-        for request, count, row, first, group in rows:
-            positions = request.num_computed + np.arange(count)
+        rows = [(request, request.num_computed, 1, row, row, decode_group) for row, request in enumerate(decode)]
+        rows += [(request, start, count, row, shape.decode_rows + row * shape.chunk, prefill_group)
+                 for row, (request, start, count) in enumerate(prefill)]
+        for request, start, count, row, first, group in rows:
+            positions = start + np.arange(count)
             flat = first + np.arange(count)
             inputs.tokens[flat] = request.tokens[positions[0]:positions[-1] + 1]
             inputs.batch.positions[flat] = positions
