@@ -97,25 +97,22 @@ class Block(nn.Module):
     def extend(self, x, cache, positions, *, value_embedding=None):
         """`[B, T, D]` new tokens at absolute `positions [B, T]` (row b's from its cache length on)
         -> (`[B, T, D]`, new layer cache)."""
-        caches = []
-
-        def attend(h):
-            out, new_cache = self.attn.extend(h, cache, positions, value_embedding=value_embedding)
-            caches.append(new_cache)
-            return out
-
-        return self.residuals(x, attend, True), caches[0]
+        return self._with_cache(x, lambda h: self.attn.extend(h, cache, positions, value_embedding=value_embedding))
 
     def extend_paged(self, x, pool, batch: PagedBatch, *, value_embedding=None):
         """`[1, Tf, D]` flat new tokens of many sequences (`PagedBatch`) -> (`[1, Tf, D]`, new layer pool)."""
-        pools = []
+        return self._with_cache(x, lambda h: self.attn.extend_paged(h, pool, batch, value_embedding=value_embedding))
+
+    def _with_cache(self, x, attend_and_update):
+        """The residual branches around an attention call that also returns its updated cache."""
+        updated = []
 
         def attend(h):
-            out, new_pool = self.attn.extend_paged(h, pool, batch, value_embedding=value_embedding)
-            pools.append(new_pool)
+            out, cache = attend_and_update(h)
+            updated.append(cache)
             return out
 
-        return self.residuals(x, attend, True), pools[0]
+        return self.residuals(x, attend, True), updated[0]
 
     def residuals(self, x, attend, deterministic, padding_mask=None):
         """The two branches around `attend` (`[B, T, D] -> [B, T, D]`) and the MLP, per the config."""
