@@ -209,7 +209,7 @@ class MultiHeadLatentAttention(AttentionLayer):
         q_latent = jnp.einsum("BTNP,RNP->BTNR", q_nope, self.wkv_b[..., :P].astype(q_nope.dtype))
         one_head = lambda pages: pages[:, :, None, :].astype(q_nope.dtype)  # [P, ps, 1, ...]  # noqa: E731
         latent = one_head(pool.c_kv)
-        attend = paged_attention_kernel(self.kernels.paged)
+        attend = kernels_lib.paged_attention_kernel(self.kernels.paged)
         o_latent = attend((q_latent, q_rope), (latent, one_head(pool.k_rope)), latent, rows.block_table,
                           rows.positions, scale=self.scale, window=self.spec.window, **self.cap_and_sinks())
         return jnp.einsum("BTNR,RNV->BTNV", o_latent, self.wkv_b[..., P:].astype(q_nope.dtype))
