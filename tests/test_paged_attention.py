@@ -1,5 +1,6 @@
-"""Paged attention (`jaxattn.kernels.paged`): the ragged kernel equals the gathered reference, the
-dense cached attention and JAX's own ragged paged attention reference.
+"""Paged attention (`jaxattn.kernels.paged`, `jaxattn.kernels.native_paged`): the ragged kernel and the
+native one equal the gathered reference, the dense cached attention and JAX's own ragged paged
+attention reference.
 
 One pool of P = 12 pages of ps = 4 slots, a block table of Pr = 5 columns and blocks of 2 pages
 (2 does not divide 5: the last block's columns are clipped). Four rows of C = 3 query columns:
@@ -17,7 +18,7 @@ import pytest
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ref_ragged_paged_attention
 
 from jaxattn.attention import cached_attention
-from jaxattn.kernels import paged
+from jaxattn.kernels import native_paged, paged
 
 P, PS, H, SCALE, PAGES_PER_BLOCK = 12, 4, 8, 0.3, 2
 BLOCK_TABLE = np.array([[7, 2, 11, 4, 0],  # 14 tokens
@@ -38,6 +39,9 @@ STATIC = ("scale", "window", "logits_soft_cap", "pages_per_block")
 # Jitted once (compiles are most of these tests' time); the positions, hence the trip counts, are traced.
 _ragged = jax.jit(paged.ragged_paged_attention, static_argnames=STATIC)
 _gathered = jax.jit(paged.gathered_paged_attention, static_argnames=STATIC)
+_native = jax.jit(native_paged.native_paged_attention, static_argnames=STATIC)
+_ragged_cpu = jax.jit(native_paged.ragged_cpu_paged_attention, static_argnames=STATIC)
+ONE_PART = [case for case in CASES if len(CASES[case][2]) == 1]
 _cached = jax.jit(cached_attention, static_argnames=("scale", "window", "logits_soft_cap", "implementation"))
 
 
@@ -60,6 +64,10 @@ def ragged(args, kwargs, pages_per_block=PAGES_PER_BLOCK):
 
 def gathered(args, kwargs):
     return _gathered(*args, **kwargs)
+
+
+def native(args, kwargs):
+    return _native(*args, **kwargs)
 
 
 def dense(pages):
@@ -118,8 +126,8 @@ def test_ragged_equals_jax_ref_ragged_paged_attention(window, cap):
     expected = ref_ragged_paged_attention(
         flat, kv_pages, jnp.asarray(KV_LENS, jnp.int32), block_table[np.array(REAL_ROWS)], jnp.asarray(cu_q_lens),
         jnp.array([len(REAL_ROWS)], jnp.int32), sm_scale=SCALE, sliding_window=window, soft_cap=cap)
-    out = ragged(args, kwargs)
-    close(jnp.concatenate([out[r, :n] for r, n in zip(REAL_ROWS, Q_LENS)]), expected)
+    for out in (ragged(args, kwargs), native(args, kwargs)):
+        close(jnp.concatenate([out[r, :n] for r, n in zip(REAL_ROWS, Q_LENS)]), expected)
 
 
 def test_bfloat16_pages_give_bfloat16_close_to_float32():
@@ -170,3 +178,70 @@ def test_traced_positions_read_only_the_blocks_they_see():
     (query,), (keys,), values, block_table, _ = args
     dirty = ((query,), (jnp.where(unread, jnp.nan, keys),), jnp.where(unread, jnp.nan, values), block_table, late)
     close(ragged(dirty, kwargs), gathered((*args[:4], late), kwargs))
+
+
+# -- the native loop ("ragged_cpu") ------------------------------------------------------------------
+
+@pytest.mark.parametrize("case", ONE_PART)
+def test_native_equals_gathered(case):
+    """Every one-part case through the C++ loop, whatever C * G (mqa-cap's 12 would go blockwise in
+    "ragged_cpu"): the same numbers, exact zeros for padding queries and the padding row."""
+    args, kwargs = inputs(case)
+    out, expected = native(args, kwargs), gathered(args, kwargs)
+    assert out.shape == expected.shape and out.dtype == jnp.float32
+    close(out, expected)
+    np.testing.assert_array_equal(np.asarray(out)[np.asarray(POSITIONS) < 0], 0.0)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_ragged_cpu_equals_gathered_going_native_only_where_it_should(case):
+    args, kwargs = inputs(case)
+    queries, key_pages, value_pages = args[:3]
+    G = CASES[case][0] // CASES[case][1]
+    assert native_paged.takes_native(queries, key_pages, value_pages) == (len(queries) == 1 and 3 * G <= 8)
+    close(_ragged_cpu(*args, **kwargs), gathered(args, kwargs))
+
+
+def test_native_takes_decode_rows_only():
+    q = lambda C, N, dtype=jnp.float32: jnp.zeros((2, C, N, H), dtype)  # noqa: E731
+    pages = lambda K, dtype=jnp.float32: jnp.zeros((P, PS, K, H), dtype)  # noqa: E731
+    assert native_paged.takes_native((q(1, 8),), (pages(1),), pages(1))  # one row per head group of 8
+    assert not native_paged.takes_native((q(2, 8),), (pages(1),), pages(1))  # 16 queries per kv head
+    assert not native_paged.takes_native((q(1, 4), q(1, 4)), (pages(1), pages(1)), pages(1))  # MLA's parts
+    assert not native_paged.takes_native((q(1, 4, jnp.bfloat16),), (pages(2, jnp.bfloat16),), pages(2, jnp.bfloat16))
+
+
+def test_native_reads_only_the_slots_each_query_sees():
+    """Each query reads its own window: NaN in the pages before the late positions' windows changes
+    nothing (the padding row's and padding queries' pages included: they read nothing)."""
+    args, kwargs = inputs("gqa-window-cap-sinks")
+    late = jnp.asarray([[19, -1, -1], [16, 17, -1], [-1, -1, -1], [17, 18, 19]], jnp.int32)
+    unread = np.isin(np.arange(P), [7, 2, 9, 1, 3])[:, None, None, None]
+    (query,), (keys,), values, block_table, _ = args
+    dirty = ((query,), (jnp.where(unread, jnp.nan, keys),), jnp.where(unread, jnp.nan, values), block_table, late)
+    close(native(dirty, kwargs), gathered((*args[:4], late), kwargs))
+
+
+def test_native_refuses_what_it_does_not_compute():
+    args, kwargs = inputs("mla-window-cap-sinks")
+    with pytest.raises(ValueError, match="one key part in float32, got 2 part"):
+        native_paged.native_paged_attention(*args, **kwargs)
+    args, kwargs = inputs("gqa", jnp.bfloat16)
+    with pytest.raises(ValueError, match="one key part in float32"):
+        native_paged.native_paged_attention(*args, **kwargs)
+
+
+def test_a_missing_or_broken_compiler_says_so_and_names_the_way_out(monkeypatch, tmp_path):
+    cxx = native_paged.compiler()
+    monkeypatch.setattr(native_paged, "compiler", lambda: None)
+    with pytest.raises(native_paged.NativeBuildError, match=r"needs a C\+\+ compiler.*paged='ragged'"):
+        native_paged.library_path()
+    with pytest.raises(native_paged.NativeBuildError, match="does not run"):
+        native_paged.build(str(tmp_path / "no-such-compiler"))
+    broken = tmp_path / "broken.cc"
+    broken.write_text("this is not C++\n")
+    monkeypatch.setattr(native_paged, "SOURCE", broken)
+    monkeypatch.setenv("JAXATTN_NATIVE_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(native_paged.NativeBuildError, match=r"compiling broken.cc with .* failed: .*paged='ragged'"):
+        native_paged.build(cxx)
+    assert not list((tmp_path / "cache").glob("*.so"))  # nothing half-built left in the cache

@@ -108,6 +108,18 @@ def test_greedy_tokens_equal_generate_under_any_schedule_and_no_page_leaks(name)
         assert engine.stats["pages_past_window"] > 0, dict(engine.stats)
 
 
+@pytest.mark.parametrize("name, paged", [("gqa", "ragged"), ("gqa", "ragged_cpu"), ("windows_sinks", "ragged_cpu"),
+                                         ("mla", "ragged_cpu")])
+def test_the_ragged_kernels_give_generate_s_tokens_too(name, paged):
+    """The schedule property once more with the attention read from pages by "ragged" and "ragged_cpu"
+    (decoding rows in the native loop; MLA's two parts fall back to ragged)."""
+    engine = engine_for(name, paged)
+    prompts, max_tokens, rng = draw_requests(11)
+    for request, i in run_schedule(engine, prompts, max_tokens, rng, cancel_rate=0.0):
+        assert request.output_ids == expected(name, prompts[i])[:max_tokens[i]], (i, request)
+    engine.allocator.check_all_free()
+
+
 def test_a_sliding_window_model_gives_back_the_pages_past_its_window():
     engine = engine_for("windows_sinks")
     request = engine.add_request(list(range(30)), SamplingParams(temperature=0.0, max_tokens=MAX_NEW))

@@ -12,7 +12,7 @@ tests/test_kernels.py:
 | matmul | `Linear`, the tied lm_head | "xla", "bfloat16", "bfloat16_cpu" |
 | mla | `MultiHeadLatentAttention.__call__` | "naive", "absorb" |
 | moe | `jaxattn.moe.MoE` (the routed experts) | "dense", "grouped", "grouped_cpu", "gathered"; per-call rule "auto_cpu" |
-| paged | `AttentionLayer.attend_pages` (a paged cache, `jaxattn.serving`) | "gather", "ragged" (inference only) |
+| paged | `AttentionLayer.attend_pages` (a paged cache, `jaxattn.serving`) | "gather", "ragged", "ragged_cpu" (inference only; the last a native loop on a CPU) |
 
 Every attention implementation has the signature of `xla.attention` and returns
 `(out, weights | None, residual | None)` (`jaxattn.kernels._call`), the residual in the

@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from pathlib import Path
 from typing import Callable
 
 import jax
 
-from jaxattn.kernels import auto, moe
+from jaxattn.kernels import auto, moe, native_paged
+from jaxattn.kernels.host import read_cpu_flags
 from jaxattn.kernels.registry import AUTO, IMPLEMENTATIONS, Kernels
 
 ACCELERATORS = ("gpu", "cuda", "rocm", "tpu")
@@ -38,15 +38,18 @@ class Platform:
     Attributes:
       backend: JAX's default backend, e.g. "cpu", "gpu", "tpu".
       cpu_flags: the host CPU's feature flags (`/proc/cpuinfo`), e.g. {"avx2", "amx_bf16"}.
+      cxx: a C++ compiler for the native kernels was found (`native_paged.compiler()`).
     """
 
     backend: str
     cpu_flags: frozenset[str] = frozenset()
+    cxx: bool = False
 
     @classmethod
     def detect(cls, cpuinfo: str = "/proc/cpuinfo") -> "Platform":
         """This process's platform. Starts JAX's backends: set device counts and XLA flags first."""
-        return cls(backend=jax.default_backend(), cpu_flags=read_cpu_flags(cpuinfo))
+        return cls(backend=jax.default_backend(), cpu_flags=read_cpu_flags(cpuinfo),
+                   cxx=native_paged.compiler() is not None)
 
     @property
     def is_cpu(self) -> bool:
@@ -62,18 +65,6 @@ class Platform:
             return f"{self.backend} backend"
         simd = [f for f in ("amx_bf16", "avx512_bf16", "avx512f", "avx2") if f in self.cpu_flags]
         return f"cpu backend ({', '.join(simd) or 'no AVX2'})"
-
-
-def read_cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str]:
-    """The feature flags of the first CPU in `cpuinfo` (empty where there is no such file)."""
-    try:
-        text = Path(cpuinfo).read_text()
-    except OSError:
-        return frozenset()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return frozenset(line.partition(":")[2].split())
-    return frozenset()
 
 
 @functools.cache
@@ -115,8 +106,10 @@ def _mla(platform: Platform) -> tuple[str, str]:
 
 
 def _paged(platform: Platform) -> tuple[str, str]:
+    if platform.is_cpu and platform.cxx:
+        return "ragged_cpu", "decoding rows in a native loop: XLA:CPU runs them as tiny batched dots, 2x slower"
     if platform.is_cpu:
-        return "ragged", "reads only the pages that hold visible tokens; gathering copies every page a row may hold"
+        return "ragged", "no C++ compiler for the native loop; gathering would copy every page a row may hold"
     return "gather", f"{platform.backend}: one gather beats a loop whose every trip checks its bound on the host"
 
 
