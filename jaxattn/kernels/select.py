@@ -107,7 +107,7 @@ def _mla(platform: Platform) -> tuple[str, str]:
 
 def _paged(platform: Platform) -> tuple[str, str]:
     if platform.is_cpu and platform.cxx:
-        return "ragged_cpu", "decoding rows in a native loop: XLA:CPU runs them as tiny batched dots, 2x slower"
+        return "ragged_cpu", "decoding rows in a native loop: XLA:CPU runs them as many tiny batched dots"
     if platform.is_cpu:
         return "ragged", "no C++ compiler for the native loop; gathering would copy every page a row may hold"
     return "gather", f"{platform.backend}: one gather beats a loop whose every trip checks its bound on the host"
