@@ -222,6 +222,15 @@ def test_native_reads_only_the_slots_each_query_sees():
     close(native(dirty, kwargs), gathered((*args[:4], late), kwargs))
 
 
+def test_native_refuses_a_block_table_entry_outside_the_pool():
+    """The loop checks the table before it reads: a page index past the pool is an error, not a read
+    out of bounds."""
+    args, kwargs = inputs("gqa")
+    bad_table = args[3].at[0, 0].set(P)
+    with pytest.raises(ValueError, match="INVALID_ARGUMENT: .*outside the pool"):
+        jax.block_until_ready(native((*args[:3], bad_table, args[4]), kwargs))
+
+
 def test_native_refuses_what_it_does_not_compute():
     args, kwargs = inputs("mla-window-cap-sinks")
     with pytest.raises(ValueError, match="one key part in float32, got 2 part"):

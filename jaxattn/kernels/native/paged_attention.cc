@@ -124,6 +124,9 @@ ffi::Error PagedAttentionImpl(ffi::Buffer<ffi::F32> queries, ffi::Buffer<ffi::F3
   const int32_t* positions = query_positions.typed_data();
   const float* sink_logits = has_sinks ? sinks.typed_data() : nullptr;
   float* o = out->typed_data();
+  for (int64_t i = 0; i < s.R * s.Pr; ++i)  // a page outside the pool would be read out of bounds
+    if (table[i] < 0 || table[i] >= s.P)
+      return ffi::Error::InvalidArgument("paged attention: a block table entry is outside the pool");
   const int64_t queries_count = s.R * s.C;
   // Thread w takes queries w, w + workers, ...: padding rows (nothing to read) spread evenly.
   auto run = [&](int64_t w, int64_t workers) {
