@@ -397,8 +397,9 @@ class Engine:
         request.token_times.append(now)
         self.stats["generated_tokens"] += 1
         sampling = request.sampling
-        stopped = request.text.add(token) if request.text is not None else False
-        if stopped or token in sampling.stop_token_ids:
+        if token in sampling.stop_token_ids:  # its text (an end-of-sequence marker) is not the output's
+            self._end(request, "stop")
+        elif request.text is not None and request.text.add(token):
             self._end(request, "stop")
         elif len(request.output_ids) >= sampling.max_tokens or request.num_tokens >= self.max_model_len:
             self._end(request, "length")

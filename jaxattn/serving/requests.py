@@ -25,7 +25,7 @@ class SamplingParams:
       seed: the draws' seed: a seeded request's tokens depend on its seed and positions only,
         never on what else runs. None: drawn from the engine's own generator.
       max_tokens: the most new tokens (>= 1).
-      stop_token_ids: tokens that end the request (emitted, then it is done).
+      stop_token_ids: tokens that end the request (in `output_ids`, never in the streamed text).
       stop: strings that end the request (needs the engine's detokenizer); the text stops
         before the first one.
     """
