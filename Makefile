@@ -1,4 +1,4 @@
-# Two commands on a fresh machine: `make test` and `make train`.
+# The commands on a fresh machine: `make train`, `make serve` and `make test`.
 # Both create .venv and install the project into it first.
 PYTHON ?= python3
 VENV   := .venv
@@ -15,7 +15,7 @@ ifneq ($(wildcard $(SHARED_DATA)),)
 export JAXATTN_SHAKESPEARE ?= $(SHARED_DATA)
 endif
 
-.PHONY: setup test test-fast train bench sample clean chromium
+.PHONY: setup test test-fast train serve bench sample clean chromium
 
 setup: $(STAMP)
 
@@ -29,9 +29,10 @@ $(TEST_STAMP): $(STAMP)
 	$(PY) -m pip install --quiet -e '.[dev,test]'
 	touch $(TEST_STAMP)
 
-# The whole suite (what CI runs).
+# The whole suite (what CI runs). A module that starts a server keeps its tests on one worker
+# (pytest.mark.xdist_group), so each server process starts once.
 test: $(TEST_STAMP) chromium
-	$(PY) -m pytest -n 2 tests
+	$(PY) -m pytest -n 2 --dist loadgroup tests
 
 # Everything but the tests marked `slow` (end-to-end runs in a fresh process). Each file's tests
 # run in one worker (--dist loadfile), so a file's shared compiled programs are compiled once, and
@@ -59,6 +60,18 @@ chromium:
 
 train: $(STAMP)
 	$(PY) -m train.tiny_lm $(ARGS)
+
+# The OpenAI-compatible server (python -m train.serve) on the run `make train` wrote, or, before there
+# is one, on the same config randomly initialised. ARGS="--port 8001 ..." passes flags.
+SERVE_RUN ?= runs/shakespeare_char_baby
+serve: $(STAMP)
+	@if [ -d "$(SERVE_RUN)/checkpoints" ]; then \
+	  set -- --checkpoint "$(SERVE_RUN)"; \
+	else \
+	  echo "no run in $(SERVE_RUN) yet (make train writes it): serving shakespeare_char_baby randomly initialised"; \
+	  set -- --random-init shakespeare_char_baby; \
+	fi; \
+	$(PY) -m train.serve "$$@" $(ARGS)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

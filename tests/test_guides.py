@@ -129,7 +129,7 @@ def parse_only(program: str, argv: list[str], monkeypatch) -> str | None:
 
 def test_the_guides_show_commands_of_every_program():
     programs = {program for command in COMMANDS for program, _ in program_commands(command.values[1])}
-    assert programs == {"tiny_lm", "prepare", "sample", "export", "compare", "attention_maps"}
+    assert programs == {"tiny_lm", "prepare", "sample", "export", "serve", "compare", "attention_maps"}
 
 
 @pytest.mark.parametrize("document, line", COMMANDS)

@@ -1,0 +1,281 @@
+"""Serve a model over HTTP with the OpenAI API: many callers at once through the continuous-batching engine.
+
+    python -m train.serve --hf exports/baby                 # a transformers directory with tokenizer.json
+    python -m train.serve --checkpoint runs/shakespeare_char_baby --port 8001
+    python -m train.serve --random-init shakespeare_char_baby --max-seqs 16 --kv-memory 0.5
+    curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
+         -d '{"model": "baby", "prompt": "ROMEO:", "max_tokens": 64, "temperature": 0.8}'
+
+Endpoints: `POST /v1/completions` and `/v1/chat/completions` (streamed as server-sent events with
+`"stream": true`), `GET /v1/models`, `GET /health` (200 once ready, 503 while draining),
+`GET /metrics` (Prometheus text) and `GET /`, a chat page. docs/serving.md has the knobs, the
+metrics and the memory arithmetic.
+
+Every step program of the engine is compiled before the server listens: the first request runs
+as fast as the thousandth. When it serves, the program prints one line on stdout,
+`ready: URL (...)`, with the model, its pages and their memory. SIGTERM or Ctrl-C drains: new
+requests get a 503, those running get `--drain-seconds` to finish, then they are cancelled and the
+program exits 0; a second signal exits at once. A port in use, an address that is not this
+machine's, or a model that does not load: one `error:` line and exit 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import errno
+import logging
+import socket
+import sys
+import time
+from pathlib import Path
+
+import jax
+import uvicorn
+from tqdm import tqdm
+
+from jaxattn import Kernels, axes, resolve_kernels
+from jaxattn.hf.chat_template import ChatTemplate, ChatTemplateError, find_chat_template, special_tokens
+from jaxattn.hf.tokenizer import HFTokenizer
+from jaxattn.serving import Engine, EngineConfig
+from train import sample as sample_lib
+from train.checkpoint import CheckpointError
+from train.cli import ArgumentParser, UsageError, guard
+from train.data_errors import DataError
+from train.server.app import Limits, ServedModel, create_app
+from train.server.metrics import ServerMetrics
+from train.server.runner import EngineRunner
+
+PROGRAM = "python -m train.serve"
+log = logging.getLogger("train.serve")
+
+
+class ServeError(RuntimeError):
+    """The server cannot start: the address, the chat template (exit 1)."""
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = ArgumentParser(prog=PROGRAM, description=__doc__.split("\n\n")[0])
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--checkpoint", metavar="DIR", help="a training run directory (or its checkpoints/...)")
+    source.add_argument("--hf", metavar="DIR", help="a transformers directory with a tokenizer.json (its chat "
+                        "template from chat_template.jinja or tokenizer_config.json)")
+    source.add_argument("--random-init", metavar="CONFIG", help="a config name from configs/ (or a .toml), "
+                        "randomly initialised")
+    parser.add_argument("--data", metavar="FILE_OR_DIR", help="with --random-init: the text whose characters are "
+                        "the vocabulary (default: Tiny Shakespeare), or a corpus prepared by python -m train.prepare")
+    parser.add_argument("--seed", type=int, default=0, help="with --random-init: the weights' seed; and the seeds "
+                        "of requests that give none")
+    parser.add_argument("--allow-nonfinite", action="store_true", help="with --hf: load weights holding NaN or "
+                        "infinity")
+    parser.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template (instead of the model's)")
+    parser.add_argument("--host", default="127.0.0.1", help="the address to listen on (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="the port (0: a free one; default 8000)")
+    parser.add_argument("--served-model-name", metavar="NAME", help="the model id clients send (default: the "
+                        "directory's or config's name)")
+    parser.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/ (default: none)")
+    parser.add_argument("--max-seqs", type=int, default=32, help="requests running at once (default 32)")
+    parser.add_argument("--page-size", type=int, default=16, help="tokens per KV-cache page (default 16)")
+    memory = parser.add_mutually_exclusive_group()
+    memory.add_argument("--kv-memory", type=float, metavar="GIB", help="the KV cache's size in GiB")
+    memory.add_argument("--num-pages", type=int, help="the KV cache's pages (default: every running "
+                        "request can reach the context)")
+    parser.add_argument("--token-budget", type=int, help="tokens per engine step, decoding first (default: "
+                        "--max-seqs + two prompt chunks of 128)")
+    parser.add_argument("--max-waiting", type=int, default=256, help="requests queued for a row; one more "
+                        "gets a 429 (default 256)")
+    parser.add_argument("--drain-seconds", type=float, default=30.0, help="on SIGTERM, how long running "
+                        "requests may take to finish before they are cancelled (default 30)")
+    parser.add_argument("--max-body", type=int, default=4 * 2**20, metavar="BYTES", help="the largest request "
+                        "body; more gets a 413 (default 4 MiB)")
+    parser.add_argument("--mesh", help="serve on a device mesh, e.g. tensor:2 (product = device count)")
+    parser.add_argument("--cpu-devices", type=int, metavar="N", help="make N host devices on a CPU for --mesh")
+    parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    args = parser.parse_args(argv)
+    if args.data is not None and args.random_init is None:
+        parser.error("--data goes with --random-init (a checkpoint carries its own tokenizer)")
+    if args.allow_nonfinite and args.hf is None:
+        parser.error("--allow-nonfinite goes with --hf")
+    for name in ("max_seqs", "page_size", "max_waiting", "max_body"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if not 0 <= args.port < 2**16:
+        parser.error(f"--port must be in [0, 65535], got {args.port}")
+    if args.drain_seconds < 0:
+        parser.error(f"--drain-seconds must be >= 0, got {args.drain_seconds}")
+    if args.cpu_devices is not None and args.mesh is None:
+        parser.error("--cpu-devices goes with --mesh")
+    return args
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A bound TCP socket for `host:port`, before the model loads: a port in use or an address that is
+    not this machine's fails in one line at once, not after minutes of compiling."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    except socket.gaierror as err:
+        raise ServeError(f"cannot listen on {host}:{port}: {err.strerror}") from None
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(2048)  # claimed now: callers queue in the backlog until the engine is compiled
+    except OSError as err:
+        sock.close()
+        why = {errno.EADDRINUSE: "the port is in use", errno.EADDRNOTAVAIL: "the address is not this machine's"}
+        raise ServeError(f"cannot listen on {host}:{port}: {why.get(err.errno, err.strerror)}") from None
+    return sock
+
+
+def model_name(args) -> str:
+    if args.served_model_name:
+        return args.served_model_name
+    source = args.hf or args.checkpoint or args.random_init
+    return Path(source).stem if args.random_init else Path(source).resolve().name
+
+
+def chat_template(args, tokenizer) -> ChatTemplate | None:
+    """--chat-template, else the --hf directory's, else None (chat answers 400)."""
+    try:
+        tokens = special_tokens(args.hf) if args.hf else {}
+        if args.chat_template:
+            path = Path(args.chat_template)
+            if not path.is_file():
+                raise ServeError(f"--chat-template {args.chat_template}: no such file")
+            return ChatTemplate(path.read_text(encoding="utf-8"), tokens)
+        source = find_chat_template(args.hf) if args.hf else None
+        return ChatTemplate(source, tokens) if source is not None else None
+    except ChatTemplateError as err:
+        raise ServeError(f"the chat template: {err}") from None
+
+
+def served_model(args, config, tokenizer, max_model_len: int) -> ServedModel:
+    if isinstance(tokenizer, HFTokenizer):  # a BOS where the tokenizer adds one, for a completion's prompt
+        def encode(text, special):
+            return tokenizer.encode(text, add_special_tokens=special)
+    else:
+        def encode(text, special):
+            return [int(t) for t in tokenizer.encode(text)]
+    eos = getattr(tokenizer, "eos_token_id", None)
+    return ServedModel(name=model_name(args), encode=encode, vocab_size=config.vocab_size,
+                       max_model_len=max_model_len, stop_token_ids=() if eos is None else (int(eos),),
+                       chat_template=chat_template(args, tokenizer))
+
+
+def build_engine(args, params, config, tokenizer, kernels, mesh) -> tuple[Engine, float]:
+    """The engine with every step program compiled (a progress bar on stderr); its compile seconds."""
+    engine_config = EngineConfig(max_seqs=args.max_seqs, page_size=args.page_size, num_pages=args.num_pages,
+                                 kv_memory_gib=args.kv_memory, token_budget=args.token_budget)
+    bar = tqdm(total=0, desc="compiling the step programs", unit="program", file=sys.stderr, leave=False,
+               disable=None)
+
+    def progress(done, total, shape):
+        bar.total = total
+        bar.update(done - bar.n)
+
+    def detokenize(ids):
+        return tokenizer.decode(ids)
+
+    started = time.perf_counter()
+    try:
+        engine = Engine(params, config, engine_config, kernels=kernels, mesh=mesh, detokenize=detokenize,
+                        seed=args.seed, progress=progress)
+    except ValueError as err:
+        raise UsageError(str(err)) from err
+    finally:
+        bar.close()
+    return engine, time.perf_counter() - started
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn, with SIGTERM and SIGINT draining the engine first (see the module docstring), and the
+    ready line printed once it listens."""
+
+    def __init__(self, config: uvicorn.Config, runner: EngineRunner, drain_seconds: float, ready_line):
+        super().__init__(config)
+        self.runner, self.drain_seconds, self.ready_line = runner, drain_seconds, ready_line
+        self.signalled = None
+
+    async def startup(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().startup(sockets=sockets)
+        if self.started:
+            print(self.ready_line(), flush=True)
+
+    def handle_exit(self, sig, frame) -> None:
+        # Not uvicorn's: it would re-raise the signal after shutting down (exit -15, not 0).
+        if self.signalled is not None:  # a second signal: at once
+            self.should_exit = self.force_exit = True
+            return
+        self.signalled = sig
+        self.runner.drain()
+        self._loop.call_soon_threadsafe(lambda: self._loop.create_task(self._drain()))
+
+    async def _drain(self) -> None:
+        log.info("draining: new requests get 503; running ones have %.0f s to finish", self.drain_seconds)
+        deadline = time.monotonic() + self.drain_seconds
+        while self.runner.busy and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.runner.busy:
+            log.info("cancelling the requests still running")
+            self.runner.cancel_all()
+            until = time.monotonic() + 10
+            while self.runner.busy and time.monotonic() < until:
+                await asyncio.sleep(0.05)
+        await asyncio.sleep(0.2)  # the streams' last chunks go out
+        self.should_exit = True
+
+
+def run(argv=None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    if args.cpu_devices is not None:
+        jax.config.update("jax_num_cpu_devices", args.cpu_devices)
+    sock = listen_socket(args.host, args.port)
+    try:
+        params, config, tokenizer = sample_lib.load(args)
+        mesh = sample_lib.device_mesh(args, config)
+        kernels, reasons = resolve_kernels(Kernels.auto())
+        print(f"kernels: paged {kernels.paged!r} ({reasons['paged']}), matmul {kernels.matmul!r} "
+              f"({reasons['matmul']})" + (f"; mesh {axes.MeshShape.of(mesh)}" if mesh is not None else ""),
+              file=sys.stderr)
+        started = time.perf_counter()
+        engine, compile_seconds = build_engine(args, params, config, tokenizer, kernels, mesh)
+        served = served_model(args, config, tokenizer, engine.max_model_len)
+        metrics = ServerMetrics(engine)
+        runner = EngineRunner(engine, max_waiting=args.max_waiting, on_step=metrics.on_step,
+                              on_tokens=metrics.on_tokens)
+        app = create_app(runner, served, metrics, Limits(api_key=args.api_key, max_body_bytes=args.max_body))
+        host, port = sock.getsockname()[:2]
+        url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+        memory = engine.memory()
+
+        def ready_line() -> str:
+            return (f"ready: {url} (model {served.name!r}; {memory['pages_total']:,} pages of {engine.page_size} "
+                    f"tokens, {memory['pool_bytes'] / 2**20:,.1f} MiB of KV cache; {len(engine.programs.shapes)} "
+                    f"step programs compiled in {compile_seconds:.1f} s; ready {time.perf_counter() - started:.1f} s "
+                    f"after loading; chat {'on' if served.chat_template else 'off: no chat template'})")
+
+        config_uv = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
+                                   timeout_graceful_shutdown=5, timeout_keep_alive=5)
+        server = DrainingServer(config_uv, runner, args.drain_seconds, ready_line)
+        runner.start()
+        try:
+            server.run(sockets=[sock])
+        finally:
+            runner.stop()
+    finally:
+        sock.close()
+    if server.signalled is not None:
+        log.info("drained and stopped")
+    return 0
+
+
+def main(argv=None) -> int:
+    """0 after a drain; one line and exit 1 or 2 otherwise (train.cli)."""
+    return guard(PROGRAM, lambda: run(argv), expected=(CheckpointError, DataError, ServeError))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

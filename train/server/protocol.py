@@ -1,0 +1,219 @@
+"""The OpenAI API's shapes: request bodies in, answers, stream chunks and errors out.
+
+Requests are parsed by pydantic models that take the fields `/v1/completions` and
+`/v1/chat/completions` define, ignore fields that change nothing here (`user`, `metadata`,
+`store`, ...), and refuse with a 400 naming the parameter what would change the answer and is
+not supported (`n` > 1, `logprobs`, `best_of`, penalties, `tools`, `response_format` other than
+text). `top_k` (0 or -1 = off) and `ignore_eos` are extensions, as in vLLM.
+
+Errors are `APIError`s, answered as OpenAI answers them, `{"error": {"message", "type", "param",
+"code"}}` with the HTTP status the `openai` client maps to its exception classes.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+import pydantic
+from pydantic import BaseModel, ConfigDict, Field
+
+from jaxattn.serving import SamplingParams
+
+
+class APIError(Exception):
+    """An answer other than 200: its HTTP status and OpenAI's error fields."""
+
+    TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+             405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+             500: "internal_server_error", 503: "service_unavailable"}
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "invalid_request_error"),
+                          "param": self.param, "code": self.code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+# -- requests -----------------------------------------------------------------------------------
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+
+
+class _Sampled(BaseModel):
+    """The fields both endpoints share. Unknown fields are ignored; unsupported ones are refused."""
+
+    model_config = ConfigDict(extra="ignore", strict=False)
+
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=-1)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    logprobs: Any = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict | None = None
+    ignore_eos: bool = False  # an extension (vLLM's): the end-of-sequence token does not end the answer
+
+    def check_supported(self) -> None:
+        """A 400 naming the first field that asks for something this server does not do."""
+        if self.n != 1:
+            raise bad_request(f"n must be 1 (one choice per request), got {self.n}", "n")
+        if self.logprobs not in (None, False, 0):
+            raise bad_request("logprobs are not supported", "logprobs")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) != 0:
+                raise bad_request(f"{name} is not supported (0 only)", name)
+        if self.logit_bias:
+            raise bad_request("logit_bias is not supported", "logit_bias")
+        stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        if any(not s for s in stops):
+            raise bad_request("stop strings must not be empty", "stop")
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("stream_options is only allowed with stream: true", "stream_options")
+
+    def sampling(self, max_tokens: int, stop_token_ids: tuple[int, ...]) -> SamplingParams:
+        """The engine's settings: OpenAI's defaults (temperature 1, top_p 1) where a field is absent."""
+        return SamplingParams(
+            temperature=1.0 if self.temperature is None else float(self.temperature),
+            top_p=1.0 if self.top_p is None else float(self.top_p),
+            top_k=max(self.top_k or 0, 0), seed=self.seed, max_tokens=max_tokens,
+            stop_token_ids=() if self.ignore_eos else stop_token_ids, stop=tuple([self.stop] if isinstance(self.stop, str) else self.stop or ()))
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(_Sampled):
+    """`POST /v1/completions`: a prompt as text or token ids (one prompt; a list of one is taken)."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.echo:
+            raise bad_request("echo is not supported", "echo")
+        if self.best_of not in (None, 1):
+            raise bad_request("best_of must be 1", "best_of")
+        if self.suffix:
+            raise bad_request("suffix is not supported", "suffix")
+
+    def single_prompt(self) -> str | list[int]:
+        """The one prompt: text or ids; a 400 for an empty prompt or several."""
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise bad_request(f"one prompt per request, got a list of {len(prompt)}", "prompt")
+            prompt = prompt[0]
+        if len(prompt) == 0:
+            raise bad_request("prompt is empty", "prompt")
+        return prompt
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: str | list[dict] | None = None
+
+
+class ChatRequest(_Sampled):
+    """`POST /v1/chat/completions`: messages rendered with the model's chat template."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    tools: list | None = None
+    response_format: dict | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.tools:
+            raise bad_request("tools are not supported", "tools")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise bad_request("response_format must be text", "response_format")
+
+    @property
+    def asked_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def plain_messages(self) -> list[dict]:
+        return [{k: v for k, v in m.model_dump().items() if v is not None} for m in self.messages]
+
+
+def parse(model: type[BaseModel], body: Any):
+    """`model` validated from a JSON value; a 400 naming the first bad field."""
+    if not isinstance(body, dict):
+        raise bad_request(f"the body must be a JSON object, got {type(body).__name__}")
+    try:
+        request = model.model_validate(body)
+    except pydantic.ValidationError as err:
+        first = err.errors()[0]
+        param = ".".join(str(p) for p in first["loc"]) or None
+        raise bad_request(f"{param}: {first['msg']}" if param else first["msg"], param) from None
+    request.check_supported()
+    return request
+
+
+# -- answers ------------------------------------------------------------------------------------
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+Kind = Literal["completion", "chat"]
+
+
+class Answer:
+    """The answer to one request, whole or as stream chunks, in its endpoint's shapes."""
+
+    def __init__(self, kind: Kind, model: str):
+        self.kind, self.model = kind, model
+        self.id = new_id("cmpl" if kind == "completion" else "chatcmpl")
+        self.created = int(time.time())
+
+    def _head(self, obj: str) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def whole(self, text: str, finish_reason: str, use: dict) -> dict:
+        if self.kind == "completion":
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            return {**self._head("text_completion"), "choices": [choice], "usage": use}
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                  "finish_reason": finish_reason}
+        return {**self._head("chat.completion"), "choices": [choice], "usage": use}
+
+    def chunk(self, text: str | None, finish_reason: str | None = None, *, role: bool = False) -> dict:
+        """One stream chunk: new text, or the last one's finish reason (chat: the first carries the role)."""
+        if self.kind == "completion":
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+            return {**self._head("text_completion"), "choices": [choice]}
+        delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        return {**self._head("chat.completion.chunk"), "choices": [choice]}
+
+    def usage_chunk(self, use: dict) -> dict:
+        obj = "text_completion" if self.kind == "completion" else "chat.completion.chunk"
+        return {**self._head(obj), "choices": [], "usage": use}
