@@ -16,7 +16,9 @@ medians of --repeats:
   on the same checkpoint, with per-token timestamps (`record_timestamps=True`); torch threads = the
   cores JAX uses (--threads).
 * `static_generate`: `jaxattn.generate` in padded batches, one after another (greedy).
-* (the HTTP server, to come, registers its runner in `RUNNERS`: see the note there.)
+* `server`: the same engine behind `python -m train.serve`, over HTTP: each request a streamed
+  `/v1/completions` from a client in the runner's process (bench/serve_http.py), each token timed as
+  its event arrives. The server process is started by the runner and shares its cores.
 
 The loads: --requests requests drawn once (seeded) from Tiny Shakespeare: prompt and output lengths
 uniform on --prompt-range and --output-range, each prompt a slice of the text at a uniform offset,
@@ -63,7 +65,7 @@ from bench.machine import cpu_cores, load_average, write_results  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 SHARED_CORPUS = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
-RUNNER_NAMES = ("engine", "hf_generate_batch", "static_generate")
+RUNNER_NAMES = ("engine", "server", "hf_generate_batch", "static_generate")
 MAX_SEQ_LEN = {"tiny": 128, "baby": 1024, "smollm2": 2048}
 SEED = 0
 
@@ -529,11 +531,22 @@ def run_hf(spec: dict) -> dict:
 # The runners, by name: each takes the spec (checkpoint, load, settings) and returns its record:
 # {"available", "requests": [{"arrival_s", "token_times_s", "output_ids"}], "end_s", "compile_s",
 # "memory": {"pool_bytes", "reserved_peak_bytes", "used_peak_bytes"}, "settings"}, times in seconds
-# from its run's start. The HTTP server (to come) adds its runner here: a client sending the
-# load to a server it starts, timing each streamed token on arrival; and its line in TIMING_NOTES.
-RUNNERS = {"engine": run_engine, "hf_generate_batch": run_hf, "static_generate": run_static}
+# from its run's start.
+def run_server(spec: dict) -> dict:
+    """The engine behind `python -m train.serve`, the load sent over HTTP (bench/serve_http.py)."""
+    from bench import serve_http
+    load = load_of(spec)
+    return serve_http.run_server(spec, load, warmup_prompts(spec, load), rows_at_once(spec, load),
+                                 cache_pages(spec, load), Clock)
+
+
+RUNNERS = {"engine": run_engine, "server": run_server, "hf_generate_batch": run_hf, "static_generate": run_static}
 TIMING_NOTES = {
     "engine": "each token's time is the engine's `time.perf_counter()` when its step returned it",
+    "server": "each token's time is when its server-sent event reached the client (the runner's process, on "
+              "the same cores as the server); the server started with the engine's settings (`--max-seqs`, "
+              "`--page-size`, `--num-pages`, `--token-budget`); compile s: the server's, before it was ready; "
+              "held: the most pages `jaxattn_kv_pages_used` showed (/metrics read every 0.25 s); used: n/a",
     "hf_generate_batch": "transformers' per-token timestamps (`record_timestamps=True`, taken when each step's "
                          "tokens are read back); requests added through the manager's `add_request` at their "
                          "arrival, or as one finishes (fixed concurrency); its cache sized like the engine's "
