@@ -193,9 +193,9 @@ def create_app(runner: EngineRunner, served: ServedModel, metrics: ServerMetrics
         except ValueError as err:
             raise bad_request(str(err)) from None
         if body.stream:
-            return StreamingResponse(stream(ticket, shape, len(ids), body.include_usage),
-                                     media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return CancellingStream(stream(ticket, shape, len(ids), body.include_usage), lambda: runner.cancel(ticket),
+                                    media_type="text/event-stream",
+                                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return await whole(request, ticket, shape, len(ids))
 
     async def whole(request: Request, ticket: Ticket, shape: Answer, prompt_tokens: int) -> JSONResponse:
@@ -256,6 +256,21 @@ def create_app(runner: EngineRunner, served: ServedModel, metrics: ServerMetrics
             runner.cancel(ticket)
 
     return app
+
+
+class CancellingStream(StreamingResponse):
+    """A stream that cancels its request however the response ends: a client gone before the first
+    chunk leaves a generator that never started, whose own `finally` would never run."""
+
+    def __init__(self, content, on_close: Callable[[], None], **kwargs):
+        super().__init__(content, **kwargs)
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
 
 
 class KeyAndTag:
