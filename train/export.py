@@ -2,6 +2,7 @@
 
     python -m train.export --checkpoint runs/shakespeare_char_baby --out exports/baby
     python -m train.export --checkpoint runs/NAME --out DIR --overwrite   # replace an earlier export
+    python -m train.export --gguf model-Q8_0.gguf --out DIR   # a llama.cpp file as a transformers directory
 
 DIR then holds config.json, model.safetensors, generation_config.json, tokenizer.json (the
 run's tokenizer with the same ids: its character or byte tokenizer as a `tokenizers` one, or the
@@ -17,13 +18,21 @@ positions GPT2LMHeadModel; RoPE + RMSNorm + SwiGLU LlamaForCausalLM); a config w
 is written. A non-empty DIR is refused unless --overwrite, which replaces those files (and an
 older sharded save's index and the shards it lists) and leaves every other file in DIR as it was.
 
+With --gguf FILE the source is a llama.cpp GGUF file (`jaxattn.gguf`: its weights dequantized
+to float32) instead of a run: DIR gets its family's transformers architecture, the tokenizer built
+from the file's vocabulary, and its chat template as chat_template.jinja (with the file's named
+special tokens in tokenizer_config.json, which templates use).
+
 `load_hf` is the reader of such a directory (or any transformers save with a
-tokenizer.json) for `train.sample` and `train.attention_maps`.
+tokenizer.json) for `train.sample` and `train.attention_maps`; `load_gguf` the reader of a GGUF
+file for `train.sample` and `train.serve`.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -91,6 +100,83 @@ def export(checkpoint: str | Path, out: str | Path, *, overwrite: bool = False) 
         raise CheckpointError(f"cannot export {checkpoint}: {one_line(err)}") from err
 
 
+def _gguf():
+    """`jaxattn.gguf`, imported on first use (it needs the gguf package); ImportError as a CheckpointError."""
+    try:
+        from jaxattn import gguf
+    except ImportError as err:
+        raise CheckpointError(f"reading GGUF files needs {err.name or 'a missing package'}: pip install gguf") from err
+    return gguf
+
+
+def _open_gguf(path: str | Path):
+    """The `jaxattn.gguf.GGUFModel` of `path`; CheckpointError (one line, naming the file) when it cannot be read."""
+    gguf, hf = _gguf(), _hf()
+    try:
+        return gguf.GGUFModel.open(path)
+    except hf.HFCheckpointError as err:
+        raise CheckpointError(f"cannot load {one_line(err)}") from err
+
+
+def _load_gguf_model(model, allow_nonfinite: bool) -> tuple[Any, ModelConfig, Any]:
+    hf = _hf()
+    try:
+        tokenizer = model.tokenizer()
+        config, params = model.load("float32", allow_nonfinite=allow_nonfinite)
+    except hf.HFCheckpointError as err:
+        message = one_line(err).replace(hf.checkpoint.NONFINITE_HINT, "--allow-nonfinite loads them anyway")
+        raise CheckpointError(f"cannot load {message}") from err
+    return params, config, tokenizer
+
+
+def load_gguf(path: str | Path, *, allow_nonfinite: bool = False) -> tuple[Any, ModelConfig, Any]:
+    """(params, model config, tokenizer) of a llama.cpp GGUF file, as `load_hf` gives them for a directory.
+
+    The weights are dequantized to float32. CheckpointError (one line, naming the file and the key,
+    tensor, architecture or tensor type) for a file that is missing, is not GGUF, or holds what
+    jaxattn does not read; the tokenizer is built (and checked) before any tensor is read.
+    """
+    return _load_gguf_model(_open_gguf(path), allow_nonfinite)
+
+
+def _chat(model) -> tuple[str | None, dict[str, str]]:
+    hf = _hf()
+    try:
+        return model.chat_template, model.special_tokens
+    except hf.HFCheckpointError as err:
+        raise CheckpointError(f"cannot load {one_line(err)}") from err
+
+
+def gguf_chat(path: str | Path) -> tuple[str | None, dict[str, str]]:
+    """(the chat template or None, the named special tokens) of a GGUF file, for `train.serve`."""
+    return _chat(_open_gguf(path))
+
+
+def export_gguf(gguf_file: str | Path, out: str | Path, *, overwrite: bool = False) -> SaveReport:
+    """Writes a llama.cpp GGUF file as a transformers directory `out` (see the module docstring).
+
+    Returns `jaxattn.hf.SaveReport`, chat_template.jinja among its files when the GGUF file has a
+    template. CheckpointError as `export` raises it, and for a GGUF file that cannot be read;
+    nothing is written then.
+    """
+    out, gguf_file = Path(out), Path(gguf_file)
+    _check_out(out, gguf_file, overwrite)
+    model = _open_gguf(gguf_file)
+    template, specials = _chat(model)
+    params, config, tokenizer = _load_gguf_model(model, allow_nonfinite=False)
+    hf = _hf()
+    try:
+        saved = hf.save_pretrained(out, config, params, tokenizer=tokenizer, overwrite=overwrite)
+    except (ValueError, FileExistsError) as err:  # hf.UnsupportedCheckpoint among them: the message names the field
+        raise CheckpointError(f"cannot export {gguf_file}: {one_line(err)}") from err
+    settings = json.loads((out / "tokenizer_config.json").read_text())
+    (out / "tokenizer_config.json").write_text(json.dumps({**specials, **settings}, indent=2) + "\n")
+    if template is None:
+        return saved
+    (out / "chat_template.jinja").write_text(template, encoding="utf-8")
+    return dataclasses.replace(saved, written=tuple(sorted([*saved.written, out / "chat_template.jinja"])))
+
+
 def load_hf(directory: str | Path, *, allow_nonfinite: bool = False) -> tuple[Any, ModelConfig, Any]:
     """(params, model config, tokenizer) of a transformers directory holding a tokenizer.json.
 
@@ -138,12 +224,17 @@ def report(saved: SaveReport) -> str:
 def run(argv: list[str] | None = None) -> int:
     """Parses `argv`, exports, prints the report; raises UsageError, CheckpointError or OSError."""
     parser = ArgumentParser(prog=PROGRAM, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--checkpoint", required=True, metavar="RUN", help="a run directory (or its checkpoints/...)")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--checkpoint", metavar="RUN", help="a run directory (or its checkpoints/...)")
+    source.add_argument("--gguf", metavar="FILE", help="a llama.cpp GGUF file (its weights dequantized)")
     parser.add_argument("--out", required=True, metavar="DIR", help="the transformers directory to write")
     parser.add_argument("--overwrite", action="store_true", help="replace an earlier export in DIR (its files "
                         "only: other files in DIR stay)")
     args = parser.parse_args(argv)
-    print(report(export(args.checkpoint, args.out, overwrite=args.overwrite)))
+    if args.gguf is not None:
+        print(report(export_gguf(args.gguf, args.out, overwrite=args.overwrite)))
+    else:
+        print(report(export(args.checkpoint, args.out, overwrite=args.overwrite)))
     return 0
 
 

@@ -5,6 +5,7 @@
     python -m train.sample --random-init shakespeare_char_baby_mla --prompt "ROMEO:"   # --data FILE: its characters
     python -m train.sample --random-init CONFIG.toml --data data/texts_bpe   # a prepared corpus's tokenizer
     python -m train.sample --hf exports/baby --prompt "ROMEO:"   # a transformers directory with tokenizer.json
+    python -m train.sample --gguf model-Q4_K_M.gguf --prompt "Hello"   # a llama.cpp file (jaxattn.gguf)
     python -m train.sample --checkpoint DIR --num-samples 8 --cpu-devices 8 --mesh data:2,fsdp:2,tensor:2
 
 The text goes to stdout; the kernels, compile time and steady-state tokens/s go to
@@ -13,8 +14,9 @@ the KV-cached `generate`, continued in windows past the model's context (`max_se
 as nanoGPT crops its context; a prompt longer than the context is cropped to its last
 `max_seq_len - 1` tokens. Ctrl-C (or SIGTERM) stops between windows and prints what was
 generated (exit 130). With --hf (what `python -m train.export` writes, or any supported
-transformers save with a tokenizer.json) a sample ends at the tokenizer's end-of-sequence
-token, when it has one. With --mesh the parameters are laid out on a device mesh by
+transformers save with a tokenizer.json) or --gguf (a llama.cpp GGUF file, its weights
+dequantized to float32, its tokenizer built from its metadata) a sample ends at the tokenizer's
+end-of-sequence token, when it has one. With --mesh the parameters are laid out on a device mesh by
 `jaxattn.axes.RULES` and the KV cache is split by rows (the samples) and kv heads;
 the tokens are those of one device.
 
@@ -104,9 +106,11 @@ def random_init(name: str, seed: int = 0, data: str | None = None) -> tuple[dict
 
 
 def load(args: argparse.Namespace) -> tuple[dict, ModelConfig, Tokenizer]:
-    """The model of `--checkpoint`, `--hf` or `--random-init`."""
+    """The model of `--checkpoint`, `--hf`, `--gguf` or `--random-init`."""
     if args.random_init is not None:
         return random_init(args.random_init, args.seed, args.data)
+    if getattr(args, "gguf", None) is not None:
+        return export_lib.load_gguf(args.gguf, allow_nonfinite=args.allow_nonfinite)
     if args.hf is not None:
         return export_lib.load_hf(args.hf, allow_nonfinite=args.allow_nonfinite)
     return sampling_checkpoint.load_for_sampling(args.checkpoint)
@@ -350,12 +354,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     source.add_argument("--checkpoint", metavar="DIR", help="a training run directory (or its checkpoints/...)")
     source.add_argument("--hf", metavar="DIR", help="a transformers directory with a tokenizer.json "
                         "(e.g. written by python -m train.export)")
+    source.add_argument("--gguf", metavar="FILE", help="a llama.cpp GGUF file (weights dequantized to float32; "
+                        "the tokenizer from its metadata)")
     source.add_argument("--random-init", metavar="CONFIG", help="a config name from configs/, randomly initialised")
     parser.add_argument("--data", metavar="FILE_OR_DIR", help="with --random-init: the text whose characters are "
                         "the vocabulary (default: Tiny Shakespeare), or a directory prepared by python -m "
                         "train.prepare, whose tokenizer is used")
     parser.add_argument("--allow-nonfinite", action="store_true",
-                        help="with --hf: load weights holding NaN or infinity (refused otherwise)")
+                        help="with --hf or --gguf: load weights holding NaN or infinity (refused otherwise)")
     parser.add_argument("--prompt", help="prompt text; '-' or absent (with piped stdin) reads stdin")
     parser.add_argument("--max-new-tokens", type=int, default=500)
     parser.add_argument("--num-samples", type=int, default=1)
@@ -369,8 +375,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.data is not None and args.random_init is None:
         parser.error("--data goes with --random-init (a checkpoint carries its own tokenizer)")
-    if args.allow_nonfinite and args.hf is None:
-        parser.error("--allow-nonfinite goes with --hf")
+    if args.allow_nonfinite and args.hf is None and args.gguf is None:
+        parser.error("--allow-nonfinite goes with --hf or --gguf")
     return args
 
 

@@ -1,6 +1,7 @@
 """Serve a model over HTTP with the OpenAI API: many callers at once through the continuous-batching engine.
 
     python -m train.serve --hf exports/baby                 # a transformers directory with tokenizer.json
+    python -m train.serve --gguf model-Q8_0.gguf            # a llama.cpp file: its chat template, named by its stem
     python -m train.serve --checkpoint runs/shakespeare_char_baby --port 8001
     python -m train.serve --random-init shakespeare_char_baby --max-seqs 16 --kv-memory 0.5
     curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
@@ -38,6 +39,7 @@ from jaxattn import Kernels, axes, resolve_kernels
 from jaxattn.hf.chat_template import ChatTemplate, ChatTemplateError, find_chat_template, special_tokens
 from jaxattn.hf.tokenizer import HFTokenizer
 from jaxattn.serving import Engine, EngineConfig
+from train import export as export_lib
 from train import sample as sample_lib
 from train.checkpoint import CheckpointError
 from train.cli import ArgumentParser, UsageError, guard
@@ -60,19 +62,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     source.add_argument("--checkpoint", metavar="DIR", help="a training run directory (or its checkpoints/...)")
     source.add_argument("--hf", metavar="DIR", help="a transformers directory with a tokenizer.json (its chat "
                         "template from chat_template.jinja or tokenizer_config.json)")
+    source.add_argument("--gguf", metavar="FILE", help="a llama.cpp GGUF file (weights dequantized; the "
+                        "tokenizer and chat template from its metadata)")
     source.add_argument("--random-init", metavar="CONFIG", help="a config name from configs/ (or a .toml), "
                         "randomly initialised")
     parser.add_argument("--data", metavar="FILE_OR_DIR", help="with --random-init: the text whose characters are "
                         "the vocabulary (default: Tiny Shakespeare), or a corpus prepared by python -m train.prepare")
     parser.add_argument("--seed", type=int, default=0, help="with --random-init: the weights' seed; and the seeds "
                         "of requests that give none")
-    parser.add_argument("--allow-nonfinite", action="store_true", help="with --hf: load weights holding NaN or "
-                        "infinity")
+    parser.add_argument("--allow-nonfinite", action="store_true", help="with --hf or --gguf: load weights holding "
+                        "NaN or infinity")
     parser.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template (instead of the model's)")
     parser.add_argument("--host", default="127.0.0.1", help="the address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="the port (0: a free one; default 8000)")
     parser.add_argument("--served-model-name", metavar="NAME", help="the model id clients send (default: the "
-                        "directory's or config's name)")
+                        "directory's or config's name, a GGUF file's stem)")
     parser.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/ (default: none)")
     parser.add_argument("--max-seqs", type=int, default=32, help="requests running at once (default 32)")
     parser.add_argument("--page-size", type=int, default=16, help="tokens per KV-cache page (default 16)")
@@ -94,8 +98,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.data is not None and args.random_init is None:
         parser.error("--data goes with --random-init (a checkpoint carries its own tokenizer)")
-    if args.allow_nonfinite and args.hf is None:
-        parser.error("--allow-nonfinite goes with --hf")
+    if args.allow_nonfinite and args.hf is None and args.gguf is None:
+        parser.error("--allow-nonfinite goes with --hf or --gguf")
     for name in ("max_seqs", "page_size", "max_waiting", "max_body"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -130,20 +134,23 @@ def listen_socket(host: str, port: int) -> socket.socket:
 def model_name(args) -> str:
     if args.served_model_name:
         return args.served_model_name
+    if getattr(args, "gguf", None):
+        return Path(args.gguf).stem
     source = args.hf or args.checkpoint or args.random_init
     return Path(source).stem if args.random_init else Path(source).resolve().name
 
 
 def chat_template(args, tokenizer) -> ChatTemplate | None:
-    """--chat-template, else the --hf directory's, else None (chat answers 400)."""
+    """--chat-template, else the --hf directory's or the --gguf file's, else None (chat answers 400)."""
     try:
-        tokens = special_tokens(args.hf) if args.hf else {}
+        gguf_source, tokens = export_lib.gguf_chat(args.gguf) if getattr(args, "gguf", None) else (None, {})
+        tokens = special_tokens(args.hf) if args.hf else tokens
         if args.chat_template:
             path = Path(args.chat_template)
             if not path.is_file():
                 raise ServeError(f"--chat-template {args.chat_template}: no such file")
             return ChatTemplate(path.read_text(encoding="utf-8"), tokens)
-        source = find_chat_template(args.hf) if args.hf else None
+        source = find_chat_template(args.hf) if args.hf else gguf_source
         return ChatTemplate(source, tokens) if source is not None else None
     except ChatTemplateError as err:
         raise ServeError(f"the chat template: {err}") from None

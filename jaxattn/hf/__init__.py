@@ -70,6 +70,10 @@ Contracts:
   `allow_nonfinite=True` (the rare checkpoint that stores -inf masks or
   overflowed values on purpose). Buffers that are not parameters (GPT-2 and
   GPT-NeoX attention masks, `rotary_emb.inv_freq`) are ignored, unchecked.
+* `load_state_dict(hf_config, tensors, dtype, *, allow_nonfinite=False)` is
+  `load_pretrained` without the files: a config.json dict and the tensors by
+  transformers name (a `{name: array}` dict, or a source that makes each
+  array on request, as `jaxattn.gguf` dequantizes), with the same checks.
 * `save_pretrained(path, config, params, tokenizer=None, *, overwrite=False,
   eos_token_id=None) -> SaveReport` writes `config.json`, `model.safetensors`,
   `generation_config.json` (the end-of-sequence id, when known) and, given a
@@ -88,9 +92,9 @@ Contracts:
 """
 
 from jaxattn.hf.architectures import ARCHITECTURES
-from jaxattn.hf.checkpoint import SaveReport, load_pretrained, save_pretrained
+from jaxattn.hf.checkpoint import SaveReport, load_pretrained, load_state_dict, save_pretrained
 from jaxattn.hf.errors import HFCheckpointError, InvalidCheckpoint, UnsupportedCheckpoint
 from jaxattn.hf.tokenizer import HFTokenizer, load_tokenizer
 
 __all__ = ["ARCHITECTURES", "HFCheckpointError", "HFTokenizer", "InvalidCheckpoint", "SaveReport",
-           "UnsupportedCheckpoint", "load_pretrained", "load_tokenizer", "save_pretrained"]
+           "UnsupportedCheckpoint", "load_pretrained", "load_state_dict", "load_tokenizer", "save_pretrained"]

@@ -83,7 +83,8 @@ def _raise_problems(reader: CheckpointReader, problems: list[tuple[str, str]]) -
     if problems:
         listed = [text for _, text in problems[:MAX_LISTED]]
         more = [f"... and {len(problems) - MAX_LISTED} more"] if len(problems) > MAX_LISTED else []
-        raise InvalidCheckpoint(reader.source, problems[0][0], "the tensors do not match config.json:\n  "
+        config = getattr(reader, "config_name", "config.json")  # what a source's config came from
+        raise InvalidCheckpoint(reader.source, problems[0][0], f"the tensors do not match {config}:\n  "
                                 + "\n  ".join(listed + more))
 
 
@@ -152,6 +153,25 @@ def _load_entry(entry: Entry, stored, reader, dtype, expected: jax.ShapeDtypeStr
     return jnp.asarray(value)
 
 
+def _read_params(family: Family, config: ModelConfig, hf: Fields, reader, dtype: str,
+                 allow_nonfinite: bool) -> dict:
+    """The params of `config` from `reader`'s tensors (transformers names), checked as the module docstring says.
+
+    `reader` is a `CheckpointReader` or any object with its reading surface (see `ArraySource`).
+    """
+    entries, model = layout(family, config), flat_abstract_params(config)
+    _check_layout(family, entries, model)
+    extra_layers = family.extra_layers(hf)
+    np_dtype = jnp.dtype(dtype)
+    stored = stored_names(family, reader.names())
+    entries = stored_form(entries, stored)
+    ignored = lambda name: is_ignored(family, name, config, extra_layers)  # noqa: E731
+    _raise_problems(reader, _problems(entries, stored, reader, ignored))
+    _check_dtypes(entries, stored, reader)
+    flat = {e.path: _load_entry(e, stored, reader, np_dtype, model[e.path], allow_nonfinite) for e in entries}
+    return unflatten_dict(flat)
+
+
 def load_pretrained(path, dtype: str = "float32", *, allow_nonfinite: bool = False) -> tuple[ModelConfig, dict]:
     """Reads a Hugging Face checkpoint directory: `(ModelConfig, DecoderLM params)`.
 
@@ -166,18 +186,59 @@ def load_pretrained(path, dtype: str = "float32", *, allow_nonfinite: bool = Fal
     directory = Path(path)
     hf = read_config_json(directory)
     family, config = config_from_hf(hf, dtype)
-    entries, model = layout(family, config), flat_abstract_params(config)
-    _check_layout(family, entries, model)
-    extra_layers = family.extra_layers(hf)
-    np_dtype = jnp.dtype(dtype)
     with CheckpointReader(directory) as reader:
-        stored = stored_names(family, reader.names())
-        entries = stored_form(entries, stored)
-        ignored = lambda name: is_ignored(family, name, config, extra_layers)  # noqa: E731
-        _raise_problems(reader, _problems(entries, stored, reader, ignored))
-        _check_dtypes(entries, stored, reader)
-        flat = {e.path: _load_entry(e, stored, reader, np_dtype, model[e.path], allow_nonfinite) for e in entries}
-    return config, unflatten_dict(flat)
+        return config, _read_params(family, config, hf, reader, dtype, allow_nonfinite)
+
+
+class ArraySource:
+    """A state dict `{transformers name: numpy array}` with `CheckpointReader`'s reading surface.
+
+    The reading surface: `source` (the path errors name), `files` (`{name: path}`), `names()`,
+    `shape(name)`, `dtype(name)` (safetensors' dtype name, "F32", "BF16", ...), `read(name)` and,
+    optionally, `config_name` (what the config came from, for messages). A source may compute
+    `read` on request (e.g. dequantize): shapes and dtypes are asked for first, and each array is
+    read once, converted and let go.
+    """
+
+    def __init__(self, tensors: dict[str, np.ndarray], source: str | Path = "state dict"):
+        self.tensors, self.source = dict(tensors), Path(source)
+        self.files = {name: self.source for name in self.tensors}
+
+    def names(self) -> list[str]:
+        return sorted(self.tensors)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(np.shape(self.tensors[name]))
+
+    def dtype(self, name: str) -> str:
+        kind = np.asarray(self.tensors[name]).dtype
+        return SAFETENSORS_DTYPES.get(kind.name, kind.name.upper())
+
+    def read(self, name: str) -> np.ndarray:
+        return np.asarray(self.tensors[name])
+
+
+# numpy's dtype names -> safetensors' (what `_check_dtypes` reads and refuses by).
+SAFETENSORS_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64", "uint8": "U8",
+                      "int8": "I8", "int16": "I16", "int32": "I32", "int64": "I64", "bool": "BOOL"}
+
+
+def load_state_dict(hf_config, tensors, dtype: str = "float32", *,
+                    allow_nonfinite: bool = False) -> tuple[ModelConfig, dict]:
+    """`(ModelConfig, DecoderLM params)` of a transformers config.json and its tensors by transformers name.
+
+    `hf_config` is the config.json as a dict (or `Fields`, naming the file it describes);
+    `tensors` a `{name: numpy array}` state dict, or a source with `CheckpointReader`'s reading
+    surface (see `ArraySource`) whose arrays are made one at a time (jaxattn.gguf dequantizes
+    each on request). Everything `load_pretrained` checks is checked, with the same errors; this
+    is `load_pretrained` without the files.
+    """
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    hf = hf_config if isinstance(hf_config, Fields) else Fields(hf_config)
+    family, config = config_from_hf(hf, dtype)
+    reader = ArraySource(tensors) if isinstance(tensors, dict) else tensors
+    return config, _read_params(family, config, hf, reader, dtype, allow_nonfinite)
 
 
 def _unwrap(params) -> dict:
