@@ -32,6 +32,9 @@ window), and the pure sampling functions in
 Many requests at once: `jaxattn.serving` (`Engine`, `EngineConfig`, `SamplingParams`): a paged
 KV cache, continuous batching, prefix caching and preemption (docs/serving.md).
 
+Weight-only quantization: `quantize` (every `Linear` kernel as int8 per output channel or int4 in
+groups, a `QuantizedWeight`), `dequantize` (`jaxattn.quantization`); its matmul is `Kernels.quantized`.
+
 Implementations: `Kernels`, `resolve_kernels` and the formulations behind
 them live in `jaxattn.kernels`, the one seam between maths and machine.
 
@@ -67,6 +70,7 @@ from jaxattn.mla import MultiHeadLatentAttention, latent_attention
 from jaxattn.moe import MoE
 from jaxattn.model import Block, DecoderLM, abstract_params, active_params, attention_weights, count_params
 from jaxattn.positions import sinusoidal_positions
+from jaxattn.quantization import QuantizedWeight, dequantize, quantize
 from jaxattn.rope import RopeScaling, apply_rope, rope_attention_factor, rope_frequencies
 from jaxattn.softmax import masked_softmax
 
@@ -89,6 +93,7 @@ __all__ = [
     "MoEConfig",
     "MultiHeadLatentAttention",
     "Platform",
+    "QuantizedWeight",
     "RMSNorm",
     "RopeScaling",
     "active_params",
@@ -101,6 +106,7 @@ __all__ = [
     "causal_mask",
     "combine_masks",
     "count_params",
+    "dequantize",
     "fused_to_separate_qkv",
     "generate",
     "generate_windowed",
@@ -109,6 +115,7 @@ __all__ = [
     "mask_to_bias",
     "masked_softmax",
     "padding_mask",
+    "quantize",
     "reference_attention",
     "repeat_kv",
     "resolve_kernels",

@@ -25,6 +25,7 @@ from jaxattn import kernels as kernels_lib
 from jaxattn import axes
 from jaxattn.config import ModelConfig
 from jaxattn.kernels import Kernels
+from jaxattn.quantization import is_quantized
 
 
 def residual_init_std(config: ModelConfig) -> float:
@@ -56,6 +57,8 @@ class Linear(nn.Module):
       matmul: a name of `jaxattn.kernels.choices("matmul")`: "xla" multiplies
         in `dtype` with float32 sums, "bfloat16"/"bfloat16_cpu" round both
         operands to bfloat16 (docs/theory.md §15).
+      quantized: a name of `jaxattn.kernels.choices("quantized")`, the matmul that runs when the
+        given kernel is a `jaxattn.quantization.QuantizedWeight` (`jaxattn.quantization.quantize`).
     """
 
     features: int
@@ -65,16 +68,23 @@ class Linear(nn.Module):
     dtype: jnp.dtype = jnp.float32
     param_dtype: jnp.dtype = jnp.float32
     matmul: str = "xla"
+    quantized: str = "xla"
 
     @nn.compact
     def __call__(self, x: jnp.ndarray, columns: slice | None = None) -> jnp.ndarray:
         """`[..., D_in] -> [..., features]`, or only the output `columns` of W (cross-attention)."""
-        kernel = self.param("kernel", logical(nn.initializers.normal(self.init_std), *self.axes),
-                            (x.shape[-1], self.features), self.param_dtype)
         columns = slice(None) if columns is None else columns
         rows = x.reshape(-1, x.shape[-1]).astype(self.dtype)  # [B*T, D_in]
-        matmul = kernels_lib.matmul_kernel(self.matmul)
-        y = matmul(rows, kernel[:, columns].astype(self.dtype)).astype(self.dtype)  # [B*T, features]
+        # A quantized kernel is read as given: flax's param would compare its packed shape with W's.
+        stored = self.get_variable("params", "kernel") if self.has_variable("params", "kernel") else None
+        if is_quantized(stored):
+            matmul = kernels_lib.quantized_matmul_kernel(self.quantized)
+            y = matmul(rows, stored)[:, columns].astype(self.dtype)  # [B*T, features]
+        else:
+            kernel = self.param("kernel", logical(nn.initializers.normal(self.init_std), *self.axes),
+                                (x.shape[-1], self.features), self.param_dtype)
+            matmul = kernels_lib.matmul_kernel(self.matmul)
+            y = matmul(rows, kernel[:, columns].astype(self.dtype)).astype(self.dtype)  # [B*T, features]
         if self.use_bias:
             bias = self.param("bias", logical(nn.initializers.zeros, self.axes[1]), (self.features,),
                               self.param_dtype)
@@ -150,7 +160,7 @@ def make_linear(config: ModelConfig, kernels: Kernels, features: int, axes: tupl
                   init_std=(0.0 if config.zero_init_out else residual_init_std(config)) if residual
                   else config.init_std,
                   dtype=jnp.dtype(config.dtype), param_dtype=jnp.dtype(config.param_dtype),
-                  matmul=kernels.matmul, name=name)
+                  matmul=kernels.matmul, quantized=kernels.quantized, name=name)
 
 
 class MLP(nn.Module):

@@ -260,7 +260,7 @@ AMX = frozenset({"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"})
 AVX512 = frozenset({"avx2", "avx512f", "avx512_bf16"})
 AVX2 = frozenset({"avx2", "fma"})
 CPU_AUTO = dict(attention="auto_cpu", decode="auto_cpu", moe="auto_cpu", paged="ragged")  # every CPU alike
-# (without a C++ compiler: with one, paged is "ragged_cpu")
+# (without a C++ compiler: with one, paged is "ragged_cpu" and quantized "native_cpu")
 
 
 @pytest.mark.parametrize("platform, expected", [
@@ -268,7 +268,8 @@ CPU_AUTO = dict(attention="auto_cpu", decode="auto_cpu", moe="auto_cpu", paged="
     (Platform("cpu", AVX512), Kernels(**CPU_AUTO, matmul="xla")),
     (Platform("cpu", AVX2), Kernels(**CPU_AUTO, matmul="xla")),
     (Platform("cpu"), Kernels(**CPU_AUTO, matmul="xla")),
-    (Platform("cpu", AVX2, cxx=True), Kernels(**{**CPU_AUTO, "paged": "ragged_cpu"}, matmul="xla")),
+    (Platform("cpu", AVX2, cxx=True), Kernels(**{**CPU_AUTO, "paged": "ragged_cpu"}, matmul="xla",
+                                              quantized="native_cpu")),
     (Platform("gpu", AMX, cxx=True), Kernels(attention="auto_gpu", matmul="bfloat16", moe="grouped")),  # the host's AMX: no matter
     (Platform("tpu"), Kernels(attention="auto_tpu", matmul="bfloat16", moe="grouped")),
 ], ids=["cpu-amx", "cpu-avx512-no-amx", "cpu-amd-avx2", "cpu-unknown", "cpu-with-cxx", "gpu", "tpu"])

@@ -253,6 +253,7 @@ class RuntimeConfig(_Table):
     mla: _kernel_choice("mla") = "auto"
     moe: _kernel_choice("moe") = "auto"
     paged: _kernel_choice("paged") = "auto"
+    quantized: _kernel_choice("quantized") = "auto"
     mesh: Annotated[MeshShape | Literal["auto"], PlainValidator(_mesh_or_auto), PlainSerializer(str)] = "auto"
     cpu_devices: PositiveInt | Literal["auto"] = "auto"
     xla_flags: str = ""

@@ -12,6 +12,7 @@ tests/test_kernels.py:
 | matmul | `Linear`, the tied lm_head | "xla", "bfloat16", "bfloat16_cpu" |
 | mla | `MultiHeadLatentAttention.__call__` | "naive", "absorb" |
 | moe | `jaxattn.moe.MoE` (the routed experts) | "dense", "grouped", "grouped_cpu", "gathered"; per-call rule "auto_cpu" |
+| quantized | `Linear` with a `QuantizedWeight` kernel (`jaxattn.quantization`) | "xla", "native_cpu" (a native loop for up to 8 rows) |
 | paged | `AttentionLayer.attend_pages` (a paged cache, `jaxattn.serving`) | "gather", "ragged", "ragged_cpu" (inference only; the last a native loop on a CPU) |
 
 Every attention implementation has the signature of `xla.attention` and returns
@@ -40,9 +41,9 @@ automatically, a rule in `jaxattn.kernels.select`).
 from jaxattn.kernels._call import KernelFallbackWarning
 from jaxattn.kernels.registry import (AUTO, IMPLEMENTATIONS, Kernels, attention_kernel, cache_writer,
                                       cached_attention_kernel, check_mla_path, check_paged, choices, matmul_kernel,
-                                      moe_kernel, paged_attention_kernel)
+                                      moe_kernel, paged_attention_kernel, quantized_matmul_kernel)
 from jaxattn.kernels.select import Platform, resolve_kernels
 
 __all__ = ["AUTO", "IMPLEMENTATIONS", "KernelFallbackWarning", "Kernels", "Platform", "attention_kernel",
            "cache_writer", "cached_attention_kernel", "check_mla_path", "check_paged", "choices", "matmul_kernel",
-           "moe_kernel", "paged_attention_kernel", "resolve_kernels"]
+           "moe_kernel", "paged_attention_kernel", "quantized_matmul_kernel", "resolve_kernels"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-from jaxattn.kernels import auto, bf16_matmul, blocked_decode, moe, native_paged, paged, xla, xla_cpu
+from jaxattn.kernels import auto, bf16_matmul, blocked_decode, moe, native_paged, paged, quant_matmul, xla, xla_cpu
 
 AUTO = "auto"
 
@@ -28,6 +28,7 @@ IMPLEMENTATIONS: dict[str, dict[str, object]] = {
     "paged": {"gather": None, "ragged": paged.ragged_paged_attention,  # "gather": the layer's own cached attention
               "ragged_cpu": native_paged.ragged_cpu_paged_attention},
     "moe": dict(moe.IMPLEMENTATIONS),
+    "quantized": {"xla": quant_matmul.matmul, "native_cpu": quant_matmul.matmul_cpu},
 }
 
 
@@ -66,6 +67,9 @@ class Kernels:
         (token, expert) pair with its expert's weights gathered: for a few tokens, as in decoding) or
         "auto_cpu" (per call: gathered, grouped_cpu or dense by the tokens, experts and k); all
         dropless and exact.
+      quantized: `Linear` with a quantized kernel (`jaxattn.quantization`): "xla" (reference:
+        dequantize, then a float32 dot) or "native_cpu" (`jaxattn.kernels.quant_matmul`: up to 8
+        rows in a native loop built with the host's C++ compiler, more rows the reference; CPU only).
 
     Any field may be "auto" in a request; `resolve_kernels` replaces it for a platform.
     """
@@ -76,6 +80,7 @@ class Kernels:
     mla: str = "naive"
     moe: str = "dense"
     paged: str = "gather"
+    quantized: str = "xla"
 
     def __post_init__(self):
         for field in IMPLEMENTATIONS:
@@ -123,6 +128,11 @@ def cache_writer(name: str) -> Callable:
 def matmul_kernel(name: str) -> Callable:
     """The dense `[M, K] @ [K, N] -> float32` matmul of implementation `name`."""
     return _lookup("matmul", name)
+
+
+def quantized_matmul_kernel(name: str) -> Callable:
+    """The `[M, K] @ QuantizedWeight [K, N] -> float32` matmul of implementation `name`."""
+    return _lookup("quantized", name)
 
 
 def moe_kernel(name: str) -> Callable:

@@ -113,9 +113,16 @@ def _paged(platform: Platform) -> tuple[str, str]:
     return "gather", f"{platform.backend}: one gather beats a loop whose every trip checks its bound on the host"
 
 
+def _quantized(platform: Platform) -> tuple[str, str]:
+    if platform.is_cpu and platform.cxx:
+        return "native_cpu", "up to 8 rows in a native loop: XLA:CPU converts the whole weight to float32 first"
+    where = "no C++ compiler for the native loop" if platform.is_cpu else f"{platform.backend}: no native kernel"
+    return "xla", f"{where}; dequantize and multiply"
+
+
 RULES: dict[str, Callable[[Platform], tuple[str, str]]] = {
     "attention": _attention, "decode": _decode, "matmul": _matmul, "mla": _mla, "moe": moe.rule,
-    "paged": _paged}
+    "paged": _paged, "quantized": _quantized}
 assert set(RULES) == set(IMPLEMENTATIONS)
 
 

@@ -1,0 +1,102 @@
+"""The matmuls of one decoded token against float32, int8 and int4 weights: how close each comes to the memory roofline.
+
+    PYTHONPATH=$PWD python bench/quant_matmul.py [--rounds 10] [--layers 30]
+
+The SmolLM2-135M shapes (d_model 576, 9 query and 3 key/value heads of 64, MLP 1536): per layer the 7
+projections q, k, v, o, gate, up, down, at batch 1, chained layer after layer as decoding runs them
+(each layer's input depends on the last), one jitted program per formulation:
+
+* float32 in XLA (`Kernels.matmul` "xla");
+* int8 per channel, the XLA reference (`Kernels.quantized` "xla": dequantize, then a float32 dot);
+* int8 per channel and int4 in groups of 32 in the native loop (`Kernels.quantized` "native_cpu").
+
+Timed in turns (`bench.timing.in_turns`), medians. GB/s is the bytes of weights (values and scales)
+read per token over the time per token; the machine's streaming read bandwidth (a float32 sum over a
+buffer of the float32 weights' size, in XLA) is measured beside it. Writes bench/results/quant_matmul.json
+and quant_matmul.md with the CPU named.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.machine import describe_machine, machine_line, write_results  # noqa: E402
+from bench.timing import in_turns  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+D, Q, KV, F = 576, 576, 192, 1536
+SHAPES = {"q": (D, Q), "k": (D, KV), "v": (D, KV), "o": (Q, D), "gate": (D, F), "up": (D, F), "down": (F, D)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--layers", type=int, default=30)
+    args = parser.parse_args()
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxattn.kernels import matmul_kernel, quantized_matmul_kernel
+    from jaxattn.quantization import quantize_weight
+
+    rng = np.random.default_rng(0)
+    weights = [{name: jnp.asarray(rng.normal(scale=0.05, size=shape).astype(np.float32))
+                for name, shape in SHAPES.items()} for _ in range(args.layers)]
+    formats = {"float32": lambda w: w, "int8": lambda w: quantize_weight(w, "int8"),
+               "int4 (groups of 32)": lambda w: quantize_weight(w, "int4")}
+    stored = {name: jax.block_until_ready([{k: f(w) for k, w in layer.items()} for layer in weights])
+              for name, f in formats.items()}
+    candidates = {"float32, XLA": ("float32", matmul_kernel("xla")),
+                  "int8, XLA reference": ("int8", quantized_matmul_kernel("xla")),
+                  "int8, native": ("int8", quantized_matmul_kernel("native_cpu")),
+                  "int4 (groups of 32), native": ("int4 (groups of 32)", quantized_matmul_kernel("native_cpu"))}
+
+    def token(matmul):
+        def run(layers, h):  # h [1, D]
+            for w in layers:
+                q, k, v = matmul(h, w["q"]), matmul(h, w["k"]), matmul(h, w["v"])
+                o = matmul(q, w["o"])
+                d = matmul(jax.nn.silu(matmul(h, w["gate"])) * matmul(h, w["up"]), w["down"])
+                h = h + 1e-3 * (o + d) + 1e-6 * (jnp.sum(k) + jnp.sum(v))
+            return h
+        return jax.jit(run)
+
+    x = jnp.asarray(rng.normal(size=(1, D)).astype(np.float32))
+    calls = {name: (lambda f=token(kernel), p=stored[fmt]: f(p, x)) for name, (fmt, kernel) in candidates.items()}
+    nbytes = {fmt: sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree_util.tree_leaves(layers))
+              for fmt, layers in stored.items()}
+    stream = jnp.asarray(rng.normal(size=nbytes["float32"] // 4).astype(np.float32))
+    calls["streaming read (float32 sum)"] = lambda: jax.jit(jnp.sum)(stream)
+    timings = in_turns(calls, args.rounds)
+
+    rows = []
+    for name, timing in timings.items():
+        fmt = candidates[name][0] if name in candidates else "float32"
+        ms = timing.median_s * 1e3
+        rows.append({"formulation": name, "weights": fmt, "weight_bytes": nbytes[fmt], "ms_per_token": ms,
+                     "gb_per_s": nbytes[fmt] / timing.median_s / 1e9, "times_s": timing.times_s})
+    base = rows[0]["ms_per_token"]
+    for row in rows:
+        row["speedup_vs_float32"] = base / row["ms_per_token"]
+    record = {"machine": describe_machine(), "layers": args.layers, "projections": SHAPES, "rounds": args.rounds,
+              "batch": 1, "rows": rows}
+    lines = [f"# Quantized matmuls of one token on {machine_line(record['machine'])}", "",
+             f"{args.layers} layers x 7 SmolLM2-135M-shaped projections (q, k, v, o, gate, up, down), batch 1, "
+             f"medians of {args.rounds} turns. GB/s: bytes of weights (values and scales) per token over the time.", "",
+             "| formulation | weight MB | ms per token | GB/s | vs float32 |", "| --- | --- | --- | --- | --- |"]
+    for row in rows:
+        lines.append(f"| {row['formulation']} | {row['weight_bytes'] / 1e6:.1f} | {row['ms_per_token']:.2f} | "
+                     f"{row['gb_per_s']:.1f} | {row['speedup_vs_float32']:.2f}x |")
+    lines.append("")
+    lines.append("The streaming read is the machine's bandwidth for reference (its \"vs float32\" is not a speed-up).")
+    write_results(RESULTS, "quant_matmul", record, "\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,91 @@
+"""Building and loading the native kernels (C++ registered through `jax.ffi`), shared by each of them.
+
+A kernel's source is compiled on first use with the C++ compiler `compiler()` finds (`$CXX`, else
+c++, g++ or clang++) and `FLAGS` (`-ffast-math`: the sources rely on no infinity), into the cache
+`native_cache_dir()` under a name that hashes the source, the compiler, JAX's FFI headers and this
+CPU's flags: a new CPU or JAX builds anew, nothing is shared between machines. Every failure is a
+`NativeBuildError` whose message ends with the kernel's way out (the reference to ask for instead).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import jax
+
+from jaxattn.kernels.host import read_cpu_flags
+
+FLAGS = ("-O3", "-march=native", "-ffast-math", "-std=c++17", "-shared", "-fPIC")
+
+
+class NativeBuildError(RuntimeError):
+    """A native kernel could not be compiled or loaded (the message says how to do without it)."""
+
+
+def compiler() -> str | None:
+    """The C++ compiler used: `$CXX`, else the first of c++, g++ and clang++ on PATH; None if none."""
+    explicit = os.environ.get("CXX")
+    if explicit:
+        return shutil.which(explicit) or explicit
+    return next((path for name in ("c++", "g++", "clang++") if (path := shutil.which(name))), None)
+
+
+def native_cache_dir() -> Path:
+    """`$JAXATTN_NATIVE_CACHE`, else `$XDG_CACHE_HOME/jaxattn/native` (default ~/.cache)."""
+    explicit = os.environ.get("JAXATTN_NATIVE_CACHE")
+    if explicit:
+        return Path(explicit)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "jaxattn" / "native"
+
+
+def build(source: Path, cxx: str, way_out: str) -> Path:
+    """The library compiled from `source` with `cxx`, compiling it unless the cache has it.
+    `way_out` ends every error's message, e.g. "use Kernels(paged='ragged')"."""
+    include = jax.ffi.include_dir()
+    try:
+        version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError) as err:
+        raise NativeBuildError(f"the C++ compiler {cxx} does not run ({err}); {way_out}") from err
+    key = hashlib.sha256("\0".join([source.read_text(), version, jax.__version__, str(FLAGS), " ".join(sorted(read_cpu_flags())),
+                                    (Path(include) / "xla" / "ffi" / "api" / "api.h").read_text()]).encode())
+    library = native_cache_dir() / f"{source.stem}-{key.hexdigest()[:16]}.so"
+    if library.is_file():
+        return library
+    library.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=library.parent) as scratch:  # built aside, then moved in whole
+        built = Path(scratch) / library.name
+        result = subprocess.run([cxx, *FLAGS, "-I", include, str(source), "-o", str(built)],
+                                capture_output=True, text=True, timeout=600)
+        if result.returncode != 0:
+            tail = (result.stderr or result.stdout).strip().splitlines()[-5:]
+            raise NativeBuildError(f"compiling {source.name} with {cxx} failed: {' | '.join(tail)}; {way_out}")
+        os.replace(built, library)
+    return library
+
+
+def no_compiler(what: str, way_out: str) -> NativeBuildError:
+    """The error for a kernel `what` (e.g. "paged='ragged_cpu'") when `compiler()` found none."""
+    return NativeBuildError(f"{what} needs a C++ compiler ($CXX, c++, g++ or clang++), and none was found; {way_out}")
+
+
+def register(path: Path, symbol: str, target: str, what: str, way_out: str) -> None:
+    """Loads the library at `path` and registers its handler `symbol` as the CPU FFI target `target`."""
+    try:
+        library = ctypes.cdll.LoadLibrary(str(path))
+    except OSError as err:
+        raise NativeBuildError(f"loading {what} failed ({err}); {way_out}") from err
+    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
+
+
+def threads() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
