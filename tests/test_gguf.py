@@ -489,14 +489,20 @@ def test_importing_jaxattn_gguf_imports_neither_torch_nor_transformers():
 # ------------------------------------------------------------------ tests: refusals
 
 
-def test_an_unknown_architecture_is_refused_naming_it_and_the_file(tmp_path):
-    path = tmp_path / "mamba.gguf"
+def write_mamba(directory):
+    """A GGUF file of an architecture jaxattn does not implement (one tensor)."""
+    path = directory / "mamba.gguf"
     w = GGUFWriter(str(path), "mamba")
     w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+    return path
+
+
+def test_an_unknown_architecture_is_refused_naming_it_and_the_file(tmp_path):
+    path = write_mamba(tmp_path)
     with pytest.raises(hf.UnsupportedCheckpoint) as err:
         load_gguf(path)
     message = str(err.value)
@@ -589,13 +595,7 @@ def test_sample_refuses_a_bad_gguf_file_in_one_line(tmp_path, capsys, content):
 
 
 def test_sample_refuses_an_unsupported_architecture_in_one_line(tmp_path, capsys):
-    path = tmp_path / "mamba.gguf"
-    w = GGUFWriter(str(path), "mamba")
-    w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    path = write_mamba(tmp_path)
     code, _, err = call(capsys, sample.main, "--gguf", str(path), "--prompt", "A")
     assert code == 1 and "unsupported architecture 'mamba'" in err and len(err.splitlines()) == 1
 
