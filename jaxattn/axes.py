@@ -61,6 +61,7 @@ VOCAB = "vocab"  # a token table's rows, the logits' columns
 LATENT = "latent"  # MLA's compressed widths
 EXPERT = "expert"  # MoE experts
 POSITION = "position"  # a learned position table's rows
+LAYERS = "layers"  # the repeats of a scanned period of layers (`jaxattn.layer_plan`), never split
 # The activations' own names where their layout differs from the parameters' of the same meaning:
 ACTIVATION_EMBED = "activation_embed"  # the residual stream's width: whole, while the parameters' "embed" splits
 ACTIVATION_VOCAB = "activation_vocab"  # a table's rows gathered whole for a lookup, while "vocab" splits
@@ -79,6 +80,7 @@ RULES: dict[str, tuple[str, ...]] = {
     VOCAB: (TENSOR,),
     HEAD_DIM: (),
     POSITION: (),
+    LAYERS: (),
     LENGTH: (),
     EXPERT: (FSDP,),  # whole experts per device (expert parallelism over fsdp)
     ACTIVATION_EMBED: (),

@@ -3,7 +3,8 @@
 A layer kind declares its cache once (`cache_fields`, `cache_type`; `jaxattn.cache`), and the
 model's layer kind is `jaxattn.attention_kinds.attention_class(config)`. From that declaration:
 
-* `init_cache`: the dense `DecodeCache`, `B` rows of `L` slots per layer (`generate`);
+* `init_cache`: the dense `DecodeCache`, `B` rows of `L` slots per layer (`generate`), in the
+  model's layer order (`jaxattn.layer_plan`: a scanned period's layers stacked);
 * `init_pools`: the paged cache, per layer a pool of `P` pages of `page_size` slots, shared by
   every sequence through block tables (`jaxattn.serving`);
 * `cache_bytes_per_token`: what one token costs in either.
@@ -21,6 +22,7 @@ from jaxattn._validate import is_int
 from jaxattn.cache import CacheField, DecodeCache
 from jaxattn.config import ModelConfig
 from jaxattn.attention_kinds import attention_class
+from jaxattn.layer_plan import plan_layers
 
 
 def cache_fields(config: ModelConfig) -> dict[str, CacheField]:
@@ -42,10 +44,18 @@ def init_cache(config: ModelConfig, batch_size: int, max_len: int, dtype=None) -
     _positive(batch_size=batch_size, max_len=max_len)
     dtype = jnp.dtype(config.dtype if dtype is None else dtype)
     container, fields = attention_class(config).cache_type, cache_fields(config)
-    layers = tuple(container(**{name: jnp.zeros(field.dense_shape(batch_size, max_len), dtype)
+    # One container per unrolled layer; one per position of a scanned period, its R repeats stacked
+    # in front (`jaxattn.layer_plan`): the scan reads and writes each repeat's slice.
+    layers = tuple(container(**{name: jnp.zeros(lead + field.dense_shape(batch_size, max_len), dtype)
                                 for name, field in fields.items()})
-                   for _ in range(config.num_layers))
+                   for lead in _unit_leads(config))
     return DecodeCache(layers=layers, lengths=jnp.zeros((batch_size,), jnp.int32), num_slots=max_len)
+
+
+def _unit_leads(config: ModelConfig) -> list[tuple[int, ...]]:
+    """Per cache unit of `config` (`LayerPlan.units`), the leading dims: () unrolled, (R,) scanned."""
+    plan = plan_layers(config)
+    return [() if kind == "layer" else (plan.repeats,) for kind, _ in plan.units]
 
 
 def init_pools(config: ModelConfig, num_pages: int, page_size: int, dtype=None) -> tuple:

@@ -108,6 +108,9 @@ class ModelConfig:
       value_embeddings: E token tables `[V, K*H]` mixed into the values of the first and last E
         layers (modded-nanoGPT; docs/theory.md §23): v = lam_0 v + lam_1 table[token], layer i's
         table `value_embedding_table(i)`; 0 <= 2E <= num_layers, standard attention only.
+      scan_layers: run the repeated layers under one scan, compiled once, with their parameters
+        stacked on a leading "layers" axis (`jaxattn.layer_plan`); the same maths, another
+        parameter layout (`jaxattn.layer_plan.stack_params` / `unstack_params` convert).
 
     `num_kv_heads`, `head_dim`, `mlp_hidden` and the three bias switches given as
     None are derived when the config is built, so they always read as integers
@@ -158,6 +161,7 @@ class ModelConfig:
     init_std: float = 0.02
     zero_init_out: bool = False
     value_embeddings: int = 0
+    scan_layers: bool = False
 
     def __post_init__(self):
         if isinstance(self.qk_norm, bool):  # older configs: a switch of the per-head norm
@@ -202,7 +206,7 @@ class ModelConfig:
                 object.__setattr__(self, name, self.use_bias)
         for name in ("num_kv_heads", "head_dim", "mlp_hidden"):
             require_field_positive_int("ModelConfig", name, getattr(self, name))
-        for name in ("use_bias", "gelu_approximate", "attn_sinks", "norm_unit_offset", *_BIASES):
+        for name in ("use_bias", "gelu_approximate", "attn_sinks", "norm_unit_offset", "scan_layers", *_BIASES):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"ModelConfig.{name} must be true or false, got {getattr(self, name)!r}")
 

@@ -25,7 +25,8 @@ def mean_over_layers(state) -> dict[str, jax.Array]:
     for path, value in jax.tree_util.tree_leaves_with_path(state.get(COLLECTION, {})):
         names = [key.key for key in path if isinstance(key, jax.tree_util.DictKey)]
         sown.setdefault(str(names[-1]), []).append(value)
-    return {name: jnp.mean(jnp.stack(values)) for name, values in sorted(sown.items())}
+    # A scanned period's layers sow one [R] array (one value per repeat): each value is one layer's.
+    return {name: jnp.mean(jnp.concatenate([jnp.ravel(v) for v in values])) for name, values in sorted(sown.items())}
 
 
 def add_objective(loss: jax.Array, means: dict[str, jax.Array]) -> jax.Array:

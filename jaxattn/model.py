@@ -41,6 +41,7 @@ from jaxattn.axes import ACTIVATION_EMBED, ACTIVATION_VOCAB, BATCH, EMBED, KV_HE
 from jaxattn.cache import DecodeCache, PagedBatch
 from jaxattn.config import ModelConfig
 from jaxattn.kernels import Kernels
+from jaxattn.layer_plan import SCANNED, plan_layers
 from jaxattn.moe import mlp_for_layer
 from jaxattn.position_embeddings import absolute_positions
 from jaxattn.primitives import check_config, logical, make_linear, make_norm
@@ -132,6 +133,49 @@ class Block(nn.Module):
         return x + branch(x, mlp, lambda h: self.mlp_norm(h), lambda h: self.post_mlp_norm(h))
 
 
+class LayerPeriod(nn.Module):
+    """One scan step: the P blocks of a period, layers `first .. first + P - 1` for their programs
+    (`jaxattn.layer_plan`); `DecoderLM` scans it over the period's repeats, so its parameters and
+    caches carry a leading `[R]` outside the scan and none inside."""
+
+    config: ModelConfig
+    kernels: Kernels = Kernels()
+    first: int = 0
+    period: int = 1
+
+    def setup(self):
+        self.blocks = [Block(self.config, self.kernels, layer=self.first + j) for j in range(self.period)]
+
+    def __call__(self, x, shared, value_embeddings):
+        """x `[B, T, D]`; shared `(positions, padding_mask, deterministic)`; value_embeddings per block
+        (or None) -> (x, None)."""
+        positions, padding_mask, deterministic = shared
+        for block, value_embedding in zip(self.blocks, value_embeddings):
+            x = block(x, positions=positions, padding_mask=padding_mask, deterministic=deterministic,
+                      value_embedding=value_embedding)
+            x = nn.with_logical_constraint(x, RESIDUAL_AXES)
+        return x, None
+
+    def extend(self, x, positions, per_step):
+        """x `[B, T, D]` at `positions [B, T]`; per_step `(caches, value_embeddings)` per block ->
+        (x, the blocks' new caches)."""
+        caches, value_embeddings = per_step
+        updated = []
+        for block, cache, value_embedding in zip(self.blocks, caches, value_embeddings):
+            x, cache = block.extend(x, cache, positions, value_embedding=value_embedding)
+            updated.append(cache)
+        return x, tuple(updated)
+
+
+@functools.lru_cache(maxsize=None)
+def scanned_layers(repeats: int):
+    """`LayerPeriod` scanned over `repeats` steps. Every collection (parameters, sown weights and
+    losses) gets the leading `[R]` axis, named "layers" for meshes; each repeat draws its own
+    initialisation and dropout; the first argument is broadcast to every step, the second scanned."""
+    return nn.scan(LayerPeriod, variable_axes={True: 0}, split_rngs={True: True}, in_axes=(nn.broadcast, 0),
+                   length=repeats, methods=["__call__", "extend"], metadata_params={nn.PARTITION_NAME: SCANNED})
+
+
 def _check_tokens(tokens) -> None:
     if not hasattr(tokens, "ndim") or tokens.ndim != 2:
         raise ValueError(f"tokens must be [B, T], got shape {getattr(tokens, 'shape', type(tokens))}")
@@ -142,7 +186,8 @@ def _check_tokens(tokens) -> None:
 class DecoderLM(nn.Module):
     """Token embedding `wte`, the absolute positions `wpe` (a learned table for "learned" positions),
     value-embedding tables `value_embed_j` (`[V, K*H]`, logical axes ("vocab", "kv_heads")), blocks
-    `blocks_i`, `final_norm`, lm_head."""
+    `blocks_i` (with `config.scan_layers`, the scanned ones stacked under `layers`:
+    `jaxattn.layer_plan`), `final_norm`, lm_head."""
 
     config: ModelConfig
     kernels: Kernels = Kernels()
@@ -158,7 +203,10 @@ class DecoderLM(nn.Module):
                             for _ in range(c.value_embeddings)]  # params value_embed_0 .. value_embed_{E-1}
         self.wpe = absolute_positions(c)
         self.embed_dropout = nn.Dropout(c.dropout)
-        self.blocks = [Block(c, k, layer=i) for i in range(c.num_layers)]
+        plan = plan_layers(c)  # every layer unrolled unless config.scan_layers
+        self.blocks = {i: Block(c, k, layer=i) for i in plan.prefix + plan.suffix}  # params blocks_{i}
+        if plan.repeats:
+            self.layers = scanned_layers(plan.repeats)(c, k, first=plan.first, period=plan.period)
         self.final_norm = make_norm(c)
         if not c.tie_embeddings:
             self.lm_head = make_linear(c, k, c.vocab_size, (EMBED, VOCAB), use_bias=False,
@@ -234,11 +282,26 @@ class DecoderLM(nn.Module):
             raise ValueError(f"padding_mask must be bool [B, T] = {(B, T)}, got "
                              f"{padding_mask.dtype} {padding_mask.shape}")
         x = nn.with_logical_constraint(self.embed(tokens, positions, deterministic=deterministic), RESIDUAL_AXES)
-        for block, value_embedding in zip(self.blocks, self.embed_values(tokens)):
-            x = block(x, positions=positions, padding_mask=padding_mask, deterministic=deterministic,
-                      value_embedding=value_embedding)
+        values = self.embed_values(tokens)
+        for unit in self._units():
+            if unit == SCANNED:
+                x, _ = self.layers(x, (positions, padding_mask, deterministic), self._scanned_values(values))
+            else:
+                x = self.blocks[unit](x, positions=positions, padding_mask=padding_mask,
+                                      deterministic=deterministic, value_embedding=values[unit])
             x = nn.with_logical_constraint(x, RESIDUAL_AXES)
         return self.logits(x)
+
+    def _units(self) -> list:
+        """The layers in order: an unrolled layer's index, or `SCANNED` for the scanned periods."""
+        plan = plan_layers(self.config)
+        return [*plan.prefix, *([SCANNED] if plan.repeats else []), *plan.suffix]
+
+    def _scanned_values(self, values: list) -> tuple:
+        """Per block of the period, its value embeddings stacked over the repeats `[R, B, T, K, H]` (or None)."""
+        plan = plan_layers(self.config)
+        return tuple(None if values[plan.layer(0, j)] is None else
+                     jnp.stack([values[plan.layer(r, j)] for r in range(plan.repeats)]) for j in range(plan.period))
 
     # -- cached extension ------------------------------------------------------------------
 
@@ -274,10 +337,16 @@ class DecoderLM(nn.Module):
         starts = cache.lengths
         positions = starts[:, None] + jnp.arange(T)[None, :]  # [B, T] absolute
         x = self.embed(tokens, positions)
-        layers = []
-        for block, layer_cache, value_embedding in zip(self.blocks, cache.layers, self.embed_values(tokens)):
-            x, layer_cache = block.extend(x, layer_cache, positions, value_embedding=value_embedding)
-            layers.append(layer_cache)
+        values, period = self.embed_values(tokens), plan_layers(self.config).period
+        caches, layers = list(cache.layers), []  # one cache per unrolled layer, P stacked ones for the scan
+        for unit in self._units():
+            if unit == SCANNED:
+                x, updated = self.layers.extend(x, positions, (tuple(caches[:period]), self._scanned_values(values)))
+                del caches[:period]
+                layers.extend(updated)
+            else:
+                x, layer_cache = self.blocks[unit].extend(x, caches.pop(0), positions, value_embedding=values[unit])
+                layers.append(layer_cache)
         return self.logits(x), DecodeCache(layers=tuple(layers), lengths=starts + num_new, num_slots=cache.num_slots)
 
     def extend_paged(self, tokens, pools: tuple, batch: PagedBatch):
@@ -292,6 +361,9 @@ class DecoderLM(nn.Module):
           `(logits [M, V] float32 at batch.logit_tokens, new pools)`: the head runs only where a token
           is drawn. Deterministic; token ids are not checked (the engine checks them on admission).
         """
+        if plan_layers(self.config).repeats:
+            raise ValueError("a paged step runs its layers unrolled: give the engine a config without scan_layers "
+                             "and jaxattn.layer_plan.unstack_params(params, config)")
         if not hasattr(tokens, "ndim") or tokens.ndim != 1 or tokens.shape != batch.positions.shape:
             raise ValueError(f"tokens must be [Tf] = {batch.positions.shape}, got {getattr(tokens, 'shape', None)}")
         if len(pools) != self.config.num_layers:
@@ -299,7 +371,7 @@ class DecoderLM(nn.Module):
         tokens = tokens[None, :]  # [1, Tf]: one row of flat tokens; only attention looks at rows
         x = self.embed(tokens, batch.positions[None, :])
         new_pools = []
-        for block, pool, value_embedding in zip(self.blocks, pools, self.embed_values(tokens)):
+        for block, pool, value_embedding in zip(self.blocks.values(), pools, self.embed_values(tokens)):
             x, pool = block.extend_paged(x, pool, batch, value_embedding=value_embedding)
             new_pools.append(pool)
         return self.logits(x[:, batch.logit_tokens])[0], tuple(new_pools)
@@ -337,10 +409,10 @@ class DecoderLM(nn.Module):
         if not isinstance(cache, DecodeCache):
             raise TypeError(f"cache must be a DecodeCache (see init_cache), got {type(cache).__name__}")
         c = self.config
-        expected = attention_class(c).cache_type
-        if len(cache.layers) != c.num_layers or not all(isinstance(l, expected) for l in cache.layers):
-            raise ValueError(f"cache must hold {c.num_layers} {expected.__name__} layers for "
-                             f"attention={c.attention!r}, got "
+        expected, units = attention_class(c).cache_type, len(plan_layers(c).units)
+        if len(cache.layers) != units or not all(isinstance(l, expected) for l in cache.layers):
+            raise ValueError(f"cache must hold {units} {expected.__name__} layers for "
+                             f"attention={c.attention!r}{' with scan_layers' if c.scan_layers else ''}, got "
                              f"{[type(l).__name__ for l in cache.layers]}")
         if cache.lengths.shape != (tokens.shape[0],):
             raise ValueError(f"cache.lengths {cache.lengths.shape} does not match the batch of "
@@ -368,6 +440,8 @@ def attention_weights(model: nn.Module, variables, tokens, **kwargs):
     variables = {name: value for name, value in variables.items() if name != WEIGHTS[0]}
     logits, state = model.apply(variables, tokens, mutable=[WEIGHTS[0]], **kwargs)
     sown = flatten_dict(state.get(WEIGHTS[0], {}))
+    if getattr(model, "config", None) is not None and SCANNED in state.get(WEIGHTS[0], {}):
+        sown = _unscanned(sown, plan_layers(model.config))
 
     def layer_order(path):
         found = [int(m.group(1)) for part in path for m in [re.fullmatch(r"\w*?_(\d+)", str(part))] if m]
@@ -375,6 +449,19 @@ def attention_weights(model: nn.Module, variables, tokens, **kwargs):
 
     paths = sorted((p for p in sown if p[-1] == WEIGHTS[1]), key=layer_order)
     return logits, tuple(w for p in paths for w in sown[p])
+
+
+def _unscanned(sown: dict, plan) -> dict:
+    """Sown values of the scanned layers (`layers/blocks_j/...`, each `[R, ...]`) as `blocks_i/...` per layer."""
+    out = {}
+    for path, values in sown.items():
+        if path[0] != SCANNED:
+            out[path] = values
+            continue
+        j = int(path[1].rpartition("_")[2])
+        for r in range(plan.repeats):
+            out[(f"blocks_{plan.layer(r, j)}", *path[2:])] = jax.tree.map(lambda value: value[r], values)
+    return out
 
 
 def count_params(params) -> int:

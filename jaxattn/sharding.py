@@ -116,9 +116,12 @@ def cache_specs(cache: DecodeCache, config: ModelConfig, mesh: MeshShape) -> Dec
     counts = logical_counts(config)
     fields = cache_fields(config)
 
-    def layer(cache_layer):
-        return type(cache_layer)(**{name: spec_for(field.dense_axes(), getattr(cache_layer, name).shape, mesh,
-                                                   counts)[0] for name, field in fields.items()})
+    def layer(cache_layer):  # a scanned period's caches carry a leading [R], never split
+        def spec(name, field):
+            shape = getattr(cache_layer, name).shape
+            axes = field.dense_axes()
+            return spec_for((None,) * (len(shape) - len(axes)) + axes, shape, mesh, counts)[0]
+        return type(cache_layer)(**{name: spec(name, field) for name, field in fields.items()})
 
     return DecodeCache(layers=tuple(layer(c) for c in cache.layers),
                        lengths=spec_for((BATCH,), cache.lengths.shape, mesh)[0], num_slots=cache.num_slots)

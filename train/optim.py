@@ -18,10 +18,18 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxattn.axes import LAYERS
 from train.config import TrainConfig
 
 TABLE_AXES = frozenset({"vocab", "position", "length"})  # rows looked up by token or position
 MUON, ADAM = "muon", "adam"
+# A scanned model's stacked parameters lead with the LAYERS axis (`jaxattn.layer_plan`): each of its
+# slices is one layer's parameter, so every rule below reads the axes after it (a matrix per layer).
+
+
+def stacked_axes(names: tuple[str | None, ...]) -> int:
+    """How many leading axes of a parameter named `names` stack layers (0 or 1)."""
+    return int(bool(names) and names[0] == LAYERS)
 
 
 def lr_schedule(tc: TrainConfig, peak: float | None = None) -> Callable[[jax.Array], jax.Array]:
@@ -57,27 +65,29 @@ def momentum_schedule(tc: TrainConfig) -> Callable[[jax.Array], jax.Array]:
 
 
 def param_group(names: tuple[str | None, ...]) -> str:
-    """MUON for a hidden matrix (rank >= 2, no axis of `TABLE_AXES`), else ADAM."""
+    """MUON for a hidden matrix (rank >= 2 per layer, no axis of `TABLE_AXES`), else ADAM."""
+    names = names[stacked_axes(names):]
     return MUON if len(names) >= 2 and not TABLE_AXES.intersection(names) else ADAM
 
 
 def param_groups(logical_names: Any) -> Any:
     """The params tree with each leaf `param_group` of its names; `logical_names` is the tree
     `jaxattn.sharding.logical_names(config)` gives ((names, shape) pairs)."""
-    is_pair = lambda x: isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], tuple)  # noqa: E731
-    return jax.tree.map(lambda pair: param_group(pair[0]), logical_names, is_leaf=is_pair)
+    return jax.tree.map(lambda pair: param_group(pair[0]), logical_names, is_leaf=_is_pair)
 
 
-def muon_dimensions(x: jax.Array) -> optax.contrib.MuonDimensionNumbers:
-    """A kernel's first axis is its input (`x @ W`): the reduction axis; the rest are its outputs
-    (MLA's `[latent, heads, head_dim]` is orthogonalised as one `latent x (heads * head_dim)` matrix)."""
-    return optax.contrib.MuonDimensionNumbers(reduction_axis=0, output_axis=tuple(range(1, x.ndim)))
+def muon_dimensions(x: jax.Array, stacked: int = 0) -> optax.contrib.MuonDimensionNumbers:
+    """A kernel's first axis after its `stacked` layer axes is its input (`x @ W`): the reduction
+    axis; the rest are its outputs (MLA's `[latent, heads, head_dim]` is orthogonalised as one
+    `latent x (heads * head_dim)` matrix); the layer axes are a batch of matrices."""
+    return optax.contrib.MuonDimensionNumbers(reduction_axis=stacked, output_axis=tuple(range(stacked + 1, x.ndim)))
 
 
-def shape_scale(shape: tuple[int, ...]) -> float:
-    """`sqrt(max(1, fan_out / fan_in))`, fan_in the first axis (`muon_dimensions`): what
-    `optax.contrib.muon` multiplies an orthogonalised update by, so that its RMS per output
-    unit does not shrink as a matrix gets wider (Jordan's Muon)."""
+def shape_scale(shape: tuple[int, ...], stacked: int = 0) -> float:
+    """`sqrt(max(1, fan_out / fan_in))`, fan_in the first axis after the `stacked` layer axes
+    (`muon_dimensions`): what `optax.contrib.muon` multiplies an orthogonalised update by, so that
+    its RMS per output unit does not shrink as a matrix gets wider (Jordan's Muon)."""
+    shape = shape[stacked:]
     return math.sqrt(max(1.0, math.prod(shape[1:]) / shape[0]))
 
 
@@ -86,27 +96,46 @@ def _is_embedding(path) -> bool:
     return any("embed" in n or n in ("wte", "wpe") for n in names)
 
 
-def decay_mask(params: Any, decay_embeddings: bool) -> Any:
-    """True where weight decay applies: matrices (ndim >= 2), embeddings only if asked."""
+def decay_mask(params: Any, decay_embeddings: bool, stacked: Any = None) -> Any:
+    """True where weight decay applies: matrices (ndim >= 2 per layer: `stacked` is a tree of each
+    leaf's layer axes, `stacked_of`; None = none stacked), embeddings only if asked."""
+    stacked = jax.tree.map(lambda _: 0, params) if stacked is None else stacked
     return jax.tree_util.tree_map_with_path(
-        lambda path, p: p.ndim >= 2 and (decay_embeddings or not _is_embedding(path)), params)
+        lambda path, p, lead: p.ndim - lead >= 2 and (decay_embeddings or not _is_embedding(path)), params, stacked)
 
 
-def _adamw(tc: TrainConfig) -> optax.GradientTransformation:
-    return optax.adamw(lr_schedule(tc), b1=tc.beta1, b2=tc.beta2, weight_decay=tc.weight_decay,
-                       mask=partial(decay_mask, decay_embeddings=tc.decay_embeddings))
+def stacked_of(logical_names: Any) -> Any:
+    """The params tree with each leaf its number of stacked layer axes (`stacked_axes`)."""
+    return jax.tree.map(lambda pair: stacked_axes(pair[0]), logical_names, is_leaf=_is_pair)
 
 
-def _muon(tc: TrainConfig) -> optax.GradientTransformation:
+def _is_pair(x) -> bool:
+    return isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], tuple)
+
+
+def _adamw(tc: TrainConfig, stacked: Any = None) -> optax.GradientTransformation:
+    mask = lambda params: decay_mask(params, tc.decay_embeddings,  # noqa: E731 (masked leaves: the subtree)
+                                     None if stacked is None else _matching(stacked, params))
+    return optax.adamw(lr_schedule(tc), b1=tc.beta1, b2=tc.beta2, weight_decay=tc.weight_decay, mask=mask)
+
+
+def _matching(stacked: Any, tree: Any) -> Any:
+    """`stacked` cut to the leaves `tree` has (a partition hands each optimizer a masked tree)."""
+    return jax.tree.map(lambda lead, sub: jax.tree.map(lambda _: lead, sub), stacked, tree)
+
+
+def _muon(tc: TrainConfig, stacked: Any) -> optax.GradientTransformation:
     """Nesterov momentum (warmed up), Newton-Schulz orthogonalisation, `shape_scale`, decoupled
-    weight decay, the scheduled `muon_lr`."""
-    dimensions = lambda updates: jax.tree.map(muon_dimensions, updates)  # noqa: E731 (masked leaves skip)
+    weight decay, the scheduled `muon_lr`; `stacked` gives each leaf's layer axes (`stacked_of`)."""
+    def dimensions(updates):  # masked leaves (another group's) are empty subtrees and skip
+        return jax.tree.map(lambda lead, u: jax.tree.map(lambda x: muon_dimensions(x, lead), u), stacked, updates)
     orthogonalise = optax.inject_hyperparams(
         optax.contrib.scale_by_muon, static_args=("ns_coeffs", "ns_steps", "eps", "mu_dtype", "nesterov",
                                                   "adaptive", "preconditioning", "weight_dimension_numbers"))
     return optax.chain(
         orthogonalise(beta=momentum_schedule(tc), nesterov=True, weight_dimension_numbers=dimensions),
-        optax.stateless(lambda updates, params: jax.tree.map(lambda u: u * shape_scale(u.shape), updates)),
+        optax.stateless(lambda updates, params: jax.tree.map(
+            lambda lead, u: jax.tree.map(lambda x: x * shape_scale(x.shape, lead), u), stacked, updates)),
         optax.add_decayed_weights(tc.weight_decay),
         optax.scale_by_learning_rate(lr_schedule(tc, tc.muon_lr)))
 
@@ -119,9 +148,10 @@ def make_optimizer(tc: TrainConfig, logical_names: Any = None) -> optax.Gradient
         if logical_names is None:
             raise ValueError("make_optimizer: optimizer 'muon' needs the model's logical_names "
                              "(jaxattn.sharding.logical_names(config))")
-        optimizer = optax.partition({MUON: _muon(tc), ADAM: _adamw(tc)}, param_groups(logical_names))
+        stacked = stacked_of(logical_names)
+        optimizer = optax.partition({MUON: _muon(tc, stacked), ADAM: _adamw(tc, stacked)}, param_groups(logical_names))
     else:
-        optimizer = _adamw(tc)
+        optimizer = _adamw(tc, None if logical_names is None else stacked_of(logical_names))
     if tc.grad_clip > 0:
         return optax.chain(optax.clip_by_global_norm(tc.grad_clip), optimizer)
     return optimizer
