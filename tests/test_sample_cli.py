@@ -125,6 +125,16 @@ def test_checkpoint_round_trip_samples_what_the_params_say(tmp_path, capsys):
     assert out == "ROMEO:" + tokenizer.decode(expected.tokens[0]) + "\n"
 
 
+def test_an_unrolled_checkpoint_samples_the_same_with_scanned_layers(tmp_path, capsys):
+    """A checkpoint saved layer by layer (as every run before `scan_layers`) loads stacked."""
+    config = ModelConfig(vocab_size=65, d_model=16, num_layers=3, num_heads=2, max_seq_len=16, init_std=0.2)
+    _save(tmp_path, config, _init(config))
+    argv = ("--checkpoint", str(tmp_path), "--prompt", "ROMEO:", "--max-new-tokens", "8", "--temperature", "0")
+    unrolled, scanned = run(capsys, *argv), run(capsys, *argv, "--scan-layers")
+    assert unrolled[0] == scanned[0] == 0, scanned[2]
+    assert scanned[1] == unrolled[1] and len(unrolled[1]) > len("ROMEO:\n")
+
+
 def test_checkpoint_whose_params_do_not_fit_its_config(tmp_path, capsys):
     saved = ModelConfig(vocab_size=65, d_model=16, num_layers=1, num_heads=2, max_seq_len=16)
     _save(tmp_path, saved.replace(d_model=32), _init(saved))

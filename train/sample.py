@@ -36,6 +36,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import flax.linen as nn
 import jax
 import numpy as np
 import psutil
@@ -45,6 +46,7 @@ from jaxattn import Kernels, axes, resolve_kernels
 from jaxattn.caches import cache_bytes_per_token
 from jaxattn.config import ModelConfig
 from jaxattn.decoding import call_lengths
+from jaxattn.layer_plan import relayout
 from jaxattn.windowed import NonFiniteLogits, window_programs, windows
 from jaxattn.model import DecoderLM
 from train import config as config_lib
@@ -106,14 +108,20 @@ def random_init(name: str, seed: int = 0, data: str | None = None) -> tuple[dict
 
 
 def load(args: argparse.Namespace) -> tuple[dict, ModelConfig, Tokenizer]:
-    """The model of `--checkpoint`, `--hf`, `--gguf` or `--random-init`."""
+    """The model of `--checkpoint`, `--hf`, `--gguf` or `--random-init`, its layers scanned or
+    unrolled as `--scan-layers` says (a checkpoint of either layout loads as either)."""
     if args.random_init is not None:
-        return random_init(args.random_init, args.seed, args.data)
-    if getattr(args, "gguf", None) is not None:
-        return export_lib.load_gguf(args.gguf, allow_nonfinite=args.allow_nonfinite)
-    if args.hf is not None:
-        return export_lib.load_hf(args.hf, allow_nonfinite=args.allow_nonfinite)
-    return sampling_checkpoint.load_for_sampling(args.checkpoint)
+        params, config, tokenizer = random_init(args.random_init, args.seed, args.data)
+    elif getattr(args, "gguf", None) is not None:
+        params, config, tokenizer = export_lib.load_gguf(args.gguf, allow_nonfinite=args.allow_nonfinite)
+    elif args.hf is not None:
+        params, config, tokenizer = export_lib.load_hf(args.hf, allow_nonfinite=args.allow_nonfinite)
+    else:
+        params, config, tokenizer = sampling_checkpoint.load_for_sampling(args.checkpoint)
+    scan = getattr(args, "scan_layers", None)
+    if scan is not None:
+        params, config = relayout(nn.unbox(params), config, scan)
+    return params, config, tokenizer
 
 
 def until_eos(ids: np.ndarray, eos_token_id: int | None) -> np.ndarray:
@@ -360,6 +368,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--data", metavar="FILE_OR_DIR", help="with --random-init: the text whose characters are "
                         "the vocabulary (default: Tiny Shakespeare), or a directory prepared by python -m "
                         "train.prepare, whose tokenizer is used")
+    parser.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=None,
+                        help="compile the repeated layers once under a scan (a faster start, a slower token on a "
+                             "CPU) or each layer on its own; default: as the model was saved")
     parser.add_argument("--allow-nonfinite", action="store_true",
                         help="with --hf or --gguf: load weights holding NaN or infinity (refused otherwise)")
     parser.add_argument("--prompt", help="prompt text; '-' or absent (with piped stdin) reads stdin")

@@ -30,6 +30,7 @@ from flax.traverse_util import flatten_dict, unflatten_dict
 
 from jaxattn import fused_to_separate_qkv, separate_to_fused_qkv
 from jaxattn.config import ModelConfig
+from jaxattn.layer_plan import relayout
 from jaxattn.model import abstract_params
 from jaxattn.hf.architectures import config_from_hf
 from jaxattn.hf.errors import InvalidCheckpoint, UnsupportedCheckpoint
@@ -172,7 +173,8 @@ def _read_params(family: Family, config: ModelConfig, hf: Fields, reader, dtype:
     return unflatten_dict(flat)
 
 
-def load_pretrained(path, dtype: str = "float32", *, allow_nonfinite: bool = False) -> tuple[ModelConfig, dict]:
+def load_pretrained(path, dtype: str = "float32", *, allow_nonfinite: bool = False,
+                    scan_layers: bool = False) -> tuple[ModelConfig, dict]:
     """Reads a Hugging Face checkpoint directory: `(ModelConfig, DecoderLM params)`.
 
     See `jaxattn.hf` for the contract; `dtype` ("float32" or "bfloat16") sets
@@ -180,6 +182,8 @@ def load_pretrained(path, dtype: str = "float32", *, allow_nonfinite: bool = Fal
     holding NaN or infinite values (after conversion to `dtype`) raises
     InvalidCheckpoint naming it, unless `allow_nonfinite` (for the rare
     checkpoint that stores -inf masks or overflowed values on purpose).
+    `scan_layers`: the config scans its repeated layers and the parameters are stacked
+    (`jaxattn.layer_plan`); else every layer is its own `blocks_{i}`.
     """
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
@@ -187,7 +191,9 @@ def load_pretrained(path, dtype: str = "float32", *, allow_nonfinite: bool = Fal
     hf = read_config_json(directory)
     family, config = config_from_hf(hf, dtype)
     with CheckpointReader(directory) as reader:
-        return config, _read_params(family, config, hf, reader, dtype, allow_nonfinite)
+        params = _read_params(family, config, hf, reader, dtype, allow_nonfinite)
+    params, config = relayout(params, config, scan_layers)
+    return config, params
 
 
 class ArraySource:
@@ -401,8 +407,9 @@ def save_pretrained(path, config: ModelConfig, params, tokenizer=None, *, overwr
         raise TypeError(f"config must be a jaxattn.ModelConfig, got {type(config).__name__}")
     if eos_token_id is None and isinstance(tokenizer, HFTokenizer):
         eos_token_id = tokenizer.eos_token_id
+    unrolled, config = relayout(_unwrap(params), config, scan_layers=False)  # transformers' layers are per layer
     family, hf = hf_config(config, eos_token_id)
-    flat_in = flatten_dict(_unwrap(params))
+    flat_in = flatten_dict(unrolled)
     _check_params(flat_in, config)
     tokenizer = None if tokenizer is None else as_tokenizer(tokenizer)
     directory = Path(path)

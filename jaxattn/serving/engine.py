@@ -44,6 +44,7 @@ from jaxattn import sharding
 from jaxattn.axes import MeshShape
 from jaxattn.cache import PagedBatch, RowGroup
 from jaxattn.caches import cache_bytes_per_token, init_pools
+from jaxattn.layer_plan import relayout
 from jaxattn.config import ModelConfig
 from jaxattn.kernels import Kernels
 from jaxattn.serving.pages import PageAllocator, page_keys
@@ -151,6 +152,9 @@ class Engine:
             raise TypeError(f"config must be a ModelConfig, got {type(config).__name__}")
         if not isinstance(engine_config, EngineConfig):
             raise TypeError(f"engine_config must be an EngineConfig, got {type(engine_config).__name__}")
+        # A paged step runs its layers unrolled: a scan would copy each layer's pool out of the stack
+        # and back on every step (`jaxattn.layer_plan`), so stacked parameters are unstacked once here.
+        params, config = relayout(nn.unbox(params), config, scan_layers=False)
         ec = self.engine_config = engine_config
         self.config, self.kernels, self.detokenize = config, kernels, detokenize
         self.max_model_len = min(ec.max_model_len or config.max_seq_len, config.max_seq_len)
