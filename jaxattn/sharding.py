@@ -116,9 +116,12 @@ def cache_specs(cache: DecodeCache, config: ModelConfig, mesh: MeshShape) -> Dec
     counts = logical_counts(config)
     fields = cache_fields(config)
 
+    def spec(field, array):  # an int8 cache's scales by their own field (`CacheField.per_array`)
+        return spec_for(field.dense_axes(), array.shape, mesh, counts)[0]
+
     def layer(cache_layer):
-        return type(cache_layer)(**{name: spec_for(field.dense_axes(), getattr(cache_layer, name).shape, mesh,
-                                                   counts)[0] for name, field in fields.items()})
+        return type(cache_layer)(**{name: field.per_array(spec, getattr(cache_layer, name))
+                                    for name, field in fields.items()})
 
     return DecodeCache(layers=tuple(layer(c) for c in cache.layers),
                        lengths=spec_for((BATCH,), cache.lengths.shape, mesh)[0], num_slots=cache.num_slots)
@@ -128,8 +131,12 @@ def pool_specs(pools: tuple, config: ModelConfig, mesh: MeshShape) -> tuple:
     """The page pools' PartitionSpecs: kv heads over tensor where they divide, pages whole."""
     counts = logical_counts(config)
     fields = cache_fields(config)
-    return tuple(type(pool)(**{name: spec_for(field.paged_axes(), getattr(pool, name).shape, mesh, counts)[0]
-                               for name, field in fields.items()}) for pool in pools)
+
+    def spec(field, array):  # int8 pools' scales by their own field (`CacheField.per_array`)
+        return spec_for(field.paged_axes(), array.shape, mesh, counts)[0]
+
+    return tuple(type(pool)(**{name: field.per_array(spec, getattr(pool, name)) for name, field in fields.items()})
+                 for pool in pools)
 
 
 def constrain(tree: Any, specs: Any, mesh: Mesh) -> Any:
