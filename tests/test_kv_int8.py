@@ -19,6 +19,8 @@ import numpy as np
 import pytest
 
 import jaxattn as ja
+from jaxattn import sharding
+from jaxattn.axes import MeshShape
 from jaxattn.cache import CacheField, gather_pages, write_pages, write_rows
 from jaxattn.caches import cache_bytes_per_token, init_cache, init_pools
 from jaxattn.quantized_cache import QuantizedTokens, dequantize, is_quantized, quantize
@@ -217,3 +219,15 @@ def test_an_unknown_cache_dtype_is_one_value_error_naming_it(call, message):
     with pytest.raises(ValueError, match=message):
         call()
 
+
+
+def test_on_a_mesh_the_scales_are_split_as_their_values():
+    """`jaxattn.sharding`'s specs of an int8 cache: rows over data, kv heads over tensor, for the values
+    and their scales alike (a tree that matches the cache's); MLA's latent stays whole."""
+    P = jax.sharding.PartitionSpec
+    cache = init_cache(BABY, 4, 8, "int8")
+    specs = sharding.cache_specs(cache, BABY, MeshShape(data=2, tensor=2))
+    assert jax.tree.structure(specs, is_leaf=lambda x: isinstance(x, P)) == jax.tree.structure(cache)
+    assert specs.layers[0].k == QuantizedTokens(P("data", "tensor", None, None), P("data", "tensor", None))
+    pools = sharding.pool_specs(init_pools(BABY_MLA, 4, 2, "int8"), BABY_MLA, MeshShape(tensor=2))
+    assert pools[0].c_kv == QuantizedTokens(P(None, None, None), P(None, None))
