@@ -12,7 +12,7 @@ The last axis is never a slot axis (the dense layout puts its slots before it, a
 and their tokens first), so every layout operation of the cache (writes, page gathers, moving the
 slot axis) applies to the scales as to the values, on the same leading axes.
 
-A leaf module (jax only): the cache, the layers and the paged kernels all import it.
+A leaf module (jax and flax only): the cache, the layers and the paged kernels all import it.
 """
 
 from __future__ import annotations
