@@ -52,7 +52,8 @@ def test_a_number_read_back_is_off_by_at_most_half_its_scale():
     assert top[0, 0, 1] == 0 and scales[0, 0, 1] == 0 and np.all(np.delete(top.ravel(), 1) == 127)
 
 
-round_trip = jax.jit(lambda x: dequantize(quantize(x)))
+round_trip = jax.jit(lambda x: dequantize(quantize(x)))  # what a float array reads back as
+round_trip_of = jax.jit(dequantize)  # what a written cache reads back as
 
 
 @functools.partial(jax.jit, static_argnames="implementation")
@@ -83,9 +84,6 @@ def test_writes_and_gathers_keep_values_and_scales_together(implementation):
     want = np.zeros((8, 2, 8), np.float32)  # the pool's slots in order
     want[[3, 0, 7, 4]] = np.asarray(round_trip(tokens))[[0, 1, 2, 4]]
     np.testing.assert_array_equal(round_trip_of(rows), want[[2, 3, 0, 1, 6, 7, 4, 5]].reshape(2, 4, 2, 8))
-
-
-round_trip_of = jax.jit(dequantize)
 
 
 def test_a_token_costs_its_values_and_scales_so_about_four_times_the_pages_fit():
