@@ -31,6 +31,13 @@ Both caches a model has are built from those declarations (`jaxattn.caches`):
   one step over such a pool: which slot each new token is written to and, per
   group of rows, the queries' positions and block tables (`write_pages`,
   `gather_pages`).
+
+The cache dtype (`cache_dtype`) is the compute dtype by default, any float dtype, or "int8": each
+field then a `jaxattn.quantized_cache.QuantizedTokens`, int8 values in the field's layout and a
+float32 scale per vector (per token and head; per token for MLA's parts) in the same layout less
+the last axis. Writes quantize, reads dequantize before the float32 softmax (the layers'
+`attend_cached`, the paged kernels per gathered block); the same writes, gathers and layouts serve
+both, so a layer kind declares its fields once for either.
 """
 
 from __future__ import annotations
@@ -42,6 +49,29 @@ import jax.numpy as jnp
 
 from jaxattn import kernels
 from jaxattn.axes import BATCH, LENGTH
+from jaxattn.quantized_cache import QuantizedTokens, empty, is_quantized, leading, quantize
+
+KV_CACHES = ("auto", "int8")  # what generate, the engine and the CLIs offer: the compute dtype, or int8
+
+
+def cache_dtype(dtype, compute_dtype) -> jnp.dtype:
+    """The cache dtype a request names: None or "auto" -> `compute_dtype`; a float dtype as it is;
+    "int8" (or `jnp.int8`) -> int8, the quantized cache. A ValueError names anything else."""
+    if dtype is None or (isinstance(dtype, str) and dtype == "auto"):
+        return jnp.dtype(compute_dtype)
+    try:
+        resolved = jnp.dtype(dtype)
+    except TypeError:
+        resolved = None
+    if resolved is None or not (resolved == jnp.int8 or jnp.issubdtype(resolved, jnp.floating)):
+        raise ValueError(f"cache dtype must be 'auto', a float dtype or 'int8' (the quantized cache), got {dtype!r}")
+    return resolved
+
+
+def zeros(shape: tuple[int, ...], dtype) -> jnp.ndarray | QuantizedTokens:
+    """An empty cache array of `shape` (a resolved `cache_dtype`): int8 is a `QuantizedTokens`."""
+    dtype = jnp.dtype(dtype)
+    return empty(shape) if dtype == jnp.int8 else jnp.zeros(shape, dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,9 +109,22 @@ class CacheField:
         """The pool's dims: pages and their tokens are never split, the rest as `axes`."""
         return (None, None, *self.axes)
 
-    def to_dense(self, tokens: jnp.ndarray) -> jnp.ndarray:
-        """`[B, S, *shape]` (tokens first, as layers compute them) -> the dense layout `[B, ..., S, ...]`."""
-        return jnp.moveaxis(tokens, 1, 1 + self.slot_axis)
+    def to_dense(self, tokens):
+        """`[B, S, *shape]` (tokens first, as layers compute them) -> the dense layout `[B, ..., S, ...]`
+        (a `QuantizedTokens`' values and scales alike)."""
+        return leading(lambda a: jnp.moveaxis(a, 1, 1 + self.slot_axis), tokens)
+
+    def scale_field(self) -> "CacheField":
+        """The int8 cache's scales of this field: one per vector, the per-token shape less its last
+        axis (the slots stay where they are: `slot_axis` is never the last)."""
+        return CacheField(shape=self.shape[:-1], axes=self.axes[:-1], slot_axis=self.slot_axis)
+
+    def per_array(self, fn, array):
+        """`fn(field, array)` for a float cache array; for a `QuantizedTokens`, a `QuantizedTokens` of
+        `fn(self, values)` and `fn(self.scale_field(), scales)` (e.g. each one's sharding)."""
+        if is_quantized(array):
+            return QuantizedTokens(fn(self, array.values), fn(self.scale_field(), array.scales))
+        return fn(self, array)
 
 
 @flax.struct.dataclass
@@ -91,6 +134,8 @@ class KVCache:
     Attributes:
       k: rotated keys (RoPE already applied when used).
       v: values.
+
+    Each an array in the cache dtype, or a `QuantizedTokens` (the int8 cache: scales per token and head).
     """
 
     k: jnp.ndarray
@@ -105,6 +150,8 @@ class LatentCache:
     Attributes:
       c_kv: the RMS-normalised joint key/value latent.
       k_rope: the decoupled rotary key, shared by all heads.
+
+    Each an array in the cache dtype, or a `QuantizedTokens` (the int8 cache: a scale per token each).
     """
 
     c_kv: jnp.ndarray
@@ -176,24 +223,37 @@ def write_rows(buffer: jnp.ndarray, update: jnp.ndarray, starts: jnp.ndarray, *,
     Args:
       buffer: `[B, ..., L, ...]` with the L slots at `axis` (1 for `[B, L, R]`
         latents, 2 for `[B, K, L, H]` keys/values).
-      update: `[B, ..., T, ...]`, cast to the buffer's dtype.
+      update: `[B, ..., T, ...]`, cast to the buffer's dtype (quantized, for a `QuantizedTokens`
+        buffer: its values and scales written at the same slots).
       starts: `[B]` int, where each row's T new entries go.
       implementation: a name of `jaxattn.kernels.choices("decode")`.
 
     The caller keeps `starts[b] + T <= L`: `dynamic_update_slice` clamps the
     start index so that the update fits, which would shift the write.
     """
-    return kernels.cache_writer(implementation)(buffer, update, starts, axis=axis)
+    write = kernels.cache_writer(implementation)
+    if is_quantized(buffer):
+        new = quantize(update)
+        return QuantizedTokens(write(buffer.values, new.values, starts, axis=axis),
+                               write(buffer.scales, new.scales, starts, axis=axis))
+    return write(buffer, update, starts, axis=axis)
 
 
-def write_pages(pool: jnp.ndarray, tokens: jnp.ndarray, slots: jnp.ndarray) -> jnp.ndarray:
+def write_pages(pool, tokens: jnp.ndarray, slots: jnp.ndarray):
     """Writes token t of `tokens [Tf, *shape]` to slot `slots[t]` of `pool [P, ps, *shape]`;
-    slots past the pool (padding) are dropped. Cast to the pool's dtype."""
-    flat = pool.reshape(-1, *pool.shape[2:])
-    return flat.at[slots].set(tokens.astype(pool.dtype), mode="drop").reshape(pool.shape)
+    slots past the pool (padding) are dropped. Cast to the pool's dtype (quantized for a
+    `QuantizedTokens` pool: values and scales to the same slots)."""
+    def scatter(pages, new):
+        flat = pages.reshape(-1, *pages.shape[2:])
+        return flat.at[slots].set(new.astype(pages.dtype), mode="drop").reshape(pages.shape)
+    if is_quantized(pool):
+        new = quantize(tokens)
+        return QuantizedTokens(scatter(pool.values, new.values), scatter(pool.scales, new.scales))
+    return scatter(pool, tokens)
 
 
-def gather_pages(pool: jnp.ndarray, block_table: jnp.ndarray) -> jnp.ndarray:
-    """`pool [P, ps, *shape]`, `block_table [R, Pr]` -> `[R, Pr * ps, *shape]`: each row's slots in order."""
-    rows = pool[block_table]  # [R, Pr, ps, *shape]
-    return rows.reshape(block_table.shape[0], -1, *pool.shape[2:])
+def gather_pages(pool, block_table: jnp.ndarray):
+    """`pool [P, ps, *shape]`, `block_table [R, Pr]` -> `[R, Pr * ps, *shape]`: each row's slots in order
+    (a `QuantizedTokens` pool gives a `QuantizedTokens`, still int8)."""
+    rows = block_table.shape[0]
+    return leading(lambda pages: pages[block_table].reshape(rows, -1, *pages.shape[2:]), pool)

@@ -9,6 +9,9 @@ model's layer kind is `jaxattn.attention_kinds.attention_class(config)`. From th
   every sequence through block tables (`jaxattn.serving`);
 * `cache_bytes_per_token`: what one token costs in either.
 
+Each takes the cache dtype (`jaxattn.cache.cache_dtype`): the compute dtype by default, or "int8",
+each field as int8 values with a float32 scale per vector (`jaxattn.quantized_cache`).
+
 Nothing here asks which kind of attention a layer has.
 """
 
@@ -19,7 +22,7 @@ import math
 import jax.numpy as jnp
 
 from jaxattn._validate import is_int
-from jaxattn.cache import CacheField, DecodeCache
+from jaxattn.cache import CacheField, DecodeCache, cache_dtype, zeros
 from jaxattn.config import ModelConfig
 from jaxattn.attention_kinds import attention_class
 from jaxattn.layer_plan import plan_layers
@@ -36,18 +39,24 @@ def _positive(**values) -> None:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
+def empty_layer(config: ModelConfig, shape_of, dtype):
+    """One layer's empty cache container: each field of `cache_fields(config)` as zeros of
+    `shape_of(field)` in `dtype` (a resolved `cache_dtype`; int8: a `QuantizedTokens`)."""
+    container = attention_class(config).cache_type
+    return container(**{name: zeros(shape_of(field), dtype) for name, field in cache_fields(config).items()})
+
+
 def init_cache(config: ModelConfig, batch_size: int, max_len: int, dtype=None) -> DecodeCache:
     """An empty dense cache (all lengths 0) for `batch_size` rows of `max_len` slots.
 
-    dtype defaults to the config's compute dtype.
+    dtype: the cache dtype (`jaxattn.cache.cache_dtype`): None or "auto" (the config's compute
+    dtype), a float dtype, or "int8" (int8 values, a float32 scale per vector). ValueError otherwise.
     """
     _positive(batch_size=batch_size, max_len=max_len)
-    dtype = jnp.dtype(config.dtype if dtype is None else dtype)
-    container, fields = attention_class(config).cache_type, cache_fields(config)
+    dtype = cache_dtype(dtype, config.dtype)
     # One container per unrolled layer; one per position of a scanned period, its R repeats stacked
     # in front (`jaxattn.layer_plan`): the scan reads and writes each repeat's slice.
-    layers = tuple(container(**{name: jnp.zeros(lead + field.dense_shape(batch_size, max_len), dtype)
-                                for name, field in fields.items()})
+    layers = tuple(empty_layer(config, lambda field, lead=lead: lead + field.dense_shape(batch_size, max_len), dtype)
                    for lead in _unit_leads(config))
     return DecodeCache(layers=layers, lengths=jnp.zeros((batch_size,), jnp.int32), num_slots=max_len)
 
@@ -60,12 +69,10 @@ def _unit_leads(config: ModelConfig) -> list[tuple[int, ...]]:
 
 def init_pools(config: ModelConfig, num_pages: int, page_size: int, dtype=None) -> tuple:
     """The paged cache: per layer a pool of `num_pages` pages of `page_size` slots (`[P, ps, ...]`
-    per field), zeros. dtype defaults to the config's compute dtype."""
+    per field), zeros. dtype as `init_cache`'s."""
     _positive(num_pages=num_pages, page_size=page_size)
-    dtype = jnp.dtype(config.dtype if dtype is None else dtype)
-    container, fields = attention_class(config).cache_type, cache_fields(config)
-    return tuple(container(**{name: jnp.zeros(field.paged_shape(num_pages, page_size), dtype)
-                              for name, field in fields.items()})
+    dtype = cache_dtype(dtype, config.dtype)
+    return tuple(empty_layer(config, lambda field: field.paged_shape(num_pages, page_size), dtype)
                  for _ in range(config.num_layers))
 
 
@@ -74,15 +81,21 @@ def cache_bytes_per_token(config: ModelConfig, dtype=None) -> dict:
 
     Returns a dict with `numbers_per_layer` (2*K*H for standard attention,
     kv_lora_rank + qk_rope_head_dim for MLA), `bytes_per_layer`, `num_layers`,
-    `numbers` and `bytes` (all layers), for the cache dtype (default: the
-    config's compute dtype). The per-row `lengths` counter is not per token.
+    `numbers` and `bytes` (all layers), for the cache dtype (`init_cache`'s; default: the
+    config's compute dtype). For "int8" the bytes count one byte per number and the float32
+    scales (one per vector: 2*K*H*1 + 2*K*4 bytes against float32's 2*K*H*4 for standard attention).
+    The per-row `lengths` counter is not per token.
     """
-    dtype = jnp.dtype(config.dtype if dtype is None else dtype)
-    numbers = sum(math.prod(field.shape) for field in cache_fields(config).values())
+    dtype = cache_dtype(dtype, config.dtype)
+    fields = cache_fields(config).values()
+    numbers = sum(math.prod(field.shape) for field in fields)
+    per_layer = numbers * dtype.itemsize
+    if dtype == jnp.int8:
+        per_layer += sum(math.prod(field.scale_field().shape) for field in fields) * jnp.dtype(jnp.float32).itemsize
     return {
         "numbers_per_layer": numbers,
-        "bytes_per_layer": numbers * dtype.itemsize,
+        "bytes_per_layer": per_layer,
         "num_layers": config.num_layers,
         "numbers": numbers * config.num_layers,
-        "bytes": numbers * dtype.itemsize * config.num_layers,
+        "bytes": per_layer * config.num_layers,
     }

@@ -32,7 +32,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxattn import sampling, sharding
 from jaxattn._validate import concrete_or_none, is_int
 from jaxattn.axes import MeshShape
-from jaxattn.cache import DecodeCache
+from jaxattn.cache import KV_CACHES, DecodeCache
 from jaxattn.caches import init_cache
 from jaxattn.config import ModelConfig
 from jaxattn.kernels import Kernels
@@ -201,11 +201,11 @@ def _on_mesh(cache: DecodeCache, config: ModelConfig, mesh: Mesh | None) -> Deco
     return sharding.constrain(cache, sharding.cache_specs(cache, config, MeshShape.of(mesh)), mesh)
 
 
-@functools.partial(jax.jit, static_argnames=(*_STATIC, "cache_len", "mesh"))
+@functools.partial(jax.jit, static_argnames=(*_STATIC, "cache_len", "mesh", "kv_cache"))
 def _generate_cached(params, prompt, lengths, rng, knobs, *, config, kernels, max_new_tokens, cache_len,
-                     return_logits, mesh=None):
+                     return_logits, mesh=None, kv_cache="auto"):
     model = DecoderLM(config, kernels)
-    cache = _on_mesh(init_cache(config, prompt.shape[0], cache_len), config, mesh)
+    cache = _on_mesh(init_cache(config, prompt.shape[0], cache_len, dtype=kv_cache), config, mesh)
     logits, cache = model.apply({"params": params}, prompt, cache, num_new=lengths, method=DecoderLM.extend)
     cache = _on_mesh(cache, config, mesh)
     advance = functools.partial(_extend_cache, model, params)
@@ -304,7 +304,8 @@ def _prepare(config, kernels, prompt_tokens, prompt_lengths, max_new_tokens, tem
 
 def generate(params, config: ModelConfig, prompt_tokens, prompt_lengths, *, max_new_tokens: int, rng: jax.Array,
              temperature=1.0, top_k=0, top_p=1.0, stop_token: int | None = None, pad_token: int = 0,
-             return_logits: bool = False, kernels: Kernels = Kernels(), mesh: Mesh | None = None) -> GenerateOutput:
+             return_logits: bool = False, kernels: Kernels = Kernels(), mesh: Mesh | None = None,
+             kv_cache: str = "auto") -> GenerateOutput:
     """Generates `max_new_tokens` tokens after each prompt with a KV cache.
 
     Args:
@@ -325,17 +326,22 @@ def generate(params, config: ModelConfig, prompt_tokens, prompt_lengths, *, max_
         run on: the parameters are laid out by `jaxattn.axes.RULES` and the cache
         is split by rows and kv heads; the tokens equal one device's (up to float
         summation order in the logits). The outputs are replicated on the mesh.
+      kv_cache: the cache's storage (static): "auto" (the compute dtype: exact) or "int8" (int8
+        values and a float32 scale per token and head, dequantized before the softmax: a quarter
+        of float32's bytes plus the scales, logits off by the rounding; `jaxattn.quantized_cache`).
 
     Returns:
       `GenerateOutput(tokens [B, max_new_tokens], counts [B], logits, nonfinite_from [B])`.
     """
+    if kv_cache not in KV_CACHES:
+        raise ValueError(f"kv_cache must be one of {KV_CACHES}, got {kv_cache!r}")
     prompt, lengths, knobs, cache_len = _prepare(config, kernels, prompt_tokens, prompt_lengths, max_new_tokens,
                                                  temperature, top_k, top_p, stop_token, pad_token)
     if mesh is not None:
         params, (prompt, lengths, rng, knobs) = _place_on(mesh, config, params, (prompt, lengths, rng, knobs))
     return _generate_cached(params, prompt, lengths, rng, knobs, config=config, kernels=kernels,
                             max_new_tokens=max_new_tokens, cache_len=cache_len, return_logits=return_logits,
-                            mesh=mesh)
+                            mesh=mesh, kv_cache=kv_cache)
 
 
 def _place_on(mesh: Mesh, config: ModelConfig, params, inputs):

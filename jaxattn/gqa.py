@@ -18,6 +18,7 @@ from jaxattn.attention_layer import AttentionLayer
 from jaxattn.cache import CacheField, KVCache, RowGroup
 from jaxattn.kernels import paged_attention_kernel
 from jaxattn.primitives import check_config, logical, make_linear, make_rms_norm
+from jaxattn.quantized_cache import as_float
 from jaxattn.rope import apply_rope, rotary_dims
 from jaxattn.axes import EMBED, HEAD_DIM, HEADS, KV_HEADS, QKV
 
@@ -150,12 +151,15 @@ class Attention(AttentionLayer):
                                  deterministic=deterministic, return_weights=return_weights)
 
     def attend_cached(self, q, cache: KVCache, positions):
-        """`cached_attention` of q `[B, T, N, H]` at `positions` against the `[B, K, L, H]` cache."""
-        return cached_attention(q, cache.k, cache.v, positions, scale=self.scale, window=self.spec.window,
+        """`cached_attention` of q `[B, T, N, H]` at `positions` against the `[B, K, L, H]` cache
+        (an int8 cache dequantized to q's dtype first: the reference)."""
+        k, v = as_float(cache.k, q.dtype), as_float(cache.v, q.dtype)
+        return cached_attention(q, k, v, positions, scale=self.scale, window=self.spec.window,
                                 implementation=self.kernels.decode, **self.cap_and_sinks())
 
     def attend_pages_ragged(self, q, pool: KVCache, rows: RowGroup):
-        """`ragged_paged_attention` of q `[R, C, N, H]` against the `[P, ps, K, H]` pools."""
+        """`ragged_paged_attention` of q `[R, C, N, H]` against the `[P, ps, K, H]` pools (int8 pools are
+        dequantized by the kernel, a block of gathered pages at a time)."""
         attend = paged_attention_kernel(self.kernels.paged)
         return attend((q,), (pool.k,), pool.v, rows.block_table, rows.positions, scale=self.scale,
                       window=self.spec.window, **self.cap_and_sinks())

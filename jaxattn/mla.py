@@ -28,6 +28,7 @@ from jaxattn.attention_layer import AttentionLayer
 from jaxattn.cache import CacheField, LatentCache, RowGroup
 from jaxattn.masks import causal_mask, combine_masks, sliding_window_mask, visible_cache_slots
 from jaxattn.primitives import check_config, logical, make_linear, make_rms_norm
+from jaxattn.quantized_cache import as_float, is_quantized, leading
 from jaxattn.rope import apply_rope, yarn_softmax_mscale
 from jaxattn.axes import EMBED, HEAD_DIM, HEADS, LATENT
 from jaxattn.softmax import dropout_weights, masked_softmax, soft_cap
@@ -198,16 +199,22 @@ class MultiHeadLatentAttention(AttentionLayer):
         return out, (weights if return_weights else None)
 
     def attend_cached(self, q, cache: LatentCache, positions):
-        """Absorbed attention of queries at `positions [B, T]` to the slots they may see (window included)."""
+        """Absorbed attention of queries at `positions [B, T]` to the slots they may see (window included);
+        an int8 cache dequantized first (the reference)."""
         mask = visible_cache_slots(positions, cache.c_kv.shape[1], self.spec.window)  # [B, 1, T, L]
-        return self.attend_absorbed(q, (cache.c_kv, cache.k_rope), mask=mask)[0]
+        dtype = q[0].dtype
+        return self.attend_absorbed(q, (as_float(cache.c_kv, dtype), as_float(cache.k_rope, dtype)), mask=mask)[0]
 
     def attend_pages_ragged(self, q, pool: LatentCache, rows: RowGroup):
         """Absorbed attention against the latent pages, as MQA (one kv head) over two parts: the latent
-        `[P, ps, R]` (keys and values at once) and the rotary key `[P, ps, E]`."""
+        `[P, ps, R]` (keys and values at once) and the rotary key `[P, ps, E]` (int8 pools stay int8:
+        the kernel dequantizes what it gathers)."""
         (q_nope, q_rope), P = q, self.config.mla.qk_nope_head_dim
         q_latent = jnp.einsum("BTNP,RNP->BTNR", q_nope, self.wkv_b[..., :P].astype(q_nope.dtype))
-        one_head = lambda pages: pages[:, :, None, :].astype(q_nope.dtype)  # [P, ps, 1, ...]  # noqa: E731
+
+        def one_head(pages):  # [P, ps, X] -> [P, ps, 1, X]; an int8 pool's scales [P, ps] -> [P, ps, 1]
+            pages = leading(lambda a: a[:, :, None], pages)
+            return pages if is_quantized(pages) else pages.astype(q_nope.dtype)
         latent = one_head(pool.c_kv)
         attend = kernels_lib.paged_attention_kernel(self.kernels.paged)
         o_latent = attend((q_latent, q_rope), (latent, one_head(pool.k_rope)), latent, rows.block_table,

@@ -116,12 +116,13 @@ def cache_specs(cache: DecodeCache, config: ModelConfig, mesh: MeshShape) -> Dec
     counts = logical_counts(config)
     fields = cache_fields(config)
 
-    def layer(cache_layer):  # a scanned period's caches carry a leading [R], never split
-        def spec(name, field):
-            shape = getattr(cache_layer, name).shape
-            axes = field.dense_axes()
-            return spec_for((None,) * (len(shape) - len(axes)) + axes, shape, mesh, counts)[0]
-        return type(cache_layer)(**{name: spec(name, field) for name, field in fields.items()})
+    def spec(field, array):  # an int8 cache's scales by their own field (`CacheField.per_array`)
+        axes = field.dense_axes()  # a scanned period's caches lead with [R], never split
+        return spec_for((None,) * (array.ndim - len(axes)) + axes, array.shape, mesh, counts)[0]
+
+    def layer(cache_layer):
+        return type(cache_layer)(**{name: field.per_array(spec, getattr(cache_layer, name))
+                                    for name, field in fields.items()})
 
     return DecodeCache(layers=tuple(layer(c) for c in cache.layers),
                        lengths=spec_for((BATCH,), cache.lengths.shape, mesh)[0], num_slots=cache.num_slots)
@@ -131,8 +132,12 @@ def pool_specs(pools: tuple, config: ModelConfig, mesh: MeshShape) -> tuple:
     """The page pools' PartitionSpecs: kv heads over tensor where they divide, pages whole."""
     counts = logical_counts(config)
     fields = cache_fields(config)
-    return tuple(type(pool)(**{name: spec_for(field.paged_axes(), getattr(pool, name).shape, mesh, counts)[0]
-                               for name, field in fields.items()}) for pool in pools)
+
+    def spec(field, array):  # int8 pools' scales by their own field (`CacheField.per_array`)
+        return spec_for(field.paged_axes(), array.shape, mesh, counts)[0]
+
+    return tuple(type(pool)(**{name: field.per_array(spec, getattr(pool, name)) for name, field in fields.items()})
+                 for pool in pools)
 
 
 def constrain(tree: Any, specs: Any, mesh: Mesh) -> Any:

@@ -16,6 +16,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxattn._validate import require_positive_int
+from jaxattn.cache import KV_CACHES
 from jaxattn.config import ModelConfig
 from jaxattn.decoding import generate
 from jaxattn.kernels import Kernels
@@ -39,7 +40,7 @@ class NonFiniteLogits(FloatingPointError):
 
 def windows(params, config: ModelConfig, prompt_ids, *, max_new_tokens: int, rng: jax.Array,
             num_samples: int = 1, temperature=1.0, top_k=0, top_p=1.0, kernels: Kernels = Kernels(),
-            mesh: Mesh | None = None, check_finite: bool = False) -> Iterator[np.ndarray]:
+            mesh: Mesh | None = None, check_finite: bool = False, kv_cache: str = "auto") -> Iterator[np.ndarray]:
     """`generate_windowed` as a stream: yields `[num_samples, n]` ids, one window at a time.
 
     The chunks, concatenated, are `generate_windowed`'s output (n sums to `max_new_tokens`),
@@ -58,7 +59,9 @@ def windows(params, config: ModelConfig, prompt_ids, *, max_new_tokens: int, rng
     require_positive_int("max_new_tokens", max_new_tokens)
     require_positive_int("num_samples", num_samples)
     prompt = prompt.astype(np.int32)[-(context - 1):]  # room for one new token
-    knobs = dict(temperature=temperature, top_k=top_k, top_p=top_p, kernels=kernels, mesh=mesh)
+    if kv_cache not in KV_CACHES:
+        raise ValueError(f"kv_cache must be one of {KV_CACHES}, got {kv_cache!r}")
+    knobs = dict(temperature=temperature, top_k=top_k, top_p=top_p, kernels=kernels, mesh=mesh, kv_cache=kv_cache)
     return _windows(params, config, np.tile(prompt, (num_samples, 1)), int(max_new_tokens), rng, knobs,
                     check_finite)
 
@@ -112,7 +115,7 @@ def _check_finite(nonfinite_from: np.ndarray, kept: int, rows: np.ndarray, token
 
 def generate_windowed(params, config: ModelConfig, prompt_ids, *, max_new_tokens: int, rng: jax.Array,
                       num_samples: int = 1, temperature=1.0, top_k=0, top_p=1.0,
-                      kernels: Kernels = Kernels(), mesh: Mesh | None = None) -> np.ndarray:
+                      kernels: Kernels = Kernels(), mesh: Mesh | None = None, kv_cache: str = "auto") -> np.ndarray:
     """`[num_samples, max_new_tokens]` ids continuing one prompt, past the model's context if need be.
 
     Within the context this is `generate` (the same draws for the same `rng`).
@@ -130,4 +133,4 @@ def generate_windowed(params, config: ModelConfig, prompt_ids, *, max_new_tokens
     """
     return np.concatenate(list(windows(params, config, prompt_ids, max_new_tokens=max_new_tokens, rng=rng,
                                        num_samples=num_samples, temperature=temperature, top_k=top_k,
-                                       top_p=top_p, kernels=kernels, mesh=mesh)), axis=1)
+                                       top_p=top_p, kernels=kernels, mesh=mesh, kv_cache=kv_cache)), axis=1)

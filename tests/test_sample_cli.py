@@ -76,12 +76,20 @@ def test_the_kernels_are_reported(tiny, capsys):
     (["--prompt", "A", "--temperature", "nan"], "--temperature"),
     (["--prompt", "A", "--top-k", "-1"], "--top-k must be >= 0"),
     (["--prompt", "A", "--seed", str(2 ** 64)], "--seed must be in [0, 2**63)"),
+    (["--prompt", "A", "--kv-cache", "int4"], "--kv-cache: invalid choice: 'int4'"),
 ])
 def test_bad_prompts_and_knobs_give_clear_errors(tiny, capsys, argv, message):
     code, out, err = run(capsys, "--random-init", tiny, *argv)
     assert code == 2 and out == ""
     assert message in err and err.startswith("error: ") and err.endswith("(see python -m train.sample --help)\n")
     assert len(err.splitlines()) == 1
+
+
+def test_an_int8_kv_cache_samples_as_many_tokens(tiny, capsys):
+    code, out, err = run(capsys, "--random-init", tiny, "--prompt", "ROMEO:", "--max-new-tokens", "9",
+                         "--temperature", "0", "--kv-cache", "int8")
+    assert code == 0, err
+    assert out.startswith("ROMEO:") and len(out) == len("ROMEO:") + 9 + 1
 
 
 def test_unknown_config_name(capsys):

@@ -202,3 +202,14 @@ def test_mesh_specs_keep_the_layer_axis_whole():
     specs = sharding.cache_specs(cache, scanned(config), mesh)
     assert tuple(specs.layers[0].k)[0] is None and tuple(specs.layers[0].k)[1:] == \
         tuple(sharding.cache_specs(init_cache(config, 4, 8), config, mesh).layers[0].k)
+
+
+def test_an_int8_cache_decodes_alike_scanned_and_unrolled():
+    config = CONFIGS["pattern"]
+    tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 9), 0, config.vocab_size)
+    params = nn.unbox(DecoderLM(config).init(jax.random.PRNGKey(0), tokens)["params"])
+    kwargs = dict(max_new_tokens=6, rng=jax.random.PRNGKey(3), temperature=0.0, return_logits=True, kv_cache="int8")
+    want = generate(params, config, tokens, jnp.array([9, 5]), **kwargs)
+    got = generate(stack_params(params, scanned(config)), scanned(config), tokens, jnp.array([9, 5]), **kwargs)
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    np.testing.assert_allclose(got.logits, want.logits, atol=5e-5, rtol=1e-5)

@@ -43,6 +43,7 @@ import psutil
 from tqdm import tqdm
 
 from jaxattn import Kernels, axes, resolve_kernels
+from jaxattn.cache import KV_CACHES
 from jaxattn.caches import cache_bytes_per_token
 from jaxattn.config import ModelConfig
 from jaxattn.decoding import call_lengths
@@ -383,6 +384,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--mesh", help="sample on a device mesh, e.g. data:2,tensor:4 (product = device count)")
     parser.add_argument("--cpu-devices", type=int, metavar="N", help="make N host devices on a CPU (before JAX "
                         "starts) for --mesh")
+    parser.add_argument("--kv-cache", choices=KV_CACHES, default="auto", help="the KV cache's storage: auto (the "
+                        "compute dtype) or int8 (int8 numbers with a float32 scale per token and head; default auto)")
     args = parser.parse_args(argv)
     if args.data is not None and args.random_init is None:
         parser.error("--data goes with --random-init (a checkpoint carries its own tokenizer)")
@@ -449,7 +452,7 @@ def sample(args, params, config: ModelConfig, prompt_ids: np.ndarray, kernels, m
     def stream(key, max_new_tokens):
         return windows(params, config, prompt_ids, max_new_tokens=max_new_tokens, rng=key, num_samples=rows,
                        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, kernels=kernels,
-                       mesh=mesh, check_finite=True)
+                       mesh=mesh, check_finite=True, kv_cache=args.kv_cache)
 
     def draw(i, chunks):
         try:

@@ -36,6 +36,7 @@ import uvicorn
 from tqdm import tqdm
 
 from jaxattn import Kernels, axes, resolve_kernels
+from jaxattn.cache import KV_CACHES
 from jaxattn.hf.chat_template import ChatTemplate, ChatTemplateError, find_chat_template, special_tokens
 from jaxattn.hf.tokenizer import HFTokenizer
 from jaxattn.serving import Engine, EngineConfig
@@ -84,6 +85,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     memory.add_argument("--kv-memory", type=float, metavar="GIB", help="the KV cache's size in GiB")
     memory.add_argument("--num-pages", type=int, help="the KV cache's pages (default: every running "
                         "request can reach the context)")
+    parser.add_argument("--kv-cache", choices=KV_CACHES, default="auto", help="the pages' storage: auto (the "
+                        "compute dtype) or int8 (int8 numbers with a float32 scale per token and head: about four "
+                        "times float32's pages in --kv-memory; default auto)")
     parser.add_argument("--token-budget", type=int, help="tokens per engine step, decoding first (default: "
                         "--max-seqs + two prompt chunks of 128)")
     parser.add_argument("--max-waiting", type=int, default=256, help="requests queued for a row; one more "
@@ -172,7 +176,8 @@ def served_model(args, config, tokenizer, max_model_len: int) -> ServedModel:
 def build_engine(args, params, config, tokenizer, kernels, mesh) -> tuple[Engine, float]:
     """The engine with every step program compiled (a progress bar on stderr); its compile seconds."""
     engine_config = EngineConfig(max_seqs=args.max_seqs, page_size=args.page_size, num_pages=args.num_pages,
-                                 kv_memory_gib=args.kv_memory, token_budget=args.token_budget)
+                                 kv_memory_gib=args.kv_memory, token_budget=args.token_budget,
+                                 kv_cache=args.kv_cache)
     bar = tqdm(total=0, desc="compiling the step programs", unit="program", file=sys.stderr, leave=False,
                disable=None)
 

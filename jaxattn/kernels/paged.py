@@ -14,6 +14,9 @@ Contract (both functions):
   Two parts are Multi-head Latent Attention absorbed (§6): (q_latent, c_kv pages)
   and (q_rope, k_rope pages), with K = 1 and the c_kv pages as values.
 * `value_pages`: `[P, ps, K, Hv]`; `block_table`: `[R, Pr]` integer page ids.
+* Any pool (key parts and values) may be float, or int8: a `jaxattn.quantized_cache.QuantizedTokens`
+  (int8 values `[P, ps, K, H_i]`, float32 scales `[P, ps, K]`), dequantized to queries[0]'s dtype
+  as its pages are gathered (the whole table for the reference, a block at a time for the ragged one).
 * `query_positions`: `[R, C]` integer absolute positions; -1 marks a padding query. Slot j is
   visible to a query at p iff `0 <= j <= p` (and `p - j < window`):
   `jaxattn.masks.visible_cache_slots`'s rule.
@@ -42,6 +45,7 @@ from jaxattn._validate import is_int
 from jaxattn.kernels._grouping import merge_heads
 from jaxattn.kernels.blocked_decode import block_range, online_softmax_step
 from jaxattn.masks import visible_cache_slots
+from jaxattn.quantized_cache import as_float, is_quantized, leading
 from jaxattn.softmax import grouped_sinks, masked_softmax, soft_cap, softmax_dtype
 
 
@@ -68,8 +72,13 @@ def _check(queries, key_pages, value_pages, block_table, query_positions, sinks,
         raise ValueError(f"{problem}: {shapes}")
     if any(x.ndim != 4 for x in (*queries, *key_pages, value_pages)):
         fail("queries must be [R, C, N, H_i], key_pages [P, ps, K, H_i] and value_pages [P, ps, K, Hv]")
-    if not all(jnp.issubdtype(x.dtype, jnp.floating) for x in (*queries, *key_pages, value_pages)):
-        fail("queries, key_pages and value_pages must be floating point")
+    if not all(jnp.issubdtype(x.dtype, jnp.floating) for x in (*queries, *key_pages, value_pages)
+               if not is_quantized(x)):
+        fail("queries must be floating point, key_pages and value_pages floating point or QuantizedTokens")
+    if any(is_quantized(x) for x in queries) or any(
+            is_quantized(x) and (x.dtype != jnp.int8 or x.scales.shape != x.shape[:-1])
+            for x in (*key_pages, value_pages)):
+        fail("quantized pages must be int8 values [P, ps, K, H_i] with scales [P, ps, K], and queries float")
     R, C, N = queries[0].shape[:3]
     if any(q.shape[:3] != (R, C, N) for q in queries):
         fail("every part of queries must share [R, C, N]")
@@ -92,10 +101,12 @@ def _check(queries, key_pages, value_pages, block_table, query_positions, sinks,
         raise ValueError(f"window must be None or a positive integer, got {window!r}")
 
 
-def _gather(pages, ids):
-    """`pages [P, ps, K, H]`, `ids [R, n]` -> `[R, n * ps, K, H]`: each row's pages, slots in order."""
+def _gather(pages, ids, dtype):
+    """`pages [P, ps, K, H]`, `ids [R, n]` -> `[R, n * ps, K, H]`: each row's pages, slots in order;
+    int8 pages dequantized to `dtype` once gathered (float pages as they are)."""
     R, n = ids.shape
-    return pages[ids].reshape(R, n * pages.shape[1], *pages.shape[2:])
+    rows = leading(lambda a: a[ids].reshape(R, n * a.shape[1], *a.shape[2:]), pages)
+    return as_float(rows, dtype)
 
 
 def _logits(queries, keys, scale, cap):
@@ -118,9 +129,9 @@ def gathered_paged_attention(queries, key_pages, value_pages, block_table, query
     softmax over all `Pr * ps` slots. `pages_per_block` is ignored (the ragged one's signature)."""
     del pages_per_block
     _check(queries, key_pages, value_pages, block_table, query_positions, sinks, window)
-    K = value_pages.shape[2]
-    logits = _logits(queries, [_gather(k, block_table) for k in key_pages], scale, logits_soft_cap)
-    values = _gather(value_pages, block_table)  # [R, L, K, Hv]
+    K, dtype = value_pages.shape[2], queries[0].dtype
+    logits = _logits(queries, [_gather(k, block_table, dtype) for k in key_pages], scale, logits_soft_cap)
+    values = _gather(value_pages, block_table, dtype)  # [R, L, K, Hv]
     visible = visible_cache_slots(query_positions, values.shape[1], window)[:, :, None]  # [R, 1, 1, C, L]
     weights = masked_softmax(logits, visible, sinks=None if sinks is None else grouped_sinks(sinks, K))
     out = jnp.einsum("RKGCS,RSKH->RKGCH", weights.astype(values.dtype), values, preferred_element_type=logits.dtype)
@@ -158,14 +169,15 @@ def ragged_paged_attention(queries, key_pages, value_pages, block_table, query_p
     ps, K = value_pages.shape[1:3]
     width = block_table.shape[1]
     per_block = min(pages_per_block, width)
-    f32 = softmax_dtype(queries[0].dtype)
+    dtype = queries[0].dtype
+    f32 = softmax_dtype(dtype)
 
     def body(index, carry):
         columns = index * per_block + jnp.arange(per_block)
         ids = jnp.take(block_table, columns, axis=1, mode="clip")  # [R, per_block]
-        logits = _logits(queries, [_gather(k, ids) for k in key_pages], scale, logits_soft_cap)
+        logits = _logits(queries, [_gather(k, ids, dtype) for k in key_pages], scale, logits_soft_cap)
         visible = _visible(query_positions, index * per_block * ps, per_block * ps, width * ps, window)
-        values = _gather(value_pages, ids).transpose(0, 2, 1, 3)  # [R, K, S, Hv]: the step's layout
+        values = _gather(value_pages, ids, dtype).transpose(0, 2, 1, 3)  # [R, K, S, Hv]: the step's layout
         return online_softmax_step(carry, logits, visible, values)
 
     stats = jnp.zeros((R, K, N // K, C), f32)

@@ -42,7 +42,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxattn import sharding
 from jaxattn.axes import MeshShape
-from jaxattn.cache import PagedBatch, RowGroup
+from jaxattn.cache import KV_CACHES, PagedBatch, RowGroup
 from jaxattn.caches import cache_bytes_per_token, init_pools
 from jaxattn.layer_plan import relayout
 from jaxattn.config import ModelConfig
@@ -72,6 +72,9 @@ class EngineConfig:
         short prompt, the few tokens after a prefix-cache hit): it costs its tokens, not a full chunk.
       prefix_caching: share full prompt pages between requests.
       max_model_len: the longest sequence (prompt + output; None: the model's max_seq_len).
+      kv_cache: the pages' storage: "auto" (the compute dtype) or "int8" (int8 values and a float32
+        scale per token and head: about a quarter of float32's bytes, so `kv_memory_gib` holds about
+        four times the pages; `jaxattn.caches.cache_bytes_per_token`).
     """
 
     max_seqs: int = 8
@@ -85,8 +88,11 @@ class EngineConfig:
     prefix_caching: bool = True
     max_model_len: int | None = None
     short_chunk: int | None = None
+    kv_cache: str = "auto"
 
     def __post_init__(self):
+        if self.kv_cache not in KV_CACHES:
+            raise ValueError(f"EngineConfig.kv_cache must be one of {KV_CACHES}, got {self.kv_cache!r}")
         for name in ("max_seqs", "page_size", "chunk", "prefill_rows"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -160,13 +166,14 @@ class Engine:
         self.max_model_len = min(ec.max_model_len or config.max_seq_len, config.max_seq_len)
         self.page_size = ec.page_size
         self.pages_per_seq = -(-self.max_model_len // ec.page_size)
-        self.token_bytes = cache_bytes_per_token(config)["bytes"]
+        self.token_bytes = cache_bytes_per_token(config, ec.kv_cache)["bytes"]
         num_pages = self._num_pages(ec)
         self.allocator = PageAllocator(num_pages, ec.page_size, prefix_caching=ec.prefix_caching)
         self.window = _local_window(config)
         self.token_budget = ec.token_budget or ec.max_seqs + ec.prefill_rows * ec.chunk
         self._rng = np.random.default_rng(seed)
-        params, pools, place = self._placed(params, init_pools(config, num_pages, ec.page_size), mesh)
+        pools = init_pools(config, num_pages, ec.page_size, ec.kv_cache)
+        params, pools, place = self._placed(params, pools, mesh)
         self.params, self.pools = params, pools
         shapes = [StepShape(d, 0, ec.chunk) for d in ec.buckets()]
         shapes += [StepShape(d, rows, chunk) for d in (0, *ec.buckets()) for rows, chunk in ec.prefill_shapes()]
