@@ -10,8 +10,8 @@ are: `jaxattn.quantize`'s `tied_head`; --no-head leaves it out), one jitted prog
 * float32 in XLA (`Kernels.matmul` "xla");
 * int8 per channel, the XLA reference (`Kernels.quantized` "xla": dequantize, then a float32 dot);
 * int8 per channel and int4 in groups of 32 in the native loop (`Kernels.quantized` "native_cpu");
-* int4 in groups of 32 with the activations rounded to int8 in groups of 32 and integer dots
-  (`Kernels.quantized` "native_cpu_q8act").
+* int8 per channel and int4 in groups of 32 with the activations rounded to int8 in groups of 32 and
+  integer dots (`Kernels.quantized` "native_cpu_q8act").
 
 Timed in turns (`bench.timing.in_turns`), medians. GB/s is the bytes of weights (values and scales)
 read per token over the time per token; the machine's streaming read bandwidth (a float32 sum over a
@@ -62,6 +62,7 @@ def main() -> None:
     candidates = {"float32, XLA": ("float32", matmul_kernel("xla")),
                   "int8, XLA reference": ("int8", quantized_matmul_kernel("xla")),
                   "int8, native": ("int8", quantized_matmul_kernel("native_cpu")),
+                  "int8, native, int8 activations": ("int8", quantized_matmul_kernel("native_cpu_q8act")),
                   "int4 (groups of 32), native": ("int4 (groups of 32)", quantized_matmul_kernel("native_cpu")),
                   "int4 (groups of 32), native, int8 activations": ("int4 (groups of 32)",
                                                                     quantized_matmul_kernel("native_cpu_q8act"))}

@@ -233,9 +233,9 @@ def test_a_tied_head_is_quantized_beside_the_float_table(mode):
 
 
 @needs_cxx
-@pytest.mark.parametrize("mode", ["int4", "int4:64"])
+@pytest.mark.parametrize("mode", ["int8", "int4", "int4:64"])
 @pytest.mark.parametrize("M", [1, 5])
-@pytest.mark.parametrize("K, N", [(64, 17), (192, 72), (128, 531)])
+@pytest.mark.parametrize("K, N", [(64, 17), (192, 72), (128, 531)])  # 531: vector loops and a tail
 def test_native_q8act_equals_its_reference_and_stays_within_the_rounding_bound(mode, M, K, N):
     q = quantize_weight(weight(K, N, seed=K + N), mode)
     x = np.random.default_rng(M).normal(size=(M, K)).astype(np.float32)
@@ -255,15 +255,33 @@ def test_native_q8act_equals_its_reference_and_stays_within_the_rounding_bound(m
 
 
 @needs_cxx
-def test_native_cpu_q8act_goes_native_for_int4_only():
+def test_native_cpu_q8act_rounds_x_only_where_the_weight_allows():
     x = np.random.default_rng(0).normal(size=(2, 64)).astype(np.float32)
-    int4, int8 = quantize_weight(weight(64, 24), "int4"), quantize_weight(weight(64, 24), "int8")
-    assert quant_matmul.TARGETS[4] in jax.jit(quant_matmul.matmul_cpu_q8act).lower(x, int4).as_text()
-    assert 'q8act = 1' in jax.jit(quant_matmul.matmul_cpu_q8act).lower(x, int4).as_text()
-    np.testing.assert_allclose(quant_matmul.matmul_cpu_q8act(x, int8), quant_matmul.matmul(x, int8), rtol=1e-5,
-                               atol=1e-5)
+    lower = jax.jit(quant_matmul.matmul_cpu_q8act).lower
+    for mode in ("int4", "int8"):
+        q = quantize_weight(weight(64, 24), mode)
+        assert "q8act = 1" in lower(x, q).as_text()
+        np.testing.assert_allclose(quant_matmul.matmul_cpu_q8act(x, q), quant_matmul.matmul_q8act(x, q), rtol=1e-5,
+                                   atol=1e-5)
+    grouped = quantize_weight(weight(64, 24), "int8:32")  # int8 in groups: the exact loop, x as it is
+    assert "q8act = 0" in lower(x, grouped).as_text()
+    np.testing.assert_allclose(quant_matmul.matmul_cpu_q8act(x, grouped), quant_matmul.matmul(x, grouped),
+                               rtol=1e-5, atol=1e-5)
+    assert "jaxattn_quant_matmul" not in lower(np.ones((9, 64), np.float32), grouped).as_text()  # a prompt: XLA
     with pytest.raises(ValueError, match="q8act takes an int4 weight"):
-        quant_matmul.native_matmul(x, int8, q8act=True)
+        quant_matmul.native_matmul(x, grouped, q8act=True)
+
+
+@needs_cxx
+def test_generate_with_q8act_stays_close_to_the_reference():
+    config, params = tiny()
+    q = quantize(params, config, "int4")
+    prompt, lengths = np.array([[3, 1, 4, 1, 5, 9]]), np.array([6])
+    run = dict(max_new_tokens=4, rng=jax.random.PRNGKey(0), temperature=0.0, return_logits=True)
+    expected = ja.generate(q, config, prompt, lengths, **run)
+    got = ja.generate(q, config, prompt, lengths, kernels=Kernels(quantized="native_cpu_q8act"), **run)
+    scale = float(jnp.max(jnp.abs(expected.logits)))
+    assert 0 < float(jnp.max(jnp.abs(got.logits - expected.logits))) <= 0.03 * scale
 
 
 def test_moe_experts_are_quantized_per_expert_and_run():

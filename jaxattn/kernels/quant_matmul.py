@@ -9,13 +9,14 @@ trained). Each equals its reference to float32 summation order (tests/test_quant
   (`native/quant_matmul.cc`, C++ through `jax.ffi`: the weight read once, converted as it is used;
   pieces of columns shared over the intra-op threads); more rows (a prompt) run the reference,
   which is a matmul XLA does well. CPU only; built by `jaxattn.kernels.native_build`.
-* "native_cpu_q8act": as "native_cpu", except that an int4 weight's rows are multiplied by x
-  rounded to int8 in groups of 32 (`quantize_rows`, as llama.cpp's Q8_0 activations) with integer
-  dots (AVX512-VNNI where the CPU has it, else plain loops with the same integer sums): a different
+* "native_cpu_q8act": as "native_cpu", except that x is rounded to int8 in groups of 32
+  (`quantize_rows`, as llama.cpp's Q8_0 activations) and multiplied with integer dots (AVX512-VNNI
+  where the CPU has it, else plain loops with the same integer sums), for int4 weights in groups of
+  a multiple of 32 rows and int8 weights per output channel, K a multiple of 32: a different
   result, the reference of which is `matmul_q8act` (x rounded so, then the "xla" reference). The
   rounding moves each x by at most half its group's scale `max|x_group| / 127`, so each output by
-  at most `sum_k |x_k - xq_k xs_k| |W_kj|` (tests/test_quantize.py bounds it so). int8 weights
-  and more rows than `NATIVE_UP_TO` run as "native_cpu".
+  at most `sum_k |x_k - xq_k xs_k| |W_kj|` (tests/test_quantize.py bounds it so). Other weights
+  (int8 in groups) and more rows than `NATIVE_UP_TO` run as "native_cpu".
 """
 
 from __future__ import annotations
@@ -54,8 +55,8 @@ def quantize_rows(x) -> tuple[jax.Array, jax.Array]:
 
 
 def matmul_q8act(x, weight: QuantizedWeight):
-    """The reference of "native_cpu_q8act" for an int4 weight: x rounded as `quantize_rows`, then
-    `matmul`; other weights, `matmul`."""
+    """The reference of "native_cpu_q8act": x rounded as `quantize_rows`, then `matmul`, for the
+    weights it takes (`native_matmul`'s q8act); other weights, `matmul`."""
     if not _takes_q8act(x, weight):
         return matmul(x, weight)
     xq, xs = quantize_rows(x)
@@ -65,7 +66,11 @@ def matmul_q8act(x, weight: QuantizedWeight):
 
 
 def _takes_q8act(x, weight: QuantizedWeight) -> bool:
-    return weight.bits == 4 and x.shape[-1] % ACT_GROUP == 0 and weight.group % ACT_GROUP == 0
+    """An int4 weight in groups of a multiple of 32 rows or an int8 one per output channel, K a multiple of 32."""
+    K = x.shape[-1]
+    per_channel = weight.group == K
+    return K % ACT_GROUP == 0 and ((weight.bits == 4 and weight.group % ACT_GROUP == 0) or
+                                   (weight.bits == 8 and per_channel))
 
 
 def library_path() -> Path:
@@ -86,15 +91,16 @@ def _registered() -> bool:
 
 
 def native_matmul(x, weight: QuantizedWeight, q8act: bool = False):
-    """The whole call in the native loop (any number of rows); `q8act` (int4 weights, K and the group
-    multiples of 32): x rounded to int8 as `quantize_rows` first."""
+    """The whole call in the native loop (any number of rows); `q8act` (K a multiple of 32; int4 weights
+    in groups of a multiple of 32, or int8 per output channel): x rounded to int8 as `quantize_rows` first."""
     if len(weight.shape) != 2:
         raise ValueError(f"quantized matmul: the weight must be [in, out], got shape {weight.shape}")
     if x.ndim != 2 or x.shape[1] != weight.shape[0]:
         raise ValueError(f"quantized matmul: x must be [M, {weight.shape[0]}], got {x.shape}")
     if q8act and not _takes_q8act(x, weight):
-        raise ValueError(f"quantized matmul: q8act takes an int4 weight in groups of a multiple of {ACT_GROUP} rows, "
-                         f"got bits {weight.bits}, group {weight.group}, x {x.shape}")
+        raise ValueError(f"quantized matmul: q8act takes an int4 weight in groups of a multiple of {ACT_GROUP} rows "
+                         f"or an int8 one per output channel, K a multiple of {ACT_GROUP}; got bits {weight.bits}, "
+                         f"group {weight.group}, x {x.shape}")
     _registered()
     out = jax.ShapeDtypeStruct((x.shape[0], weight.shape[1]), jnp.float32)
     call = jax.ffi.ffi_call(TARGETS[weight.bits], out, vmap_method="sequential")
@@ -108,8 +114,8 @@ def matmul_cpu(x, weight: QuantizedWeight):
 
 
 def matmul_cpu_q8act(x, weight: QuantizedWeight):
-    """"native_cpu_q8act": an int4 weight's at most `NATIVE_UP_TO` rows with x rounded to int8
-    (`native_matmul(..., q8act=True)`); anything else as "native_cpu"."""
+    """"native_cpu_q8act": at most `NATIVE_UP_TO` rows with x rounded to int8 (`native_matmul(...,
+    q8act=True)`) where the weight allows; anything else as "native_cpu"."""
     if x.shape[0] <= NATIVE_UP_TO and _takes_q8act(x, weight):
         return native_matmul(x, weight, q8act=True)
     return matmul_cpu(x, weight)

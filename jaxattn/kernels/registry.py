@@ -71,8 +71,8 @@ class Kernels:
       quantized: `Linear` with a quantized kernel (`jaxattn.quantization`): "xla" (reference:
         dequantize, then a float32 dot), "native_cpu" (`jaxattn.kernels.quant_matmul`: up to 8
         rows in a native loop built with the host's C++ compiler, more rows the reference; CPU only)
-        or "native_cpu_q8act" (as native_cpu, but an int4 weight's rows times the activations
-        rounded to int8 in groups of 32, integer dots: a documented approximation of its own).
+        or "native_cpu_q8act" (as native_cpu, but the activations rounded to int8 in groups of 32
+        and integer dots, for int4 and per-channel int8 weights: an approximation of its own).
 
     Any field may be "auto" in a request; `resolve_kernels` replaces it for a platform.
     """
