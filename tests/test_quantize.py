@@ -5,6 +5,11 @@ reference (dequantize, then a float32 dot) to float32 summation order; a quantiz
 under jit, in `generate`'s scan and in the serving engine, close to its float32 self.
 """
 
+import os
+import platform
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -297,3 +302,30 @@ def test_moe_experts_are_quantized_per_expert_and_run():
     model = ja.DecoderLM(config)
     expected, got = model.apply({"params": params}, tokens), model.apply({"params": q}, tokens)
     assert float(jnp.max(jnp.abs(got - expected))) <= 0.03 * float(jnp.max(jnp.abs(expected)))
+
+
+PORTABLE = """
+import jax, numpy as np
+from jaxattn.kernels import native_build, quant_matmul
+from jaxattn.quantization import quantize_weight
+native_build.FLAGS = tuple("-march=x86-64-v3" if f == "-march=native" else f for f in native_build.FLAGS)
+rng = np.random.default_rng(0)
+x = rng.normal(size=(3, 96)).astype(np.float32)
+for mode in ("int8", "int4"):
+    q = quantize_weight(rng.normal(size=(96, 83)).astype(np.float32), mode)
+    for q8act, reference in ((False, quant_matmul.matmul), (True, quant_matmul.matmul_q8act)):
+        expected = np.asarray(reference(x, q))
+        got = np.asarray(jax.jit(lambda a, w: quant_matmul.native_matmul(a, w, q8act=q8act))(x, q))
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+print("ok")
+"""
+
+
+@needs_cxx
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="the AVX2-only build is an x86 target")
+def test_the_portable_loops_without_avx512_equal_the_references(tmp_path):
+    """The library built for AVX2 alone (no AVX-512, no VNNI: the plain loops) in a process of its own."""
+    env = {**os.environ, "JAXATTN_NATIVE_CACHE": str(tmp_path), "PYTHONPATH": os.pathsep.join(sys.path)}
+    result = subprocess.run([sys.executable, "-c", PORTABLE], capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
+    assert len(list(tmp_path.glob("quant_matmul-*.so"))) == 1  # built here, for that target
