@@ -240,7 +240,8 @@ def test_a_tied_head_is_quantized_beside_the_float_table(mode):
 @needs_cxx
 @pytest.mark.parametrize("mode", ["int8", "int4", "int4:64"])
 @pytest.mark.parametrize("M", [1, 5])
-@pytest.mark.parametrize("K, N", [(64, 17), (192, 72), (128, 531)])  # 531: vector loops and a tail
+# 531: vector loops and a tail; 4096: rows a multiple of 4 KiB apart (int8 reads them four at a time)
+@pytest.mark.parametrize("K, N", [(64, 17), (192, 72), (128, 531), (64, 4096)])
 def test_native_q8act_equals_its_reference_and_stays_within_the_rounding_bound(mode, M, K, N):
     q = quantize_weight(weight(K, N, seed=K + N), mode)
     x = np.random.default_rng(M).normal(size=(M, K)).astype(np.float32)

@@ -242,6 +242,21 @@ void Int4Q8(const Problem& p, int64_t m0, int64_t m1, int64_t j0, int64_t j1, fl
 // so that each 32-bit lane holds 4 rows of one column (the columns come out in a fixed order within
 // each 64, put back at the end); the weights are made unsigned (w + 128, the operand VNNI takes as
 // unsigned) and 128 * the group's sum of xq taken off again.
+#ifdef JAXATTN_VNNI
+// Four rows (`stride` apart) of 64 columns made unsigned (w + 128) and interleaved: lane c of v[i]
+// holds the 4 rows of column 16 * (c / 4) + 4 * i + c % 4.
+inline void Interleave(const int8_t* r, int64_t stride, __m512i flip, __m512i v[4]) {
+  const __m512i r0 = _mm512_xor_si512(_mm512_loadu_si512(r), flip);
+  const __m512i r1 = _mm512_xor_si512(_mm512_loadu_si512(r + stride), flip);
+  const __m512i r2 = _mm512_xor_si512(_mm512_loadu_si512(r + 2 * stride), flip);
+  const __m512i r3 = _mm512_xor_si512(_mm512_loadu_si512(r + 3 * stride), flip);
+  const __m512i lo01 = _mm512_unpacklo_epi8(r0, r1), hi01 = _mm512_unpackhi_epi8(r0, r1);
+  const __m512i lo23 = _mm512_unpacklo_epi8(r2, r3), hi23 = _mm512_unpackhi_epi8(r2, r3);
+  v[0] = _mm512_unpacklo_epi16(lo01, lo23), v[1] = _mm512_unpackhi_epi16(lo01, lo23);
+  v[2] = _mm512_unpacklo_epi16(hi01, hi23), v[3] = _mm512_unpackhi_epi16(hi01, hi23);
+}
+#endif
+
 void Int8Q8(const Problem& p, int64_t m0, int64_t m1, int64_t j0, int64_t j1, float* out, int32_t* sums) {
   const int8_t* w = static_cast<const int8_t*>(p.w);
   const int64_t A = p.K / kActGroup, T = p.K / 4, M = m1 - m0;
@@ -250,6 +265,7 @@ void Int8Q8(const Problem& p, int64_t m0, int64_t m1, int64_t j0, int64_t j1, fl
 #ifdef JAXATTN_VNNI
   const int64_t vector_cols = (j1 - j0) / 64 * 64;
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  const bool aliased = p.N % 4096 == 0;
   for (int64_t a = 0; a < A; ++a) {
     __m512 xs[kMaxRows];
     __m512i offset[kMaxRows];
@@ -257,23 +273,40 @@ void Int8Q8(const Problem& p, int64_t m0, int64_t m1, int64_t j0, int64_t j1, fl
       xs[m] = _mm512_set1_ps(p.xs[(m0 + m) * A + a]);
       offset[m] = _mm512_set1_epi32(128 * p.xsum[(m0 + m) * A + a]);
     }
-    // Four rows at a time along the piece's columns (four streams through memory: rows a whole 4 KiB
-    // apart would evict one another's prefetched lines, were all 32 of the group read at once), the
-    // int32 sums of the group in `sums` [M, vector_cols].
+    if (!aliased) {
+      // Each 64 columns' int32 sums in registers over the group's 32 rows.
+      for (int64_t j = j0; j < j0 + vector_cols; j += 64) {
+        __m512i acc[kMaxRows][4];
+        for (int64_t m = 0; m < M; ++m)
+          for (int i = 0; i < 4; ++i) acc[m][i] = _mm512_setzero_si512();
+        for (int64_t q = 0; q < kActGroup / 4; ++q) {
+          __m512i v[4];
+          Interleave(w + (a * kActGroup + 4 * q) * p.N + j, p.N, flip, v);
+          for (int64_t m = 0; m < M; ++m) {
+            const __m512i xq = _mm512_set1_epi32(p.quads[(m0 + m) * T + a * (kActGroup / 4) + q]);
+            for (int i = 0; i < 4; ++i) acc[m][i] = _mm512_dpbusd_epi32(acc[m][i], v[i], xq);
+          }
+        }
+        for (int64_t m = 0; m < M; ++m) {
+          float* o = out + (m0 + m) * p.N + j;  // in the unpacks' order until the end
+          for (int i = 0; i < 4; ++i) {
+            const __m512 dot = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[m][i], offset[m]));
+            _mm512_storeu_ps(o + 16 * i, _mm512_fmadd_ps(dot, xs[m], _mm512_loadu_ps(o + 16 * i)));
+          }
+        }
+      }
+      continue;
+    }
+    // Rows a multiple of 4 KiB apart share cache sets: the group's 32 rows read at once would evict
+    // one another's prefetched lines. So four rows at a time along the piece's columns (four streams
+    // through memory), the int32 sums of the group in `sums` [M, vector_cols].
     std::fill(sums, sums + M * vector_cols, 0);
     for (int64_t q = 0; q < kActGroup / 4; ++q) {
       __m512i xq[kMaxRows];
       for (int64_t m = 0; m < M; ++m) xq[m] = _mm512_set1_epi32(p.quads[(m0 + m) * T + a * (kActGroup / 4) + q]);
       for (int64_t j = j0; j < j0 + vector_cols; j += 64) {
-        const int8_t* r = w + (a * kActGroup + 4 * q) * p.N + j;
-        const __m512i r0 = _mm512_xor_si512(_mm512_loadu_si512(r), flip);
-        const __m512i r1 = _mm512_xor_si512(_mm512_loadu_si512(r + p.N), flip);
-        const __m512i r2 = _mm512_xor_si512(_mm512_loadu_si512(r + 2 * p.N), flip);
-        const __m512i r3 = _mm512_xor_si512(_mm512_loadu_si512(r + 3 * p.N), flip);
-        const __m512i lo01 = _mm512_unpacklo_epi8(r0, r1), hi01 = _mm512_unpackhi_epi8(r0, r1);
-        const __m512i lo23 = _mm512_unpacklo_epi8(r2, r3), hi23 = _mm512_unpackhi_epi8(r2, r3);
-        const __m512i v[4] = {_mm512_unpacklo_epi16(lo01, lo23), _mm512_unpackhi_epi16(lo01, lo23),
-                              _mm512_unpacklo_epi16(hi01, hi23), _mm512_unpackhi_epi16(hi01, hi23)};
+        __m512i v[4];
+        Interleave(w + (a * kActGroup + 4 * q) * p.N + j, p.N, flip, v);
         for (int64_t m = 0; m < M; ++m) {
           int32_t* acc = sums + m * vector_cols + (j - j0);
           for (int i = 0; i < 4; ++i)
