@@ -22,6 +22,7 @@ and quant_matmul.md with the CPU named.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -85,7 +86,9 @@ def main() -> None:
               for fmt, layers in stored.items()}
     stream = jnp.asarray(rng.normal(size=nbytes["float32"] // 4).astype(np.float32))
     calls["streaming read (float32 sum)"] = lambda: jax.jit(jnp.sum)(stream)
+    load_before = os.getloadavg()[0]
     timings = in_turns(calls, args.rounds)
+    load = (load_before, os.getloadavg()[0])  # a shared machine's other work: these figures move with it
 
     rows = []
     for name, timing in timings.items():
@@ -97,7 +100,7 @@ def main() -> None:
     for row in rows:
         row["speedup_vs_float32"] = base / row["ms_per_token"]
     record = {"machine": describe_machine(), "layers": args.layers, "projections": SHAPES,
-              "head": HEAD if args.head else None, "rounds": args.rounds,
+              "head": HEAD if args.head else None, "rounds": args.rounds, "load_average_1min": load,
               "batch": 1, "rows": rows}
     lines = [f"# Quantized matmuls of one token on {machine_line(record['machine'])}", "",
              f"{args.layers} layers x 7 SmolLM2-135M-shaped projections (q, k, v, o, gate, up, down)"
@@ -108,7 +111,9 @@ def main() -> None:
         lines.append(f"| {row['formulation']} | {row['weight_bytes'] / 1e6:.1f} | {row['ms_per_token']:.2f} | "
                      f"{row['gb_per_s']:.1f} | {row['speedup_vs_float32']:.2f}x |")
     lines.append("")
-    lines.append("The streaming read is the machine's bandwidth for reference (its \"vs float32\" is not a speed-up).")
+    lines.append("The streaming read is the machine's bandwidth for reference (its \"vs float32\" is not a speed-up). "
+                 f"The 1-minute load average was {load[0]:.1f} before and {load[1]:.1f} after, on "
+                 f"{os.cpu_count()} CPUs: with other work running, every figure is lower and noisier.")
     write_results(RESULTS, "quant_matmul", record, "\n".join(lines) + "\n")
 
 
