@@ -4,11 +4,14 @@
 
 The SmolLM2-135M shapes (d_model 576, 9 query and 3 key/value heads of 64, MLP 1536): per layer the 7
 projections q, k, v, o, gate, up, down, at batch 1, chained layer after layer as decoding runs them
-(each layer's input depends on the last), one jitted program per formulation:
+(each layer's input depends on the last), then the tied head (`[576, 49152]`, quantized as the layers
+are: `jaxattn.quantize`'s `tied_head`; --no-head leaves it out), one jitted program per formulation:
 
 * float32 in XLA (`Kernels.matmul` "xla");
 * int8 per channel, the XLA reference (`Kernels.quantized` "xla": dequantize, then a float32 dot);
-* int8 per channel and int4 in groups of 32 in the native loop (`Kernels.quantized` "native_cpu").
+* int8 per channel and int4 in groups of 32 in the native loop (`Kernels.quantized` "native_cpu");
+* int8 per channel and int4 in groups of 32 with the activations rounded to int8 in groups of 32 and
+  integer dots (`Kernels.quantized` "native_cpu_q8act").
 
 Timed in turns (`bench.timing.in_turns`), medians. GB/s is the bytes of weights (values and scales)
 read per token over the time per token; the machine's streaming read bandwidth (a float32 sum over a
@@ -19,6 +22,7 @@ and quant_matmul.md with the CPU named.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -29,6 +33,7 @@ from bench.timing import in_turns  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 D, Q, KV, F = 576, 576, 192, 1536
+HEAD = (D, 49152)  # the tied head, [D, V]
 SHAPES = {"q": (D, Q), "k": (D, KV), "v": (D, KV), "o": (Q, D), "gate": (D, F), "up": (D, F), "down": (F, D)}
 
 
@@ -36,6 +41,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--layers", type=int, default=30)
+    parser.add_argument("--no-head", dest="head", action="store_false", help="leave out the tied head")
     args = parser.parse_args()
 
     import jax
@@ -48,6 +54,8 @@ def main() -> None:
     rng = np.random.default_rng(0)
     weights = [{name: jnp.asarray(rng.normal(scale=0.05, size=shape).astype(np.float32))
                 for name, shape in SHAPES.items()} for _ in range(args.layers)]
+    if args.head:
+        weights.append({"head": jnp.asarray(rng.normal(scale=0.05, size=HEAD).astype(np.float32))})
     formats = {"float32": lambda w: w, "int8": lambda w: quantize_weight(w, "int8"),
                "int4 (groups of 32)": lambda w: quantize_weight(w, "int4")}
     stored = {name: jax.block_until_ready([{k: f(w) for k, w in layer.items()} for layer in weights])
@@ -55,11 +63,16 @@ def main() -> None:
     candidates = {"float32, XLA": ("float32", matmul_kernel("xla")),
                   "int8, XLA reference": ("int8", quantized_matmul_kernel("xla")),
                   "int8, native": ("int8", quantized_matmul_kernel("native_cpu")),
-                  "int4 (groups of 32), native": ("int4 (groups of 32)", quantized_matmul_kernel("native_cpu"))}
+                  "int8, native, int8 activations": ("int8", quantized_matmul_kernel("native_cpu_q8act")),
+                  "int4 (groups of 32), native": ("int4 (groups of 32)", quantized_matmul_kernel("native_cpu")),
+                  "int4 (groups of 32), native, int8 activations": ("int4 (groups of 32)",
+                                                                    quantized_matmul_kernel("native_cpu_q8act"))}
 
     def token(matmul):
         def run(layers, h):  # h [1, D]
             for w in layers:
+                if "head" in w:  # the logits feed nothing; their sum keeps them computed
+                    return h + 1e-9 * jnp.sum(matmul(h, w["head"]))
                 q, k, v = matmul(h, w["q"]), matmul(h, w["k"]), matmul(h, w["v"])
                 o = matmul(q, w["o"])
                 d = matmul(jax.nn.silu(matmul(h, w["gate"])) * matmul(h, w["up"]), w["down"])
@@ -73,7 +86,9 @@ def main() -> None:
               for fmt, layers in stored.items()}
     stream = jnp.asarray(rng.normal(size=nbytes["float32"] // 4).astype(np.float32))
     calls["streaming read (float32 sum)"] = lambda: jax.jit(jnp.sum)(stream)
+    load_before = os.getloadavg()[0]
     timings = in_turns(calls, args.rounds)
+    load = (load_before, os.getloadavg()[0])  # a shared machine's other work: these figures move with it
 
     rows = []
     for name, timing in timings.items():
@@ -84,17 +99,21 @@ def main() -> None:
     base = rows[0]["ms_per_token"]
     for row in rows:
         row["speedup_vs_float32"] = base / row["ms_per_token"]
-    record = {"machine": describe_machine(), "layers": args.layers, "projections": SHAPES, "rounds": args.rounds,
+    record = {"machine": describe_machine(), "layers": args.layers, "projections": SHAPES,
+              "head": HEAD if args.head else None, "rounds": args.rounds, "load_average_1min": load,
               "batch": 1, "rows": rows}
     lines = [f"# Quantized matmuls of one token on {machine_line(record['machine'])}", "",
-             f"{args.layers} layers x 7 SmolLM2-135M-shaped projections (q, k, v, o, gate, up, down), batch 1, "
+             f"{args.layers} layers x 7 SmolLM2-135M-shaped projections (q, k, v, o, gate, up, down)"
+             f"{', then the tied head [576, 49152]' if args.head else ''}, batch 1, "
              f"medians of {args.rounds} turns. GB/s: bytes of weights (values and scales) per token over the time.", "",
              "| formulation | weight MB | ms per token | GB/s | vs float32 |", "| --- | --- | --- | --- | --- |"]
     for row in rows:
         lines.append(f"| {row['formulation']} | {row['weight_bytes'] / 1e6:.1f} | {row['ms_per_token']:.2f} | "
                      f"{row['gb_per_s']:.1f} | {row['speedup_vs_float32']:.2f}x |")
     lines.append("")
-    lines.append("The streaming read is the machine's bandwidth for reference (its \"vs float32\" is not a speed-up).")
+    lines.append("The streaming read is the machine's bandwidth for reference (its \"vs float32\" is not a speed-up). "
+                 f"The 1-minute load average was {load[0]:.1f} before and {load[1]:.1f} after, on "
+                 f"{os.cpu_count()} CPUs: with other work running, every figure is lower and noisier.")
     write_results(RESULTS, "quant_matmul", record, "\n".join(lines) + "\n")
 
 

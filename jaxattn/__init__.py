@@ -32,8 +32,9 @@ window), and the pure sampling functions in
 Many requests at once: `jaxattn.serving` (`Engine`, `EngineConfig`, `SamplingParams`): a paged
 KV cache, continuous batching, prefix caching and preemption (docs/serving.md).
 
-Weight-only quantization: `quantize` (every `Linear` kernel as int8 per output channel or int4 in
-groups, a `QuantizedWeight`), `dequantize` (`jaxattn.quantization`); its matmul is `Kernels.quantized`.
+Weight-only quantization: `quantize` (every `Linear` kernel, a tied head, a mixture's experts and
+MLA's `wkv_b` as int8 per output channel or int4 in groups, a `QuantizedWeight`), `dequantize`
+(`jaxattn.quantization`); its matmul is `Kernels.quantized`.
 
 Implementations: `Kernels`, `resolve_kernels` and the formulations behind
 them live in `jaxattn.kernels`, the one seam between maths and machine.

@@ -28,6 +28,7 @@ from jaxattn.attention_layer import AttentionLayer
 from jaxattn.cache import CacheField, LatentCache, RowGroup
 from jaxattn.masks import causal_mask, combine_masks, sliding_window_mask, visible_cache_slots
 from jaxattn.primitives import check_config, logical, make_linear, make_rms_norm
+from jaxattn.quantization import float_param
 from jaxattn.quantized_cache import as_float, is_quantized, leading
 from jaxattn.rope import apply_rope, yarn_softmax_mscale
 from jaxattn.axes import EMBED, HEAD_DIM, HEADS, LATENT
@@ -119,8 +120,9 @@ class MultiHeadLatentAttention(AttentionLayer):
         self.kv_norm = make_rms_norm(c, LATENT)
         # A 3-D parameter because both paths use it: as one [R, N(P+V)] matmul
         # (naive) and split per head into W_UK, W_UV (absorb).
-        self.wkv_b = self.param("wkv_b", logical(nn.initializers.normal(c.init_std), LATENT, HEADS, HEAD_DIM),
-                                (R, N, P + V), jnp.dtype(c.param_dtype))
+        # Quantized (`jaxattn.quantize`: as the [R, N(P + V)] matmul), it is dequantized here: the reference.
+        self.wkv_b = float_param(self, "wkv_b", logical(nn.initializers.normal(c.init_std), LATENT, HEADS, HEAD_DIM),
+                                 (R, N, P + V), jnp.dtype(c.param_dtype))
         self.wo = make_linear(c, k, c.d_model, (HEADS, EMBED), residual=True, use_bias=c.out_bias)
         self.setup_rope_sinks_dropout(N, E, all_rotated=False)  # the factor stays on the rotary dims
         mscale = yarn_softmax_mscale(spec.rope_scaling) ** 2

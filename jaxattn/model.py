@@ -45,6 +45,7 @@ from jaxattn.layer_plan import SCANNED, plan_layers
 from jaxattn.moe import mlp_for_layer
 from jaxattn.position_embeddings import absolute_positions
 from jaxattn.primitives import check_config, logical, make_linear, make_norm
+from jaxattn.quantization import TIED_HEAD, is_quantized
 from jaxattn.softmax import soft_cap
 
 
@@ -247,9 +248,14 @@ class DecoderLM(nn.Module):
         x = self.final_norm(x)
         if not self.config.tie_embeddings:
             logits = self.lm_head(x).astype(jnp.float32)
+        elif is_quantized(head := self.get_variable("params", TIED_HEAD)):  # `jaxattn.quantize`'s copy [D, V]
+            B, T, D = x.shape
+            matmul = kernels_lib.quantized_matmul_kernel(self.kernels.quantized)
+            logits = matmul(x.reshape(B * T, D), head).reshape(B, T, -1)  # [B*T, V] float32
         else:
             B, T, D = x.shape
-            head = self.wte.embedding.T.astype(x.dtype)  # [D, V], shared with wte
+            # [D, V], shared with wte (or a float tied_head: a quantized model's weights dequantized)
+            head = (self.wte.embedding.T if head is None else head).astype(x.dtype)
             logits = kernels_lib.matmul_kernel(self.kernels.matmul)(x.reshape(B * T, D), head)  # [B*T, V] float32
             logits = logits.reshape(B, T, -1)
         return soft_cap(logits, self.config.final_logits_soft_cap)

@@ -41,6 +41,7 @@ from jaxattn.kernels.moe import (experts_dense, experts_gathered, experts_groupe
                                  experts_grouped_cpu)
 from jaxattn.layer_config import MoEConfig
 from jaxattn.primitives import logical, make_linear, residual_init_std
+from jaxattn.quantization import float_param
 
 # The losses each MoE layer sows into `jaxattn.layer_losses.COLLECTION`; "aux_loss" (their sum weighted by
 # `aux_loss_coef` and `z_loss_coef`) is `layer_losses.OBJECTIVE`, the one a training step adds.
@@ -202,10 +203,11 @@ class MoE(nn.Module):
         c, m = self.config, self.moe
         E, D, F, dtype = m.num_experts, c.d_model, m.expert_hidden, jnp.dtype(c.param_dtype)
         out_std = 0.0 if c.zero_init_out else residual_init_std(c)
-        gate_up = self.param("experts_gate_up", logical(nn.initializers.normal(c.init_std), EXPERT, EMBED, MLP),
-                             (E, D, 2 * F), dtype)
-        down = self.param("experts_down", logical(nn.initializers.normal(out_std), EXPERT, MLP, EMBED),
-                          (E, F, D), dtype)
+        # Quantized experts (`jaxattn.quantize`) are dequantized here: the reference, for every Kernels.moe.
+        gate_up = float_param(self, "experts_gate_up", logical(nn.initializers.normal(c.init_std), EXPERT, EMBED, MLP),
+                              (E, D, 2 * F), dtype)
+        down = float_param(self, "experts_down", logical(nn.initializers.normal(out_std), EXPERT, MLP, EMBED),
+                           (E, F, D), dtype)
         if not m.expert_bias:
             return ExpertWeights(gate_up, down)
         return ExpertWeights(gate_up, down,

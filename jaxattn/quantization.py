@@ -1,18 +1,31 @@
-"""Weight-only quantization: every `Linear` kernel stored as int8 or int4 values with float32 scales.
+"""Weight-only quantization: the model's matmul weights stored as int8 or int4 values with float32 scales.
 
 * int8, per output channel: `values [in, out]` int8 in [-127, 127], `scales [1, out]`,
-  `scale = max|W[:, j]| / 127`; each weight is off by at most half its column's scale.
+  `scale = max|W[:, j]| / 127`; each weight is off by at most half its column's scale. "int8:32":
+  the same in groups of 32 input rows, `scales [in / 32, out]` (llama.cpp's Q8_0).
 * int4, in groups of `group` (32 or 64) consecutive input rows: values in [-8, 7] (symmetric: the
-  largest magnitude maps to 7, `scale = max|group| / 7`), packed two to a byte along the input axis
-  (rows 2i and 2i + 1 in the low and high nibble of row i: `values [in / 2, out]` int8),
-  `scales [in / group, out]`; each weight is off by at most half its group's scale.
+  largest magnitude maps to 7, `scale = max|group| / 7`), stored as unsigned nibbles `u = v + 8`
+  eight to a 32-bit word along the input axis: `values [in / 8, out]` int32, word `[t, j]` holds rows
+  `8t .. 8t + 7` of column j, row `8t + i` in bits `4i .. 4i + 3` (so that one 32-bit lane of a SIMD
+  integer dot holds rows of one column); `scales [in / group, out]`; each weight is off by at most
+  half its group's scale.
 
-`quantize(params, config, mode)` replaces every `Linear` kernel (a 2-D parameter named "kernel":
-the attention projections, MLA's projections, the MLP and an untied lm_head) with a
-`QuantizedWeight`. Embeddings, norms, biases, MLA's `wkv_b`, a mixture of experts' router and
-experts stay as they are; a tied head multiplies by the embedding table, so it stays float.
-`Linear` hands a `QuantizedWeight` to the kernel seam (`Kernels.quantized`), whose reference
-dequantizes and multiplies.
+A weight with leading axes (`[..., in, out]`: layers stacked for a scan, a mixture's experts) is
+quantized slice by slice; its values and scales keep the leading axes (`[..., in / 8, out]`,
+`[..., in / group, out]`), so a scan step or an expert sees a 2-D `QuantizedWeight`.
+
+`quantize(params, config, mode)` quantizes:
+* every `Linear` kernel (a parameter named "kernel" of 2 or more axes: the attention and MLA
+  projections, the MLP, shared experts and an untied lm_head);
+* a mixture of experts' routed experts (`experts_gate_up [E, D, 2F]`, `experts_down [E, F, D]`), per
+  expert, and MLA's `wkv_b [R, N, P + V]` as the `[R, N(P + V)]` matmul it is; these two are read back
+  through `float_param`, which dequantizes (the reference: no native kernel runs them yet);
+* a tied head: a new parameter `tied_head`, the embedding table transposed (`[D, V]`) and quantized,
+  beside the float table (the lookup reads one row per token; the head reads all of it, every token).
+It leaves as they are: embeddings (the lookup tables), norms, biases, the router of a mixture of experts
+(its choice of experts should not move), position and value-embedding tables.
+`Linear` and the model's head hand a `QuantizedWeight` to the kernel seam (`Kernels.quantized`),
+whose reference dequantizes and multiplies.
 """
 
 from __future__ import annotations
@@ -26,16 +39,19 @@ import jax.numpy as jnp
 
 from jaxattn.config import ModelConfig
 
-MODES = ("int8", "int4", "int4:32", "int4:64")
-
+MODES = ("int8", "int8:32", "int4", "int4:32", "int4:64")
+TIED_HEAD = "tied_head"  # the quantized copy of a tied head, beside "wte" at the top of the params
+# Parameters that are matmul weights but no Linear kernel: name -> the axis (from the end) that is `in`.
+OTHER_WEIGHTS = {"experts_gate_up": 2, "experts_down": 2, "wkv_b": 3}
 
 @flax.struct.dataclass
 class QuantizedWeight:
-    """A `[in, out]` weight as integer values and float32 scales (a pytree; `bits` and `group` are static).
+    """A `[..., in, out]` weight as integer values and float32 scales (a pytree; `bits` and `group` are static).
 
     Attributes:
-      values: int8; `[in, out]` for bits 8, `[in / 2, out]` (two int4 per byte) for bits 4.
-      scales: float32 `[in / group, out]` (`[1, out]` per output channel).
+      values: int8 `[..., in, out]` for bits 8; int32 `[..., in / 8, out]` (eight unsigned nibbles a
+        word, see the module docstring) for bits 4.
+      scales: float32 `[..., in / group, out]` (`[..., 1, out]` per output channel).
       bits: 8 or 4.
       group: input rows per scale (`in` for per-channel).
     """
@@ -46,9 +62,10 @@ class QuantizedWeight:
     group: int = flax.struct.field(pytree_node=False, default=0)
 
     @property
-    def shape(self) -> tuple[int, int]:
-        """The float weight's shape `[in, out]`."""
-        return (self.values.shape[0] * (2 if self.bits == 4 else 1), self.values.shape[1])
+    def shape(self) -> tuple[int, ...]:
+        """The float weight's shape `[..., in, out]`."""
+        *lead, rows, N = self.values.shape
+        return (*lead, rows * (8 if self.bits == 4 else 1), N)
 
     @property
     def nbytes(self) -> int:
@@ -56,67 +73,95 @@ class QuantizedWeight:
 
 
 def parse_mode(mode: str) -> tuple[int, int | None]:
-    """`(bits, group)` for a mode: "int8" -> (8, None: per channel), "int4" / "int4:32" -> (4, 32),
-    "int4:64" -> (4, 64); ValueError for anything else."""
+    """`(bits, group)` for a mode: "int8" -> (8, None: per channel), "int8:32" -> (8, 32), "int4" /
+    "int4:32" -> (4, 32), "int4:64" -> (4, 64); ValueError for anything else."""
     if mode not in MODES:
         raise ValueError(f"quantization mode must be one of {MODES}, got {mode!r}")
-    if mode == "int8":
-        return 8, None
-    return 4, int(mode.partition(":")[2] or 32)
+    bits, _, group = mode.partition(":")
+    if bits == "int8":
+        return 8, int(group) if group else None
+    return 4, int(group or 32)
 
 
 def quantize_weight(w: jax.Array, mode: str) -> QuantizedWeight:
-    """One `[in, out]` weight quantized as `mode` (see `parse_mode`)."""
+    """One `[..., in, out]` weight quantized as `mode` (see `parse_mode`), each `[in, out]` slice alone."""
     bits, group = parse_mode(mode)
     w = jnp.asarray(w, jnp.float32)
-    if w.ndim != 2:
-        raise ValueError(f"a quantized weight is [in, out], got shape {w.shape}")
-    K, N = w.shape
+    if w.ndim < 2:
+        raise ValueError(f"a quantized weight is [..., in, out], got shape {w.shape}")
+    *lead, K, N = w.shape
     group = K if group is None else group
     if K % group:
         raise ValueError(f"{mode} quantizes in groups of {group} input rows: the in-dimension {K} is not a multiple")
     top = 127.0 if bits == 8 else 7.0
-    grouped = w.reshape(K // group, group, N)
-    scales = jnp.max(jnp.abs(grouped), axis=1) / top  # [G, N]
+    grouped = w.reshape(*lead, K // group, group, N)
+    scales = jnp.max(jnp.abs(grouped), axis=-2) / top  # [..., G, N]
     safe = jnp.where(scales > 0, scales, 1.0)
-    values = jnp.clip(jnp.round(grouped / safe[:, None, :]), -top - (bits == 4), top).astype(jnp.int8).reshape(K, N)
-    if bits == 4:
-        low, high = values[0::2], values[1::2]
-        values = ((low & 0xF) | (high << 4)).astype(jnp.int8)  # [K / 2, N]
-    return QuantizedWeight(values, scales, bits=bits, group=group)
+    values = jnp.clip(jnp.round(grouped / safe[..., None, :]), -top - (bits == 4), top).astype(jnp.int32)
+    values = values.reshape(*lead, K, N)
+    if bits == 8:
+        return QuantizedWeight(values.astype(jnp.int8), scales, bits=8, group=group)
+    return QuantizedWeight(pack_int4(values), scales, bits=4, group=group)
+
+
+def pack_int4(values: jax.Array) -> jax.Array:
+    """Signed int4 values `[..., in, out]` (in [-8, 7]) as the words `[..., in / 8, out]` int32."""
+    *lead, K, N = values.shape
+    nibbles = ((values.astype(jnp.int32) + 8) & 0xF).astype(jnp.uint32).reshape(*lead, K // 8, 8, N)
+    words = jnp.sum(nibbles << _shifts(len(lead)), axis=-2, dtype=jnp.uint32)  # disjoint bits: a sum is an or
+    return jax.lax.bitcast_convert_type(words, jnp.int32)
+
+
+def _shifts(leading: int) -> jax.Array:
+    """The nibbles' shifts `4i`, shaped `[1.., 1, 8, 1]` against words `[..., T, 8, N]`."""
+    return (4 * jnp.arange(8, dtype=jnp.uint32)).reshape((1,) * (leading + 1) + (8, 1))
 
 
 def unpack(weight: QuantizedWeight) -> jax.Array:
-    """The integer values as int8 `[in, out]` (int4 unpacked, sign-extended)."""
+    """The integer values as int8 `[..., in, out]` (int4 unpacked to [-8, 7])."""
     if weight.bits == 8:
         return weight.values
-    low = jnp.right_shift(jnp.left_shift(weight.values, 4), 4)  # arithmetic shifts sign-extend int8
-    high = jnp.right_shift(weight.values, 4)
-    K2, N = weight.values.shape
-    return jnp.stack([low, high], axis=1).reshape(2 * K2, N)
+    *lead, T, N = weight.values.shape
+    words = jax.lax.bitcast_convert_type(weight.values, jnp.uint32)[..., :, None, :]  # [..., T, 1, N]
+    nibbles = ((words >> _shifts(len(lead))) & 0xF).astype(jnp.int32) - 8  # [..., T, 8, N]
+    return nibbles.astype(jnp.int8).reshape(*lead, 8 * T, N)
 
 
 def dequantize(weight: QuantizedWeight, dtype=jnp.float32) -> jax.Array:
-    """The float weight `[in, out]` the values and scales stand for."""
-    K, N = weight.shape
-    values = unpack(weight).astype(jnp.float32).reshape(K // weight.group, weight.group, N)
-    return (values * weight.scales[:, None, :]).reshape(K, N).astype(dtype)
+    """The float weight `[..., in, out]` the values and scales stand for."""
+    *lead, K, N = weight.shape
+    values = unpack(weight).astype(jnp.float32).reshape(*lead, K // weight.group, weight.group, N)
+    return (values * weight.scales[..., :, None, :]).reshape(*lead, K, N).astype(dtype)  # [..., G, group, N]
 
 
 def is_quantized(x: Any) -> bool:
     return isinstance(x, QuantizedWeight)
 
 
+def float_param(module: nn.Module, name: str, init, shape: tuple[int, ...], dtype) -> jax.Array:
+    """`module.param(name, init, shape, dtype)`, or, where the stored parameter is a `QuantizedWeight`
+    (`quantize`), it dequantized to `shape` in `dtype`: the reference for weights without a quantized
+    kernel of their own (a mixture's experts, MLA's `wkv_b`). Flax's `param` would compare the packed
+    shape with `shape`, so a quantized one is read as stored."""
+    if module.has_variable("params", name):
+        stored = module.get_variable("params", name)
+        if is_quantized(stored):
+            return dequantize(stored, dtype).reshape(shape)
+    return module.param(name, init, shape, dtype)
+
+
 def quantize(params: Any, config: ModelConfig, mode: str) -> Any:
-    """`params` (a DecoderLM's, boxed or not) with every `Linear` kernel quantized as `mode`.
+    """`params` (a DecoderLM's, boxed or not) with its matmul weights quantized as `mode` (see the module
+    docstring for which), and with a tied head, its quantized copy `tied_head`.
 
     Args:
-      params: the model's parameters (`{"params": ...}` or the inner tree); returned unboxed.
+      params: the model's parameters (`{"params": ...}` or the inner tree); returned unboxed. A
+        parameter with leading axes (layers stacked for a scan) is quantized slice by slice.
       config: the model's config (checked to be a `ModelConfig`).
-      mode: "int8" (per output channel), "int4" (groups of 32) or "int4:64".
+      mode: "int8" (per output channel), "int8:32", "int4" (groups of 32) or "int4:64".
 
     Raises:
-      ValueError: an unknown mode, or a kernel whose in-dimension is not a multiple of the group
+      ValueError: an unknown mode, or a weight whose in-dimension is not a multiple of the group
         (the message names the parameter).
     """
     if not isinstance(config, ModelConfig):
@@ -124,21 +169,36 @@ def quantize(params: Any, config: ModelConfig, mode: str) -> Any:
     parse_mode(mode)
     params = nn.unbox(params)
 
+    def one(value, path, in_axis):
+        w = jnp.asarray(value)
+        if in_axis == 3:  # wkv_b [..., R, N, P + V]: the [R, N(P + V)] matmul it is
+            w = w.reshape(*w.shape[:-2], -1)
+        try:
+            return quantize_weight(w, mode)
+        except ValueError as err:
+            raise ValueError(f"{'/'.join(path)}: {err}") from None
+
     def walk(tree, path):
         if not isinstance(tree, dict) and not hasattr(tree, "items"):
             return tree
         out = {}
         for key, value in tree.items():
-            if key == "kernel" and not isinstance(value, (dict, QuantizedWeight)) and jnp.ndim(value) == 2:
-                try:
-                    out[key] = quantize_weight(value, mode)
-                except ValueError as err:
-                    raise ValueError(f"{'/'.join(path + (key,))}: {err}") from None
-            else:
+            if isinstance(value, QuantizedWeight) or isinstance(value, dict) or hasattr(value, "items"):
                 out[key] = walk(value, path + (key,))
+            elif key == "kernel" and jnp.ndim(value) >= 2:
+                out[key] = one(value, path + (key,), 2)
+            elif key in OTHER_WEIGHTS and jnp.ndim(value) >= OTHER_WEIGHTS[key]:
+                out[key] = one(value, path + (key,), OTHER_WEIGHTS[key])
+            else:
+                out[key] = value
         return type(tree)(out) if isinstance(tree, dict) else out
 
-    return walk(params, ())
+    outer = "params" in params and len(params) == 1
+    inner = walk(params["params"] if outer else params, ())
+    if config.tie_embeddings and "wte" in inner and TIED_HEAD not in inner:
+        inner = dict(inner)
+        inner[TIED_HEAD] = one(jnp.swapaxes(jnp.asarray(inner["wte"]["embedding"]), -1, -2), (TIED_HEAD,), 2)
+    return {"params": inner} if outer else inner
 
 
 def weight_bytes(params: Any) -> int:

@@ -321,3 +321,10 @@ def test_the_real_programs_exit_with_one_line_and_no_traceback(tmp_path):
     assert code == 1 and err.startswith("error: ") and err.count("\n") == 1
     code, err = python("-m", "train.sample", "--hf", str(tmp_path), "--random-init", "x", "--prompt", "A")
     assert code == 2 and "not allowed with argument" in err
+
+
+def test_export_refuses_quant_in_one_line(tmp_path, capsys):
+    code, stdout, err = call(capsys, export.main, "--checkpoint", str(tmp_path), "--out", str(tmp_path / "hf"),
+                             "--quant", "int8")
+    assert code == 2 and stdout == "" and err.startswith("error: ") and len(err.splitlines()) == 1
+    assert "--quant int8: quantized weights are not exported" in err and not (tmp_path / "hf").exists()

@@ -270,9 +270,12 @@ CPU_AUTO = dict(attention="auto_cpu", decode="auto_cpu", moe="auto_cpu", paged="
     (Platform("cpu"), Kernels(**CPU_AUTO, matmul="xla")),
     (Platform("cpu", AVX2, cxx=True), Kernels(**{**CPU_AUTO, "paged": "ragged_cpu"}, matmul="xla",
                                               quantized="native_cpu")),
+    (Platform("cpu", AVX512 | {"avx512_vnni"}, cxx=True), Kernels(**{**CPU_AUTO, "paged": "ragged_cpu"},
+                                                                   matmul="xla", quantized="native_cpu_q8act")),
     (Platform("gpu", AMX, cxx=True), Kernels(attention="auto_gpu", matmul="bfloat16", moe="grouped")),  # the host's AMX: no matter
     (Platform("tpu"), Kernels(attention="auto_tpu", matmul="bfloat16", moe="grouped")),
-], ids=["cpu-amx", "cpu-avx512-no-amx", "cpu-amd-avx2", "cpu-unknown", "cpu-with-cxx", "gpu", "tpu"])
+], ids=["cpu-amx", "cpu-avx512-no-amx", "cpu-amd-avx2", "cpu-unknown", "cpu-with-cxx", "cpu-vnni-with-cxx", "gpu",
+                                    "tpu"])
 def test_auto_follows_the_rules_for_each_platform(platform, expected):
     chosen, reasons = resolve_kernels(Kernels.auto(), platform)
     assert chosen == expected

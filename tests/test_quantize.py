@@ -5,6 +5,11 @@ reference (dequantize, then a float32 dot) to float32 summation order; a quantiz
 under jit, in `generate`'s scan and in the serving engine, close to its float32 self.
 """
 
+import os
+import platform
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,7 +24,7 @@ from tiny_models import drawn_params, tiny_config
 
 HAS_CXX = native_build.compiler() is not None
 needs_cxx = pytest.mark.skipif(not HAS_CXX, reason="no C++ compiler for the native kernel")
-MODES = ("int8", "int4", "int4:64")
+MODES = ("int8", "int8:32", "int4", "int4:64")
 
 
 def weight(K, N, seed=0):
@@ -32,9 +37,9 @@ def test_round_trip_is_within_half_a_scale(mode):
     q = quantize_weight(w, mode)
     bits, group = quantization.parse_mode(mode)
     group = group or 128
-    assert (q.bits, q.group, q.shape, q.values.dtype, q.scales.dtype) == (bits, group, (128, 40), jnp.int8,
-                                                                         jnp.float32)
-    assert q.values.shape == ((128, 40) if bits == 8 else (64, 40)) and q.scales.shape == (128 // group, 40)
+    assert (q.bits, q.group, q.shape, q.values.dtype, q.scales.dtype) == (
+        bits, group, (128, 40), jnp.int8 if bits == 8 else jnp.int32, jnp.float32)
+    assert q.values.shape == ((128, 40) if bits == 8 else (16, 40)) and q.scales.shape == (128 // group, 40)
     err = np.abs(np.asarray(dequantize(q)) - w).reshape(128 // group, group, 40)
     assert (err <= np.asarray(q.scales)[:, None, :] / 2 * (1 + 1e-6)).all()
     values = np.asarray(unpack(q))
@@ -171,7 +176,9 @@ def test_mla_projections_are_quantized_and_decode():
     params = drawn_params(config, seed=4, std=0.05)
     q = quantize(params, config, "int8")
     leaves = jax.tree_util.tree_leaves(q["blocks_0"]["attn"], is_leaf=lambda x: isinstance(x, QuantizedWeight))
-    assert sum(isinstance(x, QuantizedWeight) for x in leaves) == 4  # wq_a, wq_b, wkv_a, wo (wkv_b is no Linear)
+    assert sum(isinstance(x, QuantizedWeight) for x in leaves) == 5  # wq_a, wq_b, wkv_a, wo and wkv_b
+    R, N, PV = params["blocks_0"]["attn"]["wkv_b"].shape
+    assert q["blocks_0"]["attn"]["wkv_b"].shape == (R, N * PV)  # the [R, N(P + V)] matmul
     kernels = Kernels(mla="absorb", quantized="native_cpu" if HAS_CXX else "xla")
     prompt, lengths = np.array([[3, 1, 4, 1]]), np.array([4])
     run = dict(max_new_tokens=4, rng=jax.random.PRNGKey(0), temperature=0.0, return_logits=True)
@@ -179,3 +186,147 @@ def test_mla_projections_are_quantized_and_decode():
     got = ja.generate(q, config, prompt, lengths, kernels=kernels, **run)
     scale = float(jnp.max(jnp.abs(expected.logits)))
     assert float(jnp.max(jnp.abs(got.logits - expected.logits))) <= 0.03 * scale
+
+
+def test_int4_words_hold_eight_rows_of_a_column_as_unsigned_nibbles():
+    values = np.arange(-8, 8).reshape(16, 1).repeat(2, axis=1)  # rows -8 .. 7, two columns
+    values[:, 1] = values[::-1, 1]
+    words = np.asarray(quantization.pack_int4(jnp.asarray(values))).view(np.uint32)
+    assert words.shape == (2, 2)
+    for t in range(2):
+        for j in range(2):
+            assert [(int(words[t, j]) >> (4 * i)) & 15 for i in range(8)] == list(values[8 * t:8 * t + 8, j] + 8)
+    w = QuantizedWeight(quantization.pack_int4(jnp.asarray(values)), jnp.ones((1, 2)), bits=4, group=16)
+    np.testing.assert_array_equal(unpack(w), values)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_a_weight_with_leading_axes_is_quantized_slice_by_slice(mode):
+    w = np.random.default_rng(3).normal(size=(2, 3, 64, 24)).astype(np.float32)  # e.g. [layers, experts, in, out]
+    q = quantize_weight(w, mode)
+    assert q.shape == (2, 3, 64, 24) and q.values.shape[:2] == q.scales.shape[:2] == (2, 3)
+    for i in range(2):
+        for e in range(3):
+            one = quantize_weight(w[i, e], mode)
+            np.testing.assert_array_equal(q.values[i, e], one.values)
+            np.testing.assert_array_equal(q.scales[i, e], one.scales)
+    np.testing.assert_array_equal(dequantize(q)[1, 2], dequantize(quantize_weight(w[1, 2], mode)))
+    # Stacked layers' kernels (a scan's parameters) keep their leading axis.
+    config, params = tiny()
+    stacked = {"params": {**params, "blocks": {"mlp": {"kernel": w[0]}}}}
+    assert quantize(stacked, config, mode)["params"]["blocks"]["mlp"]["kernel"].values.shape[0] == 3
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_a_tied_head_is_quantized_beside_the_float_table(mode):
+    config, params = tiny()
+    assert config.tie_embeddings
+    q = quantize(params, config, mode)
+    np.testing.assert_array_equal(q["wte"]["embedding"], params["wte"]["embedding"])  # the lookup stays float
+    head = q[quantization.TIED_HEAD]
+    assert isinstance(head, QuantizedWeight) and head.shape == (64, 32)
+    np.testing.assert_array_equal(head.values, quantize_weight(params["wte"]["embedding"].T, mode).values)
+    tokens = jnp.asarray(np.random.default_rng(5).integers(0, 32, (1, 7)))
+    model = ja.DecoderLM(config)
+    logits = model.apply({"params": q}, tokens)
+    by_hand = dict(q)
+    by_hand[quantization.TIED_HEAD] = dequantize(head)  # the head as float: the same logits to rounding
+    np.testing.assert_allclose(logits, model.apply({"params": by_hand}, tokens), rtol=1e-5, atol=1e-5)
+    float_head = dict(q)
+    del float_head[quantization.TIED_HEAD]
+    assert float(jnp.max(jnp.abs(logits - model.apply({"params": float_head}, tokens)))) > 0  # the head was used
+
+
+@needs_cxx
+@pytest.mark.parametrize("mode", ["int8", "int4", "int4:64"])
+@pytest.mark.parametrize("M", [1, 5])
+# 531: vector loops and a tail; 4096: rows a multiple of 4 KiB apart (int8 reads them four at a time)
+@pytest.mark.parametrize("K, N", [(64, 17), (192, 72), (128, 531), (64, 4096)])
+def test_native_q8act_equals_its_reference_and_stays_within_the_rounding_bound(mode, M, K, N):
+    q = quantize_weight(weight(K, N, seed=K + N), mode)
+    x = np.random.default_rng(M).normal(size=(M, K)).astype(np.float32)
+    x[0, :5] *= 30  # an outlier in the first group: its rounding step is coarse
+    expected = quant_matmul.matmul_q8act(x, q)
+    got = jax.jit(lambda a, w: quant_matmul.native_matmul(a, w, q8act=True))(x, q)
+    assert got.shape == (M, N) and got.dtype == jnp.float32
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(expected))))
+    # Against the float x: each output within sum_k |x_k - xq_k xs_k| |W_kj| (plus float32 rounding).
+    xq, xs = quant_matmul.quantize_rows(jnp.asarray(x))
+    rounded = np.asarray(xq, np.float32) * np.repeat(np.asarray(xs), 32, axis=1)
+    assert np.abs(rounded - x).max() <= np.asarray(xs).max() / 2 * (1 + 1e-6)
+    bound = np.abs(rounded - x) @ np.abs(np.asarray(dequantize(q)))
+    exact = np.asarray(quant_matmul.matmul(x, q))
+    assert (np.abs(np.asarray(got) - exact) <= bound + 1e-5 * np.abs(exact).max()).all()
+    assert np.abs(np.asarray(got) - exact).max() > 0  # the rounding is real: a formulation of its own
+
+
+@needs_cxx
+def test_native_cpu_q8act_rounds_x_only_where_the_weight_allows():
+    x = np.random.default_rng(0).normal(size=(2, 64)).astype(np.float32)
+    lower = jax.jit(quant_matmul.matmul_cpu_q8act).lower
+    for mode in ("int4", "int8"):
+        q = quantize_weight(weight(64, 24), mode)
+        assert "q8act = 1" in lower(x, q).as_text()
+        np.testing.assert_allclose(quant_matmul.matmul_cpu_q8act(x, q), quant_matmul.matmul_q8act(x, q), rtol=1e-5,
+                                   atol=1e-5)
+    grouped = quantize_weight(weight(64, 24), "int8:32")  # int8 in groups: the exact loop, x as it is
+    assert "q8act = 0" in lower(x, grouped).as_text()
+    np.testing.assert_allclose(quant_matmul.matmul_cpu_q8act(x, grouped), quant_matmul.matmul(x, grouped),
+                               rtol=1e-5, atol=1e-5)
+    assert "jaxattn_quant_matmul" not in lower(np.ones((9, 64), np.float32), grouped).as_text()  # a prompt: XLA
+    with pytest.raises(ValueError, match="q8act takes an int4 weight"):
+        quant_matmul.native_matmul(x, grouped, q8act=True)
+
+
+@needs_cxx
+def test_generate_with_q8act_stays_close_to_the_reference():
+    config, params = tiny()
+    q = quantize(params, config, "int4")
+    prompt, lengths = np.array([[3, 1, 4, 1, 5, 9]]), np.array([6])
+    run = dict(max_new_tokens=4, rng=jax.random.PRNGKey(0), temperature=0.0, return_logits=True)
+    expected = ja.generate(q, config, prompt, lengths, **run)
+    got = ja.generate(q, config, prompt, lengths, kernels=Kernels(quantized="native_cpu_q8act"), **run)
+    scale = float(jnp.max(jnp.abs(expected.logits)))
+    assert 0 < float(jnp.max(jnp.abs(got.logits - expected.logits))) <= 0.03 * scale
+
+
+def test_moe_experts_are_quantized_per_expert_and_run():
+    moe = ja.MoEConfig(num_experts=4, experts_per_token=2, expert_hidden=32)
+    config = tiny_config("gqa", positions="rope", d_model=32, mlp_hidden=64, vocab_size=32, max_seq_len=16, moe=moe)
+    params = drawn_params(config, seed=6, std=0.05)
+    q = quantize(params, config, "int8")
+    mlp = q["blocks_1"]["mlp"]
+    assert isinstance(mlp["experts_gate_up"], QuantizedWeight) and mlp["experts_gate_up"].shape == (4, 32, 64)
+    assert mlp["experts_down"].scales.shape == (4, 1, 32)  # per expert, per output channel
+    assert not isinstance(mlp["router_kernel"], QuantizedWeight)  # the choice of experts stays float
+    tokens = jnp.asarray(np.random.default_rng(7).integers(0, 32, (1, 6)))
+    model = ja.DecoderLM(config)
+    expected, got = model.apply({"params": params}, tokens), model.apply({"params": q}, tokens)
+    assert float(jnp.max(jnp.abs(got - expected))) <= 0.03 * float(jnp.max(jnp.abs(expected)))
+
+
+PORTABLE = """
+import jax, numpy as np
+from jaxattn.kernels import native_build, quant_matmul
+from jaxattn.quantization import quantize_weight
+native_build.FLAGS = tuple("-march=x86-64-v3" if f == "-march=native" else f for f in native_build.FLAGS)
+rng = np.random.default_rng(0)
+x = rng.normal(size=(3, 96)).astype(np.float32)
+for mode in ("int8", "int4"):
+    q = quantize_weight(rng.normal(size=(96, 83)).astype(np.float32), mode)
+    for q8act, reference in ((False, quant_matmul.matmul), (True, quant_matmul.matmul_q8act)):
+        expected = np.asarray(reference(x, q))
+        got = np.asarray(jax.jit(lambda a, w: quant_matmul.native_matmul(a, w, q8act=q8act))(x, q))
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+print("ok")
+"""
+
+
+@needs_cxx
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="the AVX2-only build is an x86 target")
+def test_the_portable_loops_without_avx512_equal_the_references(tmp_path):
+    """The library built for AVX2 alone (no AVX-512, no VNNI: the plain loops) in a process of its own."""
+    env = {**os.environ, "JAXATTN_NATIVE_CACHE": str(tmp_path), "PYTHONPATH": os.pathsep.join(sys.path)}
+    result = subprocess.run([sys.executable, "-c", PORTABLE], capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
+    assert len(list(tmp_path.glob("quant_matmul-*.so"))) == 1  # built here, for that target

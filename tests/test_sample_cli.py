@@ -225,3 +225,33 @@ def test_random_init_takes_its_characters_from_data(tmp_path, capsys, monkeypatc
     code, _, err = run(capsys, "--random-init", str(config), "--data", str(tmp_path / "missing.txt"), "--prompt", "a")
     assert code == 1 and err == f"error: data file '{tmp_path / 'missing.txt'}' (from --data / train.data_path) " \
                                 "does not exist\n"
+
+
+def test_quant_int8_samples_with_quantized_weights_and_says_so(tiny, capsys):
+    code, out, err = run(capsys, "--random-init", tiny, "--prompt", "ROMEO:", "--max-new-tokens", "4", "--quant",
+                         "int8", "--temperature", "0")
+    assert code == 0, err
+    assert out.startswith("ROMEO:") and len(out) == len("ROMEO:") + 4 + 1
+    assert "weights int8, quantized '" in err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--quant", "int4"], "--quant int4: blocks_0/attn/"),  # d_model 16: no whole group of 32 rows
+    (["--quant", "int3"], "argument --quant: invalid choice: 'int3'"),
+    (["--quant", "int8", "--mesh", "data:1"], "--quant does not go with --mesh"),
+])
+def test_quant_that_cannot_work_is_a_usage_error(tiny, capsys, argv, message):
+    code, out, err = run(capsys, "--random-init", tiny, "--prompt", "A", "--max-new-tokens", "2", *argv)
+    assert code == 2 and out == "" and message in err and err.startswith("error: ") and len(err.splitlines()) == 1
+
+
+def test_serve_takes_quant_as_sample_does(tiny):
+    from jaxattn.quantization import QuantizedWeight
+    from train import sample, serve
+    from train.cli import UsageError
+    args = serve.parse_args(["--random-init", tiny, "--quant", "int8"])
+    params, _, _ = sample.load(args)
+    assert all(isinstance(layer["kernel"], QuantizedWeight) for layer in params["blocks_0"]["attn"].values())
+    assert isinstance(params["tied_head"], QuantizedWeight)
+    with pytest.raises(UsageError, match="--quant does not go with --mesh"):
+        serve.parse_args(["--random-init", tiny, "--quant", "int4:64", "--mesh", "tensor:1"])

@@ -230,7 +230,12 @@ def run(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, metavar="DIR", help="the transformers directory to write")
     parser.add_argument("--overwrite", action="store_true", help="replace an earlier export in DIR (its files "
                         "only: other files in DIR stay)")
+    parser.add_argument("--quant", help="refused: quantized weights are not exported (quantize when loading: "
+                        "python -m train.sample or train.serve --quant)")
     args = parser.parse_args(argv)
+    if args.quant is not None:
+        parser.error(f"--quant {args.quant}: quantized weights are not exported; export the float weights and "
+                     "pass --quant to python -m train.sample or train.serve")
     if args.gguf is not None:
         print(report(export_gguf(args.gguf, args.out, overwrite=args.overwrite)))
     else:

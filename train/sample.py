@@ -50,6 +50,7 @@ from jaxattn.decoding import call_lengths
 from jaxattn.layer_plan import relayout
 from jaxattn.windowed import NonFiniteLogits, window_programs, windows
 from jaxattn.model import DecoderLM
+from jaxattn.quantization import quantize
 from train import config as config_lib
 from train import data as data_lib
 from train import export as export_lib
@@ -84,6 +85,9 @@ SAMPLING_BUFFERS = 4  # [rows, V] float32 buffers a decoding step holds: logits,
 WARN_FRACTION = 0.8  # of the memory free now, from which the estimate is a warning
 
 
+QUANT_MODES = ("int8", "int4", "int4:64")  # --quant
+
+
 def random_init(name: str, seed: int = 0, data: str | None = None) -> tuple[dict, ModelConfig, Tokenizer]:
     """(params, model config, tokenizer) of configs/NAME.toml (or a .toml file), randomly initialised.
 
@@ -110,7 +114,8 @@ def random_init(name: str, seed: int = 0, data: str | None = None) -> tuple[dict
 
 def load(args: argparse.Namespace) -> tuple[dict, ModelConfig, Tokenizer]:
     """The model of `--checkpoint`, `--hf`, `--gguf` or `--random-init`, its layers scanned or
-    unrolled as `--scan-layers` says (a checkpoint of either layout loads as either)."""
+    unrolled as `--scan-layers` says (a checkpoint of either layout loads as either), its weights
+    quantized as `--quant` asks (`jaxattn.quantize`; UsageError when the model's widths do not fit the mode)."""
     if args.random_init is not None:
         params, config, tokenizer = random_init(args.random_init, args.seed, args.data)
     elif getattr(args, "gguf", None) is not None:
@@ -122,7 +127,32 @@ def load(args: argparse.Namespace) -> tuple[dict, ModelConfig, Tokenizer]:
     scan = getattr(args, "scan_layers", None)
     if scan is not None:
         params, config = relayout(nn.unbox(params), config, scan)
+    if getattr(args, "quant", None) is not None:
+        try:
+            params = quantize(params, config, args.quant)
+        except ValueError as err:
+            raise UsageError(f"--quant {args.quant}: {err}") from None
     return params, config, tokenizer
+
+
+def quant_line(args, kernels: Kernels, reasons: dict[str, str]) -> str:
+    """The kernels line's part for `--quant` ("" without it)."""
+    if getattr(args, "quant", None) is None:
+        return ""
+    return f"; weights {args.quant}, quantized {kernels.quantized!r} ({reasons['quantized']})"
+
+
+def add_quant_flag(parser: argparse.ArgumentParser) -> None:
+    """`--quant MODE`: weight-only quantization after loading (sample and serve)."""
+    parser.add_argument("--quant", choices=QUANT_MODES, help="store the weights as int8 (per output channel) or "
+                        "int4 (groups of 32, or :64) and multiply by them so (jaxattn.quantize; the lookup "
+                        "tables, norms and the router stay float)")
+
+
+def check_quant(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Usage errors for `--quant` with a flag it does not go with."""
+    if args.quant is not None and args.mesh is not None:
+        parser.error("--quant does not go with --mesh: quantized weights are laid out on one device")
 
 
 def until_eos(ids: np.ndarray, eos_token_id: int | None) -> np.ndarray:
@@ -386,11 +416,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "starts) for --mesh")
     parser.add_argument("--kv-cache", choices=KV_CACHES, default="auto", help="the KV cache's storage: auto (the "
                         "compute dtype) or int8 (int8 numbers with a float32 scale per token and head; default auto)")
+    add_quant_flag(parser)
     args = parser.parse_args(argv)
     if args.data is not None and args.random_init is None:
         parser.error("--data goes with --random-init (a checkpoint carries its own tokenizer)")
     if args.allow_nonfinite and args.hf is None and args.gguf is None:
         parser.error("--allow-nonfinite goes with --hf or --gguf")
+    check_quant(parser, args)
     return args
 
 
@@ -538,8 +570,8 @@ def run(argv=None) -> int:
     mesh = device_mesh(args, config)
     kernels, reasons = resolve_kernels(Kernels.auto())
     print(f"kernels: decode {kernels.decode!r} ({reasons['decode']}), matmul {kernels.matmul!r} "
-          f"({reasons['matmul']})" + (f"; mesh {axes.MeshShape.of(mesh)}" if mesh is not None else ""),
-          file=sys.stderr)
+          f"({reasons['matmul']})" + (f"; mesh {axes.MeshShape.of(mesh)}" if mesh is not None else "")
+          + quant_line(args, kernels, reasons), file=sys.stderr)
     plan = plan_sampling(args, config, len(prompt_ids), kernels, mesh)
     ids, stopped = sample(args, params, config, prompt_ids, kernels, mesh, plan.rows)
     print_samples(prompt, ids, tokenizer)

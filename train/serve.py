@@ -99,7 +99,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--mesh", help="serve on a device mesh, e.g. tensor:2 (product = device count)")
     parser.add_argument("--cpu-devices", type=int, metavar="N", help="make N host devices on a CPU for --mesh")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    sample_lib.add_quant_flag(parser)
     args = parser.parse_args(argv)
+    sample_lib.check_quant(parser, args)
     if args.data is not None and args.random_init is None:
         parser.error("--data goes with --random-init (a checkpoint carries its own tokenizer)")
     if args.allow_nonfinite and args.hf is None and args.gguf is None:
@@ -250,8 +252,8 @@ def run(argv=None) -> int:
         mesh = sample_lib.device_mesh(args, config)
         kernels, reasons = resolve_kernels(Kernels.auto())
         print(f"kernels: paged {kernels.paged!r} ({reasons['paged']}), matmul {kernels.matmul!r} "
-              f"({reasons['matmul']})" + (f"; mesh {axes.MeshShape.of(mesh)}" if mesh is not None else ""),
-              file=sys.stderr)
+              f"({reasons['matmul']})" + (f"; mesh {axes.MeshShape.of(mesh)}" if mesh is not None else "")
+              + sample_lib.quant_line(args, kernels, reasons), file=sys.stderr)
         started = time.perf_counter()
         engine, compile_seconds = build_engine(args, params, config, tokenizer, kernels, mesh)
         served = served_model(args, config, tokenizer, engine.max_model_len)

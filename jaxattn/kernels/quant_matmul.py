@@ -2,13 +2,21 @@
 
 Contract (all): `x [M, K] @ W -> [M, N]` float32, W the weight the values and scales stand for
 (`dequantize`), x rounded to float32; forward only (the weights of a quantized model are not
-trained). Each equals the reference to float32 summation order (tests/test_quantize.py).
+trained). Each equals its reference to float32 summation order (tests/test_quantize.py).
 
 * "xla" (reference): dequantize in XLA, then one float32 dot.
 * "native_cpu": calls of at most `NATIVE_UP_TO` rows (decoding, a small batch) in a native loop
-  (`native/quant_matmul.cc`, C++ through `jax.ffi`: the weight read once, row by row, converted as
-  it is used; pieces of rows shared over the intra-op threads); more rows (a prompt) run the reference,
+  (`native/quant_matmul.cc`, C++ through `jax.ffi`: the weight read once, converted as it is used;
+  pieces of columns shared over the intra-op threads); more rows (a prompt) run the reference,
   which is a matmul XLA does well. CPU only; built by `jaxattn.kernels.native_build`.
+* "native_cpu_q8act": as "native_cpu", except that x is rounded to int8 in groups of 32
+  (`quantize_rows`, as llama.cpp's Q8_0 activations) and multiplied with integer dots (AVX512-VNNI
+  where the CPU has it, else plain loops with the same integer sums), for int4 weights in groups of
+  a multiple of 32 rows and int8 weights per output channel, K a multiple of 32: a different
+  result, the reference of which is `matmul_q8act` (x rounded so, then the "xla" reference). The
+  rounding moves each x by at most half its group's scale `max|x_group| / 127`, so each output by
+  at most `sum_k |x_k - xq_k xs_k| |W_kj|` (tests/test_quantize.py bounds it so). Other weights
+  (int8 in groups) and more rows than `NATIVE_UP_TO` run as "native_cpu".
 """
 
 from __future__ import annotations
@@ -24,14 +32,45 @@ from jaxattn.kernels import native_build
 from jaxattn.quantization import QuantizedWeight, dequantize
 
 SOURCE = Path(__file__).parent / "native" / "quant_matmul.cc"
-TARGET = "jaxattn_quant_matmul"
+TARGETS = {8: "jaxattn_quant_matmul_int8", 4: "jaxattn_quant_matmul_int4"}
 NATIVE_UP_TO = 8  # rows up to which "native_cpu" goes native
+ACT_GROUP = 32  # activation rows per int8 scale in "native_cpu_q8act"
 WAY_OUT = "use Kernels(quantized='xla')"
 
 
 def matmul(x, weight: QuantizedWeight):
     """The "xla" reference: dequantize, then multiply in float32."""
     return jnp.dot(x.astype(jnp.float32), dequantize(weight), preferred_element_type=jnp.float32)
+
+
+def quantize_rows(x) -> tuple[jax.Array, jax.Array]:
+    """x `[M, K]` (K a multiple of 32) rounded to int8 per row in groups of 32: `(xq [M, K] int8,
+    xs [M, K / 32] float32)`, `xs = max|x_group| / 127`, `xq = round(x / xs)`; x ~ xq * xs."""
+    M, K = x.shape
+    grouped = x.astype(jnp.float32).reshape(M, K // ACT_GROUP, ACT_GROUP)
+    xs = jnp.max(jnp.abs(grouped), axis=-1) / 127.0
+    safe = jnp.where(xs > 0, xs, 1.0)
+    xq = jnp.clip(jnp.round(grouped / safe[..., None]), -127, 127).astype(jnp.int8).reshape(M, K)
+    return xq, xs
+
+
+def matmul_q8act(x, weight: QuantizedWeight):
+    """The reference of "native_cpu_q8act": x rounded as `quantize_rows`, then `matmul`, for the
+    weights it takes (`native_matmul`'s q8act); other weights, `matmul`."""
+    if not _takes_q8act(x, weight):
+        return matmul(x, weight)
+    xq, xs = quantize_rows(x)
+    M, K = x.shape
+    rounded = (xq.astype(jnp.float32).reshape(M, K // ACT_GROUP, ACT_GROUP) * xs[..., None]).reshape(M, K)
+    return matmul(rounded, weight)
+
+
+def _takes_q8act(x, weight: QuantizedWeight) -> bool:
+    """An int4 weight in groups of a multiple of 32 rows or an int8 one per output channel, K a multiple of 32."""
+    K = x.shape[-1]
+    per_channel = weight.group == K
+    return K % ACT_GROUP == 0 and ((weight.bits == 4 and weight.group % ACT_GROUP == 0) or
+                                   (weight.bits == 8 and per_channel))
 
 
 def library_path() -> Path:
@@ -44,22 +83,39 @@ def library_path() -> Path:
 
 @functools.cache
 def _registered() -> bool:
-    """Compiles (or finds) and loads the library and registers its FFI target, once per process."""
-    native_build.register(library_path(), "JaxattnQuantMatmul", TARGET, "the native quantized matmul", WAY_OUT)
+    """Compiles (or finds) and loads the library and registers its FFI targets, once per process."""
+    path = library_path()
+    native_build.register(path, "JaxattnQuantMatmul8", TARGETS[8], "the native quantized matmul", WAY_OUT)
+    native_build.register(path, "JaxattnQuantMatmul4", TARGETS[4], "the native quantized matmul", WAY_OUT)
     return True
 
 
-def native_matmul(x, weight: QuantizedWeight):
-    """The whole call in the native loop (any number of rows)."""
+def native_matmul(x, weight: QuantizedWeight, q8act: bool = False):
+    """The whole call in the native loop (any number of rows); `q8act` (K a multiple of 32; int4 weights
+    in groups of a multiple of 32, or int8 per output channel): x rounded to int8 as `quantize_rows` first."""
+    if len(weight.shape) != 2:
+        raise ValueError(f"quantized matmul: the weight must be [in, out], got shape {weight.shape}")
     if x.ndim != 2 or x.shape[1] != weight.shape[0]:
         raise ValueError(f"quantized matmul: x must be [M, {weight.shape[0]}], got {x.shape}")
+    if q8act and not _takes_q8act(x, weight):
+        raise ValueError(f"quantized matmul: q8act takes an int4 weight in groups of a multiple of {ACT_GROUP} rows "
+                         f"or an int8 one per output channel, K a multiple of {ACT_GROUP}; got bits {weight.bits}, "
+                         f"group {weight.group}, x {x.shape}")
     _registered()
     out = jax.ShapeDtypeStruct((x.shape[0], weight.shape[1]), jnp.float32)
-    call = jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")
+    call = jax.ffi.ffi_call(TARGETS[weight.bits], out, vmap_method="sequential")
     return call(x.astype(jnp.float32), weight.values, weight.scales.astype(jnp.float32),
-                bits=np.int32(weight.bits), threads=np.int32(native_build.threads()))
+                q8act=np.int32(q8act), threads=np.int32(native_build.threads()))
 
 
 def matmul_cpu(x, weight: QuantizedWeight):
     """"native_cpu": `native_matmul` for at most `NATIVE_UP_TO` rows, else the reference."""
     return (native_matmul if x.shape[0] <= NATIVE_UP_TO else matmul)(x, weight)
+
+
+def matmul_cpu_q8act(x, weight: QuantizedWeight):
+    """"native_cpu_q8act": at most `NATIVE_UP_TO` rows with x rounded to int8 (`native_matmul(...,
+    q8act=True)`) where the weight allows; anything else as "native_cpu"."""
+    if x.shape[0] <= NATIVE_UP_TO and _takes_q8act(x, weight):
+        return native_matmul(x, weight, q8act=True)
+    return matmul_cpu(x, weight)

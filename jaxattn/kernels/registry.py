@@ -28,7 +28,8 @@ IMPLEMENTATIONS: dict[str, dict[str, object]] = {
     "paged": {"gather": None, "ragged": paged.ragged_paged_attention,  # "gather": the layer's own cached attention
               "ragged_cpu": native_paged.ragged_cpu_paged_attention},
     "moe": dict(moe.IMPLEMENTATIONS),
-    "quantized": {"xla": quant_matmul.matmul, "native_cpu": quant_matmul.matmul_cpu},
+    "quantized": {"xla": quant_matmul.matmul, "native_cpu": quant_matmul.matmul_cpu,
+                  "native_cpu_q8act": quant_matmul.matmul_cpu_q8act},
 }
 
 
@@ -68,8 +69,10 @@ class Kernels:
         "auto_cpu" (per call: gathered, grouped_cpu or dense by the tokens, experts and k); all
         dropless and exact.
       quantized: `Linear` with a quantized kernel (`jaxattn.quantization`): "xla" (reference:
-        dequantize, then a float32 dot) or "native_cpu" (`jaxattn.kernels.quant_matmul`: up to 8
-        rows in a native loop built with the host's C++ compiler, more rows the reference; CPU only).
+        dequantize, then a float32 dot), "native_cpu" (`jaxattn.kernels.quant_matmul`: up to 8
+        rows in a native loop built with the host's C++ compiler, more rows the reference; CPU only)
+        or "native_cpu_q8act" (as native_cpu, but the activations rounded to int8 in groups of 32
+        and integer dots, for int4 and per-channel int8 weights: an approximation of its own).
 
     Any field may be "auto" in a request; `resolve_kernels` replaces it for a platform.
     """

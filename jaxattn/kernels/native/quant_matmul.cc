@@ -1,26 +1,43 @@
-// A few float32 rows times an int8 or packed-int4 weight, float32 out, on the CPU: the
-// "native_cpu" quantized matmul's native part (jaxattn/kernels/quant_matmul.py, registered with
-// jax.ffi).
+// A few float32 rows times an int8 or int4 weight, float32 out, on the CPU: the native part of the
+// "native_cpu" and "native_cpu_q8act" quantized matmuls (jaxattn/kernels/quant_matmul.py, registered
+// with jax.ffi).
 //
-// Contract (jaxattn.quantization.dequantize, then x @ W): x [M, K] float32; values [K, N] int8
-// (bits 8) or [K / 2, N] int8 (bits 4: rows 2i and 2i + 1 in the low and high nibble of row i,
-// each a signed value in [-8, 7]); scales [G, N] float32, G = 1 (one scale per output column) or
-// G = K / group (one per group of `group` input rows and column); out [M, N] = x @ (values * scales).
+// Contract (jaxattn.quantization.dequantize, then x @ W): x [M, K] float32; scales [G, N] float32,
+// one per group of K / G input rows and column (G = 1: one per column);
+//  * bits 8 (target JaxattnQuantMatmul8): values [K, N] int8, W = values * scale;
+//  * bits 4 (target JaxattnQuantMatmul4): values [K / 8, N] int32, word [t, j] holds rows 8t .. 8t + 7
+//    of column j, row 8t + i in bits 4i .. 4i + 3 as an unsigned nibble u, W = (u - 8) * scale.
+// out [M, N] = x @ W. With q8act = 1 (int4 in groups of a multiple of 32 rows, or int8 with one scale
+// per column; K a multiple of 32), x is first rounded to int8 per row in groups of 32
+// (`xs = max|x| / 127` per group, `xq = round(x / xs)`, as jaxattn.kernels.quant_matmul.quantize_rows)
+// and out = (xq * xs) @ W: the products are integer dots, scaled per group of 32.
 //
 // Why by hand: XLA:CPU converts the int8 weight to float32 in a separate pass before its dot, so it
-// reads and writes a float32 copy of the weight on every call. Here W is read once, whole rows in
-// order (one stream through memory): each row's values are converted to float32 as they are used and
-// x[m, k] * W[k, :] is added into M rows of float32 sums; a column's scale is applied once per group
-// (or once at the end, per channel). The rows are cut into pieces of whole groups that the workers
-// (XLA's intra-op thread pool, a worker per kMinWeights weights) take in turn, each into its own
-// sums, added up at the end: the sums' order differs from the reference's only by float32 rounding.
+// reads and writes a float32 copy of the weight on every call. Here W is read once and converted as
+// it is used. The columns are cut into pieces (at most kChunkBytes of a row) that the workers (XLA's
+// intra-op thread pool) take in turn; each piece reads all K rows of its columns and writes its own
+// outputs, so no sums are shared. Summation order differs from the reference's only by float32 rounding.
+//
+// The int4 words put a column's 8 consecutive rows in 32 bits so that one 32-bit lane of an integer
+// dot holds 4 rows of one column: with AVX512-VNNI (chosen at build time by -march=native),
+// _mm512_dpbusd_epi32 multiplies 16 columns' unsigned nibbles by 4 int8 activations each, summed in
+// int32; the nibbles' offset of 8 is taken off once per group (8 * the sum of the group's xq).
+// Without VNNI the same integer sums run in plain loops the compiler vectorizes: equal results.
+// int8 values stay [K, N] (the layout GGUF and the reference share): Int8Q8 interleaves four rows
+// itself, a few shuffles per 256 products.
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <memory>
 #include <thread>
 #include <vector>
+
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+#include <immintrin.h>
+#define JAXATTN_VNNI 1
+#endif
 
 #include "xla/ffi/api/ffi.h"
 
@@ -28,125 +45,426 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int64_t kChunkBytes = 64 * 1024;  // bytes of weight per piece of work, about
-constexpr int64_t kMinWeights = 256 * 1024;  // weights per worker, at least
+constexpr int64_t kChunkBytes = 4096;  // bytes of each weight row per piece of work, at most
+constexpr int64_t kMinWeights = 96 * 1024;  // weights per worker, at least: waking one costs more below
+constexpr int64_t kActGroup = 32;  // activation rows per int8 scale (q8act)
+constexpr int64_t kMaxRows = 16;  // rows per pass over the weight (more rows: several passes)
 
 struct Problem {
   const float* x;
-  const int8_t* w;
+  const void* w;
   const float* scales;
   int64_t M, K, N, bits, G;
-  int64_t group;  // input rows per scale; K when G == 1 (the scales are then applied once, at the end)
+  int64_t group;  // input rows per weight scale (K when G == 1)
+  bool q8;
+  // q8act: per row, words of 4 int8 activations (even rows 8t, 8t+2, 8t+4, 8t+6 and odd rows 8t+1, ..),
+  // the scales xs [M, K / 32] and the sums of xq per group of 32 [M, K / 32].
+  std::vector<int32_t> even, odd, xsum;
+  std::vector<int32_t> quads;  // per row, words of 4 consecutive xq (rows 4t .. 4t + 3; int8 weights)
+  std::vector<float> xs;
 };
 
-// acc[M, N] += x[:, k0:k1] @ values[k0:k1, :] (scaled per group when G > 1; part: M * N scratch).
-// The weight rows are read in order, whole: one stream through memory; each row's values are converted
-// to float32 as they are used (int4: two rows from one row of bytes) and added into M rows of sums.
-void Rows(const Problem& p, int64_t k0, int64_t k1, float* acc, float* part, float* low, float* high) {
-  const int64_t N = p.N;
-  const int64_t span = p.G == 1 ? k1 - k0 : p.group;
-  for (int64_t g0 = k0; g0 < k1; g0 += span) {
-    float* __restrict sums = p.G == 1 ? acc : part;
-    if (p.G != 1) std::fill(part, part + p.M * N, 0.0f);
-    for (int64_t k = g0; k < g0 + span; k += (p.bits == 4 ? 2 : 1)) {
-      if (p.bits == 8) {
-        const int8_t* __restrict src = p.w + k * N;
-        for (int64_t m = 0; m < p.M; ++m) {
-          const float xk = p.x[m * p.K + k];
-          float* __restrict a = sums + m * N;
-          for (int64_t j = 0; j < N; ++j) a[j] += xk * static_cast<float>(src[j]);
-        }
-      } else {
-        const int8_t* __restrict src = p.w + (k / 2) * N;
-        for (int64_t j = 0; j < N; ++j) {
-          const int32_t v = src[j];  // the high nibble is v >> 4 (sign-extended); the low one ((v & 15) ^ 8) - 8
-          low[j] = static_cast<float>(((v & 15) ^ 8) - 8);
-          high[j] = static_cast<float>(v >> 4);
-        }
-        for (int64_t m = 0; m < p.M; ++m) {
-          const float x0 = p.x[m * p.K + k], x1 = p.x[m * p.K + k + 1];
-          float* __restrict a = sums + m * N;
-          for (int64_t j = 0; j < N; ++j) a[j] += x0 * low[j] + x1 * high[j];
+// Rows as int8 in groups of 32 (see the contract), in the words the integer dots take.
+void QuantizeRows(Problem& p) {
+  const int64_t A = p.K / kActGroup, T = p.K / 8;
+  p.even.assign(p.M * T, 0), p.odd.assign(p.M * T, 0), p.xsum.assign(p.M * A, 0), p.xs.assign(p.M * A, 0.0f);
+  p.quads.assign(p.M * p.K / 4, 0);
+  std::vector<int8_t> q(p.K);
+  for (int64_t m = 0; m < p.M; ++m) {
+    const float* x = p.x + m * p.K;
+    for (int64_t a = 0; a < A; ++a) {
+      float top = 0.0f;
+      for (int64_t k = a * kActGroup; k < (a + 1) * kActGroup; ++k) top = std::max(top, std::fabs(x[k]));
+      const float scale = top / 127.0f, safe = scale > 0.0f ? scale : 1.0f;
+      int32_t sum = 0;
+      for (int64_t k = a * kActGroup; k < (a + 1) * kActGroup; ++k) {
+        const float r = std::nearbyint(x[k] / safe);
+        q[k] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, r)));
+        sum += q[k];
+      }
+      p.xs[m * A + a] = scale, p.xsum[m * A + a] = sum;
+    }
+    std::copy(q.begin(), q.end(), reinterpret_cast<int8_t*>(p.quads.data() + m * p.K / 4));
+    for (int64_t t = 0; t < T; ++t) {
+      const uint8_t* b = reinterpret_cast<const uint8_t*>(q.data() + 8 * t);
+      p.even[m * T + t] = static_cast<int32_t>(b[0] | (b[2] << 8) | (b[4] << 16) | (static_cast<uint32_t>(b[6]) << 24));
+      p.odd[m * T + t] = static_cast<int32_t>(b[1] | (b[3] << 8) | (b[5] << 16) | (static_cast<uint32_t>(b[7]) << 24));
+    }
+  }
+}
+
+// out[m0:m1, j0:j1] for int8 values, float32: each row of W converted as it is read.
+void Int8Float(const Problem& p, int64_t m0, int64_t m1, int64_t j0, int64_t j1, float* out, float* part) {
+  const int8_t* w = static_cast<const int8_t*>(p.w);
+  const int64_t n = j1 - j0, M = m1 - m0;
+  for (int64_t g = 0; g < p.G; ++g) {
+    float* __restrict sums = part;
+    std::fill(sums, sums + M * n, 0.0f);
+    // Four rows at a time: the sums are read and written once for four rows' products.
+    int64_t k = g * p.group;
+    for (; k + 4 <= (g + 1) * p.group; k += 4) {
+      const int8_t* __restrict r0 = w + k * p.N + j0;
+      const int8_t* __restrict r1 = r0 + p.N;
+      const int8_t* __restrict r2 = r1 + p.N;
+      const int8_t* __restrict r3 = r2 + p.N;
+      for (int64_t m = 0; m < M; ++m) {
+        const float* xk = p.x + (m0 + m) * p.K + k;
+        const float x0 = xk[0], x1 = xk[1], x2 = xk[2], x3 = xk[3];
+        float* __restrict a = sums + m * n;
+        for (int64_t j = 0; j < n; ++j)
+          a[j] += x0 * static_cast<float>(r0[j]) + x1 * static_cast<float>(r1[j]) + x2 * static_cast<float>(r2[j]) +
+                  x3 * static_cast<float>(r3[j]);
+      }
+    }
+    for (; k < (g + 1) * p.group; ++k) {
+      const int8_t* __restrict src = w + k * p.N + j0;
+      for (int64_t m = 0; m < M; ++m) {
+        const float xk = p.x[(m0 + m) * p.K + k];
+        float* __restrict a = sums + m * n;
+        for (int64_t j = 0; j < n; ++j) a[j] += xk * static_cast<float>(src[j]);
+      }
+    }
+    const float* __restrict s = p.scales + g * p.N + j0;
+    for (int64_t m = 0; m < M; ++m) {
+      float* __restrict o = out + (m0 + m) * p.N + j0;
+      for (int64_t j = 0; j < n; ++j) o[j] += sums[m * n + j] * s[j];
+    }
+  }
+}
+
+// out[m0:m1, j0:j1] for int4 words, float32: each nibble converted to float as it is read.
+void Int4Float(const Problem& p, int64_t m0, int64_t m1, int64_t j0, int64_t j1, float* out, float* part) {
+  const uint32_t* w = static_cast<const uint32_t*>(p.w);
+  const int64_t n = j1 - j0, M = m1 - m0;
+  for (int64_t g = 0; g < p.G; ++g) {
+    float* __restrict sums = part;
+    std::fill(sums, sums + M * n, 0.0f);
+    for (int64_t t = g * p.group / 8; t < (g + 1) * p.group / 8; ++t) {
+      const uint32_t* __restrict src = w + t * p.N + j0;
+      for (int64_t m = 0; m < M; ++m) {
+        const float* xk = p.x + (m0 + m) * p.K + 8 * t;
+        float x[8], offset = 0.0f;  // sum_i x_i (u_i - 8) = sum_i x_i u_i - 8 sum_i x_i
+        for (int i = 0; i < 8; ++i) x[i] = xk[i], offset += 8.0f * xk[i];
+        float* __restrict a = sums + m * n;
+        for (int64_t j = 0; j < n; ++j) {
+          const uint32_t v = src[j];
+          float s = -offset;
+          for (int i = 0; i < 8; ++i) s += x[i] * static_cast<float>(static_cast<int32_t>((v >> (4 * i)) & 15u));
+          a[j] += s;
         }
       }
     }
-    if (p.G != 1) {
-      const float* __restrict s = p.scales + (g0 / p.group) * N;
-      for (int64_t m = 0; m < p.M; ++m)
-        for (int64_t j = 0; j < N; ++j) acc[m * N + j] += part[m * N + j] * s[j];
+    const float* __restrict s = p.scales + g * p.N + j0;
+    for (int64_t m = 0; m < M; ++m) {
+      float* __restrict o = out + (m0 + m) * p.N + j0;
+      for (int64_t j = 0; j < n; ++j) o[j] += sums[m * n + j] * s[j];
     }
+  }
+}
+
+// out[m0:m1, j0:j1] for int4 words and int8 activations: integer dots per group of 32 rows. The rows
+// of a group are read along the piece's columns (four streams through memory), each 16 columns' int32
+// sums kept in registers for the group, then scaled into the float32 outputs.
+void Int4Q8(const Problem& p, int64_t m0, int64_t m1, int64_t j0, int64_t j1, float* out) {
+  const uint32_t* w = static_cast<const uint32_t*>(p.w);
+  const int64_t A = p.K / kActGroup, T = p.K / 8, M = m1 - m0;
+  for (int64_t m = m0; m < m1; ++m) std::fill(out + m * p.N + j0, out + m * p.N + j1, 0.0f);
+  int64_t rest = j0;  // the columns from here on run in plain loops
+#ifdef JAXATTN_VNNI
+  const int64_t vector_cols = (j1 - j0) / 16 * 16;
+  const __m512i nibble = _mm512_set1_epi32(0x0F0F0F0F);
+  for (int64_t a = 0; a < A; ++a) {
+    const float* sa = p.scales + (a * kActGroup / p.group) * p.N;
+    __m512i even[kMaxRows][4], odd[kMaxRows][4];
+    __m512 xs[kMaxRows];
+    __m512i offset[kMaxRows];
+    for (int64_t m = 0; m < M; ++m) {
+      for (int64_t t = 0; t < 4; ++t) {
+        even[m][t] = _mm512_set1_epi32(p.even[(m0 + m) * T + a * 4 + t]);
+        odd[m][t] = _mm512_set1_epi32(p.odd[(m0 + m) * T + a * 4 + t]);
+      }
+      xs[m] = _mm512_set1_ps(p.xs[(m0 + m) * A + a]);
+      offset[m] = _mm512_set1_epi32(8 * p.xsum[(m0 + m) * A + a]);
+    }
+    for (int64_t j = j0; j < j0 + vector_cols; j += 16) {
+      __m512i acc[kMaxRows];
+      for (int64_t m = 0; m < M; ++m) acc[m] = _mm512_setzero_si512();
+      for (int64_t t = 0; t < 4; ++t) {
+        const __m512i v = _mm512_loadu_si512(w + (a * 4 + t) * p.N + j);
+        const __m512i low = _mm512_and_si512(v, nibble), high = _mm512_and_si512(_mm512_srli_epi32(v, 4), nibble);
+        for (int64_t m = 0; m < M; ++m) {
+          acc[m] = _mm512_dpbusd_epi32(acc[m], low, even[m][t]);
+          acc[m] = _mm512_dpbusd_epi32(acc[m], high, odd[m][t]);
+        }
+      }
+      const __m512 s = _mm512_loadu_ps(sa + j);
+      for (int64_t m = 0; m < M; ++m) {
+        float* o = out + (m0 + m) * p.N + j;
+        const __m512 dot = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[m], offset[m]));
+        _mm512_storeu_ps(o, _mm512_fmadd_ps(dot, _mm512_mul_ps(s, xs[m]), _mm512_loadu_ps(o)));
+      }
+    }
+  }
+  rest = j0 + vector_cols;
+#endif
+  // The same integer sums without VNNI (and the columns past the last 16).
+  const int64_t left = j1 - rest;
+  if (left == 0) return;
+  std::vector<int32_t> acc(left);
+  for (int64_t m = m0; m < m1; ++m) {
+    const int8_t* even = reinterpret_cast<const int8_t*>(p.even.data() + m * T);
+    const int8_t* odd = reinterpret_cast<const int8_t*>(p.odd.data() + m * T);
+    float* __restrict o = out + m * p.N + rest;
+    for (int64_t a = 0; a < A; ++a) {
+      std::fill(acc.begin(), acc.end(), 0);
+      for (int64_t t = a * 4; t < a * 4 + 4; ++t) {
+        const uint32_t* __restrict src = w + t * p.N + rest;
+        const int8_t* e = even + 4 * t;
+        const int8_t* d = odd + 4 * t;
+        for (int64_t c = 0; c < left; ++c) {
+          const uint32_t v = src[c];
+          int32_t s = 0;
+          for (int b = 0; b < 4; ++b)
+            s += static_cast<int32_t>((v >> (8 * b)) & 15u) * e[b] + static_cast<int32_t>((v >> (8 * b + 4)) & 15u) * d[b];
+          acc[c] += s;
+        }
+      }
+      const float* __restrict s = p.scales + (a * kActGroup / p.group) * p.N + rest;
+      const float xs = p.xs[m * A + a];
+      const int32_t offset = 8 * p.xsum[m * A + a];
+      for (int64_t c = 0; c < left; ++c) o[c] += static_cast<float>(acc[c] - offset) * (s[c] * xs);
+    }
+  }
+}
+
+// out[m0:m1, j0:j1] for int8 values (one scale per column) and int8 activations: integer dots per
+// group of 32 rows. Four rows of 64 columns are interleaved by two rounds of byte and 16-bit unpacks
+// so that each 32-bit lane holds 4 rows of one column (the columns come out in a fixed order within
+// each 64, put back at the end); the weights are made unsigned (w + 128, the operand VNNI takes as
+// unsigned) and 128 * the group's sum of xq taken off again.
+#ifdef JAXATTN_VNNI
+// Four rows (`stride` apart) of 64 columns made unsigned (w + 128) and interleaved: lane c of v[i]
+// holds the 4 rows of column 16 * (c / 4) + 4 * i + c % 4.
+inline void Interleave(const int8_t* r, int64_t stride, __m512i flip, __m512i v[4]) {
+  const __m512i r0 = _mm512_xor_si512(_mm512_loadu_si512(r), flip);
+  const __m512i r1 = _mm512_xor_si512(_mm512_loadu_si512(r + stride), flip);
+  const __m512i r2 = _mm512_xor_si512(_mm512_loadu_si512(r + 2 * stride), flip);
+  const __m512i r3 = _mm512_xor_si512(_mm512_loadu_si512(r + 3 * stride), flip);
+  const __m512i lo01 = _mm512_unpacklo_epi8(r0, r1), hi01 = _mm512_unpackhi_epi8(r0, r1);
+  const __m512i lo23 = _mm512_unpacklo_epi8(r2, r3), hi23 = _mm512_unpackhi_epi8(r2, r3);
+  v[0] = _mm512_unpacklo_epi16(lo01, lo23), v[1] = _mm512_unpackhi_epi16(lo01, lo23);
+  v[2] = _mm512_unpacklo_epi16(hi01, hi23), v[3] = _mm512_unpackhi_epi16(hi01, hi23);
+}
+#endif
+
+void Int8Q8(const Problem& p, int64_t m0, int64_t m1, int64_t j0, int64_t j1, float* out, int32_t* sums) {
+  const int8_t* w = static_cast<const int8_t*>(p.w);
+  const int64_t A = p.K / kActGroup, T = p.K / 4, M = m1 - m0;
+  for (int64_t m = m0; m < m1; ++m) std::fill(out + m * p.N + j0, out + m * p.N + j1, 0.0f);
+  int64_t rest = j0;  // the columns from here on run in plain loops
+#ifdef JAXATTN_VNNI
+  const int64_t vector_cols = (j1 - j0) / 64 * 64;
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  const bool aliased = p.N % 4096 == 0;
+  for (int64_t a = 0; a < A; ++a) {
+    __m512 xs[kMaxRows];
+    __m512i offset[kMaxRows];
+    for (int64_t m = 0; m < M; ++m) {
+      xs[m] = _mm512_set1_ps(p.xs[(m0 + m) * A + a]);
+      offset[m] = _mm512_set1_epi32(128 * p.xsum[(m0 + m) * A + a]);
+    }
+    if (!aliased) {
+      // Each 64 columns' int32 sums in registers over the group's 32 rows.
+      for (int64_t j = j0; j < j0 + vector_cols; j += 64) {
+        __m512i acc[kMaxRows][4];
+        for (int64_t m = 0; m < M; ++m)
+          for (int i = 0; i < 4; ++i) acc[m][i] = _mm512_setzero_si512();
+        for (int64_t q = 0; q < kActGroup / 4; ++q) {
+          __m512i v[4];
+          Interleave(w + (a * kActGroup + 4 * q) * p.N + j, p.N, flip, v);
+          for (int64_t m = 0; m < M; ++m) {
+            const __m512i xq = _mm512_set1_epi32(p.quads[(m0 + m) * T + a * (kActGroup / 4) + q]);
+            for (int i = 0; i < 4; ++i) acc[m][i] = _mm512_dpbusd_epi32(acc[m][i], v[i], xq);
+          }
+        }
+        for (int64_t m = 0; m < M; ++m) {
+          float* o = out + (m0 + m) * p.N + j;  // in the unpacks' order until the end
+          for (int i = 0; i < 4; ++i) {
+            const __m512 dot = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[m][i], offset[m]));
+            _mm512_storeu_ps(o + 16 * i, _mm512_fmadd_ps(dot, xs[m], _mm512_loadu_ps(o + 16 * i)));
+          }
+        }
+      }
+      continue;
+    }
+    // Rows a multiple of 4 KiB apart share cache sets: the group's 32 rows read at once would evict
+    // one another's prefetched lines. So four rows at a time along the piece's columns (four streams
+    // through memory), the int32 sums of the group in `sums` [M, vector_cols].
+    std::fill(sums, sums + M * vector_cols, 0);
+    for (int64_t q = 0; q < kActGroup / 4; ++q) {
+      __m512i xq[kMaxRows];
+      for (int64_t m = 0; m < M; ++m) xq[m] = _mm512_set1_epi32(p.quads[(m0 + m) * T + a * (kActGroup / 4) + q]);
+      for (int64_t j = j0; j < j0 + vector_cols; j += 64) {
+        __m512i v[4];
+        Interleave(w + (a * kActGroup + 4 * q) * p.N + j, p.N, flip, v);
+        for (int64_t m = 0; m < M; ++m) {
+          int32_t* acc = sums + m * vector_cols + (j - j0);
+          for (int i = 0; i < 4; ++i)
+            _mm512_storeu_si512(acc + 16 * i, _mm512_dpbusd_epi32(_mm512_loadu_si512(acc + 16 * i), v[i], xq[m]));
+        }
+      }
+    }
+    for (int64_t m = 0; m < M; ++m) {
+      float* o = out + (m0 + m) * p.N + j0;  // in the unpacks' order until the end
+      const int32_t* acc = sums + m * vector_cols;
+      for (int64_t c = 0; c < vector_cols; c += 16) {
+        const __m512 dot = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_loadu_si512(acc + c), offset[m]));
+        _mm512_storeu_ps(o + c, _mm512_fmadd_ps(dot, xs[m], _mm512_loadu_ps(o + c)));
+      }
+    }
+  }
+  // Back in order (lane block b of vector i holds columns 16b + 4i .. 16b + 4i + 3), times the scales.
+  for (int64_t m = m0; m < m1; ++m)
+    for (int64_t j = j0; j < j0 + vector_cols; j += 64) {
+      float* o = out + m * p.N + j;
+      const __m512 v0 = _mm512_loadu_ps(o), v1 = _mm512_loadu_ps(o + 16), v2 = _mm512_loadu_ps(o + 32),
+                   v3 = _mm512_loadu_ps(o + 48);
+      const __m512 t0 = _mm512_shuffle_f32x4(v0, v1, _MM_SHUFFLE(1, 0, 1, 0));
+      const __m512 t1 = _mm512_shuffle_f32x4(v2, v3, _MM_SHUFFLE(1, 0, 1, 0));
+      const __m512 t2 = _mm512_shuffle_f32x4(v0, v1, _MM_SHUFFLE(3, 2, 3, 2));
+      const __m512 t3 = _mm512_shuffle_f32x4(v2, v3, _MM_SHUFFLE(3, 2, 3, 2));
+      const __m512 ordered[4] = {_mm512_shuffle_f32x4(t0, t1, _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_f32x4(t0, t1, _MM_SHUFFLE(3, 1, 3, 1)),
+                                 _mm512_shuffle_f32x4(t2, t3, _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_f32x4(t2, t3, _MM_SHUFFLE(3, 1, 3, 1))};
+      for (int i = 0; i < 4; ++i)
+        _mm512_storeu_ps(o + 16 * i, _mm512_mul_ps(ordered[i], _mm512_loadu_ps(p.scales + j + 16 * i)));
+    }
+  rest = j0 + vector_cols;
+#endif
+  // The same integer sums without VNNI (and the columns past the last 64).
+  const int64_t left = j1 - rest;
+  if (left == 0) return;
+  std::vector<int32_t> acc(left);
+  for (int64_t m = m0; m < m1; ++m) {
+    const int8_t* xq = reinterpret_cast<const int8_t*>(p.quads.data() + m * T);
+    float* __restrict o = out + m * p.N + rest;
+    for (int64_t a = 0; a < A; ++a) {
+      std::fill(acc.begin(), acc.end(), 0);
+      for (int64_t k = a * kActGroup; k < (a + 1) * kActGroup; ++k) {
+        const int8_t* __restrict src = w + k * p.N + rest;
+        const int32_t x = xq[k];
+        for (int64_t c = 0; c < left; ++c) acc[c] += x * static_cast<int32_t>(src[c]);
+      }
+      const float xs = p.xs[m * A + a];
+      for (int64_t c = 0; c < left; ++c) o[c] += static_cast<float>(acc[c]) * xs;
+    }
+    for (int64_t c = 0; c < left; ++c) o[c] *= p.scales[rest + c];
   }
 }
 
 struct Shared {
   Problem p;
-  int64_t chunk_rows, chunks;
-  std::vector<std::vector<float>> sums;  // per worker: its [M, N] partial sums (empty: it took no work)
+  float* out;
+  int64_t chunk_cols, chunks;
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
 };
 
-// Worker w takes pieces of rows until none is left, summing them into its own sums[w].
-void Work(Shared& s, int64_t w) {
+// Takes pieces of columns until none is left; each piece's outputs are written by it alone.
+void Work(Shared& s) {
   const Problem& p = s.p;
-  std::vector<float> part, low, high;
+  std::vector<float> part;
+  std::vector<int32_t> isums;
   for (int64_t c; (c = s.next.fetch_add(1)) < s.chunks;) {
-    if (s.sums[w].empty()) {
-      s.sums[w].assign(p.M * p.N, 0.0f);
-      if (p.G != 1) part.resize(p.M * p.N);
-      if (p.bits == 4) low.resize(p.N), high.resize(p.N);
+    const int64_t j0 = c * s.chunk_cols, j1 = std::min(p.N, j0 + s.chunk_cols);
+    for (int64_t m0 = 0; m0 < p.M; m0 += kMaxRows) {
+      const int64_t m1 = std::min(p.M, m0 + kMaxRows);
+      if (p.q8) {
+        if (p.bits == 8) {
+          isums.resize(kMaxRows * s.chunk_cols);
+          Int8Q8(p, m0, m1, j0, j1, s.out, isums.data());
+        } else {
+          Int4Q8(p, m0, m1, j0, j1, s.out);
+        }
+        continue;
+      }
+      part.resize(kMaxRows * s.chunk_cols);
+      for (int64_t m = m0; m < m1; ++m) std::fill(s.out + m * p.N + j0, s.out + m * p.N + j1, 0.0f);
+      (p.bits == 8 ? Int8Float : Int4Float)(p, m0, m1, j0, j1, s.out, part.data());
     }
-    const int64_t k0 = c * s.chunk_rows;
-    Rows(p, k0, std::min(p.K, k0 + s.chunk_rows), s.sums[w].data(), part.data(), low.data(), high.data());
     s.done.fetch_add(1);
   }
 }
 
-ffi::Error QuantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> values,
-                           ffi::Buffer<ffi::F32> scales, ffi::ResultBuffer<ffi::F32> out, int32_t bits,
-                           int32_t threads) {
+ffi::Error Run(ffi::ThreadPool& pool, const float* x, const void* w, const float* scales, float* out, int64_t M,
+               int64_t K, int64_t N, int64_t G, int32_t bits, int32_t q8act, int32_t threads) {
+  if (M == 0 || N == 0) return ffi::Error::Success();
+  if (q8act && (K % kActGroup != 0 || (K / G) % kActGroup != 0 || (bits == 8 && G != 1)))
+    return ffi::Error::InvalidArgument("quantized matmul: q8act takes int4 weights in groups of a multiple of 32 "
+                                       "rows or int8 weights per column, K a multiple of 32");
+  auto shared = std::make_shared<Shared>();
+  shared->p = Problem{x, w, scales, M, K, N, bits, G, K / G, q8act != 0, {}, {}, {}, {}};
+  if (q8act) QuantizeRows(shared->p);
+  shared->out = out;
+  // A worker for each kMinWeights weights, up to `threads`: waking one costs more than a small product.
+  const int64_t workers = std::max<int64_t>(1, std::min(int64_t{threads}, K * N / kMinWeights));
+  // Pieces of whole 16s (int8: 64s) of columns, about two a worker, at most kChunkBytes of each row: a piece reads
+  // its rows' spans in order, and a long span is what the hardware prefetches well.
+  const int64_t unit = bits == 8 ? 64 : 16;  // the vector loops' columns
+  const int64_t most = std::max<int64_t>(unit, kChunkBytes / (bits == 4 ? 4 : 1) / unit * unit);
+  shared->chunk_cols =
+      std::min(most, std::max<int64_t>(unit, ((N + 2 * workers - 1) / (2 * workers) + unit - 1) / unit * unit));
+  shared->chunks = (N + shared->chunk_cols - 1) / shared->chunk_cols;
+  // Helpers hold the shared state themselves: one that starts after the work is done finds none.
+  for (int64_t i = 1; i < std::min(workers, shared->chunks); ++i) pool.Schedule([shared] { Work(*shared); });
+  Work(*shared);
+  while (shared->done.load() < shared->chunks) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
+ffi::Error QuantMatmul8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> values,
+                        ffi::Buffer<ffi::F32> scales, ffi::ResultBuffer<ffi::F32> out, int32_t q8act, int32_t threads) {
   const auto xd = x.dimensions(), vd = values.dimensions(), sd = scales.dimensions();
   if (xd.size() != 2 || vd.size() != 2 || sd.size() != 2)
-    return ffi::Error::InvalidArgument("quantized matmul: x [M, K], values [K | K / 2, N], scales [G, N]");
+    return ffi::Error::InvalidArgument("quantized matmul: x [M, K], values [K, N], scales [G, N]");
   const int64_t M = xd[0], K = xd[1], N = vd[1], G = sd[0];
-  if ((bits != 8 && bits != 4) || vd[0] * (bits == 4 ? 2 : 1) != K || sd[1] != N || G < 1 || K % G != 0 ||
-      (bits == 4 && (K / G) % 2 != 0))
-    return ffi::Error::InvalidArgument("quantized matmul: shapes do not match (bits 8 or 4, K a multiple of G)");
-  float* o = out->typed_data();
-  if (M == 0 || N == 0) return ffi::Error::Success();
-  auto shared = std::make_shared<Shared>();
-  shared->p = Problem{x.typed_data(), values.typed_data(), scales.typed_data(), M, K, N, bits, G, K / G};
-  // Pieces of about kChunkBytes, whole groups (whole row pairs for int4).
-  const int64_t unit = G == 1 ? (bits == 4 ? 2 : 1) : K / G;
-  const int64_t row_bytes = N * (bits == 4 ? 1 : 2) / 2;
-  const int64_t units = std::max<int64_t>(1, kChunkBytes / std::max<int64_t>(1, row_bytes * unit));
-  shared->chunk_rows = std::min(K, units * unit);
-  shared->chunks = (K + shared->chunk_rows - 1) / shared->chunk_rows;
-  // A worker for each kMinWeights weights, up to `threads`: waking one costs more than a small weight's product.
-  const int64_t workers = std::max<int64_t>(1, std::min({int64_t{threads}, K * N / kMinWeights, shared->chunks}));
-  shared->sums.resize(workers);
-  // Helpers hold the shared state themselves: one that starts after the work is done finds none.
-  for (int64_t w = 1; w < workers; ++w) pool.Schedule([shared, w] { Work(*shared, w); });
-  Work(*shared, 0);
-  while (shared->done.load() < shared->chunks) std::this_thread::yield();
-  std::fill(o, o + M * N, 0.0f);
-  for (const auto& sums : shared->sums)
-    if (!sums.empty())
-      for (int64_t i = 0; i < M * N; ++i) o[i] += sums[i];
-  if (G == 1)
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t j = 0; j < N; ++j) o[m * N + j] *= shared->p.scales[j];
-  return ffi::Error::Success();
+  if (vd[0] != K || sd[1] != N || G < 1 || K % G != 0)
+    return ffi::Error::InvalidArgument("quantized matmul: int8 shapes do not match (K a multiple of G)");
+  return Run(pool, x.typed_data(), values.typed_data(), scales.typed_data(), out->typed_data(), M, K, N, G, 8, q8act,
+             threads);
+}
+
+ffi::Error QuantMatmul4(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> values,
+                        ffi::Buffer<ffi::F32> scales, ffi::ResultBuffer<ffi::F32> out, int32_t q8act, int32_t threads) {
+  const auto xd = x.dimensions(), vd = values.dimensions(), sd = scales.dimensions();
+  if (xd.size() != 2 || vd.size() != 2 || sd.size() != 2)
+    return ffi::Error::InvalidArgument("quantized matmul: x [M, K], values [K / 8, N], scales [G, N]");
+  const int64_t M = xd[0], K = xd[1], N = vd[1], G = sd[0];
+  if (vd[0] * 8 != K || sd[1] != N || G < 1 || K % G != 0 || (K / G) % 8 != 0)
+    return ffi::Error::InvalidArgument("quantized matmul: int4 shapes do not match (groups of a multiple of 8 rows)");
+  return Run(pool, x.typed_data(), values.typed_data(), scales.typed_data(), out->typed_data(), M, K, N, G, 4, q8act,
+             threads);
 }
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxattnQuantMatmul, QuantMatmulImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxattnQuantMatmul8, QuantMatmul8,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
-                                  .Arg<ffi::Buffer<ffi::S8>>()   // values [K, N] or [K / 2, N]
+                                  .Arg<ffi::Buffer<ffi::S8>>()   // values [K, N]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // scales [G, N]
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out [M, N]
-                                  .Attr<int32_t>("bits")
+                                  .Attr<int32_t>("q8act")
+                                  .Attr<int32_t>("threads"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxattnQuantMatmul4, QuantMatmul4,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // values [K / 8, N]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // scales [G, N]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // out [M, N]
+                                  .Attr<int32_t>("q8act")
                                   .Attr<int32_t>("threads"));
