@@ -60,6 +60,7 @@ import argparse
 import inspect
 import json
 import os
+import shlex
 import statistics
 import sys
 import tempfile
@@ -701,7 +702,7 @@ def main(argv=None) -> int:
             "cache_keyword": CACHE_KEYWORD, "load_average_end": load_average(),
             "perplexity_checkpoint": Path(args.checkpoint).name if args.checkpoint else None,
             "command": "PYTHONPATH=$PWD python bench/quant.py " + portable_command(
-                ["", *argv], ("--checkpoint", "--data", "--cache-dir", "--out")).strip()}
+                ["", *map(shlex.quote, argv)], ("--checkpoint", "--data", "--cache-dir", "--out")).strip()}
     record = {"meta": meta, "rows": rows, "perplexity": ppl, "checks": checks(rows, ppl)}
     out = args.out or (Path(tempfile.gettempdir()) / "jaxattn-quant-quick" / "quant" if args.quick
                        else RESULTS / "quant")
