@@ -58,7 +58,6 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import json
 import os
 import shlex
 import statistics
