@@ -23,7 +23,8 @@ written once with `jaxattn.hf.save_pretrained` under --cache-dir), every runner 
   written here with the `gguf` package (every 2-D tensor in that type, norms float32: llama.cpp's
   "pure" quantization), batch 1, n_threads = n_threads_batch = --threads, its KV cache float16 (its
   default). `--llama-n-batch` sets n_batch (default 1: a llama.cpp built here from source with
-  GGML_NATIVE crashed on batched prompt evaluation on this CPU; one token per evaluation never does).
+  GGML_NATIVE has crashed on batched prompt evaluation on an AMD EPYC with AVX-512; one token per
+  evaluation does not).
   Reported as unavailable, with the reason, where `llama_cpp` does not import.
 
 Each (runner, format) cell runs in a fresh process (`bench.fresh`) restricted to --threads cores, once
