@@ -37,6 +37,18 @@ HEAD = (D, 49152)  # the tied head, [D, V]
 SHAPES = {"q": (D, Q), "k": (D, KV), "v": (D, KV), "o": (Q, D), "gate": (D, F), "up": (D, F), "down": (F, D)}
 
 
+def streaming_read(nbytes: int):
+    """(a zero-argument call that reads a float32 buffer of about `nbytes` once, a jitted XLA sum, the
+    buffer's bytes): timed, the machine's streaming read bandwidth."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    buffer = jnp.asarray(np.random.default_rng(0).normal(size=nbytes // 4).astype(np.float32))
+    total = jax.jit(jnp.sum)
+    return (lambda: total(buffer)), buffer.size * 4
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=10)
@@ -84,8 +96,7 @@ def main() -> None:
     calls = {name: (lambda f=token(kernel), p=stored[fmt]: f(p, x)) for name, (fmt, kernel) in candidates.items()}
     nbytes = {fmt: sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree_util.tree_leaves(layers))
               for fmt, layers in stored.items()}
-    stream = jnp.asarray(rng.normal(size=nbytes["float32"] // 4).astype(np.float32))
-    calls["streaming read (float32 sum)"] = lambda: jax.jit(jnp.sum)(stream)
+    calls["streaming read (float32 sum)"] = streaming_read(nbytes["float32"])[0]
     load_before = os.getloadavg()[0]
     timings = in_turns(calls, args.rounds)
     load = (load_before, os.getloadavg()[0])  # a shared machine's other work: these figures move with it

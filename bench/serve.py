@@ -227,15 +227,16 @@ def default_cache_dir() -> Path:
     return Path(base) / "jaxattn" / "bench-serve"
 
 
-def ensure_checkpoint(name: str, cache_dir: Path) -> tuple[Path, dict]:
-    """The checkpoint of --model NAME under `cache_dir` (written once: random init, seed 0, then
-    `jaxattn.hf.save_pretrained`, renamed into place complete); (its directory, facts about it)."""
+def ensure_checkpoint(name: str, cache_dir: Path, config=None) -> tuple[Path, dict]:
+    """The checkpoint of --model NAME (or of `config`, named `name`) under `cache_dir` (written once:
+    random init, seed 0, then `jaxattn.hf.save_pretrained`, renamed into place complete); (its
+    directory, facts about it)."""
     import jax
     import jax.numpy as jnp
 
     from jaxattn import hf
     from jaxattn.model import DecoderLM, count_params
-    config = model_config(name)
+    config = model_config(name) if config is None else config
     key = hashlib.sha256(f"{config!r} seed={SEED}".encode()).hexdigest()[:12]
     path = cache_dir / f"{name}-{key}"
     if not (path / "model.safetensors").is_file():

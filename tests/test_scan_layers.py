@@ -18,6 +18,7 @@ from jaxattn.decoding import generate
 from jaxattn.layer_losses import COLLECTION, mean_over_layers
 from jaxattn.layer_plan import LayerPlan, plan_layers, stack_caches, stack_params, unstack_caches, unstack_params
 from jaxattn.model import DecoderLM, attention_weights
+from jaxattn.quantization import quantize
 from train import optim
 from train.config import TrainConfig
 

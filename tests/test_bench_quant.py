@@ -1,0 +1,139 @@
+"""bench/quant.py's pieces in this process, on a tiny Llama: the GGUF files it writes hold the weights
+jaxattn reads, the bytes a token reads, the perplexity, the int8 cache's switch, the turns and the report."""
+
+import json
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from bench import quant
+from jaxattn import hf
+from jaxattn.config import ModelConfig
+from jaxattn.decoding import generate
+from jaxattn.model import DecoderLM
+from jaxattn.quantization import quantize
+from jaxattn.serving import EngineConfig
+
+
+def tiny(tied: bool = True) -> ModelConfig:
+    return quant.quick_config().replace(vocab_size=300, d_model=64, num_layers=1, mlp_hidden=64, max_seq_len=16,
+                                        tie_embeddings=tied)
+
+
+def init(config: ModelConfig, seed: int = 0):
+    return nn.unbox(jax.jit(DecoderLM(config).init)(jax.random.PRNGKey(seed), jnp.zeros((1, 1), jnp.int32))["params"])
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    config = tiny()
+    path = tmp_path_factory.mktemp("quant") / "tiny"
+    hf.save_pretrained(path, config, init(config), overwrite=True)
+    return path
+
+
+@pytest.mark.parametrize("qtype,tolerance", [("F32", 1e-5), ("Q8_0", 0.02), ("Q4_0", 0.25)])
+def test_the_gguf_files_hold_the_checkpoints_weights(checkpoint, tmp_path, qtype, tolerance):
+    from jaxattn.gguf import load_gguf
+    config, params = hf.load_pretrained(checkpoint)
+    path = quant.write_gguf(checkpoint, tmp_path / f"m-{qtype}.gguf", qtype)
+    read_config, read_params, _, _ = load_gguf(path)
+    assert (read_config.num_heads, read_config.num_kv_heads, read_config.tie_embeddings) == (4, 2, True)
+    ids = jnp.asarray(quant.prompts(2, 12, config.vocab_size), jnp.int32)
+    expected = DecoderLM(config).apply({"params": params}, ids)
+    got = DecoderLM(read_config).apply({"params": read_params}, ids)
+    assert float(jnp.max(jnp.abs(got - expected))) <= tolerance * float(jnp.max(jnp.abs(expected)))
+    # a tied file's token table is its head: a token reads every tensor; Q4_0 is 18 bytes a block of 32
+    per_token = quant.gguf_bytes_per_token(path)
+    floats = sum(np.prod(a.shape) for a in jax.tree.leaves(params))
+    assert per_token == {"F32": 4 * floats}.get(qtype, per_token)
+    if qtype == "Q4_0":
+        assert per_token < floats * 18 / 32 + 4 * 64 * 4
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_token_reads_every_weight_but_the_rows_of_a_table_it_only_looks_up(tied):
+    config = tiny(tied)
+    params = init(config)
+    table = params["wte"]["embedding"]
+    every = sum(x.nbytes for x in jax.tree.leaves(params))
+    expected = every if tied else every - table.nbytes + table.nbytes // table.shape[0]
+    assert quant.weight_bytes_per_token(params, config) == expected
+    q = quantize(params, config, "int8")
+    kernels = [x for path, x in jax.tree_util.tree_leaves_with_path(params) if path[-1].key == "kernel"]
+    saved = sum(k.nbytes - k.size - 4 * k.shape[1] for k in kernels)  # int8 values and a scale per column
+    assert quant.weight_bytes_per_token(q, config) == expected - saved
+
+
+def test_perplexity_is_the_exponent_of_the_mean_cross_entropy_of_each_window():
+    config = tiny()
+    params = init(config)
+    ids = np.random.default_rng(1).integers(0, config.vocab_size, 40)  # windows of 16, 16 and 8 tokens
+    got = quant.perplexity(params, config, ids, batch=2)
+    nll = []
+    for start in range(0, 40, 16):
+        window = ids[start:start + 16]
+        logp = np.asarray(jax.nn.log_softmax(DecoderLM(config).apply({"params": params}, window[None])[0, :-1]))
+        nll += list(-logp[np.arange(len(window) - 1), window[1:]])
+    assert got["tokens"] == len(nll) == 15 + 15 + 7
+    assert got["perplexity"] == pytest.approx(np.exp(np.mean(nll)), rel=1e-5)
+    assert quant.perplexity(quantize(params, config, "int8"), config, ids)["perplexity"] == pytest.approx(
+        got["perplexity"], rel=1e-2)
+
+
+@pytest.mark.parametrize("target", [generate, EngineConfig])
+def test_the_int8_cache_is_asked_for_by_one_keyword(target):
+    assert quant.cache_options("float", target) == ({}, None)
+    assert quant.cache_options("int8", target) == ({"kv_cache": "int8"}, None)
+
+
+def test_a_target_without_the_keyword_makes_the_cell_unavailable_naming_it():
+    options, reason = quant.cache_options("int8", lambda params: None)
+    assert options is None and quant.CACHE_KEYWORD in reason and "int8" in reason
+
+
+def test_the_cells_run_in_turns_and_a_cell_that_cannot_run_is_not_run_again(monkeypatch):
+    specs = [{"runner": "jax", "weights": w, "cache": "float", "batch": 1, "threads": 1} for w in ("a", "b")]
+    specs.append({"runner": "jax", "weights": "c", "cache": "int8", "batch": 1, "threads": 1})
+    order = []
+
+    def call(function, spec, **_):
+        order.append(spec["weights"])
+        if spec["weights"] == "c":
+            return {"available": False, "reason": "no int8 cache"}
+        return {"available": True, "tokens_per_s": 10.0 if spec["weights"] == "a" else 30.0}
+    monkeypatch.setattr(quant.fresh, "call", call)
+    cells = quant.measure(specs, rounds=3, timeout=1)
+    assert order == ["a", "b", "c", "b", "a", "a", "b"]
+    assert cells["jax c int8 b1"]["unavailable"] == "no int8 cache"
+    rows, _ = quant.summarize(cells, {})
+    assert [r.get("tokens_per_s") for r in rows] == [10.0, 30.0, None]
+
+
+def test_the_report_holds_every_cell_and_the_checks(tmp_path):
+    rows = [{"runner": "jax", "weights": w, "cache": "float", "batch": 1, "tokens_per_s": t,
+             "weight_bytes_per_token": 1e6} for w, t in (("float32", 10.0), ("int8", 30.0), ("int4", 41.0))]
+    rows += [{"runner": "llamacpp", "weights": "Q8_0", "cache": "float16", "batch": 1, "tokens_per_s": 20.0},
+             {"runner": "jax", "weights": "int8", "cache": "int8", "batch": 1, "unavailable": "no int8 cache"}]
+    ppl = {"available": True, "model": {"d_model": 8, "num_layers": 1, "num_heads": 1, "vocab_size": 65,
+                                        "max_seq_len": 16, "tie_embeddings": True},
+           "results": {"float32": {"perplexity": 5.0, "tokens": 100}, "int8": {"perplexity": 5.06, "tokens": 100},
+                       "int4": {"perplexity": 5.2, "tokens": 100}}}
+    checks = {c["what"].split(":")[0]: c for c in quant.checks(rows, ppl)}
+    assert checks["int8 weights, batch 1"]["value"] == pytest.approx(3.0) and checks["int8 weights, batch 1"]["holds"]
+    assert checks["int4 (groups of 32) weights, batch 1"]["holds"]  # 4.1x
+    assert [c["value"] for c in quant.checks(rows, ppl) if c["what"].startswith("moonshot")] == [
+        pytest.approx(1.5), None]  # int8 over Q8_0; no Q4_0 cell
+    assert [c["holds"] for c in quant.checks(rows, ppl) if "perplexity" in c["what"]] == [False, True]
+    assert [c["holds"] for c in quant.checks(rows, None) if "Q4_0" in c["what"] or "perplexity" in c["what"]] == [
+        None] * 3
+    meta = {"machine_line": "a CPU", "model": "m", "prompt_len": 16, "new_tokens": 8, "threads": 2, "calls": 1,
+            "rounds": 1, "stream_gb_per_s": 20.0, "perplexity_checkpoint": "run", "command": "python bench/quant.py"}
+    text = quant.markdown({"meta": meta, "rows": rows, "perplexity": ppl, "checks": quant.checks(rows, ppl)})
+    assert "# Quantized decoding on a CPU" in text and "unavailable: no int8 cache" in text
+    assert "| jaxattn generate | int8 | float | 1 | 30.0 | 3.00x |" in text
+    assert "| int8 | 5.0600 | +1.20% |" in text
+    json.dumps(quant.checks(rows, ppl))  # JSON-able
