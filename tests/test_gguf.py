@@ -7,7 +7,9 @@ gguf_file=name)` on the same file, and jaxattn's tokenizer must encode and decod
 `AutoTokenizer.from_pretrained(dir, gguf_file=name)` does. The block formats gguf-py cannot write
 (the K-quants) are written as random blocks with small scales: both loaders dequantize the same
 bytes. `test_the_tensors_land_where_transformers_names_put_them` checks the mapping against the
-transformers checkpoint the file was made from, without transformers.
+transformers checkpoint the file was made from, without transformers. The Q8_0 tests check that
+`jaxattn.quantize(..., "int8:32")` of a Q8_0 file's loaded weights is the file's own int8 blocks,
+which `train.sample` and `train.serve` keep such a file as.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -622,3 +625,126 @@ def test_serve_takes_the_name_and_the_chat_template_from_a_gguf_file(tiny_gguf):
     template = serve.chat_template(args, None)
     assert template.render([{"role": "user", "content": "hi"}]) == "<|im_start|>user\nhi<|im_end|>\n"
     assert template.special_tokens["bos_token"] == "<|begin_of_text|>"
+
+
+# ------------------------------------------------------------------ tests: Q8_0 kept as int8
+
+
+def q8_0_blocks(file, name: str) -> tuple[np.ndarray, np.ndarray]:
+    """Tensor `name`'s Q8_0 blocks as stored: (q int8 [rows, in], d float32 [rows, in / 32])."""
+    rows, columns = file.shape(name)
+    raw = np.asarray(file.tensors[name].data, np.uint8).reshape(rows, columns // 32, 34)  # f16 d, then 32 int8 q
+    d = raw[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
+    return raw[..., 2:].copy().view(np.int8).reshape(rows, columns), d
+
+
+def as_loaded(model: GGUFModel, stored) -> dict:
+    """The params `model.load()` gives when each Q8_0 tensor reads as `stored(q, d)` [rows, in] instead of q * d:
+    the file's blocks laid out by the loader's own mapping (q/k permutation, transposition, fusions)."""
+    def read(name):
+        if model.file.type_name(name) != "Q8_0":
+            return type(model.file).dequantized(model.file, name)
+        return stored(*q8_0_blocks(model.file, name)).astype(np.float32)
+
+    model.file.dequantized = read
+    try:
+        return model.load()[1]
+    finally:
+        del model.file.dequantized
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "phi3"])  # q/k permuted; tied head; fused qkv and gate_up
+def test_q8_0_weights_quantized_as_int8_32_are_the_files_own_blocks(tmp_path, name):
+    """quantize(dequantized Q8_0, "int8:32") gives back the file's int8 values and f16 scales, bit for bit."""
+    from jaxattn.quantization import TIED_HEAD, QuantizedWeight, quantize
+    spec = dataclasses.replace(SPECS[name], layers=1)
+    path = tmp_path / f"{name}-Q8_0.gguf"
+    write_gguf(path, spec, Q.Q8_0)
+    model = GGUFModel.open(path)
+    assert model.kept_quantization() == "int8:32"
+    config, params = model.load()
+    kept = quantize(params, config, "int8:32")
+    values = _flat(as_loaded(model, lambda q, d: q))
+    scales = _flat(as_loaded(model, lambda q, d: np.repeat(d, 32, axis=1)))  # each group's d on its 32 inputs
+    from flax.traverse_util import flatten_dict
+    weights = {k: w for k, w in flatten_dict(kept, is_leaf=lambda _, x: isinstance(x, QuantizedWeight)).items()
+               if isinstance(w, QuantizedWeight)}
+    expected_kernels = {k[:-1] for k in values if k[-1] == "kernel"}
+    assert {k[:-1] for k in weights if k != (TIED_HEAD,)} == expected_kernels and len(expected_kernels) >= 5
+    assert ((TIED_HEAD,) in weights) == spec.tied
+    for key, weight in weights.items():
+        source = ("wte", "embedding") if key == (TIED_HEAD,) else key
+        want_values, want_scales = values[source], scales[source]
+        if key == (TIED_HEAD,):  # the head is the table transposed: [D, V]
+            want_values, want_scales = want_values.T, want_scales.T
+        assert weight.group == 32 and weight.values.dtype == jnp.int8
+        np.testing.assert_array_equal(np.asarray(weight.values), want_values.astype(np.int8), err_msg=str(key))
+        np.testing.assert_array_equal(np.asarray(weight.scales), want_scales[::32], err_msg=str(key))
+    if name == "llama":  # one projection laid out by hand: llama.cpp's q rows unpermuted, then [in, out]
+        q, d = q8_0_blocks(model.file, "blk.0.attn_q.weight")
+        np.testing.assert_array_equal(np.asarray(weights[("blocks_0", "attn", "query", "kernel")].values),
+                                      reverse_permute(q, spec.heads, spec.heads).T)
+        np.testing.assert_array_equal(np.asarray(weights[("blocks_0", "attn", "query", "kernel")].scales),
+                                      reverse_permute(d, spec.heads, spec.heads).T)
+
+
+@pytest.mark.parametrize("qtype, output", [(Q.F32, None), (Q.Q4_0, None), (Q.Q8_0, Q.F16)],
+                         ids=["F32", "Q4_0", "Q8_0-but-an-F16-head"])
+def test_a_file_not_all_q8_0_is_not_kept(tmp_path, qtype, output):
+    path = tmp_path / "m.gguf"
+    spec = dataclasses.replace(SPECS["llama"], layers=1)
+    if output is None:
+        write_gguf(path, spec, qtype)
+    else:  # Q8_0 everywhere but the head
+        tensors = write_gguf(path, spec, qtype)
+        head = tensors.pop("output.weight").astype(np.float16)
+        write_gguf(path, spec, qtype, tensors=tensors, extra=lambda w: w.add_tensor("output.weight", head))
+    model = GGUFModel.open(path)
+    assert model.kept_quantization() is None
+    args = sample.parse_args(["--gguf", str(path), "--prompt", "A"])
+    params, _, _ = sample.load(args)
+    assert args.quant is None and params["lm_head"]["kernel"].dtype == np.float32
+
+
+def test_the_embedding_of_a_q8_0_file_may_be_any_type_unless_it_is_the_head(tmp_path):
+    spec, path = dataclasses.replace(SPECS["llama"], layers=1), tmp_path / "m.gguf"
+    tensors = write_gguf(path, spec, Q.Q8_0)
+    table = tensors.pop("token_embd.weight").astype(np.float16)
+    write_gguf(path, spec, Q.Q8_0, tensors=tensors, extra=lambda w: w.add_tensor("token_embd.weight", table))
+    assert GGUFModel.open(path).kept_quantization() == "int8:32"
+    tied = dataclasses.replace(SPECS["qwen2"], layers=1)  # its head is the table: an F16 one is not int8 data
+    tensors = write_gguf(path, tied, Q.Q8_0)
+    table = tensors.pop("token_embd.weight").astype(np.float16)
+    write_gguf(path, tied, Q.Q8_0, tensors=tensors, extra=lambda w: w.add_tensor("token_embd.weight", table))
+    assert GGUFModel.open(path).kept_quantization() is None
+
+
+def test_sample_keeps_a_q8_0_file_as_int8_unless_quant_says_otherwise(tmp_path, capsys):
+    from jaxattn import Kernels, resolve_kernels
+    from jaxattn.decoding import generate
+    from jaxattn.quantization import QuantizedWeight, quantize
+    path = tmp_path / "tiny-Q8_0.gguf"
+    write_gguf(path, dataclasses.replace(SPECS["llama"], layers=1), Q.Q8_0)
+    code, out, err = call(capsys, sample.main, "--gguf", str(path), "--prompt", " the cat", "--max-new-tokens", "6",
+                          "--temperature", "0")
+    assert code == 0, err
+    note = f"note: {path} stores its weights as Q8_0: kept as int8 (groups of 32); --quant int8 for per-channel\n"
+    assert note in err and "weights int8:32, quantized '" in err
+    config, params, tokenizer, _ = load_gguf(path)
+    prompt = np.asarray(tokenizer.encode(" the cat"))
+    expected = generate(quantize(params, config, "int8:32"), config, prompt[None], np.array([len(prompt)]),
+                        max_new_tokens=6, rng=jax.random.PRNGKey(0), temperature=0.0,
+                        kernels=resolve_kernels(Kernels.auto())[0])
+    assert out == " the cat" + tokenizer.decode(sample.until_eos(np.asarray(expected.tokens[0]),
+                                                                 tokenizer.eos_token_id)) + "\n"
+    args = sample.parse_args(["--gguf", str(path), "--prompt", "A"])
+    kept = sample.load(args)[0]["blocks_0"]["attn"]["query"]["kernel"]
+    assert args.quant == "int8:32" and isinstance(kept, QuantizedWeight) and (kept.bits, kept.group) == (8, 32)
+    args = sample.parse_args(["--gguf", str(path), "--prompt", "A", "--quant", "int8"])
+    asked = sample.load(args)[0]["blocks_0"]["attn"]["query"]["kernel"]
+    assert args.quant == "int8" and asked.group == 256  # per channel, as asked
+    args = sample.parse_args(["--gguf", str(path), "--prompt", "A", "--mesh", "data:1"])  # no quantized weights
+    assert not isinstance(sample.load(args)[0]["lm_head"]["kernel"], QuantizedWeight) and args.quant is None
+    from train import serve
+    args = serve.parse_args(["--gguf", str(path)])  # train.serve loads through the same `sample.load`
+    assert isinstance(sample.load(args)[0]["lm_head"]["kernel"], QuantizedWeight) and args.quant == "int8:32"

@@ -139,6 +139,17 @@ def load_gguf(path: str | Path, *, allow_nonfinite: bool = False) -> tuple[Any, 
     return _load_gguf_model(_open_gguf(path), allow_nonfinite)
 
 
+def gguf_kept_quantization(path: str | Path) -> str | None:
+    """The `jaxattn.quantize` mode that keeps a GGUF file's weights as the file stores them, or None.
+
+    "int8:32" when its matmul weights are all Q8_0 (`jaxattn.gguf.GGUFModel.kept_quantization`:
+    quantizing `load_gguf`'s float32 params so gives back the file's int8 values and scales
+    exactly); None for any other file. A separate step from `load_gguf`, whose params stay float32.
+    CheckpointError as `load_gguf` raises it.
+    """
+    return _open_gguf(path).kept_quantization()
+
+
 def _chat(model) -> tuple[str | None, dict[str, str]]:
     hf = _hf()
     try:

@@ -15,10 +15,10 @@ as nanoGPT crops its context; a prompt longer than the context is cropped to its
 `max_seq_len - 1` tokens. Ctrl-C (or SIGTERM) stops between windows and prints what was
 generated (exit 130). With --hf (what `python -m train.export` writes, or any supported
 transformers save with a tokenizer.json) or --gguf (a llama.cpp GGUF file, its weights
-dequantized to float32, its tokenizer built from its metadata) a sample ends at the tokenizer's
-end-of-sequence token, when it has one. With --mesh the parameters are laid out on a device mesh by
-`jaxattn.axes.RULES` and the KV cache is split by rows (the samples) and kv heads;
-the tokens are those of one device.
+dequantized to float32, or kept as int8 when they are all Q8_0, its tokenizer built from its
+metadata) a sample ends at the tokenizer's end-of-sequence token, when it has one. With --mesh
+the parameters are laid out on a device mesh by `jaxattn.axes.RULES` and the KV cache is split
+by rows (the samples) and kv heads; the tokens are those of one device.
 
 The samples are drawn ROWS_PER_CALL at a time (fewer where memory is short), so what one call
 holds (its KV cache at the model's context, its logits, XLA's buffers) does not grow with
@@ -115,11 +115,20 @@ def random_init(name: str, seed: int = 0, data: str | None = None) -> tuple[dict
 def load(args: argparse.Namespace) -> tuple[dict, ModelConfig, Tokenizer]:
     """The model of `--checkpoint`, `--hf`, `--gguf` or `--random-init`, its layers scanned or
     unrolled as `--scan-layers` says (a checkpoint of either layout loads as either), its weights
-    quantized as `--quant` asks (`jaxattn.quantize`; UsageError when the model's widths do not fit the mode)."""
+    quantized as `--quant` asks (`jaxattn.quantize`; UsageError when the model's widths do not fit the mode).
+
+    A `--gguf` file whose matmul weights are all Q8_0 keeps them int8 when neither `--quant` nor
+    `--mesh` (which quantized weights do not go with) is given: `args.quant` becomes "int8:32", which
+    gives back the file's own values and scales (`export.gguf_kept_quantization`), with a note on stderr."""
     if args.random_init is not None:
         params, config, tokenizer = random_init(args.random_init, args.seed, args.data)
     elif getattr(args, "gguf", None) is not None:
         params, config, tokenizer = export_lib.load_gguf(args.gguf, allow_nonfinite=args.allow_nonfinite)
+        if getattr(args, "quant", None) is None and getattr(args, "mesh", None) is None:
+            args.quant = export_lib.gguf_kept_quantization(args.gguf)
+            if args.quant is not None:  # the float32 it was dequantized to takes 3.5 times the memory
+                print(f"note: {args.gguf} stores its weights as Q8_0: kept as int8 (groups of 32); --quant int8 "
+                      "for per-channel", file=sys.stderr)
     elif args.hf is not None:
         params, config, tokenizer = export_lib.load_hf(args.hf, allow_nonfinite=args.allow_nonfinite)
     else:
@@ -393,8 +402,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     source.add_argument("--checkpoint", metavar="DIR", help="a training run directory (or its checkpoints/...)")
     source.add_argument("--hf", metavar="DIR", help="a transformers directory with a tokenizer.json "
                         "(e.g. written by python -m train.export)")
-    source.add_argument("--gguf", metavar="FILE", help="a llama.cpp GGUF file (weights dequantized to float32; "
-                        "the tokenizer from its metadata)")
+    source.add_argument("--gguf", metavar="FILE", help="a llama.cpp GGUF file (weights dequantized to float32, "
+                        "all-Q8_0 ones kept as int8; the tokenizer from its metadata)")
     source.add_argument("--random-init", metavar="CONFIG", help="a config name from configs/, randomly initialised")
     parser.add_argument("--data", metavar="FILE_OR_DIR", help="with --random-init: the text whose characters are "
                         "the vocabulary (default: Tiny Shakespeare), or a directory prepared by python -m "

@@ -63,8 +63,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     source.add_argument("--checkpoint", metavar="DIR", help="a training run directory (or its checkpoints/...)")
     source.add_argument("--hf", metavar="DIR", help="a transformers directory with a tokenizer.json (its chat "
                         "template from chat_template.jinja or tokenizer_config.json)")
-    source.add_argument("--gguf", metavar="FILE", help="a llama.cpp GGUF file (weights dequantized; the "
-                        "tokenizer and chat template from its metadata)")
+    source.add_argument("--gguf", metavar="FILE", help="a llama.cpp GGUF file (weights dequantized, all-Q8_0 "
+                        "ones kept as int8; the tokenizer and chat template from its metadata)")
     source.add_argument("--random-init", metavar="CONFIG", help="a config name from configs/ (or a .toml), "
                         "randomly initialised")
     parser.add_argument("--data", metavar="FILE_OR_DIR", help="with --random-init: the text whose characters are "

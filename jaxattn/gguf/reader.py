@@ -28,7 +28,8 @@ from jaxattn.hf.errors import InvalidCheckpoint, UnsupportedCheckpoint
 
 # The tensor types read, each dequantized to float32 by `gguf.quants.dequantize` (llama.cpp's
 # block formats: 32 values per block for Q4_0 ... Q8_0, 256 for the K-quants). Q8_0 is int8 with
-# one scale per 32 values: it is dequantized too, as jaxattn has no int8 weights to keep it in.
+# one scale per 32 values: it is dequantized too (`GGUFModel.kept_quantization` says when quantizing
+# the result as "int8:32" gives the file's blocks back exactly).
 TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
                 "Q6_K")
 UNKNOWN_TYPE = re.compile(r"(\d+) is not a valid GGMLQuantizationType")
