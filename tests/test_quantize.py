@@ -144,10 +144,11 @@ def test_native_equals_the_reference(mode, M, K, N):
 
 
 @needs_cxx
-def test_native_cpu_goes_native_up_to_8_rows_and_to_the_reference_beyond():
+def test_native_cpu_goes_native_up_to_its_rows_and_to_the_reference_beyond():
     q = quantize_weight(weight(64, 24), "int8")
-    x = np.random.default_rng(0).normal(size=(9, 64)).astype(np.float32)
-    assert "jaxattn_quant_matmul" in jax.jit(quant_matmul.matmul_cpu).lower(x[:8], q).as_text()
+    rows = quant_matmul.NATIVE_UP_TO
+    x = np.random.default_rng(0).normal(size=(rows + 1, 64)).astype(np.float32)
+    assert "jaxattn_quant_matmul" in jax.jit(quant_matmul.matmul_cpu).lower(x[:rows], q).as_text()
     assert "jaxattn_quant_matmul" not in jax.jit(quant_matmul.matmul_cpu).lower(x, q).as_text()
     np.testing.assert_allclose(quant_matmul.matmul_cpu(x, q), quant_matmul.matmul(x, q), rtol=1e-5, atol=1e-5)
 
@@ -273,7 +274,8 @@ def test_native_cpu_q8act_rounds_x_only_where_the_weight_allows():
     assert "q8act = 0" in lower(x, grouped).as_text()
     np.testing.assert_allclose(quant_matmul.matmul_cpu_q8act(x, grouped), quant_matmul.matmul(x, grouped),
                                rtol=1e-5, atol=1e-5)
-    assert "jaxattn_quant_matmul" not in lower(np.ones((9, 64), np.float32), grouped).as_text()  # a prompt: XLA
+    prompt = np.ones((quant_matmul.NATIVE_UP_TO + 1, 64), np.float32)
+    assert "jaxattn_quant_matmul" not in lower(prompt, grouped).as_text()  # a long prompt: XLA
     with pytest.raises(ValueError, match="q8act takes an int4 weight"):
         quant_matmul.native_matmul(x, grouped, q8act=True)
 

@@ -12,7 +12,7 @@ tests/test_kernels.py:
 | matmul | `Linear`, the tied lm_head | "xla", "bfloat16", "bfloat16_cpu" |
 | mla | `MultiHeadLatentAttention.__call__` | "naive", "absorb" |
 | moe | `jaxattn.moe.MoE` (the routed experts) | "dense", "grouped", "grouped_cpu", "gathered"; per-call rule "auto_cpu" |
-| quantized | `Linear` with a `QuantizedWeight` kernel (`jaxattn.quantization`) | "xla", "native_cpu" (a native loop for up to 8 rows), "native_cpu_q8act" (activations rounded to int8, integer dots) |
+| quantized | `Linear` with a `QuantizedWeight` kernel (`jaxattn.quantization`) | "xla", "native_cpu" (a native loop for up to 32 rows), "native_cpu_q8act" (activations rounded to int8, integer dots) |
 | paged | `AttentionLayer.attend_pages` (a paged cache, `jaxattn.serving`) | "gather", "ragged", "ragged_cpu" (inference only; the last a native loop on a CPU) |
 
 Every attention implementation has the signature of `xla.attention` and returns

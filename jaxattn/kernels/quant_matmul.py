@@ -33,7 +33,7 @@ from jaxattn.quantization import QuantizedWeight, dequantize
 
 SOURCE = Path(__file__).parent / "native" / "quant_matmul.cc"
 TARGETS = {8: "jaxattn_quant_matmul_int8", 4: "jaxattn_quant_matmul_int4"}
-NATIVE_UP_TO = 8  # rows up to which "native_cpu" goes native
+NATIVE_UP_TO = 32  # rows up to which "native_cpu" goes native (a decode step of up to 32 sequences, a short prompt)
 ACT_GROUP = 32  # activation rows per int8 scale in "native_cpu_q8act"
 WAY_OUT = "use Kernels(quantized='xla')"
 

@@ -69,7 +69,7 @@ class Kernels:
         "auto_cpu" (per call: gathered, grouped_cpu or dense by the tokens, experts and k); all
         dropless and exact.
       quantized: `Linear` with a quantized kernel (`jaxattn.quantization`): "xla" (reference:
-        dequantize, then a float32 dot), "native_cpu" (`jaxattn.kernels.quant_matmul`: up to 8
+        dequantize, then a float32 dot), "native_cpu" (`jaxattn.kernels.quant_matmul`: up to 32
         rows in a native loop built with the host's C++ compiler, more rows the reference; CPU only)
         or "native_cpu_q8act" (as native_cpu, but the activations rounded to int8 in groups of 32
         and integer dots, for int4 and per-channel int8 weights: an approximation of its own).

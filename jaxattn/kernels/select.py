@@ -115,11 +115,11 @@ def _paged(platform: Platform) -> tuple[str, str]:
 
 def _quantized(platform: Platform) -> tuple[str, str]:
     if platform.is_cpu and platform.cxx and "avx512_vnni" in platform.cpu_flags:
-        return "native_cpu_q8act", ("up to 8 rows in a native loop, the activations rounded to int8 in groups of "
+        return "native_cpu_q8act", ("up to 32 rows in a native loop, the activations rounded to int8 in groups of "
                                     "32 (as llama.cpp's Q8_0) for AVX512-VNNI integer dots: converting each "
                                     "weight to float32 is the bottleneck otherwise")
     if platform.is_cpu and platform.cxx:
-        return "native_cpu", "up to 8 rows in a native loop: XLA:CPU converts the whole weight to float32 first"
+        return "native_cpu", "up to 32 rows in a native loop: XLA:CPU converts the whole weight to float32 first"
     where = "no C++ compiler for the native loop" if platform.is_cpu else f"{platform.backend}: no native kernel"
     return "xla", f"{where}; dequantize and multiply"
 
