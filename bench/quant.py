@@ -116,16 +116,17 @@ def load_weights(checkpoint: str, weights: str):
 def weight_bytes_per_token(params, config) -> int:
     """The bytes of weights one decoded token reads at batch 1: every parameter as stored (a quantized
     weight: values and scales), except that an embedding table is looked up (one row read) unless it
-    is the tied head (every row read)."""
+    is the tied head (every row read) and the model has no quantized copy of it (`TIED_HEAD`)."""
     import flax.linen as nn
 
-    from jaxattn.quantization import weight_bytes
+    from jaxattn.quantization import TIED_HEAD, weight_bytes
     params = nn.unbox(params)
     params = params.get("params", params)
     total = weight_bytes(params)
     tables = [params["wte"]["embedding"]] + [v["embedding"] for k, v in params.items() if k.startswith("value_embed")]
+    head_is_table = config.tie_embeddings and TIED_HEAD not in params
     for i, table in enumerate(tables):
-        if not (i == 0 and config.tie_embeddings):
+        if not (i == 0 and head_is_table):
             total -= table.nbytes - table.nbytes // table.shape[0]
     return int(total)
 
