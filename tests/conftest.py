@@ -15,6 +15,13 @@ Training runs started again, and models jitted anew, compile programs identical 
 before in the same process: JAX's compilation cache, in a directory of this process's own that is
 removed when it ends, reads those back. Nothing carries over from one test run to the next.
 
+When a test module is done, what it compiled is let go (`_let_go_of_compiled_programs`): JAX's
+in-memory caches are cleared and the module's `functools.lru_cache`s emptied (they hold engines and
+compiled steps). XLA:CPU maps a few regions of memory for every compiled program it keeps, and a test
+process that kept every program of the suite reached the kernel's limit of memory maps per process
+(`vm.max_map_count`, 65530 by default) about nine tenths of the way through, and died in XLA with a
+segmentation fault. A program a later module compiles again is read back from the compilation cache.
+
 Unless JAXATTN_TEST_PROGRAMS names a directory (`make test-fast` does): then every compiled program
 is kept there, shared by the workers and read back by later runs, the way ccache keeps object files.
 A program's key is its HLO without source locations, the compile options, the XLA flags and the
@@ -26,12 +33,14 @@ its sizes on every write, which made a first run four times slower.
 """
 
 import atexit
+import gc
 import os
 import shutil
 import tempfile
 from pathlib import Path
 
 import jax
+import pytest
 
 OPTIMISATION_LEVEL = "--xla_backend_optimization_level"
 
@@ -68,6 +77,17 @@ def _prune(directory: Path, keep_bytes: int) -> None:
             break
         path.unlink(missing_ok=True)
         total -= size
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _let_go_of_compiled_programs(request):
+    """After each test module: its lru_caches emptied, JAX's caches cleared (see the module docstring)."""
+    yield
+    for value in list(vars(request.module).values()):
+        if callable(getattr(value, "cache_clear", None)) and hasattr(value, "cache_info"):
+            value.cache_clear()
+    jax.clear_caches()
+    gc.collect()
 
 
 def pytest_sessionfinish(session):
