@@ -29,10 +29,11 @@ $(TEST_STAMP): $(STAMP)
 	$(PY) -m pip install --quiet -e '.[dev,test]'
 	touch $(TEST_STAMP)
 
-# The whole suite (what CI runs). A module that starts a server keeps its tests on one worker
-# (pytest.mark.xdist_group), so each server process starts once.
+# The whole suite (what CI runs). Each file's tests run in one worker (--dist loadfile): a module's
+# fixtures (a trained run, a server process, an 8-device mesh script) are made once, its compiled
+# programs compiled once, and let go when the file is done (tests/conftest.py).
 test: $(TEST_STAMP) chromium
-	$(PY) -m pytest -n 2 --dist loadgroup tests
+	$(PY) -m pytest -n 2 --dist loadfile tests
 
 # Everything but the tests marked `slow` (end-to-end runs in a fresh process). Each file's tests
 # run in one worker (--dist loadfile), so a file's shared compiled programs are compiled once, and
