@@ -227,6 +227,27 @@ _PARAM_ROLES = {"experts_gate_up": (("experts",), 2), "experts_down": (("experts
 _PART_NAMES = {("q", "k", "v"): ("q", "k", "v"), ("gate", "up"): ("gate", "up")}
 
 
+def roles_of(path: tuple[str, ...]) -> tuple[str, ...] | None:
+    """The target of each part of the weight at parameter `path` (e.g. ("blocks_0", "attn", "qkv", "kernel")
+    -> ("q", "k", "v")), or None for a parameter no target names. MLA's wkv_b has the one role `KV`."""
+    if len(path) >= 2 and path[-1] == "kernel" and path[-2] in _LINEAR_ROLES:
+        return _LINEAR_ROLES[path[-2]]
+    if path and path[-1] in _PARAM_ROLES:
+        return _PARAM_ROLES[path[-1]][0]
+    return None
+
+
+def role_targets(role: str) -> tuple[str, ...]:
+    """The targets that adapt a part of role `role` (`KV`: "k" and "v" together)."""
+    return ("k", "v") if role == KV else (role,)
+
+
+def part_widths(path: tuple[str, ...], out: int, config: ModelConfig) -> tuple[int, ...]:
+    """The widths of the parts of the weight at `path` whose output is `out` wide (`roles_of` it first)."""
+    name = path[-2] if path[-1] == "kernel" else path[-1]
+    return _widths(name, roles_of(path), out, config)
+
+
 def _widths(name: str, roles: tuple[str, ...], out: int, config: ModelConfig) -> tuple[int, ...]:
     if name == "qkv":
         N, K, H = config.num_heads, config.num_kv_heads, config.head_dim
@@ -312,7 +333,7 @@ def add_lora(params: Any, config: ModelConfig, lora: LoraConfig, key: jax.Array)
         wanted = [_wanted(role, lora.targets) for role in roles]
         for role, w in zip(roles, wanted):
             if w:
-                matched.update(("k", "v") if role == KV else (role,))
+                matched.update(role_targets(role))
         if not any(wanted):
             return value
         stored = _stored_shape(value)
