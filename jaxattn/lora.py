@@ -396,9 +396,9 @@ def combine_lora(frozen: Any, adapters: Any) -> Any:
 
     def walk(tree, ad, path):
         if is_lora(tree):
-            ad = ad or {}
-            extra = set(ad) - set(tree.parts)
-            if extra or not ad:
+            if not ad:
+                raise ValueError(f"adapters at {'/'.join(path)}: missing (the params hold a LoraWeight there)")
+            if set(ad) - set(tree.parts):
                 raise ValueError(f"adapters at {'/'.join(path)}: expected parts of {tree.parts}, got {sorted(ad)}")
             a = tuple(ad[p]["a"] if p in ad else None for p in tree.parts)
             b = tuple(ad[p]["b"] if p in ad else None for p in tree.parts)
