@@ -29,7 +29,7 @@ Targets (`TARGETS`) are logical names, mapped to weights by the module that hold
 | o | `attn/out`; MLA: `wo` |
 | gate, up | the parts of `mlp/gate_up` and of a mixture's `shared_gate_up`; up alone: a plain MLP's `mlp/c_fc` |
 | down | `mlp/down`, `mlp/c_proj`, a mixture's `shared_down` |
-| experts | the routed experts' `experts_gate_up [E, D, 2F]` and `experts_down [E, F, D]` (one part each; `a`, `b` per expert) |
+| experts | the routed experts' `experts_gate_up [E, D, 2F]`, `experts_down [E, F, D]` (one part each, per expert) |
 
 MLA computes keys and values from one up-projection of the latent, `wkv_b [R_lat, N, P + V]`
 (W_UK and W_UV per head, side by side): "k" and "v" there both name `wkv_b` as one part (its columns
@@ -167,7 +167,7 @@ class LoraWeight:
         return w.reshape(*self.lead, self.in_features, self.out_features)
 
     def merged(self, dtype=None) -> jax.Array:
-        """`base + delta` `[..., *weight_shape]` in `dtype` (default: a float base's dtype, float32 for a quantized one)."""
+        """`base + delta` `[..., *weight_shape]` in `dtype` (default: a float base's dtype; float32 if quantized)."""
         dtype = dtype or (jnp.float32 if is_quantized(self.base) else self.base.dtype)
         w = self.base_float(jnp.float32) + self.delta(jnp.float32)
         return w.reshape(*self.lead, *self.weight_shape).astype(dtype)

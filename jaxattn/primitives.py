@@ -89,7 +89,8 @@ class Linear(nn.Module):
                 y = kernels_lib.matmul_kernel(self.matmul)(rows, stored.base.astype(self.dtype)).astype(self.dtype)
             # A dropout rng (training with dropout on) drops the adapters' input, as PEFT's lora_dropout.
             key = self.make_rng("dropout") if stored.dropout > 0 and self.has_rng("dropout") else None
-            y = (y + lora_delta(rows, stored, kernels_lib.matmul_kernel(self.matmul), key))[:, columns]  # [B*T, features]
+            delta = lora_delta(rows, stored, kernels_lib.matmul_kernel(self.matmul), key)  # [B*T, out]
+            y = (y + delta)[:, columns]  # [B*T, features]
         elif is_quantized(stored):
             matmul = kernels_lib.quantized_matmul_kernel(self.quantized)
             y = matmul(rows, stored)[:, columns].astype(self.dtype)  # [B*T, features]

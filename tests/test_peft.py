@@ -236,7 +236,8 @@ def test_adapters_jaxattn_cannot_represent_are_refused_by_key(bases, written, tm
 def test_wrong_missing_or_extra_tensors_name_the_tensor(bases, written, tmp_path):
     _, _, config, params = bases("llama")
     key = "base_model.model.model.layers.1.self_attn.v_proj.lora_B.weight"
-    for edit, match in ((lambda t: t.update({key: np.zeros((3, 2), np.float32)}), r"expected shape \(16, 2\), found \(3, 2\)"),
+    for edit, match in ((lambda t: t.update({key: np.zeros((3, 2), np.float32)}),
+                         r"expected shape \(16, 2\), found \(3, 2\)"),
                         (lambda t: t.pop(key), "is missing"),
                         (lambda t: t.update({"base_model.model.lm_head.lora_A.weight": np.zeros((2, 32), np.float32)}),
                          "lm_head.lora_A.weight: is not an adapter")):

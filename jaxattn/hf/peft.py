@@ -241,9 +241,10 @@ def save_adapter(directory, config: ModelConfig, params, lora_config: LoraConfig
         raise ValueError("params hold no LoraWeight (jaxattn.lora.add_lora makes them)")
     for path, w in loras.items():
         ranks = {a.shape[-1] for a in w.a if a is not None}
-        if ranks != {lora_config.rank} or not math.isclose(w.scale, lora_config.scale) or w.dropout != lora_config.dropout:
-            raise ValueError(f"{'/'.join(path)}: rank {sorted(ranks)}, scale {w.scale}, dropout {w.dropout} differ from "
-                             f"lora_config's rank {lora_config.rank}, scale {lora_config.scale}, dropout {lora_config.dropout}")
+        c = lora_config
+        if ranks != {c.rank} or not math.isclose(w.scale, c.scale) or w.dropout != c.dropout:
+            raise ValueError(f"{'/'.join(path)}: rank {sorted(ranks)}, scale {w.scale}, dropout {w.dropout} differ "
+                             f"from lora_config's rank {c.rank}, scale {c.scale}, dropout {c.dropout}")
     family, family_config = _family_config(config)
     table = modules(family, family_config)
     tensors, written, used, conv1d = {}, [], set(), set()
@@ -409,7 +410,8 @@ def load_adapter(directory, config: ModelConfig, params, *, dtype: str | None = 
         w: LoraWeight = flat[path]
         missing = [w.parts[j] for j, a in enumerate(w.a) if a is not None and j not in parts]
         assert not missing, f"{'/'.join(path)}: parts {missing} adapted but not in the file"  # the check above
-        flat[path] = w.replace(a=tuple(None if a is None else jnp.asarray(parts[j][0], dtype) for j, a in enumerate(w.a)),
-                               b=tuple(None if b is None else jnp.asarray(parts[j][1], dtype) for j, b in enumerate(w.b)))
+        a = tuple(None if a is None else jnp.asarray(parts[j][0], dtype) for j, a in enumerate(w.a))
+        flat[path] = w.replace(a=a, b=tuple(None if b is None else jnp.asarray(parts[j][1], dtype)
+                                            for j, b in enumerate(w.b)))
     params, _ = relayout(unflatten_dict(flat), unrolled_config, config.scan_layers)
     return params, lora
