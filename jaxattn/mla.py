@@ -26,9 +26,9 @@ import jax.numpy as jnp
 from jaxattn import kernels as kernels_lib
 from jaxattn.attention_layer import AttentionLayer
 from jaxattn.cache import CacheField, LatentCache, RowGroup
+from jaxattn.lora import float_param  # a quantized or LoRA weight read as float
 from jaxattn.masks import causal_mask, combine_masks, sliding_window_mask, visible_cache_slots
 from jaxattn.primitives import check_config, logical, make_linear, make_rms_norm
-from jaxattn.quantization import float_param
 from jaxattn.quantized_cache import as_float, is_quantized, leading
 from jaxattn.rope import apply_rope, yarn_softmax_mscale
 from jaxattn.axes import EMBED, HEAD_DIM, HEADS, LATENT

@@ -40,8 +40,8 @@ from jaxattn.kernels.moe import IMPLEMENTATIONS, ExpertWeights, gate_matrix, glu
 from jaxattn.kernels.moe import (experts_dense, experts_gathered, experts_grouped,  # noqa: F401 (re-exported)
                                  experts_grouped_cpu)
 from jaxattn.layer_config import MoEConfig
+from jaxattn.lora import float_param  # a quantized or LoRA weight read as float
 from jaxattn.primitives import logical, make_linear, residual_init_std
-from jaxattn.quantization import float_param
 
 # The losses each MoE layer sows into `jaxattn.layer_losses.COLLECTION`; "aux_loss" (their sum weighted by
 # `aux_loss_coef` and `z_loss_coef`) is `layer_losses.OBJECTIVE`, the one a training step adds.

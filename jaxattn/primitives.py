@@ -25,6 +25,7 @@ from jaxattn import kernels as kernels_lib
 from jaxattn import axes
 from jaxattn.config import ModelConfig
 from jaxattn.kernels import Kernels
+from jaxattn.lora import is_lora, lora_delta
 from jaxattn.quantization import is_quantized
 
 
@@ -59,6 +60,10 @@ class Linear(nn.Module):
         operands to bfloat16 (docs/theory.md §15).
       quantized: a name of `jaxattn.kernels.choices("quantized")`, the matmul that runs when the
         given kernel is a `jaxattn.quantization.QuantizedWeight` (`jaxattn.quantization.quantize`).
+
+    A kernel given as a `jaxattn.lora.LoraWeight` (`jaxattn.lora.add_lora`) runs its base as above
+    (float or quantized) plus the low-rank delta `scale * (dropout(x) a) b` of each adapted part, zeros
+    elsewhere; the adapters' dropout runs only when the module has a "dropout" rng (see `jaxattn.lora`).
     """
 
     features: int
@@ -77,7 +82,16 @@ class Linear(nn.Module):
         rows = x.reshape(-1, x.shape[-1]).astype(self.dtype)  # [B*T, D_in]
         # A quantized kernel is read as given: flax's param would compare its packed shape with W's.
         stored = self.get_variable("params", "kernel") if self.has_variable("params", "kernel") else None
-        if is_quantized(stored):
+        if is_lora(stored):
+            if is_quantized(stored.base):
+                y = kernels_lib.quantized_matmul_kernel(self.quantized)(rows, stored.base).astype(self.dtype)
+            else:
+                y = kernels_lib.matmul_kernel(self.matmul)(rows, stored.base.astype(self.dtype)).astype(self.dtype)
+            # A dropout rng (training with dropout on) drops the adapters' input, as PEFT's lora_dropout.
+            key = self.make_rng("dropout") if stored.dropout > 0 and self.has_rng("dropout") else None
+            delta = lora_delta(rows, stored, kernels_lib.matmul_kernel(self.matmul), key)  # [B*T, out]
+            y = (y + delta)[:, columns]  # [B*T, features]
+        elif is_quantized(stored):
             matmul = kernels_lib.quantized_matmul_kernel(self.quantized)
             y = matmul(rows, stored)[:, columns].astype(self.dtype)  # [B*T, features]
         else:

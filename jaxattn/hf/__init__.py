@@ -87,6 +87,9 @@ Contracts:
   names and renamed into place once all are written, so a failed save leaves
   the older checkpoint as it was. The `SaveReport` lists `written` and
   `replaced` files and the `architecture`.
+* `jaxattn.hf.peft`: `save_adapter` / `load_adapter` write and read PEFT's LoRA adapter files
+  (`adapter_config.json`, `adapter_model.safetensors`) for `jaxattn.lora` adapters, mapped through
+  the same layouts; see that module for what is refused.
 * `load_tokenizer(path)` wraps the directory's tokenizer.json (see `jaxattn.hf.tokenizer`);
   failures are `InvalidCheckpoint`.
 """
