@@ -21,6 +21,7 @@ from jaxattn.attention import reference_attention, scaled_dot_product_attention
 from jaxattn.config import LayerKind
 from jaxattn.kernels import Kernels, KernelFallbackWarning, auto, chunked
 from jaxattn.kernels._call import AttentionCall
+from jaxattn.layer_plan import stack_params
 from jaxattn.masks import causal_mask, combine_masks, segment_mask, segment_positions
 from jaxattn.model import DecoderLM
 from tests.tiny_models import VOCAB, params_for, tiny_config
@@ -91,6 +92,14 @@ def test_a_packed_row_gives_each_document_what_it_gives_alone(name):
             np.testing.assert_allclose(packed[b, start:start + n], expected[i, :n], atol=3e-5, rtol=3e-5,
                                        err_msg=f"{attention}: document {i}")
         assert np.all(np.isfinite(packed)), attention  # padding tokens included
+    if name == "gqa_window":  # the layers under one scan take the segment ids too
+        scanned = config.replace(scan_layers=True, num_layers=4)
+        stacked = {"params": stack_params(params_for(scanned.replace(scan_layers=False)), scanned)}
+        expected = jax.jit(DecoderLM(scanned).apply)(stacked, alone)
+        packed = jax.jit(functools.partial(DecoderLM(scanned, Kernels(attention=SMALL)).apply, segment_ids=ids))(
+            stacked, tokens)
+        for i, (b, start, n) in enumerate(where):
+            np.testing.assert_allclose(packed[b, start:start + n], expected[i, :n], atol=3e-5, rtol=3e-5)
     if name == "learned":  # negative control: without segment ids the later documents see the earlier ones
         mixed = jax.jit(DecoderLM(config).apply)(params, tokens)
         b, start, n = where[1]
