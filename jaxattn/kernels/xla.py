@@ -22,7 +22,8 @@ def attention(query, key, value, *, mask, bias, is_causal, scale, dropout_rate, 
     """Scaled dot-product attention (contract: `jaxattn.scaled_dot_product_attention`, `_call`'s docstring).
 
     Logits: `soft_cap(scale * q.k, logits_soft_cap) + bias` (docs/theory.md §17), masked, then the
-    softmax with `sinks` in its denominator (§18). Returns `(out [B, T, N, Hv], weights [B, N, T, S]
+    softmax with `sinks` in its denominator (§18); `segment_ids` `[B, T]` join the mask
+    (`jaxattn.masks.segment_mask`, §27). Returns `(out [B, T, N, Hv], weights [B, N, T, S]
     float32 or None, residual [B, T, N] float32 or None)`; the residual is the logsumexp of the
     masked logits and the sink (-inf for a row that sees nothing), under `stop_gradient`.
     """
