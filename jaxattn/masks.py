@@ -253,8 +253,8 @@ def segment_positions(segment_ids) -> jnp.ndarray:
     B, T = segment_ids.shape
     _check_contiguous(segment_ids)
     index = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32).reshape(1, T), (B, T))
-    previous = jnp.concatenate([jnp.full((B, 1), -1, segment_ids.dtype), segment_ids[:, :-1]], axis=1)
-    starts = jnp.where(segment_ids != previous, index, 0)  # [B, T]: t where a run begins, else 0
+    previous = jnp.concatenate([segment_ids[:, :1], segment_ids[:, :-1]], axis=1)  # token t - 1's id (t = 0: its own)
+    starts = jnp.where((index == 0) | (segment_ids != previous), index, 0)  # [B, T]: t where a run begins, else 0
     first = jax.lax.cummax(starts, axis=1)  # the start of the run token t is in
     return jnp.where(segment_ids == 0, 0, index - first).astype(jnp.int32)
 
