@@ -5,7 +5,7 @@ The functional core (pure, jit-able; docs/theory.md derives each formula):
 * `scaled_dot_product_attention`, `cached_attention` (against a cache), `reference_attention`, `repeat_kv`
 * `masked_softmax` (the one softmax every attention uses)
 * masks: `causal_mask`, `padding_mask`, `sliding_window_mask`,
-  `combine_masks`, `mask_to_bias`
+  `combine_masks`, `mask_to_bias`; packed rows: `segment_mask`, `segment_positions`
 * positions: `rope_frequencies`, `apply_rope`, `RopeScaling`,
   `rope_attention_factor`, `sinusoidal_positions`
 * `additive_attention`
@@ -65,6 +65,8 @@ from jaxattn.masks import (
     combine_masks,
     mask_to_bias,
     padding_mask,
+    segment_mask,
+    segment_positions,
     sliding_window_mask,
 )
 from jaxattn.mla import MultiHeadLatentAttention, latent_attention
@@ -123,6 +125,8 @@ __all__ = [
     "rope_attention_factor",
     "rope_frequencies",
     "scaled_dot_product_attention",
+    "segment_mask",
+    "segment_positions",
     "separate_to_fused_qkv",
     "sinusoidal_positions",
     "sliding_window_mask",

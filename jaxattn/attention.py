@@ -21,7 +21,8 @@ Differences from `jax.nn.dot_product_attention`, whose arguments these share wit
 meaning otherwise: the causal mask and local windows are aligned to the END of the keys
 (query i sits at position i + S - T; jax.nn aligns at the start; the same when T == S);
 a query row with no key to attend to gives zeros (jax.nn: the mean of the values), and
-its residual is -inf. Everything here runs under `jax.numpy_rank_promotion("raise")`.
+its residual is -inf; `segment_ids` mask packed rows of documents (docs/theory.md §27), which
+jax.nn has no argument for. Everything here runs under `jax.numpy_rank_promotion("raise")`.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ import numpy as np
 from jaxattn import kernels
 from jaxattn._validate import (concrete_or_none, require_bool, require_broadcastable, require_float,
                                require_integer, require_positive_int, require_rank)
-from jaxattn.masks import causal_mask, check_lengths, local_window_mask, padding_mask, window_sides
+from jaxattn.masks import (causal_mask, check_lengths, check_segment_ids, local_window_mask, padding_mask,
+                           segment_mask, window_sides)
 from jaxattn.softmax import softmax_dtype
 
 
@@ -65,6 +67,7 @@ class _Arguments(typing.NamedTuple):
     window: tuple[int, int] | None
     soft_cap: float | None
     sinks: jax.Array | None
+    segments: jax.Array | None
     unbatched: bool
 
 
@@ -119,6 +122,19 @@ def _sinks(sinks, N: int, shapes: str):
     return sinks
 
 
+def _segment_ids(segment_ids, B: int, T: int, S: int, unbatched: bool, shapes: str):
+    """None, or the `[B, T]` int32 segment ids once they are known to be integers of the queries' shape
+    (`[T]` unbatched) in a self-attention (T == S); a TypeError or ValueError naming them otherwise."""
+    if segment_ids is None:
+        return None
+    if T != S:
+        raise ValueError(f"segment_ids mark the documents of a packed self-attention, whose queries and keys are "
+                         f"the same tokens (T == S), got T={T}, S={S}: {shapes}")
+    layout, shape = ("[T]", (T,)) if unbatched else ("[B, T]", (B, T))
+    segment_ids = check_segment_ids("segment_ids", segment_ids, shape, layout, shapes)
+    return segment_ids.reshape(B, T)
+
+
 def _float_arrays(*named) -> None:
     """A TypeError unless each `(name, x)` of `named` is an array of floats."""
     for name, x in named:
@@ -153,7 +169,8 @@ def _check_sizes(query_shape, key_shape, value_shape, shapes: str, key: str = "k
 
 
 def _check(query, key, value, bias=None, mask=None, *, dropout_rate=0.0, local_window_size=None,
-           query_seq_lengths=None, key_value_seq_lengths=None, logits_soft_cap=None, sinks=None) -> _Arguments:
+           query_seq_lengths=None, key_value_seq_lengths=None, logits_soft_cap=None, sinks=None,
+           segment_ids=None) -> _Arguments:
     """The one check of the attention arguments: a ValueError or TypeError naming the argument and the
     shapes, raised before tracing (values of lengths are checked when known, i.e. not under `jit`)."""
     _float_arrays(("query", query), ("key", key), ("value", value))
@@ -189,7 +206,7 @@ def _check(query, key, value, bias=None, mask=None, *, dropout_rate=0.0, local_w
         _lengths("query_seq_lengths", query_seq_lengths, B, T, "T", shapes),
         _lengths("key_value_seq_lengths", key_value_seq_lengths, B, S, "S", shapes),
         None if local_window_size is None else window_sides(local_window_size),
-        _soft_cap(logits_soft_cap), sinks, unbatched)
+        _soft_cap(logits_soft_cap), sinks, _segment_ids(segment_ids, B, T, S, unbatched, shapes), unbatched)
 
 
 def _without_queries_or_keys(a: _Arguments, return_weights: bool):
@@ -227,7 +244,8 @@ def _results(a: _Arguments, out, weights, residual, return_weights: bool, return
 def scaled_dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
                                  query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
                                  logits_soft_cap=None, sinks=None, dropout_rate=0.0, dropout_rng=None,
-                                 return_weights=False, return_residual=False, implementation="auto"):
+                                 return_weights=False, return_residual=False, implementation="auto",
+                                 segment_ids=None):
     """softmax(cap(Q K^T * scale) + bias, masked, with sinks) V, grouped for MQA/GQA (docs/theory.md §2-§5).
 
     The positional order and every argument `jax.nn.dot_product_attention` has mean what they
@@ -257,6 +275,12 @@ def scaled_dot_product_attention(query, key, value, bias=None, mask=None, *, sca
       sinks: None or `[N]` float logits, one per query head (GPT-OSS; docs/theory.md §18): each joins
         its rows' softmax denominator with no value, so a row's weights sum to less than 1.
         Differentiable.
+      segment_ids: None, or `[B, T]` integer document ids of packed rows (`[T]` unbatched), in a
+        self-attention (T == S): query t sees key s only where `segment_ids[b, t] == segment_ids[b, s]`,
+        with the causal mask and window as well (`jaxattn.masks.segment_mask`). Id 0 is padding: it
+        attends to nothing (zeros) and is never attended; ids 1, 2, ... number a row's documents.
+        Negative ids are a ValueError when known (docs/theory.md §27). Every implementation takes
+        them but cuDNN (the reference runs, with a `KernelFallbackWarning`).
       dropout_rate: dropout on the attention weights, applied only when
         `dropout_rate > 0` and `dropout_rng` is given.
       dropout_rng: PRNG key for the dropout.
@@ -288,7 +312,7 @@ def scaled_dot_product_attention(query, key, value, bias=None, mask=None, *, sca
     """
     a = _check(query, key, value, bias, mask, dropout_rate=dropout_rate, local_window_size=local_window_size,
                query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
-               logits_soft_cap=logits_soft_cap, sinks=sinks)
+               logits_soft_cap=logits_soft_cap, sinks=sinks, segment_ids=segment_ids)
     if implementation == kernels.AUTO:
         implementation = kernels.select.attention_rule_here()
     attend = kernels.attention_kernel(implementation)
@@ -299,7 +323,7 @@ def scaled_dot_product_attention(query, key, value, bias=None, mask=None, *, sca
         scale=_softmax_scale(scale, a.query.shape[-1]),
         dropout_rate=dropout_rate, dropout_rng=dropout_rng, return_weights=return_weights,
         local_window_size=a.window, key_value_seq_lengths=a.key_lengths, logits_soft_cap=a.soft_cap,
-        sinks=a.sinks, return_residual=return_residual)
+        sinks=a.sinks, return_residual=return_residual, segment_ids=a.segments)
     return _results(a, out, weights, residual, return_weights, return_residual)
 
 
@@ -352,7 +376,8 @@ def cached_attention(query, key_cache, value_cache, query_positions, *, scale=No
 
 def reference_attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
                         query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
-                        logits_soft_cap=None, sinks=None, return_weights=False, return_residual=False):
+                        logits_soft_cap=None, sinks=None, return_weights=False, return_residual=False,
+                        segment_ids=None):
     """The textbook formula, step by step (docs/theory.md §2-§5, §17, §18). Same contract as above.
 
     Slow on purpose and independent of `jaxattn.kernels` and of the masked
@@ -362,7 +387,7 @@ def reference_attention(query, key, value, bias=None, mask=None, *, scale=None, 
     """
     a = _check(query, key, value, bias, mask, local_window_size=local_window_size,
                query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
-               logits_soft_cap=logits_soft_cap, sinks=sinks)
+               logits_soft_cap=logits_soft_cap, sinks=sinks, segment_ids=segment_ids)
     if 0 in a.query.shape[1:2] + a.key.shape[1:2]:  # T = 0 or S = 0
         return _results(a, *_without_queries_or_keys(a, return_weights), return_weights, return_residual)
     B, T, N, H = a.query.shape
@@ -388,6 +413,8 @@ def reference_attention(query, key, value, bias=None, mask=None, *, scale=None, 
         allowed = allowed & local_window_mask(T, S, a.window)[None, None]
     if a.key_lengths is not None:
         allowed = allowed & padding_mask(a.key_lengths, S)  # [B, 1, 1, S]
+    if a.segments is not None:
+        allowed = allowed & segment_mask(a.segments, a.segments)  # [B, 1, T, S]
     scores = jnp.where(allowed, scores, -jnp.inf)
     if a.sinks is not None:  # one more key per head, always visible, with no value
         sink = jnp.broadcast_to(a.sinks.astype(f32).reshape(1, N, 1, 1), (B, N, T, 1))

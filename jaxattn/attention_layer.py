@@ -38,6 +38,7 @@ from jaxattn.attention import scaled_dot_product_attention
 from jaxattn.cache import CacheField, PagedBatch, RowGroup, gather_pages, write_pages, write_rows
 from jaxattn.config import AttentionSpec, ModelConfig
 from jaxattn.kernels import Kernels
+from jaxattn.masks import check_segment_ids
 from jaxattn.primitives import logical
 from jaxattn.rope import rope_attention_factor, rope_frequencies
 from jaxattn.axes import HEADS
@@ -113,8 +114,9 @@ class AttentionLayer(nn.Module):
                                   for name, field in fields.items()})
 
     def attend(self, q, kv, *, mask=None, is_causal=False, window=None, deterministic=True,
-               return_weights=False):
-        """Attention over whole sequences -> `(out, weights [B, N, T, S] float32 or None)`."""
+               return_weights=False, segment_ids=None):
+        """Attention over whole sequences -> `(out, weights [B, N, T, S] float32 or None)`; `segment_ids`
+        `[B, T]` (self-attention) or None as in `scaled_dot_product_attention`."""
         raise NotImplementedError
 
     def attend_cached(self, q, cache, positions):
@@ -150,7 +152,7 @@ class AttentionLayer(nn.Module):
     # -- whole sequences and cached extension, written once ---------------------------------
 
     def __call__(self, x, context=None, *, positions=None, context_positions=None, mask=None,
-                 is_causal=False, deterministic=True, value_embedding=None):
+                 is_causal=False, deterministic=True, value_embedding=None, segment_ids=None):
         """Self-attention over x, or cross-attention from x to `context` (where the layer has it).
 
         Args:
@@ -166,6 +168,9 @@ class AttentionLayer(nn.Module):
           deterministic: no dropout when True; else needs rngs={'dropout': key}.
           value_embedding: `[B, T, K, Hv]`, this layer's value embedding of x's tokens (`mix_values`);
             self-attention only.
+          segment_ids: `[B, T]` int document ids of packed rows (0 = padding; docs/theory.md §27): a
+            token attends only within its document. Self-attention only; `positions` are the
+            caller's (the model restarts them per document, `jaxattn.masks.segment_positions`).
 
         Returns:
           `[B, T, D]`; the weights are sown into "intermediates" when it is mutable.
@@ -173,6 +178,11 @@ class AttentionLayer(nn.Module):
         self.check_inputs(x, context)
         if context is not None and value_embedding is not None:
             raise ValueError("value_embedding applies to self-attention; it was given with a context")
+        if context is not None and segment_ids is not None:
+            raise ValueError("segment_ids mark documents packed into x's rows (self-attention); they were given "
+                             "with a context")
+        if segment_ids is not None:  # checked here for either path (MLA's absorbed one is no kernel call)
+            segment_ids = check_segment_ids("segment_ids", segment_ids, x.shape[:2], "[B, T]", f"x {x.shape}")
         positions = jnp.arange(x.shape[1]) if positions is None else positions
         if context_positions is None:
             context_positions = positions if context is None else jnp.arange(context.shape[1])
@@ -182,7 +192,7 @@ class AttentionLayer(nn.Module):
         window = self.spec.window if is_causal and context is None else None
         capture = self.is_mutable_collection(WEIGHTS[0]) and not self.is_initializing()
         out, weights = self.attend(q, kv, mask=mask, is_causal=is_causal, window=window,
-                                   deterministic=deterministic, return_weights=capture)
+                                   deterministic=deterministic, return_weights=capture, segment_ids=segment_ids)
         if capture:
             self.sow(*WEIGHTS, weights)
         return self.project_out(out, deterministic=deterministic)
@@ -264,7 +274,7 @@ class AttentionLayer(nn.Module):
         return extra
 
     def attend_heads(self, q, k, v, *, mask=None, is_causal=False, window=None, deterministic=True,
-                     return_weights=False):
+                     return_weights=False, segment_ids=None):
         """`scaled_dot_product_attention` of per-head q `[B, T, N, H]`, k `[B, S, K, H]`, v `[B, S, K, Hv]`
         with this layer's scale, dropout, kernel and features -> `(out [B, T, N, Hv], weights or None)`.
 
@@ -276,7 +286,7 @@ class AttentionLayer(nn.Module):
             q, k, v, mask=mask, is_causal=is_causal, scale=self.scale,
             local_window_size=None if window is None else (window - 1, 0),
             dropout_rate=rate, dropout_rng=rng, return_weights=return_weights,
-            implementation=self.kernels.attention, **self.cap_and_sinks())
+            implementation=self.kernels.attention, segment_ids=segment_ids, **self.cap_and_sinks())
         return result if return_weights else (result, None)
 
     def dropout(self, deterministic: bool):

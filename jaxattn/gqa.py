@@ -144,11 +144,11 @@ class Attention(AttentionLayer):
         return q, (k, v)
 
     def attend(self, q, kv, *, mask=None, is_causal=False, window=None, deterministic=True,
-               return_weights=False):
+               return_weights=False, segment_ids=None):
         """`(out [B, T, N, H], weights [B, N, T, S] or None)` of q against kv = (k, v) (`attend_heads`)."""
         k, v = kv
         return self.attend_heads(q, k, v, mask=mask, is_causal=is_causal, window=window,
-                                 deterministic=deterministic, return_weights=return_weights)
+                                 deterministic=deterministic, return_weights=return_weights, segment_ids=segment_ids)
 
     def attend_cached(self, q, cache: KVCache, positions):
         """`cached_attention` of q `[B, T, N, H]` at `positions` against the `[B, K, L, H]` cache

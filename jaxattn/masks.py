@@ -8,7 +8,9 @@ S - T cached keys sees everything before it and nothing after
 sits at absolute position `p = i + S - T` (`local_window_mask`, jax.nn's
 `(left, right)` meaning; `sliding_window_mask` is the model's window W, the
 query and W - 1 keys back). A cache is read by absolute position instead
-(`visible_cache_slots`, docs/theory.md §9).
+(`visible_cache_slots`, docs/theory.md §9). Packed rows (several documents in one row,
+docs/theory.md §27) are masked by their segment ids (`segment_mask`) and numbered from 0 per
+document (`segment_positions`).
 
 Every function here builds its result from operands of equal rank, so it runs
 under `jax.numpy_rank_promotion("raise")`; `combine_masks` adds the leading axes
@@ -17,7 +19,9 @@ of lower-rank masks explicitly.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxattn._validate import (concrete_or_none, is_int, require_bool, require_integer, require_positive_int,
                                require_rank)
@@ -180,3 +184,89 @@ def mask_to_bias(mask, dtype=jnp.float32) -> jnp.ndarray:
     mask = jnp.asarray(mask)
     require_bool("mask", mask)
     return jnp.where(mask, jnp.asarray(0, dtype), jnp.finfo(dtype).min).astype(dtype)
+
+
+def check_segment_ids(name: str, segment_ids, shape: tuple[int, ...], layout: str, shapes: str = ""):
+    """`segment_ids` as an int32 array once it is known to be integers of `shape` (`layout`, e.g.
+    "[B, T]"), else a TypeError (not an integer array) or a ValueError naming `name`, the shapes and
+    `shapes` (the other arguments). Values are checked when known (outside `jit`): ids are >= 0.
+
+    The convention of packed rows (docs/theory.md §27): id 0 is padding, which attends to nothing
+    and is never attended; ids 1, 2, ... number the documents of a row.
+    """
+    where = f" for {shapes}" if shapes else ""
+    if not hasattr(segment_ids, "shape"):
+        raise TypeError(f"{name} must be an integer array {layout} = {shape}, got {type(segment_ids).__name__}")
+    segment_ids = jnp.asarray(segment_ids)
+    if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
+        raise TypeError(f"{name} must be an integer array {layout} = {tuple(shape)}, got dtype {segment_ids.dtype} "
+                        f"of shape {segment_ids.shape}{where}")
+    if segment_ids.shape != tuple(shape):
+        raise ValueError(f"{name} must be {layout} = {tuple(shape)}, got shape {segment_ids.shape}{where}")
+    known = concrete_or_none(segment_ids)
+    if known is not None and known.size and known.min() < 0:
+        raise ValueError(f"{name} must be >= 0 (0 = padding, 1, 2, ... the documents of a row), "
+                         f"got a minimum of {known.min()}")
+    return segment_ids.astype(jnp.int32)
+
+
+def segment_mask(q_segments, kv_segments) -> jnp.ndarray:
+    """`[B, 1, T, S]` mask of packed rows: query t sees key s iff both belong to the same document,
+    `q_segments[b, t] == kv_segments[b, s] != 0` (id 0 is padding: it attends to nothing and is
+    never attended; docs/theory.md §27).
+
+    Combine it with `causal_mask` or `sliding_window_mask` (`combine_masks`) for a packed causal
+    model: each token then sees the tokens before it in its own document only.
+
+    Args:
+      q_segments: `[B, T]` integer document ids of the queries.
+      kv_segments: `[B, S]` integer document ids of the keys (the same array for self-attention).
+    """
+    q_segments, kv_segments = jnp.asarray(q_segments), jnp.asarray(kv_segments)
+    require_rank("q_segments", q_segments, 2, "[B, T]")
+    require_rank("kv_segments", kv_segments, 2, "[B, S]")
+    require_integer("q_segments", q_segments)
+    require_integer("kv_segments", kv_segments)
+    if q_segments.shape[0] != kv_segments.shape[0]:
+        raise ValueError(f"q_segments {q_segments.shape} [B, T] and kv_segments {kv_segments.shape} [B, S] "
+                         "have different batch sizes")
+    (B, T), S = q_segments.shape, kv_segments.shape[1]
+    q = q_segments.reshape(B, 1, T, 1)
+    kv = kv_segments.reshape(B, 1, 1, S)
+    return (q == kv) & (q != 0)  # q != 0 and q == kv: kv != 0 too
+
+
+def segment_positions(segment_ids) -> jnp.ndarray:
+    """`[B, T]` int32 positions that restart at 0 at each document's first token (docs/theory.md §27).
+
+    A document is a run of equal nonzero ids; padding (id 0) gets position 0, so that a position
+    never exceeds the longest document. The ids of a row must keep each document in one run
+    (packed documents one after another): a ValueError when the values are known and an id comes
+    back after another one, which the masks would treat as one document with two starts.
+
+    Args:
+      segment_ids: `[B, T]` integer document ids (0 = padding).
+    """
+    segment_ids = jnp.asarray(segment_ids)
+    require_rank("segment_ids", segment_ids, 2, "[B, T]")
+    require_integer("segment_ids", segment_ids)
+    B, T = segment_ids.shape
+    _check_contiguous(segment_ids)
+    index = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32).reshape(1, T), (B, T))
+    previous = jnp.concatenate([segment_ids[:, :1], segment_ids[:, :-1]], axis=1)  # token t - 1's id (t = 0: its own)
+    starts = jnp.where((index == 0) | (segment_ids != previous), index, 0)  # [B, T]: t where a run begins, else 0
+    first = jax.lax.cummax(starts, axis=1)  # the start of the run token t is in
+    return jnp.where(segment_ids == 0, 0, index - first).astype(jnp.int32)
+
+
+def _check_contiguous(segment_ids) -> None:
+    """ValueError when the ids are known and a row's document comes back after another one."""
+    known = concrete_or_none(segment_ids)
+    if known is None:
+        return
+    for b, row in enumerate(known):
+        runs = row[np.r_[True, row[1:] != row[:-1]]]  # one id per run
+        runs = runs[runs != 0]
+        if len(np.unique(runs)) != len(runs):
+            raise ValueError(f"segment_ids row {b} splits a document into several runs (ids by run: "
+                             f"{runs.tolist()}); pack each document contiguously")

@@ -27,7 +27,7 @@ from jaxattn import kernels as kernels_lib
 from jaxattn.attention_layer import AttentionLayer
 from jaxattn.cache import CacheField, LatentCache, RowGroup
 from jaxattn.lora import float_param  # a quantized or LoRA weight read as float
-from jaxattn.masks import causal_mask, combine_masks, sliding_window_mask, visible_cache_slots
+from jaxattn.masks import causal_mask, combine_masks, segment_mask, sliding_window_mask, visible_cache_slots
 from jaxattn.primitives import check_config, logical, make_linear, make_rms_norm
 from jaxattn.quantized_cache import as_float, is_quantized, leading
 from jaxattn.rope import apply_rope, yarn_softmax_mscale
@@ -162,15 +162,15 @@ class MultiHeadLatentAttention(AttentionLayer):
         return (q_nope, q_rope), (c_kv, k_rope)
 
     def attend(self, q, kv, *, mask=None, is_causal=False, window=None, deterministic=True,
-               return_weights=False):
+               return_weights=False, segment_ids=None):
         """`kernels.mla`'s path: `attend_naive` or `attend_absorbed` -> `(out [B, T, N, V], weights or None)`."""
         path = kernels_lib.check_mla_path(self.kernels.mla)
         attend = self.attend_naive if path == "naive" else self.attend_absorbed
         return attend(q, kv, mask=mask, is_causal=is_causal, window=window, deterministic=deterministic,
-                      return_weights=return_weights)
+                      return_weights=return_weights, segment_ids=segment_ids)
 
     def attend_naive(self, q, kv, *, mask=None, is_causal=False, window=None, deterministic=True,
-                     return_weights=False):
+                     return_weights=False, segment_ids=None):
         """Decompresses per-head keys and values, then `scaled_dot_product_attention` (K = N)."""
         (q_nope, q_rope), (c_kv, k_rope) = q, kv
         c = self.config
@@ -183,17 +183,21 @@ class MultiHeadLatentAttention(AttentionLayer):
         q = jnp.concatenate([q_nope, q_rope], axis=-1)  # [B, T, N, P + E]
         k = jnp.concatenate([k_nope, k_rope.astype(k_nope.dtype)], axis=-1)  # [B, S, N, P + E]
         return self.attend_heads(q, k, v, mask=mask, is_causal=is_causal, window=window,
-                                 deterministic=deterministic, return_weights=return_weights)
+                                 deterministic=deterministic, return_weights=return_weights, segment_ids=segment_ids)
 
     def attend_absorbed(self, q, kv, *, mask=None, is_causal=False, window=None, deterministic=True,
-                        return_weights=False):
-        """W_UK folded into the query, `latent_attention` on the latent, W_UV applied after: `[B, T, N, V]`."""
+                        return_weights=False, segment_ids=None):
+        """W_UK folded into the query, `latent_attention` on the latent, W_UV applied after: `[B, T, N, V]`.
+
+        `latent_attention` is einsums, not a kernel: packed rows' `segment_ids` reach it as their mask."""
         (q_nope, q_rope), (c_kv, k_rope) = q, kv
         P = self.config.mla.qk_nope_head_dim
         w_uk = self.wkv_b[..., :P].astype(q_nope.dtype)  # [R, N, P]
         w_uv = self.wkv_b[..., P:].astype(q_nope.dtype)  # [R, N, V]
         q_latent = jnp.einsum("BTNP,RNP->BTNR", q_nope, w_uk)
         rate, rng = self.dropout(deterministic)
+        if segment_ids is not None:  # [B, 1, T, S]: each token within its own document
+            mask = combine_masks(mask, segment_mask(segment_ids, segment_ids))
         o_latent, weights = latent_attention(
             q_latent, q_rope, c_kv.astype(q_nope.dtype), k_rope.astype(q_nope.dtype), scale=self.scale,
             mask=mask, is_causal=is_causal, window=window, dropout_rate=rate, dropout_rng=rng, **self.cap_and_sinks())

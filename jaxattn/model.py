@@ -19,7 +19,9 @@ MLP is dense or, where `ModelConfig.layer_is_moe`, a mixture of experts
 (`jaxattn.moe.MoE`): both are called alike, and a layer with training losses of its own sows
 them (`jaxattn.layer_losses`). The absolute positions added to the embeddings are one module,
 chosen once from the config (`jaxattn.position_embeddings`); positions are computed here, once
-per call, and passed down to every layer.
+per call, and passed down to every layer. Packed rows (`segment_ids`, docs/theory.md §27) go down
+to every attention layer too, and their positions restart at each document
+(`jaxattn.masks.segment_positions`), so a packed row gives each document what it gives alone.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from jaxattn.cache import DecodeCache, PagedBatch
 from jaxattn.config import ModelConfig
 from jaxattn.kernels import Kernels
 from jaxattn.layer_plan import SCANNED, plan_layers
+from jaxattn.masks import check_segment_ids, segment_positions
 from jaxattn.moe import mlp_for_layer
 from jaxattn.position_embeddings import absolute_positions
 from jaxattn.primitives import check_config, logical, make_linear, make_norm
@@ -85,15 +88,22 @@ class Block(nn.Module):
             self.post_attn_norm = make_norm(c)
             self.post_mlp_norm = make_norm(c)
 
-    def __call__(self, x, *, positions, padding_mask=None, deterministic=True, value_embedding=None):
+    def __call__(self, x, *, positions, padding_mask=None, deterministic=True, value_embedding=None,
+                 segment_ids=None):
         """`[B, T, D] -> [B, T, D]`, causal, the tokens at `positions` (`[B, T]` or `[T]`).
 
         `padding_mask [B, T]` (True = a real token) hides padding keys from attention and keeps
-        padding out of an MLP's losses; `value_embedding` `[B, T, K, H]` goes to the values (or None).
+        padding out of an MLP's losses; `value_embedding` `[B, T, K, H]` goes to the values (or None);
+        `segment_ids [B, T]` (packed rows, 0 = padding) keep each token within its document, and
+        without a `padding_mask` their padding is kept out of the MLP's losses. They stay structural
+        (no dense mask), so a kernel that takes segment ids gets them as such.
         """
         mask = None if padding_mask is None else padding_mask[:, None, None, :]  # [B, 1, 1, S]
         attend = lambda h: self.attn(h, positions=positions, mask=mask, is_causal=True,  # noqa: E731
-                                     deterministic=deterministic, value_embedding=value_embedding)
+                                     deterministic=deterministic, value_embedding=value_embedding,
+                                     segment_ids=segment_ids)
+        if padding_mask is None and segment_ids is not None:
+            padding_mask = segment_ids != 0  # [B, T]: for the MLP only
         return self.residuals(x, attend, deterministic, padding_mask)
 
     def extend(self, x, cache, positions, *, value_embedding=None):
@@ -148,12 +158,12 @@ class LayerPeriod(nn.Module):
         self.blocks = [Block(self.config, self.kernels, layer=self.first + j) for j in range(self.period)]
 
     def __call__(self, x, shared, value_embeddings):
-        """x `[B, T, D]`; shared `(positions, padding_mask, deterministic)`; value_embeddings per block
-        (or None) -> (x, None)."""
-        positions, padding_mask, deterministic = shared
+        """x `[B, T, D]`; shared `(positions, padding_mask, deterministic, segment_ids)`; value_embeddings
+        per block (or None) -> (x, None)."""
+        positions, padding_mask, deterministic, segment_ids = shared
         for block, value_embedding in zip(self.blocks, value_embeddings):
             x = block(x, positions=positions, padding_mask=padding_mask, deterministic=deterministic,
-                      value_embedding=value_embedding)
+                      value_embedding=value_embedding, segment_ids=segment_ids)
             x = nn.with_logical_constraint(x, RESIDUAL_AXES)
         return x, None
 
@@ -262,13 +272,20 @@ class DecoderLM(nn.Module):
 
     # -- whole sequences -------------------------------------------------------------------
 
-    def __call__(self, tokens, *, positions=None, padding_mask=None, deterministic=True, check=False):
+    def __call__(self, tokens, *, positions=None, padding_mask=None, deterministic=True, check=False,
+                 segment_ids=None):
         """Causal forward pass.
 
         Args:
           tokens: `[B, T]` int ids.
-          positions: `[B, T]` or `[T]` absolute positions (default arange(T)).
+          positions: `[B, T]` or `[T]` absolute positions (default arange(T), or with `segment_ids`
+            each token's position within its document, `jaxattn.masks.segment_positions`).
           padding_mask: `[B, T]` bool, True = real token; padding keys are hidden.
+          segment_ids: `[B, T]` int document ids of packed rows (docs/theory.md §27): 1, 2, ... per
+            document of a row, 0 = padding (attends to nothing, never attended, outside the MLP's
+            losses). Each token attends only within its document (with the causal mask and every
+            layer's window), so a packed row's logits are each document's logits run alone. For
+            training and scoring; `extend` (caches) takes no segment ids.
           deterministic: no dropout when True; else pass rngs={'dropout': key}.
 
         Returns:
@@ -281,9 +298,12 @@ class DecoderLM(nn.Module):
         _check_tokens(tokens)
         self._check_token_range(tokens, check)
         B, T = tokens.shape
+        if segment_ids is not None:
+            segment_ids = check_segment_ids("segment_ids", segment_ids, (B, T), "[B, T]", f"tokens {tokens.shape}")
         if positions is None:
+            # A packed row fits the table as a whole, as under `jit` its documents' lengths are unknown.
             self._check_length(T)
-            positions = jnp.arange(T)
+            positions = jnp.arange(T) if segment_ids is None else segment_positions(segment_ids)  # [T] or [B, T]
         if padding_mask is not None and (padding_mask.shape != (B, T) or padding_mask.dtype != jnp.bool_):
             raise ValueError(f"padding_mask must be bool [B, T] = {(B, T)}, got "
                              f"{padding_mask.dtype} {padding_mask.shape}")
@@ -291,10 +311,11 @@ class DecoderLM(nn.Module):
         values = self.embed_values(tokens)
         for unit in self._units():
             if unit == SCANNED:
-                x, _ = self.layers(x, (positions, padding_mask, deterministic), self._scanned_values(values))
+                shared = (positions, padding_mask, deterministic, segment_ids)
+                x, _ = self.layers(x, shared, self._scanned_values(values))
             else:
-                x = self.blocks[unit](x, positions=positions, padding_mask=padding_mask,
-                                      deterministic=deterministic, value_embedding=values[unit])
+                x = self.blocks[unit](x, positions=positions, padding_mask=padding_mask, deterministic=deterministic,
+                                      value_embedding=values[unit], segment_ids=segment_ids)
             x = nn.with_logical_constraint(x, RESIDUAL_AXES)
         return self.logits(x)
 

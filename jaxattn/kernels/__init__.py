@@ -22,12 +22,12 @@ rounds to the query's dtype as jax.nn does. What each takes of
 the features beyond masks and biases; what a fused kernel cannot take runs the
 reference with a one-line `KernelFallbackWarning`:
 
-| attention | soft cap | sinks | windows `(left, right)` | residual | weights, dropout |
-| --- | --- | --- | --- | --- | --- |
-| "xla" | yes | yes | yes | yes | yes |
-| "custom_vjp", "chunked" | yes | yes | yes | yes | the reference |
-| "cudnn" | no | no | left only (or causal), T == S | yes | no |
-| "splash" | yes | no | yes | no | no |
+| attention | soft cap | sinks | windows `(left, right)` | residual | segment ids | weights, dropout |
+| --- | --- | --- | --- | --- | --- | --- |
+| "xla" | yes | yes | yes | yes | yes | yes |
+| "custom_vjp", "chunked" | yes | yes | yes | yes | yes ("chunked" skips other documents' blocks) | the reference |
+| "cudnn" | no | no | left only (or causal), T == S | yes | no | no |
+| "splash" | yes | no | yes | no | yes | no |
 
 The choice is made once, when a program resolves a run for its platform
 (`resolve_kernels`, which also says why); building or applying a model never

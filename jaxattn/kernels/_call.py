@@ -4,11 +4,13 @@ Every `jaxattn.kernels.*.attention` has the signature of `jaxattn.kernels.xla.at
 
     attention(query, key, value, *, mask, bias, is_causal, scale, dropout_rate, dropout_rng,
               return_weights, local_window_size=None, key_value_seq_lengths=None,
-              logits_soft_cap=None, sinks=None, return_residual=False)
+              logits_soft_cap=None, sinks=None, return_residual=False, segment_ids=None)
       -> (out [B, T, N, Hv], weights [B, N, T, S] float32 | None, residual [B, T, N] float32 | None)
 
 with 4-D batched inputs, `local_window_size` already a `(left, right)` tuple or None, a
-concrete `logits_soft_cap`, `sinks` `[N]`, and weights (residual) only when asked for
+concrete `logits_soft_cap`, `sinks` `[N]`, `segment_ids` `[B, T]` int32 document ids of a packed
+self-attention (T == S; 0 = padding, attends to nothing and is never attended; docs/theory.md §27)
+or None, and weights (residual) only when asked for
 (float32 is the softmax's dtype: float64 for float64 inputs).
 `scaled_dot_product_attention` checks the arguments, adds and removes the batch axis of
 unbatched inputs, applies `query_seq_lengths` (no kernel sees them) and rounds the residual
@@ -29,7 +31,8 @@ from jaxattn.kernels import xla
 
 # The keyword arguments of the common kernel signature (`jaxattn.kernels.xla.attention`'s).
 CONTRACT = ("mask", "bias", "is_causal", "scale", "dropout_rate", "dropout_rng", "return_weights",
-            "local_window_size", "key_value_seq_lengths", "logits_soft_cap", "sinks", "return_residual")
+            "local_window_size", "key_value_seq_lengths", "logits_soft_cap", "sinks", "return_residual",
+            "segment_ids")
 
 
 class KernelFallbackWarning(UserWarning):
@@ -42,8 +45,8 @@ class AttentionCall:
 
     Letters as in `jaxattn.attention`: T queries, S keys, N query heads, K key/value
     heads, H head dim, Hv value head dim. `window` is `(left, right)` (jax.nn's meaning,
-    end-aligned) or None; `soft_cap`, `sinks` and `residual` say whether a logit soft cap,
-    attention sinks or the logsumexp residual are asked for.
+    end-aligned) or None; `soft_cap`, `sinks`, `residual` and `segments` say whether a logit soft
+    cap, attention sinks, the logsumexp residual or the segment ids of packed rows are asked for.
     """
 
     T: int
@@ -64,11 +67,12 @@ class AttentionCall:
     soft_cap: bool = False
     sinks: bool = False
     residual: bool = False
+    segments: bool = False
 
     @classmethod
     def of(cls, query, key, value, *, mask=None, bias=None, is_causal=False, scale=None, dropout_rate=0.0,
            dropout_rng=None, return_weights=False, local_window_size=None, key_value_seq_lengths=None,
-           logits_soft_cap=None, sinks=None, return_residual=False, **_) -> "AttentionCall":
+           logits_soft_cap=None, sinks=None, return_residual=False, segment_ids=None, **_) -> "AttentionCall":
         """The call made with these arguments (keyword names of the kernels' common signature)."""
         _, T, N, H = query.shape
         _, S, K, Hv = value.shape
@@ -78,7 +82,7 @@ class AttentionCall:
                    mask=mask is not None, bias=bias is not None,
                    dropout=dropout_rate > 0.0 and dropout_rng is not None, weights=return_weights,
                    traced_scale=not _is_concrete(scale), soft_cap=logits_soft_cap is not None,
-                   sinks=sinks is not None, residual=return_residual)
+                   sinks=sinks is not None, residual=return_residual, segments=segment_ids is not None)
 
     def common_refusal(self, kernel: str) -> str | None:
         """Why a fused kernel that returns only the output and has no dropout cannot take this call."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from jaxattn.masks import causal_mask, local_window_mask, padding_mask
+from jaxattn.masks import causal_mask, local_window_mask, padding_mask, segment_mask
 
 
 def group_heads(x: jnp.ndarray, num_kv_heads: int) -> jnp.ndarray:
@@ -20,12 +20,13 @@ def group_heads(x: jnp.ndarray, num_kv_heads: int) -> jnp.ndarray:
 
 
 def allowed_keys(mask, is_causal: bool, T: int, S: int, K: int, grouped_bias=None,
-                 window: tuple[int, int] | None = None, lengths=None):
+                 window: tuple[int, int] | None = None, lengths=None, segments=None):
     """The boolean mask to apply, broadcastable to `[B, K, G, T, S]` and of rank 5, or None (every key allowed).
 
     `is_causal` (end-aligned), `window` (`(left, right)`, end-aligned: `jaxattn.masks.local_window_mask`)
     and `lengths` (`[B]` int: keys `j >= lengths[b]` hidden) are the structural arguments of
-    `scaled_dot_product_attention` as a mask. A key whose bias is -inf is masked too, so that a row
+    `scaled_dot_product_attention` as a mask, and so are `segments` (`[B, T]` document ids of a packed
+    self-attention, T == S: `jaxattn.masks.segment_mask`, id 0 padding). A key whose bias is -inf is masked too, so that a row
     biased to -inf everywhere has nothing to attend to (zeros) rather than 0/0 (NaN). Every operand
     is made rank 5 first: nothing relies on implicit rank promotion.
     """
@@ -39,6 +40,8 @@ def allowed_keys(mask, is_causal: bool, T: int, S: int, K: int, grouped_bias=Non
         grouped = both(grouped, local_window_mask(T, S, window).reshape(1, 1, 1, T, S))
     if lengths is not None:
         grouped = both(grouped, padding_mask(lengths, S)[:, None])  # [B, 1, 1, 1, S]
+    if segments is not None:
+        grouped = both(grouped, segment_mask(segments, segments)[:, None])  # [B, 1, 1, T, S]
     if grouped_bias is not None:
         grouped = both(grouped, grouped_bias != -jnp.inf)  # NaN stays visible: it is not -inf
     return grouped

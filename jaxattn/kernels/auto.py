@@ -10,9 +10,9 @@ are tested on any machine (tests/test_auto_attention.py):
 - CPU: the dense path with the hand-written backward ("custom_vjp") below
   `CHUNKED_FROM_KEYS` keys, blockwise ("chunked") from there; the reference for
   attention weights and dropout. Both take every other feature (masks, biases,
-  two-sided windows, key lengths, soft caps, sinks, the residual), so no other
+  two-sided windows, key lengths, soft caps, sinks, the residual, segment ids), so no other
   feature decides the kernel.
-- GPU: cuDNN's fused kernel where it takes the call (not soft caps or sinks), else
+- GPU: cuDNN's fused kernel where it takes the call (not soft caps, sinks or segment ids), else
   the CPU's length rule with the reference as the dense path; each refusal is a
   one-line `KernelFallbackWarning`.
 - TPU: Pallas's splash kernel likewise (it takes soft caps, not sinks or the residual).

@@ -13,6 +13,16 @@ T, S and window (`visible_blocks`), so those blocks are never computed, and key
 blocks past every row's `key_value_seq_lengths` are skipped at run time. The
 inner loop's bounds are per query block, so compile time does not grow with T.
 
+Packed rows (`segment_ids`, docs/theory.md §27) skip the block pairs of different documents at run
+time: a pair is computed only if, in some batch row, the range of the query block's nonzero ids
+`[min, max]` overlaps the key block's (`segment_blocks`; padding, id 0, is left out of both). Two
+blocks whose ranges do not overlap share no document, so skipping them is exact for any ids; it
+skips all of another document's blocks when each document is one contiguous run and the ids rise
+along the row (documents packed one after another, padding anywhere), which is how packed rows are
+built: with ids in another order, fewer pairs are skipped, never a needed one. The loop's bounds
+are narrowed to the first and last block pair that meet, and a pair in between that does not is
+skipped by a `lax.cond`.
+
 The forward keeps per query row only the output and the logsumexp of its
 logits; the backward (FlashAttention-2's) walks the key blocks, recomputes each
 visible block of weights from that logsumexp and uses dS = P * (dP - rowsum(dO * O)).
@@ -50,10 +60,11 @@ BLOCK_K = 256
 @reference_unless(weights_or_dropout)
 def attention(query, key, value, *, mask, bias, is_causal, scale, dropout_rate, dropout_rng,
               return_weights, local_window_size=None, key_value_seq_lengths=None, logits_soft_cap=None,
-              sinks=None, return_residual=False, block_q=BLOCK_Q, block_k=BLOCK_K):
+              sinks=None, return_residual=False, segment_ids=None, block_q=BLOCK_Q, block_k=BLOCK_K):
     """Same arguments and results as `jaxattn.kernels.xla.attention`, plus the block sizes.
 
-    `local_window_size` is None or `(left, right)`; `sinks` `[N]`; returns `(out, None, lse or None)`.
+    `local_window_size` is None or `(left, right)`; `sinks` `[N]`; `segment_ids` `[B, T]` (T == S) or
+    None; returns `(out, None, lse or None)`.
     """
     T, N = query.shape[1:3]
     S, K = key.shape[1:3]
@@ -66,7 +77,10 @@ def attention(query, key, value, *, mask, bias, is_causal, scale, dropout_rate, 
     bias = None if bias is None else _pad_grouped(plan, group_heads(bias, K), 0)
     if sinks is not None:  # [N] -> [K, G]: query head n = k * G + g
         sinks = jnp.reshape(jnp.asarray(sinks), (K, N // K)).astype(softmax_dtype(query.dtype))
-    out, lse = _attention(plan, q, k, v, bias, mask, key_value_seq_lengths, sinks)
+    segments = None
+    if segment_ids is not None:  # the padding to whole blocks is id 0: never attended, attends to nothing
+        segments = (_pad(segment_ids, 1, plan.Tp), _pad(segment_ids, 1, plan.Sp))  # [B, Tp], [B, Sp]
+    out, lse = _attention(plan, q, k, v, bias, mask, key_value_seq_lengths, sinks, segments)
     out = heads_minor(out[:, :, :, :T], query.dtype)  # [B,K,G,Tp,Hv] -> [B,T,N,Hv]
     if not return_residual:
         return out, None, None
@@ -126,23 +140,85 @@ def _intervals(visible: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return start.astype(np.int32), stop.astype(np.int32)
 
 
-def _key_block_ranges(plan: Plan, lengths):
-    """Per query block, the key blocks `[start, stop)` to compute (int32 `[nq]` each)."""
+def segment_blocks(q_segments, kv_segments, bq: int, bk: int) -> jax.Array:
+    """`[nq, nk]` bool: False where query block i and key block j share no document in any batch row,
+    so that the pair is skipped (docs/theory.md §27).
+
+    Per block, the minimum and maximum of its nonzero ids (padding, id 0, attends to nothing and is
+    never attended): blocks whose ranges do not overlap hold no common id. Exact for any ids; for
+    packed rows (documents one after another, ids rising) it is False for every pair of blocks of
+    different documents.
+
+    Args:
+      q_segments: `[B, T]` integer ids of the queries, T a multiple of `bq` (pad with 0).
+      kv_segments: `[B, S]` integer ids of the keys, S a multiple of `bk`.
+    """
+    def ranges(ids, block):  # [B, L] -> per block, the min and max nonzero id [B, n] (max < min: none)
+        B, L = ids.shape
+        ids = ids.reshape(B, L // block, block)
+        big = jnp.iinfo(ids.dtype).max
+        return jnp.where(ids == 0, big, ids).min(axis=-1), jnp.where(ids == 0, 0, ids).max(axis=-1)
+    q_min, q_max = ranges(q_segments, bq)  # [B, nq]
+    k_min, k_max = ranges(kv_segments, bk)  # [B, nk]
+    meet = (k_min[:, None, :] <= q_max[:, :, None]) & (k_max[:, None, :] >= q_min[:, :, None])  # [B, nq, nk]
+    return meet.any(axis=0)
+
+
+def blocks_computed(T: int, S: int, bq: int, bk: int, is_causal: bool, window: tuple[int, int] | None = None,
+                    segment_ids=None) -> np.ndarray:
+    """`[nq, nk]` bool: the block pairs the forward pass computes for these shapes and, with packed rows,
+    `segment_ids` `[B, T]` (T == S): `visible_blocks` and `segment_blocks` together, what the loop's
+    bounds and its `lax.cond` let through (`key_value_seq_lengths` may skip more). For tests and
+    readers: `attention` computes the same pairs without this array."""
+    computed = visible_blocks(T, S, bq, bk, is_causal, window)
+    if segment_ids is not None:
+        Tp, Sp = -(-T // bq) * bq, -(-S // bk) * bk
+        ids = jnp.asarray(segment_ids, jnp.int32)
+        computed = computed & np.asarray(segment_blocks(_pad(ids, 1, Tp), _pad(ids, 1, Sp), bq, bk))
+    return computed
+
+
+def _narrowed(start, stop, meet):
+    """`[start, stop)` per row of `meet [n, m]` cut to its first and last True (stop == start: none)."""
+    m = meet.shape[1]
+    any_ = meet.any(axis=1)
+    first = jnp.argmax(meet, axis=1).astype(jnp.int32)
+    last = (m - jnp.argmax(meet[:, ::-1], axis=1)).astype(jnp.int32)
+    start = jnp.maximum(start, first)
+    stop = jnp.where(any_, jnp.minimum(stop, last), start)
+    return start, jnp.maximum(stop, start)
+
+
+def _key_block_ranges(plan: Plan, lengths, meet=None):
+    """Per query block, the key blocks `[start, stop)` to compute (int32 `[nq]` each); `meet` is
+    `segment_blocks` (or None)."""
     start, stop = _intervals(visible_blocks(plan.T, plan.S, plan.bq, plan.bk, plan.is_causal, plan.window))
-    stop = jnp.asarray(stop)
+    start, stop = jnp.asarray(start), jnp.asarray(stop)
     if lengths is not None:  # key blocks past every row's length hold no visible key
         stop = jnp.minimum(stop, -(-jnp.max(lengths) // plan.bk)).astype(jnp.int32)
-    return jnp.asarray(start), stop
+    if meet is not None:  # the first and last key blocks that share a document with the query block
+        start, stop = _narrowed(start, stop, meet)
+    return start, stop
 
 
-def _query_block_ranges(plan: Plan, lengths):
+def _query_block_ranges(plan: Plan, lengths, meet=None):
     """Per key block, the query blocks `[start, stop)` that see it (int32 `[nk]` each)."""
     start, stop = _intervals(visible_blocks(plan.T, plan.S, plan.bq, plan.bk, plan.is_causal, plan.window).T)
-    stop = jnp.asarray(stop)
+    start, stop = jnp.asarray(start), jnp.asarray(stop)
     if lengths is not None:
         past = jnp.arange(len(start)) * plan.bk >= jnp.max(lengths)
-        stop = jnp.where(past, jnp.asarray(start), stop)
-    return jnp.asarray(start), stop
+        stop = jnp.where(past, start, stop)
+    if meet is not None:
+        start, stop = _narrowed(start, stop, meet.T)
+    return start, stop
+
+
+def _when(meets, step):
+    """`step(index, carry)` where `meets[index]` is True, the carry unchanged elsewhere (a block pair of
+    different documents, between the first and last that meet); `step` itself without `meets`."""
+    if meets is None:
+        return step
+    return lambda index, carry: jax.lax.cond(meets[index], step, lambda _, c: c, index, carry)
 
 
 def _pad(x, axis: int, size: int, value=0):
@@ -172,7 +248,7 @@ def _rows(x, start, size: int, axis: int):
     return jax.lax.dynamic_slice_in_dim(x, start, size, axis)
 
 
-def _allowed(plan: Plan, i, j, mask, bias_block, lengths):
+def _allowed(plan: Plan, i, j, mask, bias_block, lengths, segments=None):
     """Which (query, key) of block pair (i, j) may attend: broadcastable to `[B, K, G, bq, bk]`.
 
     Every operand is 5-D, so that no rank is promoted implicitly.
@@ -189,12 +265,17 @@ def _allowed(plan: Plan, i, j, mask, bias_block, lengths):
         allowed = allowed & (cols < lengths.reshape(-1, 1, 1, 1, 1))
     if mask is not None:
         allowed = allowed & _block(plan, mask, i, j)
+    if segments is not None:  # same document, not padding (id 0): `jaxattn.masks.segment_mask` of the block
+        B = segments[0].shape[0]
+        q_ids = _rows(segments[0], i * plan.bq, plan.bq, 1).reshape(B, 1, 1, plan.bq, 1)
+        kv_ids = _rows(segments[1], j * plan.bk, plan.bk, 1).reshape(B, 1, 1, 1, plan.bk)
+        allowed = allowed & (q_ids == kv_ids) & (q_ids != 0)
     if bias_block is not None:  # a key biased to -inf is hidden, as in the reference
         allowed = allowed & (bias_block != -jnp.inf)
     return allowed
 
 
-def _logits(plan: Plan, q_i, k, bias, mask, lengths, i, j):
+def _logits(plan: Plan, q_i, k, bias, mask, lengths, segments, i, j):
     """Block pair (i, j): logits `[B,K,G,bq,bk]` in float32 (float64 stays), where they are allowed,
     and the soft cap's tanh (None without one: the backward's 1 - tanh^2)."""
     k_j = _rows(k, j * plan.bk, plan.bk, 2)
@@ -207,13 +288,13 @@ def _logits(plan: Plan, q_i, k, bias, mask, lengths, i, j):
     bias_block = None if bias is None else _block(plan, bias, i, j)
     if bias_block is not None:
         s = s + bias_block.astype(s.dtype)
-    return s, _allowed(plan, i, j, mask, bias_block, lengths), tanh
+    return s, _allowed(plan, i, j, mask, bias_block, lengths, segments), tanh
 
 
-def _online_step(plan: Plan, q_i, k, v, bias, mask, lengths, i, j, carry):
+def _online_step(plan: Plan, q_i, k, v, bias, mask, lengths, segments, i, j, carry):
     """One key block of the online softmax: running max m, sum l and unnormalised output acc."""
     m, l, acc = carry
-    s, allowed, _ = _logits(plan, q_i, k, bias, mask, lengths, i, j)
+    s, allowed, _ = _logits(plan, q_i, k, bias, mask, lengths, segments, i, j)
     s = jnp.where(allowed, s, -jnp.inf)
     m_new = jnp.maximum(m, s.max(axis=-1))
     m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # nothing visible yet: exp(-inf - 0) = 0, not NaN
@@ -224,11 +305,12 @@ def _online_step(plan: Plan, q_i, k, v, bias, mask, lengths, i, j, carry):
     return m_new, alpha * l + p.sum(axis=-1), alpha[..., None] * acc + pv
 
 
-def _forward_blocks(plan: Plan, q, k, v, bias, mask, lengths, sinks):
+def _forward_blocks(plan: Plan, q, k, v, bias, mask, lengths, sinks, segments):
     """`out [B,K,G,Tp,Hv]` (float32) and `lse [B,K,G,Tp]` (-inf on rows that see no key and no sink)."""
     B, K, G, _, _ = q.shape
     f32 = softmax_dtype(q.dtype)
-    start, stop = _key_block_ranges(plan, lengths)
+    meet = None if segments is None else segment_blocks(*segments, plan.bq, plan.bk)  # [nq, nk]
+    start, stop = _key_block_ranges(plan, lengths, meet)
 
     def one_query_block(_, i):
         q_i = _rows(q, i * plan.bq, plan.bq, 3)
@@ -238,8 +320,8 @@ def _forward_blocks(plan: Plan, q, k, v, bias, mask, lengths, sinks):
         else:  # the sink is a logit every row sees, with no value: max = sink, sum = exp(0)
             m, l = stats + sinks.reshape(1, K, G, 1).astype(f32), stats + 1.0
         init = (m, l, jnp.zeros((B, K, G, plan.bq, v.shape[-1]), f32))
-        step = functools.partial(_online_step, plan, q_i, k, v, bias, mask, lengths, i)
-        m, l, acc = jax.lax.fori_loop(start[i], stop[i], step, init)
+        step = functools.partial(_online_step, plan, q_i, k, v, bias, mask, lengths, segments, i)
+        m, l, acc = jax.lax.fori_loop(start[i], stop[i], _when(None if meet is None else meet[i], step), init)
         # A row with no visible key (and no sink) has l = 0 and acc = 0: zeros, and lse = -inf (its P is
         # zeroed by `allowed` in the backward). (l == 0, not l > 0: a NaN input stays NaN, as in the reference.)
         empty = l == 0
@@ -252,22 +334,23 @@ def _forward_blocks(plan: Plan, q, k, v, bias, mask, lengths, sinks):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention(plan, q, k, v, bias, mask, lengths, sinks):
+def _attention(plan, q, k, v, bias, mask, lengths, sinks, segments):
     """`(out, lse)`; lse's cotangent is ignored (the residual is returned under stop_gradient)."""
-    return _forward_blocks(plan, q, k, v, bias, mask, lengths, sinks)
+    return _forward_blocks(plan, q, k, v, bias, mask, lengths, sinks, segments)
 
 
-def _forward(plan, q, k, v, bias, mask, lengths, sinks):
-    out, lse = _forward_blocks(plan, q, k, v, bias, mask, lengths, sinks)
-    return (out, lse), (q, k, v, bias, mask, lengths, sinks, out, lse)  # O(T): no block of weights is kept
+def _forward(plan, q, k, v, bias, mask, lengths, sinks, segments):
+    out, lse = _forward_blocks(plan, q, k, v, bias, mask, lengths, sinks, segments)
+    # O(T): no block of weights is kept
+    return (out, lse), (q, k, v, bias, mask, lengths, sinks, segments, out, lse)
 
 
 def _backward_step(plan, res, d_out, delta, j, i, carry):
     """Query block i against key block j: recompute P from the logsumexp, accumulate every gradient."""
-    q, k, v, bias, mask, lengths, _, _, lse = res
+    q, k, v, bias, mask, lengths, _, segments, _, lse = res
     d_k, d_v, d_q, d_bias = carry
     q_i, do_i = _rows(q, i * plan.bq, plan.bq, 3), _rows(d_out, i * plan.bq, plan.bq, 3)
-    s, allowed, tanh = _logits(plan, q_i, k, bias, mask, lengths, i, j)
+    s, allowed, tanh = _logits(plan, q_i, k, bias, mask, lengths, segments, i, j)
     p = jnp.where(allowed, jnp.exp(s - _rows(lse, i * plan.bq, plan.bq, 3)[..., None]), 0.0)
     v_j, k_j = _rows(v, j * plan.bk, plan.bk, 2), _rows(k, j * plan.bk, plan.bk, 2)
     d_v = d_v + jnp.einsum("BKGTS,BKGTH->BKSH", p, do_i)
@@ -292,12 +375,13 @@ def _add_block(plan: Plan, acc, d_s, i, j):
 
 
 def _backward(plan, res, cotangents):
-    q, k, v, bias, mask, lengths, sinks, out, lse = res
+    q, k, v, bias, mask, lengths, sinks, segments, out, lse = res
     d_out, _ = cotangents  # lse's cotangent: the residual is returned under stop_gradient
     f32 = out.dtype
     d_out = d_out.astype(f32)
     delta = jnp.einsum("BKGTH,BKGTH->BKGT", d_out, out)  # rowsum(dO * O) = rowsum(dP * P), §15
-    start, stop = _query_block_ranges(plan, lengths)
+    meet = None if segments is None else segment_blocks(*segments, plan.bq, plan.bk)  # [nq, nk]
+    start, stop = _query_block_ranges(plan, lengths, meet)
     B, K, _, _ = k.shape
 
     def one_key_block(carry, j):
@@ -305,7 +389,8 @@ def _backward(plan, res, cotangents):
         init = (jnp.zeros((B, K, plan.bk, k.shape[-1]), f32), jnp.zeros((B, K, plan.bk, v.shape[-1]), f32),
                 d_q, d_bias)
         step = functools.partial(_backward_step, plan, res, d_out, delta, j)
-        d_k, d_v, d_q, d_bias = jax.lax.fori_loop(start[j], stop[j], step, init)
+        d_k, d_v, d_q, d_bias = jax.lax.fori_loop(start[j], stop[j], _when(None if meet is None else meet[:, j], step),
+                                                  init)
         return (d_q, d_bias), (d_k, d_v)
 
     d_bias = None if bias is None else jnp.zeros(bias.shape, f32)
@@ -318,7 +403,7 @@ def _backward(plan, res, cotangents):
         p_sink = jnp.where(lse == -jnp.inf, 0.0, jnp.exp(sinks.reshape(1, K, -1, 1) - lse))  # [B,K,G,Tp]
         d_sinks = -(p_sink * delta).sum(axis=(0, 3)).astype(sinks.dtype)  # [K, G]
     return ((d_q * plan.scale).astype(q.dtype), (d_k * plan.scale).astype(k.dtype), d_v.astype(v.dtype),
-            d_bias, None, None, d_sinks)
+            d_bias, None, None, d_sinks, None)
 
 
 _attention.defvjp(_forward, _backward)

@@ -3,7 +3,9 @@
 Contract: `jaxattn.scaled_dot_product_attention`'s for the calls `refusal` accepts;
 any other call runs the reference ("xla") with a one-line `KernelFallbackWarning`.
 Takes the causal structure and windows (left only, with T == S) and the residual; refuses
-soft caps and sinks, which the fused kernel has not. Needs a CUDA GPU backend (a clear
+soft caps and sinks, which the fused kernel has not, and the segment ids of packed rows (docs/theory.md
+§27), which `jax.nn.dot_product_attention` does not take in JAX 0.10 (its `query_seq_lengths` and
+`key_value_seq_lengths` describe one sequence per row, right-padded, not several). Needs a CUDA GPU backend (a clear
 ValueError elsewhere). Reverse mode only, as cuDNN's backward is hand-written. Tested on
 a GPU in tests/test_auto_attention.py (skipped where there is none).
 """
@@ -31,6 +33,8 @@ def refusal(call: AttentionCall) -> str | None:
         return f"a window {call.window} reaching right without is_causal (cuDNN's window looks left only)"
     if call.lengths:
         return "key_value_seq_lengths (a row of length 0 must give zeros, unverified through cuDNN)"
+    if call.segments:  # the segment mask would be a dense mask, which cuDNN is not given here either
+        return "segment ids of packed rows (jax.nn.dot_product_attention in this JAX takes none)"
     if call.soft_cap:
         return "a logit soft cap (cuDNN's fused kernel has none)"
     if call.sinks:
@@ -41,7 +45,7 @@ def refusal(call: AttentionCall) -> str | None:
 @reference_unless(refusal, warn_as="cuDNN")
 def attention(query, key, value, *, mask, bias, is_causal, scale, dropout_rate, dropout_rng,
               return_weights, local_window_size=None, key_value_seq_lengths=None, logits_soft_cap=None,
-              sinks=None, return_residual=False):
+              sinks=None, return_residual=False, segment_ids=None):
     """Same arguments and results as `jaxattn.kernels.xla.attention`.
 
     A window `(left, right)` reaches cuDNN as its sliding window of `left + 1` keys, causal: with

@@ -33,13 +33,14 @@ from jaxattn.softmax import grouped_sinks, logsumexp, masked_softmax, softmax_dt
 @reference_unless(weights_or_dropout)
 def attention(query, key, value, *, mask, bias, is_causal, scale, dropout_rate, dropout_rng,
               return_weights, local_window_size=None, key_value_seq_lengths=None, logits_soft_cap=None,
-              sinks=None, return_residual=False):
+              sinks=None, return_residual=False, segment_ids=None):
     """Same arguments and results as `jaxattn.kernels.xla.attention`."""
     B, T, N = query.shape[:3]
     S, K = key.shape[1:3]
     q, k, v = heads_major(query, key, value)  # [B,K,G,T,H], [B,K,S,H], [B,K,S,Hv]
     bias = None if bias is None else group_heads(bias, K)
-    allowed = allowed_keys(mask, is_causal, T, S, K, bias, local_window_size, key_value_seq_lengths)
+    allowed = allowed_keys(mask, is_causal, T, S, K, bias, local_window_size, key_value_seq_lengths,
+                           segment_ids)
     if sinks is not None:
         sinks = grouped_sinks(jnp.asarray(sinks), K).astype(softmax_dtype(query.dtype))  # [1,K,G,1]
     cap = None if logits_soft_cap is None else float(logits_soft_cap)

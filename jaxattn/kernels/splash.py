@@ -16,6 +16,12 @@ with the same end-aligned offset. The queries are scaled before the kernel, whic
 no `scale` argument (one rounding in the input dtype); the soft cap is splash's
 `attn_logits_soft_cap`, applied to those scaled logits as here (docs/theory.md §17).
 Sinks and the residual are refused (the reference runs).
+
+Segment ids of packed rows (docs/theory.md §27; self-attention, T == S) are splash's own
+`SegmentIds`, per batch row: the padded tokens past T get an id of their own (-1), which no real
+token has. Splash needs a visible key in every row, and it has one: each token sees itself
+(its own id, and the diagonal is inside every causal mask and window), padding (id 0) included;
+padding queries, which attend to nothing in jaxattn's convention, are zeroed after the kernel.
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ import jax.numpy as jnp
 
 from jaxattn.kernels._call import AttentionCall, reference_unless
 from jaxattn.kernels._grouping import heads_major, heads_minor
+from jax.experimental.pallas.ops.tpu.splash_attention import SegmentIds
+
 from jaxattn.masks import key_offsets
 
 
@@ -73,7 +81,7 @@ def _kernel(G: int, Tp: int, Sp: int, T: int, S: int, is_causal: bool, window, s
 @reference_unless(refusal, warn_as="splash")
 def attention(query, key, value, *, mask, bias, is_causal, scale, dropout_rate, dropout_rng,
               return_weights, local_window_size=None, key_value_seq_lengths=None, logits_soft_cap=None,
-              sinks=None, return_residual=False, interpret=None):
+              sinks=None, return_residual=False, segment_ids=None, interpret=None):
     """Same arguments and results as `jaxattn.kernels.xla.attention`; `interpret` None: unless on a TPU."""
     interpret = jax.default_backend() != "tpu" if interpret is None else interpret
     T, S, G = query.shape[1], key.shape[1], query.shape[2] // key.shape[2]
@@ -86,11 +94,23 @@ def attention(query, key, value, *, mask, bias, is_causal, scale, dropout_rate, 
     q, k, v = heads_major(scaled, key, value.astype(query.dtype))  # [B,K,G,T,H], [B,K,S,H], [B,K,S,H]
     q = jnp.pad(q, [(0, 0)] * 3 + [(0, Tp - T), (0, 0)])
     k, v = (jnp.pad(x, [(0, 0), (0, 0), (0, Sp - S), (0, 0)]) for x in (k, v))
-    segments = None
+    B = q.shape[0]
     reaches_right = not is_causal and (window is None or window[1] > 0)  # a real query could see a padded key
-    if reaches_right and Sp != S:  # padded keys get their own segment, which no query is in
-        from jax.experimental.pallas.ops.tpu.splash_attention import SegmentIds
-        segments = SegmentIds(q=jnp.zeros((Tp,), jnp.int32), kv=(jnp.arange(Sp) >= S).astype(jnp.int32))
-    per_kv_head = lambda q, k, v: kernel(q, k, v, segment_ids=segments)  # noqa: E731  [G,Tp,H],[Sp,H]
-    out = jax.vmap(jax.vmap(per_kv_head))(q, k, v)  # [B, K, G, Tp, H]
-    return heads_minor(out[:, :, :, :T], query.dtype), None, None
+    if segment_ids is not None:  # T == S, so Tp == Sp: the padded tokens are one more document, -1
+        ids = jnp.pad(segment_ids.astype(jnp.int32), ((0, 0), (0, Tp - T)), constant_values=-1)  # [B, Tp]
+        q_ids, kv_ids = ids, ids
+    elif reaches_right and Sp != S:  # padded keys get their own segment, which no query is in
+        q_ids = jnp.zeros((B, Tp), jnp.int32)
+        kv_ids = jnp.broadcast_to((jnp.arange(Sp) >= S).astype(jnp.int32).reshape(1, Sp), (B, Sp))
+    else:
+        q_ids = kv_ids = None
+
+    def per_kv_head(q, k, v, q_ids, kv_ids):  # [G, Tp, H], [Sp, H], [Sp, H], [Tp], [Sp]
+        segments = None if q_ids is None else SegmentIds(q=q_ids, kv=kv_ids)
+        return kernel(q, k, v, segment_ids=segments)
+    per_row = jax.vmap(per_kv_head, in_axes=(0, 0, 0, None, None))  # over K: one row's ids for every head
+    out = jax.vmap(per_row)(q, k, v, q_ids, kv_ids)[:, :, :, :T]  # [B, K, G, T, H]
+    if segment_ids is not None:  # padding (id 0) attends to nothing: zeros, as in the reference
+        real = (segment_ids != 0).reshape(B, 1, 1, T, 1)
+        out = jnp.where(real, out, jnp.zeros((), out.dtype))
+    return heads_minor(out, query.dtype), None, None

@@ -18,11 +18,12 @@ from jaxattn.softmax import dropout_weights, grouped_sinks, logsumexp, masked_so
 
 def attention(query, key, value, *, mask, bias, is_causal, scale, dropout_rate, dropout_rng,
               return_weights, local_window_size=None, key_value_seq_lengths=None, logits_soft_cap=None,
-              sinks=None, return_residual=False):
+              sinks=None, return_residual=False, segment_ids=None):
     """Scaled dot-product attention (contract: `jaxattn.scaled_dot_product_attention`, `_call`'s docstring).
 
     Logits: `soft_cap(scale * q.k, logits_soft_cap) + bias` (docs/theory.md §17), masked, then the
-    softmax with `sinks` in its denominator (§18). Returns `(out [B, T, N, Hv], weights [B, N, T, S]
+    softmax with `sinks` in its denominator (§18); `segment_ids` `[B, T]` join the mask
+    (`jaxattn.masks.segment_mask`, §27). Returns `(out [B, T, N, Hv], weights [B, N, T, S]
     float32 or None, residual [B, T, N] float32 or None)`; the residual is the logsumexp of the
     masked logits and the sink (-inf for a row that sees nothing), under `stop_gradient`.
     """
@@ -35,7 +36,8 @@ def attention(query, key, value, *, mask, bias, is_causal, scale, dropout_rate, 
     bias = None if bias is None else group_heads(bias, K)
     if bias is not None:
         logits = logits + bias.astype(logits.dtype)
-    allowed = allowed_keys(mask, is_causal, T, S, K, bias, local_window_size, key_value_seq_lengths)
+    allowed = allowed_keys(mask, is_causal, T, S, K, bias, local_window_size, key_value_seq_lengths,
+                           segment_ids)
     sinks = None if sinks is None else grouped_sinks(sinks, K)  # [1, K, G, 1]
     weights = masked_softmax(logits, allowed, sinks=sinks)  # [B, K, G, T, S]
     residual = None
