@@ -138,6 +138,18 @@ class JSONTokenizer:
             named = f"{bad!r} are not in its vocabulary of {self.vocab_size} ids; " if bad else ""
             raise ValueError(f"this {self.kind} tokenizer cannot encode the text: {named}{err}") from None
 
+    def encode_with_offsets(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        """(ids int32 [L], offsets int64 [L, 2]): `encode(text)` and, per token, the [start, end)
+        character range of `text` it stands for, as the `tokenizers` library reports it (a character
+        split over several byte-level tokens gives each of them its whole range)."""
+        try:
+            encoding = self._hf.encode(text, add_special_tokens=False)
+        except Exception:  # noqa: BLE001: encode says what cannot be encoded
+            self.encode(text)
+            raise
+        offsets = np.asarray(encoding.offsets, dtype=np.int64).reshape(-1, 2)
+        return np.asarray(encoding.ids, dtype=np.int32), offsets
+
     def _unencodable(self, text: str) -> list[str]:
         """The first MAX_NAMED distinct pieces of `text`, as the tokenizer's normalizer and
         pre-tokenizer cut it, that do not encode on their own."""
