@@ -96,7 +96,7 @@ def train_on(kind: str, mesh: str, corpus, initial=None) -> dict:
     host = jax.tree.map(np.asarray, state)
     held = sharding.per_device_bytes((state["params"], state["opt_state"]))
     windows = RunBatches(corpus, corpus, config.train, programs.layout.windows, programs.eval_rows).train_chunk(0, STEPS)
-    state, (losses, _, layer_losses) = programs.train_steps(state, windows)  # the losses the layers sowed
+    state, (losses, _, layer_losses) = programs.train_steps(state, windows, programs.frozen)  # the losses the layers sowed
     watched = {name: layout_of(leaf(state["params"], path)) for name, path in WATCHED[kind].items()}
     first = next(iter(WATCHED[kind].values()))
     return {"losses": np.asarray(losses).tolist(), "watched": watched, "bytes_per_device": held,

@@ -81,7 +81,7 @@ def train_on(kind: str, mesh: str, corpus, initial=None) -> dict:
     state = programs.init(config.train.seed) if initial is None else sharding.place(initial, programs.layout.state)
     host = jax.tree.map(np.asarray, state)
     windows = RunBatches(corpus, corpus, config.train, programs.layout.windows, programs.eval_rows).train_chunk(0, STEPS)
-    state, (losses, lrs, _) = programs.train_steps(state, windows)
+    state, (losses, lrs, _) = programs.train_steps(state, windows, programs.frozen)
     layout = programs.layout
     watched = {}
     for group, path in WATCHED[kind].items():

@@ -164,7 +164,7 @@ def test_whole_split_evaluation_equals_the_loss_of_every_val_token():
     # 262 whole windows and a tail of 7 targets: two scanned batches of 256 windows (eval_rows), padded.
     val = rng.integers(0, 65, T * 262 + 8).astype(np.int32)
     got = RunBatches(train_data, val, tc, programs.layout.windows, programs.eval_rows).evaluate(
-        lambda windows, weights: programs.evaluate(params, windows, weights))
+        lambda windows, weights: programs.evaluate(params, windows, weights, programs.frozen))
 
     # Directly: windows at 0, T, 2T, ... and one ending at the split's end for the targets left.
     n = len(val)

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from jaxattn.model import DecoderLM
-from train import export, sample, shards
+from train import export, pretrained, sample, shards
 from train.checkpoint import CheckpointError, Checkpointer
 from train.checkpoint_meta import check_tokenizer
 from train.sampling_checkpoint import load_for_sampling
@@ -193,7 +193,7 @@ def test_an_export_writes_the_tokenizer_json_transformers_and_sample_read(bpe_ru
                    transformers.PreTrainedTokenizerFast(tokenizer_file=str(out / "tokenizer.json"))):
         assert loaded(TEXT, add_special_tokens=False)["input_ids"] == ids
         assert loaded.decode(ids) == TEXT
-    _, config, tokenizer = export.load_hf(out)
+    _, config, tokenizer = pretrained.load_hf(out)
     assert config.vocab_size == bpe.vocab_size and tokenizer.encode(TEXT, add_special_tokens=False) == ids
     code = sample.main(["--hf", str(out), "--prompt", "ROMEO:", "--max-new-tokens", "3", "--temperature", "0"])
     printed, report = capsys.readouterr()

@@ -40,7 +40,7 @@ from train.checkpoint import CheckpointError
 from train.sampling_checkpoint import describe_nonfinite, list_weights, load_for_sampling
 from train.cli import ArgumentParser, UsageError, guard
 from train.data_errors import DataError
-from train.export import load_hf
+from train.pretrained import load_hf
 from train.plots import plot_attention_maps
 
 PROGRAM = "python -m train.attention_maps"

@@ -246,6 +246,8 @@ class RunBatches:
     in chunks of about EVAL_CHUNK_TOKENS tokens at each evaluation.
     """
 
+    packed = False  # its batches are windows `[n, B, T + 1]` (`train.packed_batches` is the other kind)
+
     def __init__(self, train, val, tc, windows: Callable[[int], NamedSharding], eval_rows: int):
         self.streams = {"train": as_stream(train), "val": as_stream(val)}
         self.tc, self.sharding, self.eval_rows = tc, windows, eval_rows

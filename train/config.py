@@ -1,13 +1,15 @@
 """Experiment configs: typed tables, configs/NAME.toml files and `--set` overrides.
 
-A config file has up to three tables:
+A config file has up to four tables:
 
 * `[model]`: the maths, `jaxattn.ModelConfig` fields (`mla = {kv_lora_rank = 32, ...}`
   for Multi-head Latent Attention; per-layer kinds as `[[model.layer_pattern]]` tables
   or `layer_pattern = [{local = true}, {}]`);
 * `[train]`: how to train, `TrainConfig`;
 * `[runtime]`: how this machine runs it, `RuntimeConfig` (kernels, devices, XLA
-  flags); every field defaults to "auto", resolved when the run starts.
+  flags); every field defaults to "auto", resolved when the run starts;
+* `[lora]`: only where a run trains LoRA adapters on a checkpoint (`train.init_from`), `LoraTable`;
+  its presence (in a file, or one `--set lora.FIELD=...`) turns LoRA on.
 
 `base = "other_name"` at the top inherits another file and overrides some of its
 values. Overrides use TOML's value syntax: `--set model.d_model=256 train.lr=3e-4
@@ -39,14 +41,15 @@ from pydantic import (BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativ
                       PositiveFloat, PositiveInt, ValidationError, ValidationInfo, field_validator, model_validator)
 from pydantic_core import PydanticCustomError
 
-from jaxattn import kernels
+from jaxattn import kernels, lora
 from jaxattn.axes import MeshShape
 from jaxattn.config import ModelConfig
 from jaxattn.layer_config import MoEConfig
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 DEFAULT_CONFIG = "shakespeare_char_baby"
-TABLES = ("model", "train", "runtime")
+TABLES = ("model", "train", "runtime", "lora")
+OPTIONAL_TABLES = ("lora",)  # absent unless a config file or an override has it
 
 OpenFraction = Annotated[float, Field(gt=0, lt=1)]
 SAVED = "saved"  # the validation context's key: True while reading a config a run saved (`from_dict`)
@@ -124,6 +127,12 @@ class TrainConfig(_Table):
       val_fraction: the last fraction of a text file held out (a prepared directory keeps its split).
       sample_tokens, sample_temperature, sample_prompt: the sample printed at the end.
       plot: write the loss curve PNG at the end.
+      init_from: start from a trained checkpoint instead of random weights: "hf:DIR" (a transformers
+        directory with its tokenizer.json) or "gguf:FILE" (`train.init_from`). Its model config replaces
+        `[model]` and its tokenizer the corpus's (`train.tokenizer` is not used). A `data_path` ending in
+        .jsonl is then chat data, rendered with its chat template and packed (`train.data.open_chat_corpus`).
+      train_on: which predictions of chat data count toward the loss: "assistant" (the assistant's turns,
+        `train.finetune_data.render_conversation`) or "all".
     """
 
     _where = "TrainConfig"
@@ -163,6 +172,8 @@ class TrainConfig(_Table):
     sample_temperature: NonNegativeFloat = 0.8
     sample_prompt: str = "\n"
     plot: bool = True
+    init_from: str | None = None
+    train_on: Literal["assistant", "all"] = "assistant"
 
     @model_validator(mode="after")
     def _min_lr_at_most_lr(self) -> Self:
@@ -177,6 +188,14 @@ class TrainConfig(_Table):
         files, `data_path=""` read the current directory as a corpus."""
         if value is not None and not value.strip() and not _saved(info):
             raise PydanticCustomError("empty_path", "Input should be a non-empty path")
+        return value
+
+    @field_validator("init_from")
+    @classmethod
+    def _a_checkpoint(cls, value: str | None, info: ValidationInfo) -> str | None:
+        kind, sep, path = (value or "").partition(":")
+        if value is not None and not _saved(info) and (not sep or kind not in ("hf", "gguf") or not path.strip()):
+            raise PydanticCustomError("checkpoint", "Input should be hf:DIR (a transformers directory) or gguf:FILE")
         return value
 
     @field_validator("target_loss")
@@ -266,8 +285,52 @@ class RuntimeConfig(_Table):
 assert set(kernels.IMPLEMENTATIONS) <= set(RuntimeConfig.model_fields), "a kernel field is missing from [runtime]"
 
 
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down", "experts")
+
+
+class LoraTable(_Table):
+    """LoRA fine-tuning (`jaxattn.lora`): a table `[lora]` trains low-rank adapters on a frozen base.
+
+    Attributes:
+      rank: r of each adapter (`A [in, r]`, `B [r, out]`).
+      alpha: the adapters' output is scaled by alpha / r (alpha / sqrt(r) with `rslora`).
+      dropout: dropout on an adapter's input while training (PEFT's `lora_dropout`).
+      rslora: rank-stabilised scaling, alpha / sqrt(r).
+      targets: the projections that get adapters, by logical name: q, k, v, o (attention), gate, up,
+        down (the MLP), experts (a mixture's routed experts).
+      base_dtype: the frozen base's storage, "float32" or "bfloat16" (half its memory; the adapters and
+        their optimizer stay float32).
+    The base is the run's `train.init_from`; only the adapters are trained, kept in the optimizer and
+    saved in checkpoints (with the base's source and sha256, checked when the run resumes).
+    """
+
+    _where = "LoraTable"
+
+    rank: PositiveInt = 8
+    alpha: PositiveFloat = 16.0
+    dropout: Annotated[float, Field(ge=0, lt=1)] = 0.0
+    rslora: bool = False
+    targets: tuple[Literal[LORA_TARGETS], ...] = ("q", "k", "v", "o", "gate", "up", "down")
+    base_dtype: Literal["float32", "bfloat16"] = "float32"
+
+    def settings(self) -> lora.LoraConfig:
+        """The adapters' settings as `jaxattn.lora` takes them."""
+        return lora.LoraConfig(rank=self.rank, alpha=self.alpha, dropout=self.dropout, rslora=self.rslora,
+                               targets=self.targets)
+
+    @field_validator("targets")
+    @classmethod
+    def _some_targets(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        if not value:
+            raise PydanticCustomError("no_targets", f"Input should name at least one of {LORA_TARGETS}")
+        if len(set(value)) != len(value):
+            raise PydanticCustomError("repeated_targets", "Input should name each target once")
+        return value
+
+
 class ExperimentConfig(_Table):
-    """A named experiment: the model, how to train it, and how this machine runs it."""
+    """A named experiment: the model, how to train it, and how this machine runs it (and, for LoRA
+    fine-tuning, the adapters: `lora`)."""
 
     _where = ""  # its fields are the tables: errors name `train.lr`
 
@@ -275,6 +338,19 @@ class ExperimentConfig(_Table):
     model: ModelConfig
     train: TrainConfig
     runtime: RuntimeConfig = RuntimeConfig()
+    lora: LoraTable | None = None
+
+    @model_validator(mode="after")
+    def _lora_needs_a_base(self, info: ValidationInfo) -> Self:
+        """Adapters on random weights would train a random model's corrections: refused."""
+        if self.lora is not None and not _saved(info):
+            if self.train.init_from is None:
+                raise ValueError("a [lora] table trains adapters on a checkpoint: set train.init_from (hf:DIR or "
+                                 "gguf:FILE), or leave out [lora] for a run from scratch")
+            if self.train.optimizer != "adamw":
+                raise ValueError(f"[lora] trains its adapters with AdamW; train.optimizer is "
+                                 f"{self.train.optimizer!r}")
+        return self
 
     @model_validator(mode="after")
     def _block_fits_the_model(self) -> Self:
@@ -349,7 +425,7 @@ def _path(where: str, loc: tuple) -> str:
 
 def _table_keys(table: str) -> list[str]:
     """The keys of a top-level table ("model", "train", "runtime"); [] for anything else."""
-    kind = {"model": ModelConfig, "train": TrainConfig, "runtime": RuntimeConfig}.get(table)
+    kind = {"model": ModelConfig, "train": TrainConfig, "runtime": RuntimeConfig, "lora": LoraTable}.get(table)
     if kind is None:
         return []
     return sorted(f.name for f in dataclasses.fields(kind)) if kind is ModelConfig else sorted(kind.model_fields)
@@ -380,9 +456,12 @@ def _read_tables(name_or_path: str | Path, seen: tuple[str, ...] = ()) -> dict[s
     unknown = sorted(set(raw) - {"base", *TABLES})
     if unknown:
         raise ValueError(f"config file {path.name}: unknown keys {unknown}; known keys: {['base', *TABLES]}")
-    tables = _read_tables(raw["base"], seen + (str(path),)) if "base" in raw else {t: {} for t in TABLES}
+    # [lora] is there only when a file has the table: its presence turns LoRA on
+    tables = _read_tables(raw["base"], seen + (str(path),)) if "base" in raw else \
+        {t: {} for t in TABLES if t not in OPTIONAL_TABLES}
     for table in TABLES:
-        tables[table] = {**tables[table], **raw.get(table, {})}
+        if table in tables or table in raw:
+            tables[table] = {**tables.get(table, {}), **raw.get(table, {})}
     return tables
 
 
@@ -424,7 +503,7 @@ def apply_override(tables: dict[str, dict], item: str) -> None:
     for key in reversed(outer):
         value = {last: value}
         last = key
-    held, path = tables[table].get(last), f"{table}.{last}"
+    held, path = tables.setdefault(table, {}).get(last), f"{table}.{last}"
     if outer and held is not None and not isinstance(held, dict):
         kind = "an array" if isinstance(held, list) else repr(held)
         raise ValueError(f"override {item!r}: {path} is {kind}, not a table: set it whole, {path}=VALUE")

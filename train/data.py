@@ -32,6 +32,9 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from train import finetune_data
 from train.batches import ShardStream
 from train.cli import UsageError
 from train.data_errors import DataError
@@ -45,6 +48,7 @@ SHAKESPEARE_FILENAME = "tinyshakespeare.txt"
 ENV_PATH = "JAXATTN_SHAKESPEARE"
 ENV_URL = "JAXATTN_SHAKESPEARE_URL"
 ENV_VERIFY = "JAXATTN_VERIFY_SHARDS"
+CHAT_SUFFIX = ".jsonl"  # a run's data path with it is chat data (`open_chat_corpus`)
 
 
 def cache_dir() -> Path:
@@ -144,6 +148,8 @@ class Corpus:
       path: the text file or prepared directory.
       prepared: a prepared directory's manifest (`train.shards`), else None.
       warnings: what a run says before it starts (an unverified prepared corpus), one line each.
+      packed: the splits are `train.finetune_data.Packed` rows of documents (a chat JSONL corpus,
+        `open_chat_corpus`), not token streams.
     """
 
     train: Any
@@ -152,6 +158,7 @@ class Corpus:
     path: str
     prepared: dict | None = None
     warnings: tuple[str, ...] = ()
+    packed: bool = False
 
 
 def load_corpus(path: str | os.PathLike | None = None, *, tokenizer: str | Tokenizer = "char",
@@ -183,7 +190,7 @@ def verify_mode(resume: bool) -> str:
     return value
 
 
-def open_corpus(path: str | os.PathLike | None = None, *, tokenizer: str = "char",
+def open_corpus(path: str | os.PathLike | None = None, *, tokenizer: str | Tokenizer = "char",
                 val_fraction: float = 0.1, verify: str = "full") -> Corpus:
     """The corpus of a run: a prepared directory (`python -m train.prepare`), whose shards are read
     as the run goes, or a text file read and tokenized now (`load_corpus`).
@@ -191,7 +198,11 @@ def open_corpus(path: str | os.PathLike | None = None, *, tokenizer: str = "char
     A prepared directory fixes its tokenizer and split: DataError when its tokenizer kind is not
     `tokenizer` (the run's `train.tokenizer`), or the directory is not a whole prepared corpus, or a
     shard is not the one its manifest pins (`verify`: "full" or "quick", `train.shards.verify_shards`).
+    `tokenizer` may be a Tokenizer itself (a fine-tuning run's, its checkpoint's: `train.init_from`): a
+    text file is encoded with it, and a prepared directory must have been prepared with it.
     """
+    if not isinstance(tokenizer, str):
+        return _corpus_of_tokenizer(path, tokenizer, val_fraction, verify)
     if path is not None and Path(path).expanduser().is_dir():
         return _prepared_corpus(Path(path).expanduser(), tokenizer, verify)
     if tokenizer not in ("char", "byte"):
@@ -199,6 +210,19 @@ def open_corpus(path: str | os.PathLike | None = None, *, tokenizer: str = "char
                         f"--data FILE_OR_DIR --tokenizer {'bpe:VOCAB' if tokenizer == 'bpe' else 'hf:DIR'} "
                         "--out DIR, then --data DIR")
     return load_corpus(path, tokenizer=tokenizer, val_fraction=val_fraction)
+
+
+def _corpus_of_tokenizer(path, tokenizer: Tokenizer, val_fraction: float, verify: str) -> Corpus:
+    """`open_corpus` with the tokenizer given: a text file encoded with it, a prepared directory checked to be
+    prepared with it (the same tokenizer.json), else DataError naming both."""
+    if path is None or not Path(path).expanduser().is_dir():
+        return load_corpus(path, tokenizer=tokenizer, val_fraction=val_fraction)
+    corpus = _prepared_corpus(Path(path).expanduser(), tokenizer.kind, verify)
+    if corpus.tokenizer != tokenizer:
+        raise DataError(f"the prepared corpus {path} was prepared with another tokenizer than the checkpoint's "
+                        f"({corpus.tokenizer.vocab_size} ids, the checkpoint's {tokenizer.vocab_size}): prepare it "
+                        "again with python -m train.prepare --tokenizer hf:DIR, DIR the checkpoint's directory")
+    return corpus
 
 
 def _prepared_corpus(directory: Path, tokenizer: str, verify: str) -> Corpus:
@@ -215,8 +239,43 @@ def _prepared_corpus(directory: Path, tokenizer: str, verify: str) -> Corpus:
                   warnings=() if unverified is None else (unverified,))
 
 
+def is_chat_file(path: str | os.PathLike | None) -> bool:
+    """Whether a run's data path is a chat JSONL file (`open_chat_corpus`), by its suffix."""
+    return path is not None and Path(path).suffix == CHAT_SUFFIX
+
+
+def open_chat_corpus(path: str | os.PathLike, tokenizer: Tokenizer, template, *, block_size: int,
+                     val_fraction: float, train_on: str, seed: int) -> Corpus:
+    """A chat JSONL file (`train.finetune_data.read_chat_jsonl`) as a packed corpus: each conversation
+    rendered with `template` (the checkpoint's chat template) and weighted by `train_on` ("assistant": the
+    assistant's turns alone, or "all"), the last `val_fraction` of the conversations (at least one) held
+    out, each split packed into rows of `block_size` predictions.
+
+    DataError naming the file (and line) for a bad line, a file of fewer than two conversations, or a
+    checkpoint without a chat template."""
+    if template is None:
+        raise DataError(f"{path}: chat data is rendered with the checkpoint's chat template, and train.init_from "
+                        "has none (a chat_template.jinja, or tokenizer_config.json's chat_template)")
+    documents = finetune_data.chat_documents(path, template, tokenizer, train_on=train_on)
+    if len(documents) < 2:
+        raise DataError(f"{path}: {len(documents)} conversation(s): a run needs at least two, one to hold out")
+    held_out = max(1, round(len(documents) * val_fraction))
+    train = finetune_data.pack(documents[:-held_out], block_size, seed=seed)
+    val = finetune_data.pack(documents[-held_out:], block_size, seed=seed)
+    counted = float(np.sum(train.weights))
+    if counted == 0:
+        raise DataError(f"{path}: no training token counts toward the loss (train.train_on={train_on!r})")
+    return Corpus(train=train, val=val, tokenizer=tokenizer, path=str(path), packed=True)
+
+
 def describe(corpus: Corpus) -> str:
-    """"PATH, N train / M val tokens", with a prepared corpus's tokenizer and its hash."""
+    """"PATH, N train / M val tokens", with a prepared corpus's tokenizer and its hash; for a packed
+    corpus its rows, how full they are and how many predictions count."""
+    if corpus.packed:
+        train, val = corpus.train, corpus.val
+        return (f"{corpus.path}, packed: {len(train.inputs):,} train / {len(val.inputs):,} val rows of "
+                f"{train.inputs.shape[1]} tokens, {100 * train.efficiency:.0f}% full, "
+                f"{int(np.sum(train.weights)):,} training predictions counted")
     counts = f"{len(corpus.train):,} train / {len(corpus.val):,} val tokens"
     if corpus.prepared is None:
         return f"{corpus.path}, {counts}"
@@ -236,7 +295,9 @@ def unused_settings(corpus: Corpus, tc) -> list[str]:
 
 
 def check_block_size(corpus: Corpus, block_size: int) -> None:
-    """Each split must hold one input block plus its shifted target."""
+    """Each split must hold one input block plus its shifted target (a packed corpus's rows are of it)."""
+    if corpus.packed:
+        return
     shortest = min(len(corpus.train), len(corpus.val))
     if shortest < block_size + 1:
         raise DataError(f"the corpus splits (train {len(corpus.train)}, val {len(corpus.val)} tokens) "

@@ -28,16 +28,18 @@ from functools import partial
 from pathlib import Path
 from typing import Callable
 
+import jax
+
 from jaxattn import sharding
 from jaxattn.axes import MeshShape
 from train import data as data_lib
-from train import distributed, outputs
+from train import distributed, init_from, outputs
 from train import runtime as runtime_lib
 from train.cli import StopSignals
 from train.config import ExperimentConfig
 from train.finish import check_sample_prompt, finish
 from train.loop import Run
-from train.metrics import RunResult, describe_params
+from train.metrics import RunResult, describe_adapters, describe_params
 from train.rundir import claim_on_main
 from train.tokenizer import Tokenizer
 
@@ -66,7 +68,7 @@ def run_experiment(config: ExperimentConfig, *, runtime: runtime_lib.Runtime | N
       RunDirectoryError, DataError, CheckpointError, TrainingDiverged, Interrupted, UnwritablePath.
     """
     wall_start, tc = time.perf_counter(), config.train
-    config, corpus, runtime = _prepare(config, runtime, loss_plot, resume)
+    config, corpus, runtime, initial = _prepare(config, runtime, loss_plot, resume)
     main = distributed.is_main()  # asked once the runtime has started JAX
     log = (lambda *a: None) if quiet or not main else partial(print, flush=True)
     _print_setup(config, corpus, runtime, log)
@@ -74,9 +76,14 @@ def run_experiment(config: ExperimentConfig, *, runtime: runtime_lib.Runtime | N
     run = None
     try:
         with StopSignals() as signals:  # from here a signal asks; the run stops where nothing is lost
-            run = Run(config, runtime, corpus, resume=resume, quiet=quiet, after_eval=after_eval, signals=signals)
+            run = Run(config, runtime, corpus, resume=resume, quiet=quiet, after_eval=after_eval, signals=signals,
+                      initial=initial)
+            initial = None  # the checkpoint's host weights, placed by the run: not held twice
             log("\n".join(describe_layout(run.programs.layout, run.state)))
-            log(describe_params(config.model, run.state["params"]))
+            whole = jax.eval_shape(lambda: run.model_params)  # shapes: a LoRA run's merged model is not made here
+            log(describe_params(config.model, whole))
+            if config.lora is not None:
+                log(describe_adapters(run.state["params"], whole))
             compile_s = run.compile()
             if main:  # once the checkpoint is accepted and the programs compiled: the run begins here
                 (run.out / "config.json").write_text(config.to_json())
@@ -90,19 +97,33 @@ def run_experiment(config: ExperimentConfig, *, runtime: runtime_lib.Runtime | N
 
 
 def _prepare(config: ExperimentConfig, runtime: runtime_lib.Runtime | None, loss_plot: str | None, resume: bool
-             ) -> tuple[ExperimentConfig, data_lib.Corpus, runtime_lib.Runtime]:
-    """Before anything is written: the outputs checked, the corpus read (a prepared one verified: in
-    full, or quickly when resuming), the runtime resolved (unless given). Returns the config completed
-    with the vocabulary and the runtime, the corpus, the runtime."""
+             ) -> tuple[ExperimentConfig, data_lib.Corpus, runtime_lib.Runtime, init_from.Initial | None]:
+    """Before anything is written: the outputs checked, the checkpoint a fine-tuning run starts from read
+    (`train.init_from`), the corpus read (a prepared one verified: in full, or quickly when resuming),
+    the runtime resolved (unless given). Returns the config completed with the vocabulary (or the
+    checkpoint's model) and the runtime, the corpus, the runtime, the checkpoint (None from scratch)."""
     tc = config.train
     if loss_plot is not None:
         outputs.check_image_file(loss_plot, "--loss-plot")
-    corpus = data_lib.open_corpus(tc.data_path, tokenizer=tc.tokenizer, val_fraction=tc.val_fraction,
-                                  verify=data_lib.verify_mode(resume))
+    initial = None if tc.init_from is None else init_from.load(tc.init_from)
+    if data_lib.is_chat_file(tc.data_path):
+        if initial is None:
+            raise data_lib.DataError(f"{tc.data_path}: chat data fine-tunes a checkpoint: set train.init_from "
+                                     "(hf:DIR or gguf:FILE), whose chat template and tokenizer render it")
+        corpus = data_lib.open_chat_corpus(tc.data_path, initial.tokenizer, initial.chat_template,
+                                           block_size=tc.block_size, val_fraction=tc.val_fraction,
+                                           train_on=tc.train_on, seed=tc.seed)
+    else:
+        corpus = data_lib.open_corpus(tc.data_path, tokenizer=tc.tokenizer if initial is None else initial.tokenizer,
+                                      val_fraction=tc.val_fraction, verify=data_lib.verify_mode(resume))
     data_lib.check_block_size(corpus, tc.block_size)
+    if initial is None:
+        config = with_vocabulary(config, corpus.tokenizer)
+    else:
+        config = init_from.with_base_model(config, initial)
     check_sample_prompt(config, corpus.tokenizer)
     runtime = runtime or runtime_lib.start(config.runtime, tc.batch_size, model=config.model)
-    return with_vocabulary(config, corpus.tokenizer).replace(runtime=runtime.config), corpus, runtime
+    return config.replace(runtime=runtime.config), corpus, runtime, initial
 
 
 def _print_setup(config: ExperimentConfig, corpus: data_lib.Corpus, runtime: runtime_lib.Runtime,

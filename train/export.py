@@ -23,9 +23,9 @@ to float32) instead of a run: DIR gets its family's transformers architecture, t
 from the file's vocabulary, and its chat template as chat_template.jinja (with the file's named
 special tokens in tokenizer_config.json, which templates use).
 
-`load_hf` is the reader of such a directory (or any transformers save with a
-tokenizer.json) for `train.sample` and `train.attention_maps`; `load_gguf` the reader of a GGUF
-file for `train.sample` and `train.serve`.
+`train.pretrained.load_hf` is the reader of such a directory (or any transformers save with a
+tokenizer.json) for `train.sample` and `train.attention_maps`; `train.pretrained.load_gguf` the reader
+of a GGUF file for `train.sample` and `train.serve`.
 """
 
 from __future__ import annotations
@@ -35,29 +35,19 @@ import dataclasses
 import json
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from jaxattn.config import ModelConfig
-from train import sampling_checkpoint
+from train import init_from, sampling_checkpoint
 from train.checkpoint import CheckpointError
 from train.cli import ArgumentParser, guard, one_line
 from train.outputs import check_folder
+from train.pretrained import chat_of, hf_package, load_gguf_model, open_gguf
 from train.tokenizer import to_hf_tokenizer
 
 if TYPE_CHECKING:
     from jaxattn.hf import SaveReport
 
 PROGRAM = "python -m train.export"
-
-
-def _hf():
-    """`jaxattn.hf`, imported on first use (it needs safetensors); ImportError as a CheckpointError."""
-    try:
-        from jaxattn import hf
-    except ImportError as err:
-        raise CheckpointError(f"Hugging Face interop needs {err.name or 'a missing package'}: "
-                              "pip install safetensors tokenizers") from err
-    return hf
 
 
 def _check_out(out: Path, checkpoint: Path, overwrite: bool) -> None:
@@ -78,7 +68,8 @@ def _check_out(out: Path, checkpoint: Path, overwrite: bool) -> None:
 
 
 def export(checkpoint: str | Path, out: str | Path, *, overwrite: bool = False) -> SaveReport:
-    """Writes the run at `checkpoint` (best step, else latest) as a transformers directory `out`.
+    """Writes the run at `checkpoint` (best step, else latest) as a transformers directory `out`; a LoRA
+    run's adapters merged into its base (`python -m train.export --merge`).
 
     Returns `jaxattn.hf.SaveReport`: the transformers architecture, the files written (only
     those: a file of the user's in `out` is never among them) and, with `overwrite`, the
@@ -90,7 +81,7 @@ def export(checkpoint: str | Path, out: str | Path, *, overwrite: bool = False) 
     out, checkpoint = Path(out), Path(checkpoint)
     _check_out(out, checkpoint, overwrite)
     params, config, tokenizer = sampling_checkpoint.load_for_sampling(checkpoint)
-    hf = _hf()
+    hf = hf_package()
     try:
         hf_tokenizer = to_hf_tokenizer(tokenizer)
         return hf.save_pretrained(out, config, params, tokenizer=hf_tokenizer, overwrite=overwrite)
@@ -100,67 +91,29 @@ def export(checkpoint: str | Path, out: str | Path, *, overwrite: bool = False) 
         raise CheckpointError(f"cannot export {checkpoint}: {one_line(err)}") from err
 
 
-def _gguf():
-    """`jaxattn.gguf`, imported on first use (it needs the gguf package); ImportError as a CheckpointError."""
-    try:
-        from jaxattn import gguf
-    except ImportError as err:
-        raise CheckpointError(f"reading GGUF files needs {err.name or 'a missing package'}: pip install gguf") from err
-    return gguf
+def export_adapter(checkpoint: str | Path, out: str | Path, *, overwrite: bool = False) -> list[Path]:
+    """Writes a LoRA run's adapters (best step, else latest) as a PEFT adapter directory `out`
+    (`jaxattn.hf.peft.save_adapter`: adapter_config.json and adapter_model.safetensors, which
+    `peft.PeftModel.from_pretrained` loads onto the run's base, named there as its `train.init_from`).
 
-
-def _open_gguf(path: str | Path):
-    """The `jaxattn.gguf.GGUFModel` of `path`; CheckpointError (one line, naming the file) when it cannot be read."""
-    gguf, hf = _gguf(), _hf()
-    try:
-        return gguf.GGUFModel.open(path)
-    except hf.HFCheckpointError as err:
-        raise CheckpointError(f"cannot load {one_line(err)}") from err
-
-
-def _load_gguf_model(model, allow_nonfinite: bool) -> tuple[Any, ModelConfig, Any]:
-    hf = _hf()
-    try:
-        tokenizer = model.tokenizer()
-        config, params = model.load("float32", allow_nonfinite=allow_nonfinite)
-    except hf.HFCheckpointError as err:
-        message = one_line(err).replace(hf.checkpoint.NONFINITE_HINT, "--allow-nonfinite loads them anyway")
-        raise CheckpointError(f"cannot load {message}") from err
-    return params, config, tokenizer
-
-
-def load_gguf(path: str | Path, *, allow_nonfinite: bool = False) -> tuple[Any, ModelConfig, Any]:
-    """(params, model config, tokenizer) of a llama.cpp GGUF file, as `load_hf` gives them for a directory.
-
-    The weights are dequantized to float32. CheckpointError (one line, naming the file and the key,
-    tensor, architecture or tensor type) for a file that is missing, is not GGUF, or holds what
-    jaxattn does not read; the tokenizer is built (and checked) before any tensor is read.
+    Returns the files written. CheckpointError when the run is no LoRA run, its base cannot be read or
+    has changed, `out` holds an adapter and not `overwrite`, or PEFT cannot hold the adapters (one line
+    naming the module); nothing is written then.
     """
-    return _load_gguf_model(_open_gguf(path), allow_nonfinite)
-
-
-def gguf_kept_quantization(path: str | Path) -> str | None:
-    """The `jaxattn.quantize` mode that keeps a GGUF file's weights as the file stores them, or None.
-
-    "int8:32" when its matmul weights are all Q8_0 (`jaxattn.gguf.GGUFModel.kept_quantization`:
-    quantizing `load_gguf`'s float32 params so gives back the file's int8 values and scales
-    exactly); None for any other file. A separate step from `load_gguf`, whose params stay float32.
-    CheckpointError as `load_gguf` raises it.
-    """
-    return _open_gguf(path).kept_quantization()
-
-
-def _chat(model) -> tuple[str | None, dict[str, str]]:
-    hf = _hf()
+    out, checkpoint = Path(out), Path(checkpoint)
+    _check_out(out, checkpoint, overwrite=True)  # other files in `out` stay; an adapter there needs --overwrite
+    params, config, _ = sampling_checkpoint.load_adapted(checkpoint)
+    _, base = init_from.parse_source(config.train.init_from)
+    hf = hf_package()
     try:
-        return model.chat_template, model.special_tokens
-    except hf.HFCheckpointError as err:
-        raise CheckpointError(f"cannot load {one_line(err)}") from err
-
-
-def gguf_chat(path: str | Path) -> tuple[str | None, dict[str, str]]:
-    """(the chat template or None, the named special tokens) of a GGUF file, for `train.serve`."""
-    return _chat(_open_gguf(path))
+        hf.peft.save_adapter(out, config.model, params, config.lora.settings(), base_model_name_or_path=str(base),
+                             overwrite=overwrite)
+    except FileExistsError as err:
+        raise CheckpointError(f"--out {out} holds an adapter already: pass --overwrite to replace it") from err
+    except ValueError as err:  # hf.UnsupportedCheckpoint among them: the message names the module
+        raise CheckpointError(f"cannot export {checkpoint}'s adapters: {one_line(err)} (--merge writes the base with "
+                              "the adapters merged instead)") from err
+    return [out / name for name in (hf.peft.CONFIG_FILE, hf.peft.WEIGHTS_FILE)]
 
 
 def export_gguf(gguf_file: str | Path, out: str | Path, *, overwrite: bool = False) -> SaveReport:
@@ -172,10 +125,10 @@ def export_gguf(gguf_file: str | Path, out: str | Path, *, overwrite: bool = Fal
     """
     out, gguf_file = Path(out), Path(gguf_file)
     _check_out(out, gguf_file, overwrite)
-    model = _open_gguf(gguf_file)
-    template, specials = _chat(model)
-    params, config, tokenizer = _load_gguf_model(model, allow_nonfinite=False)
-    hf = _hf()
+    model = open_gguf(gguf_file)
+    template, specials = chat_of(model)
+    params, config, tokenizer = load_gguf_model(model, allow_nonfinite=False)
+    hf = hf_package()
     try:
         saved = hf.save_pretrained(out, config, params, tokenizer=tokenizer, overwrite=overwrite)
     except (ValueError, FileExistsError) as err:  # hf.UnsupportedCheckpoint among them: the message names the field
@@ -186,36 +139,6 @@ def export_gguf(gguf_file: str | Path, out: str | Path, *, overwrite: bool = Fal
         return saved
     (out / "chat_template.jinja").write_text(template, encoding="utf-8")
     return dataclasses.replace(saved, written=tuple(sorted([*saved.written, out / "chat_template.jinja"])))
-
-
-def load_hf(directory: str | Path, *, allow_nonfinite: bool = False) -> tuple[Any, ModelConfig, Any]:
-    """(params, model config, tokenizer) of a transformers directory holding a tokenizer.json.
-
-    The tokenizer has `encode(text) -> ids`, `decode(ids) -> str` and `eos_token_id`
-    (int or None); the params are float32, for `jaxattn.DecoderLM(config)`. CheckpointError
-    (one line, naming the file and the key or tensor) for a missing directory or
-    tokenizer.json, an unsupported architecture, a damaged file, or weights holding NaN or
-    infinity (loaded anyway with `allow_nonfinite`). The tokenizer is read first: a bad
-    directory fails before any tensor.
-    """
-    path = Path(directory)
-    if not path.is_dir():
-        raise CheckpointError(f"{str(path)!r} is not a directory (expected a transformers save: "
-                              "config.json, *.safetensors, tokenizer.json)")
-    if not (path / "tokenizer.json").is_file():
-        raise CheckpointError(f"{path} has no tokenizer.json: the text cannot be encoded (python -m "
-                              "train.export writes one; for a transformers model, save its fast tokenizer there)")
-    hf = _hf()
-    try:
-        tokenizer = hf.load_tokenizer(path)
-        config, params = hf.load_pretrained(path, dtype="float32", allow_nonfinite=allow_nonfinite)
-    except hf.HFCheckpointError as err:
-        message = one_line(err).replace(hf.checkpoint.NONFINITE_HINT, "--allow-nonfinite loads them anyway")
-        where = "" if isinstance(err, hf.InvalidCheckpoint) else f"{path}: "  # an InvalidCheckpoint names its file
-        raise CheckpointError(f"cannot load {where}{message}") from err
-    except OSError as err:
-        raise CheckpointError(f"cannot load {path}: {err.filename or path}: {err.strerror or err}") from err
-    return params, config, tokenizer
 
 
 def report(saved: SaveReport) -> str:
@@ -243,15 +166,38 @@ def run(argv: list[str] | None = None) -> int:
                         "only: other files in DIR stay)")
     parser.add_argument("--quant", help="refused: quantized weights are not exported (quantize when loading: "
                         "python -m train.sample or train.serve --quant)")
+    parser.add_argument("--merge", action="store_true", help="a LoRA run: its adapters merged into the base, a "
+                        "whole transformers directory (without it: a PEFT adapter directory)")
     args = parser.parse_args(argv)
     if args.quant is not None:
         parser.error(f"--quant {args.quant}: quantized weights are not exported; export the float weights and "
                      "pass --quant to python -m train.sample or train.serve")
     if args.gguf is not None:
+        if args.merge:
+            parser.error("--merge merges a LoRA run's adapters; a GGUF file has none")
         print(report(export_gguf(args.gguf, args.out, overwrite=args.overwrite)))
+    elif sampling_checkpoint.is_lora_run(args.checkpoint) and not args.merge:
+        written = export_adapter(args.checkpoint, args.out, overwrite=args.overwrite)
+        print(adapter_report(written, json.loads((written[0]).read_text())["base_model_name_or_path"]))
     else:
+        if args.merge and not sampling_checkpoint.is_lora_run(args.checkpoint):
+            parser.error(f"--merge merges a LoRA run's adapters; {args.checkpoint} trained every weight: export it "
+                         "without --merge")
         print(report(export(args.checkpoint, args.out, overwrite=args.overwrite)))
     return 0
+
+
+def adapter_report(written: list[Path], base: str) -> str:
+    """What `export_adapter` wrote and how to load it onto `base` (the run's `train.init_from` directory)."""
+    out = written[0].parent
+    lines = [f"wrote {out} as a PEFT LoRA adapter:"]
+    lines += [f"  {p.name}  ({p.stat().st_size:,} bytes)" for p in written]
+    lines += ["load it with peft:",
+              f"  PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained({base!r}), {str(out)!r})",
+              f"or sample here: python -m train.sample --hf {base} --adapter {out}",
+              "(python -m train.export --merge writes the base with the adapters merged, a whole transformers "
+              "directory)"]
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -35,31 +35,39 @@ def check_sample_prompt(config: ExperimentConfig, tokenizer: Tokenizer) -> None:
 def finish(run: Run, compile_s: float, wall_start: float, *, sample: bool, loss_plot: str | None,
            log: Callable[[str], None]) -> RunResult:
     """The end-of-run sample (unless `sample` is False), loss plot and result.json of a trained `run`."""
-    tc = run.config.train
+    tc, params = run.config.train, run.model_params  # a LoRA run's merged once
     text, how, stopped = "", "", None
     if sample and tc.sample_tokens > 0:
         log(f"sampling {tc.sample_tokens} tokens...")
-        text, how, stopped = end_of_run_sample(run)
+        text, how, stopped = end_of_run_sample(run, params)
     if text:
         cut = ", stopped early" if stopped else ""
         log(f"--- sample ({how}, temperature {tc.sample_temperature}{cut}) ---\n{text}\n---")
     if tc.plot and run.main:
         plot_losses(run.metrics.records(), Path(loss_plot) if loss_plot else run.out / "loss.png",
-                    title=run.config.name)
-    result = _result(run, text, stopped, compile_s, wall_start)
+                    title=plot_title(run.config))
+    result = _result(run, params, text, stopped, compile_s, wall_start)
     if run.main:
         (run.out / "result.json").write_text(json.dumps(result.figures(), indent=2))
     return result
 
 
-def end_of_run_sample(run: Run) -> tuple[str, str, str | None]:
-    """(text, how, why it stopped early or None): the prompt continued through the KV cache,
-    window by window, until done or a stop signal."""
+def plot_title(config) -> str:
+    """The loss plot's title: the config's name, and for a fine-tuning run what it fine-tuned and how."""
+    if config.train.init_from is None:
+        return config.name
+    how = "full fine-tune" if config.lora is None else f"LoRA (rank {config.lora.rank})"
+    return f"{config.name}: {how} of {config.train.init_from}"
+
+
+def end_of_run_sample(run: Run, params) -> tuple[str, str, str | None]:
+    """(text, how, why it stopped early or None): the prompt continued through the KV cache by the model
+    `params` (`run.model_params`), window by window, until done or a stop signal."""
     tc, tokenizer, signals = run.config.train, run.corpus.tokenizer, run.signals
     prompt = tokenizer.encode(tc.sample_prompt)
     mesh = run.programs.layout.mesh
     drawn = [chunk[0] for chunk in signals.until_requested(windows(
-        run.state["params"], run.config.model, prompt, max_new_tokens=tc.sample_tokens,
+        params, run.config.model, prompt, max_new_tokens=tc.sample_tokens,
         rng=jax.random.PRNGKey(tc.seed), temperature=tc.sample_temperature, kernels=run.runtime.kernels,
         mesh=mesh if mesh.size > 1 else None))]
     done = sum(map(len, drawn))
@@ -71,7 +79,7 @@ def end_of_run_sample(run: Run) -> tuple[str, str, str | None]:
     return text, f"jaxattn.generate_windowed, KV cache{on}", stopped
 
 
-def _result(run: Run, text: str, stopped: str | None, compile_s: float, wall_start: float) -> RunResult:
+def _result(run: Run, params, text: str, stopped: str | None, compile_s: float, wall_start: float) -> RunResult:
     tc = run.config.train
     last = run.last_eval or {"train": math.nan, "val": math.nan}
     reached = None if tc.target_loss is None or not run.main else first_at_or_below(run.metrics.records(),
@@ -81,5 +89,5 @@ def _result(run: Run, text: str, stopped: str | None, compile_s: float, wall_sta
         steps=tc.max_iters, **speeds(run.throughput.step_seconds(), tc.batch_size * tc.block_size),
         compile_s=compile_s, wall_s=time.perf_counter() - wall_start, train_seconds=run.throughput.seconds,
         target_loss=tc.target_loss, target_reached=reached, input_wait_s=run.input_wait_s, **peak_memory(),
-        num_params=count_params(run.state["params"]), sample=text, out_dir=str(run.out), stopped=stopped,
-        config=run.config, params=run.state["params"])
+        num_params=count_params(params), sample=text, out_dir=str(run.out), stopped=stopped,
+        config=run.config, params=params)

@@ -14,6 +14,7 @@ nothing written) or at the next dispatch boundary (a checkpoint that `--resume` 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 import time
@@ -24,12 +25,14 @@ from typing import Callable
 import jax
 import numpy as np
 
-from train import crash_points
+from train import crash_points, init_from
 from train import data as data_lib
 from train import distributed
 from train.batches import Feed, RunBatches
 from train import runtime as runtime_lib
 from train.checkpoint import Checkpointer
+from train.init_from import Initial
+from train.packed_batches import PackedBatches
 from train.cli import StopSignals
 from train.config import ExperimentConfig, TrainConfig
 from train.metrics import MetricsLog, Throughput
@@ -64,8 +67,10 @@ class Run:
     trained chunk by chunk, its losses recorded, evaluated and checkpointed."""
 
     def __init__(self, config: ExperimentConfig, runtime: runtime_lib.Runtime, corpus: data_lib.Corpus, *,
-                 resume: bool, quiet: bool, after_eval: Callable[[int], None] | None, signals: "StopSignals"):
+                 resume: bool, quiet: bool, after_eval: Callable[[int], None] | None, signals: "StopSignals",
+                 initial: Initial | None = None):
         self.config, self.runtime, self.corpus, self.after_eval = config, runtime, corpus, after_eval
+        self.initial = initial  # the checkpoint a fine-tuning run starts from (train.init_from); its weights go below
         tc = config.train
         self.out, self.main, self.signals = Path(tc.out_dir), distributed.is_main(), signals
         self.quiet = quiet or not self.main  # only process 0 prints and writes
@@ -75,9 +80,11 @@ class Run:
         self.batches: RunBatches | None = None
         self.checkpoints: Checkpointer | None = None
         try:  # what is opened here is closed here if the run cannot start (`close` otherwise)
-            self.programs = build_programs(config, runtime)
-            self.batches = RunBatches(corpus.train, corpus.val, tc, self.programs.layout.windows,
-                                      self.programs.eval_rows)
+            self.programs = build_programs(config, runtime, initial)
+            if initial is not None:  # placed by the programs: its source and sha256 are what the run keeps
+                self.initial = dataclasses.replace(initial, params=None)
+            batches = PackedBatches if corpus.packed else RunBatches
+            self.batches = batches(corpus.train, corpus.val, tc, self.programs.layout.windows, self.programs.eval_rows)
             self.state = self.programs.init(tc.seed)  # created where it lives on the mesh
             self.checkpoints = Checkpointer(self.out) if tc.checkpoint or resume else None
             self.best_val, self.last_eval, meta = math.inf, None, {}
@@ -95,7 +102,7 @@ class Run:
         """Restores the newest valid checkpoint that matches this run, onto its mesh; returns its meta."""
         abstract = self.programs.layout.abstract(jax.eval_shape(lambda: self.state))  # this run's mesh
         self.state, meta = resume_from_checkpoint(self.checkpoints, abstract, self.config, self.corpus,
-                                                  log=self.log, warn=self.warn)
+                                                  log=self.log, warn=self.warn, initial=self.initial)
         self.best_val = math.inf if meta.get("best_val_loss") is None else meta["best_val_loss"]
         if self.main:
             repair_metrics(self.out / "metrics.jsonl", meta["step"],
@@ -108,9 +115,11 @@ class Run:
         start, tc = time.perf_counter(), self.config.train
         self.feed = Feed(self.batches.train_chunk, chunks(self.start_step, tc.max_iters, tc))
         sizes, inputs = sorted({b - a for a, b in chunks(self.start_step, tc.max_iters, tc)}), self.programs.inputs
-        self.compiled = {n: self.programs.train_steps.lower(self.state, inputs(n, tc.batch_size)[0]).compile()
-                         for n in sizes}
-        self.evaluators = {shape: self.programs.evaluate.lower(self.state["params"], *inputs(*shape)).compile()
+        frozen, packed = self.programs.frozen, self.batches.packed
+        self.compiled = {n: self.programs.train_steps.lower(self.state, self.programs.train_inputs(
+            n, tc.batch_size, packed), frozen).compile() for n in sizes}
+        self.evaluators = {shape: self.programs.evaluate.lower(self.state["params"], *inputs(*shape, packed),
+                                                               frozen).compile()
                            for shape in self.batches.eval_shapes()}
         self.log(f"compiled {sizes}-step train programs and eval in {time.perf_counter() - start:.1f}s")
         if self.signals.requested:
@@ -140,7 +149,7 @@ class Run:
             self.evaluate(self.start_step)
         pending = None  # (first step, chunk outputs) of the chunk in flight
         for first, last in chunks(self.start_step, tc.max_iters, tc):
-            self.state, chunk_outputs = self.compiled[last - first](self.state, self.feed.next())
+            self.state, chunk_outputs = self.compiled[last - first](self.state, self.feed.next(), self.programs.frozen)
             crash_points.kill_if_planned("step", *range(first + 1, last + 1))
             if pending is not None:
                 self.record(*pending)
@@ -155,6 +164,11 @@ class Run:
         if pending is not None:
             self.record(*pending)
         self.bar.close()
+
+    @property
+    def model_params(self):
+        """The model's whole params now (a LoRA run's adapters merged into its frozen base)."""
+        return self.programs.model_params(self.state["params"])
 
     @property
     def input_wait_s(self) -> float:
@@ -181,9 +195,9 @@ class Run:
 
     def evaluate(self, step: int) -> None:
         """Losses on the fixed eval batches; checkpoints (latest, and best by val loss) after the first."""
-        params = self.state["params"]
-        losses = self.batches.evaluate(lambda windows, weights: self.evaluators[windows.shape[:2]](
-            params, windows, weights))
+        params, frozen = self.state["params"], self.programs.frozen
+        losses = self.batches.evaluate(lambda windows, weights: self.evaluators[weights.shape[:2]](
+            params, windows, weights, frozen))
         crash_points.kill_if_planned("eval", step)
         if not all(math.isfinite(v) for v in losses.values()):
             self.diverged(f"the evaluated losses are {losses} at step {step}")
@@ -206,7 +220,7 @@ class Run:
         with self.signals.deferred():
             self.checkpoints.save(kind, step, self.state, config=self.config, tokenizer=self.corpus.tokenizer,
                                   val_loss=val_loss, best_val_loss=self.best_val,
-                                  extra={**self.metrics.pending_meta(),
+                                  extra={**self.metrics.pending_meta(), **init_from.meta_record(self.initial),
                                          "step_seconds": self.throughput.step_seconds(),
                                          "train_seconds": self.throughput.seconds})
 

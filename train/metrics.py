@@ -180,6 +180,13 @@ def describe_memory(memory: dict) -> str:
     return f"peak memory {memory['peak_rss_gib']:.2f} GiB RSS" + (f", device {device:.2f} GiB" if device else "")
 
 
+def describe_adapters(adapters, params) -> str:
+    """"trained: 1,843,200 adapter parameters (1.36% of 135,358,016), the base frozen" (a LoRA run)."""
+    trained, total = count_params(adapters), count_params(params)
+    share = 100 * trained / max(total, 1)
+    return f"trained: {trained:,} adapter parameters ({share:.2f}% of {total:,}), the base frozen"
+
+
 def describe_params(model, params) -> str:
     """"parameters: 795,904", plus how many touch one token where that is fewer (routed experts;
     `jaxattn.model.active_params`; `model` a `ModelConfig`, `params` its parameters)."""

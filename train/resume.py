@@ -14,21 +14,24 @@ from train.checkpoint import Checkpointer
 from train.checkpoint_meta import CheckpointError, check_compatible, check_tokenizer
 from train.config import ExperimentConfig
 from train.data import Corpus
+from train.init_from import Initial, check_same_base
 
 
 def resume_from_checkpoint(checkpoints: Checkpointer, abstract_state: Any, config: ExperimentConfig,
-                           corpus: Corpus, *, log: Callable[[str], None], warn: Callable[[str], None]
-                           ) -> tuple[Any, dict]:
+                           corpus: Corpus, *, log: Callable[[str], None], warn: Callable[[str], None],
+                           initial: Initial | None = None) -> tuple[Any, dict]:
     """(state laid out as `abstract_state`, meta) of the newest valid latest checkpoint.
 
-    CheckpointError when there is none, when its model or tokenizer is not this run's, or when it
+    CheckpointError when there is none, when its model, tokenizer or base (`initial`: the checkpoint a
+    fine-tuning run starts from, `train.init_from.check_same_base`) is not this run's, or when it
     is past train.max_iters; a damaged step skipped, and each setting that keeps the run from
     replaying exactly, is reported to `warn`. Writes nothing before the checkpoint is accepted.
     """
     if checkpoints.latest_step() is None:
         raise CheckpointError(f"--resume: no checkpoint in {checkpoints.root / 'latest'} (the run "
                               "stopped before its first save): --overwrite starts it again")
-    state, meta = checkpoints.restore("latest", abstract_state, check=partial(_check_matches, config, corpus, warn),
+    check = partial(_check_matches, config, corpus, warn, initial)
+    state, meta = checkpoints.restore("latest", abstract_state, check=check,
                                       on_skip=lambda message: warn(f"warning: {message}"))
     step, tc = meta["step"], config.train
     if step > tc.max_iters:
@@ -45,10 +48,12 @@ def resume_from_checkpoint(checkpoints: Checkpointer, abstract_state: Any, confi
     return state, meta
 
 
-def _check_matches(config: ExperimentConfig, corpus: Corpus, warn: Callable[[str], None], meta: dict) -> None:
+def _check_matches(config: ExperimentConfig, corpus: Corpus, warn: Callable[[str], None], initial: Initial | None,
+                   meta: dict) -> None:
     """Before a checkpoint's arrays are read: the same tokenizer and model (else CheckpointError);
     the settings that make the resumed run differ from an uninterrupted one are warned about."""
     check_tokenizer(meta, corpus.tokenizer, corpus.path)
+    check_same_base(meta, initial)
     for warning in check_compatible(meta, config):
         warn(f"warning: resumed run differs from the checkpoint ({warning}); it will not replay exactly")
 

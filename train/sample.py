@@ -42,24 +42,26 @@ import numpy as np
 import psutil
 from tqdm import tqdm
 
-from jaxattn import Kernels, axes, resolve_kernels
+from jaxattn import Kernels, axes, lora, resolve_kernels
 from jaxattn.cache import KV_CACHES
 from jaxattn.caches import cache_bytes_per_token
 from jaxattn.config import ModelConfig
 from jaxattn.decoding import call_lengths
+from jaxattn.hf import peft as hf_peft
+from jaxattn.hf.errors import HFCheckpointError
 from jaxattn.layer_plan import relayout
 from jaxattn.windowed import NonFiniteLogits, window_programs, windows
 from jaxattn.model import DecoderLM
 from jaxattn.quantization import quantize
 from train import config as config_lib
 from train import data as data_lib
-from train import export as export_lib
+from train import pretrained
 from train import runtime as runtime_lib
 from train import sampling_checkpoint, shards
 from train.checkpoint import CheckpointError
 from train.config import RuntimeConfig
 from train.data_errors import DataError
-from train.cli import ArgumentParser, StopSignals, Stopped, UsageError, guard
+from train.cli import ArgumentParser, StopSignals, Stopped, UsageError, describe, guard
 from train.tokenizer import CharTokenizer, Tokenizer
 
 
@@ -119,20 +121,22 @@ def load(args: argparse.Namespace) -> tuple[dict, ModelConfig, Tokenizer]:
 
     A `--gguf` file whose matmul weights are all Q8_0 keeps them int8 when neither `--quant` nor
     `--mesh` (which quantized weights do not go with) is given: `args.quant` becomes "int8:32", which
-    gives back the file's own values and scales (`export.gguf_kept_quantization`), with a note on stderr."""
+    gives back the file's own values and scales (`pretrained.gguf_kept_quantization`), with a note on stderr."""
     if args.random_init is not None:
         params, config, tokenizer = random_init(args.random_init, args.seed, args.data)
     elif getattr(args, "gguf", None) is not None:
-        params, config, tokenizer = export_lib.load_gguf(args.gguf, allow_nonfinite=args.allow_nonfinite)
+        params, config, tokenizer = pretrained.load_gguf(args.gguf, allow_nonfinite=args.allow_nonfinite)
         if getattr(args, "quant", None) is None and getattr(args, "mesh", None) is None:
-            args.quant = export_lib.gguf_kept_quantization(args.gguf)
+            args.quant = pretrained.gguf_kept_quantization(args.gguf)
             if args.quant is not None:  # the float32 it was dequantized to takes 3.5 times the memory
                 print(f"note: {args.gguf} stores its weights as Q8_0: kept as int8 (groups of 32); --quant int8 "
                       "for per-channel", file=sys.stderr)
     elif args.hf is not None:
-        params, config, tokenizer = export_lib.load_hf(args.hf, allow_nonfinite=args.allow_nonfinite)
+        params, config, tokenizer = pretrained.load_hf(args.hf, allow_nonfinite=args.allow_nonfinite)
     else:
         params, config, tokenizer = sampling_checkpoint.load_for_sampling(args.checkpoint)
+    if getattr(args, "adapter", None) is not None:
+        params = with_adapter(args.adapter, config, params)
     scan = getattr(args, "scan_layers", None)
     if scan is not None:
         params, config = relayout(nn.unbox(params), config, scan)
@@ -142,6 +146,24 @@ def load(args: argparse.Namespace) -> tuple[dict, ModelConfig, Tokenizer]:
         except ValueError as err:
             raise UsageError(f"--quant {args.quant}: {err}") from None
     return params, config, tokenizer
+
+
+def with_adapter(directory: str, config: ModelConfig, params) -> dict:
+    """`params` with the PEFT LoRA adapter in `directory` merged in (`jaxattn.hf.peft.load_adapter`, then
+    `jaxattn.lora.merge_lora`: the model then runs as fast as the base); CheckpointError (one line naming the
+    file and the key or module) when the adapter cannot be read or does not fit the model."""
+    try:
+        adapted, _ = hf_peft.load_adapter(directory, config, nn.unbox(params))
+    except (HFCheckpointError, ValueError, OSError) as err:
+        raise CheckpointError(f"--adapter {directory}: {describe(err)}") from err
+    return lora.merge_lora(adapted)
+
+
+def add_adapter_flag(parser: argparse.ArgumentParser) -> None:
+    """`--adapter DIR`: a PEFT LoRA adapter merged into the loaded model (sample and serve)."""
+    parser.add_argument("--adapter", metavar="DIR", help="a PEFT LoRA adapter directory (adapter_config.json, "
+                        "adapter_model.safetensors; python -m train.export of a LoRA run writes one) merged into "
+                        "the model first")
 
 
 def quant_line(args, kernels: Kernels, reasons: dict[str, str]) -> str:
@@ -426,6 +448,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--kv-cache", choices=KV_CACHES, default="auto", help="the KV cache's storage: auto (the "
                         "compute dtype) or int8 (int8 numbers with a float32 scale per token and head; default auto)")
     add_quant_flag(parser)
+    add_adapter_flag(parser)
     args = parser.parse_args(argv)
     if args.data is not None and args.random_init is None:
         parser.error("--data goes with --random-init (a checkpoint carries its own tokenizer)")

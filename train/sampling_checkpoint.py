@@ -6,6 +6,7 @@ attention maps, export), in a process of its own, on one device whatever the run
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -16,8 +17,10 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
+from jaxattn import lora
 from jaxattn.config import ModelConfig
 from jaxattn.model import DecoderLM, abstract_params
+from train import init_from
 from train.checkpoint import META_FILE, first_line, read_newest_valid
 from train.checkpoint_meta import CheckpointError, path_name
 from train.config import ExperimentConfig
@@ -30,13 +33,38 @@ def _warn(message: str) -> None:
 
 def load_for_sampling(directory: str | Path, *, on_skip: Callable[[str], None] = _warn
                       ) -> tuple[Any, ModelConfig, Tokenizer]:
-    """(params, model config, tokenizer) of a run's best checkpoint (else its latest).
+    """(params, model config, tokenizer) of a run's best checkpoint (else its latest); a LoRA run's
+    adapters merged into its base (`load_adapted`, `jaxattn.lora.merge_lora`).
 
     Accepts a run directory, its checkpoints/ directory or checkpoints/{best,latest}.
     A step that fails to read or its checksums is reported to `on_skip` (a warning on
     stderr) and an older one of the same kind is used; CheckpointError when none is
     valid, or when the arrays do not have the shapes `DecoderLM(config)` expects.
     """
+    params, config, tokenizer, meta, found = _restore(directory, on_skip)
+    if config.lora is not None:  # a LoRA run saved its adapters alone: merged into the base they were trained on
+        params = jax.tree.map(np.asarray, lora.merge_lora(init_from.adapted_params(config, meta, params)))
+    _check_params_match(params, config.model)
+    _check_finite(params, found)
+    return params, config.model, tokenizer
+
+
+def load_adapted(directory: str | Path, *, on_skip: Callable[[str], None] = _warn
+                 ) -> tuple[Any, ExperimentConfig, Tokenizer]:
+    """(params with `jaxattn.lora.LoraWeight`s, the run's config, tokenizer) of a LoRA run's best checkpoint
+    (else its latest): its adapters on the base it was trained from (`train.init_from.adapted_params`).
+    CheckpointError as `load_for_sampling` raises it, and for a run that is no LoRA run."""
+    adapters, config, tokenizer, meta, found = _restore(directory, on_skip)
+    if config.lora is None:
+        raise CheckpointError(f"the run in {found} trained every weight, not LoRA adapters (its config has no "
+                              "[lora] table)")
+    _check_finite(adapters, found)
+    return init_from.adapted_params(config, meta, adapters), config, tokenizer
+
+
+def _restore(directory: str | Path, on_skip: Callable[[str], None]
+             ) -> tuple[Any, ExperimentConfig, Tokenizer, dict, Path]:
+    """(the saved params as numpy, the run's config, tokenizer, meta, the directory of the kind read)."""
     path = Path(directory)
     if not path.exists():
         raise CheckpointError(f"checkpoint directory {str(path)!r} does not exist")
@@ -47,10 +75,21 @@ def load_for_sampling(directory: str | Path, *, on_skip: Callable[[str], None] =
     except (KeyError, TypeError, ValueError) as err:
         raise CheckpointError(f"checkpoint in {found}: its meta ({META_FILE}) holds no usable config or "
                               f"tokenizer: {first_line(err)}") from err
-    params = jax.tree.map(np.asarray, state["params"])
-    _check_params_match(params, config.model)
-    _check_finite(params, found)
-    return params, config.model, tokenizer
+    return jax.tree.map(np.asarray, state["params"]), config, tokenizer, meta, found
+
+
+def is_lora_run(directory: str | Path) -> bool:
+    """Whether the run at `directory` (as `load_for_sampling` accepts it) trained LoRA adapters: its
+    config.json, or a checkpoint's meta, has a [lora] table. False when neither can be read (the loader
+    then says why)."""
+    path = Path(directory)
+    for candidate in (path / "config.json", path.parent / "config.json", path.parent.parent / "config.json"):
+        if candidate.is_file():
+            try:
+                return json.loads(candidate.read_text()).get("lora") is not None
+            except (OSError, ValueError, AttributeError):
+                return False
+    return False
 
 
 def _find_manager_dir(path: Path) -> Path:

@@ -40,7 +40,7 @@ from jaxattn.cache import KV_CACHES
 from jaxattn.hf.chat_template import ChatTemplate, ChatTemplateError, find_chat_template, special_tokens
 from jaxattn.hf.tokenizer import HFTokenizer
 from jaxattn.serving import Engine, EngineConfig
-from train import export as export_lib
+from train import pretrained
 from train import sample as sample_lib
 from train.checkpoint import CheckpointError
 from train.cli import ArgumentParser, UsageError, guard
@@ -100,6 +100,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--cpu-devices", type=int, metavar="N", help="make N host devices on a CPU for --mesh")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     sample_lib.add_quant_flag(parser)
+    sample_lib.add_adapter_flag(parser)
     args = parser.parse_args(argv)
     sample_lib.check_quant(parser, args)
     if args.data is not None and args.random_init is None:
@@ -149,7 +150,7 @@ def model_name(args) -> str:
 def chat_template(args, tokenizer) -> ChatTemplate | None:
     """--chat-template, else the --hf directory's or the --gguf file's, else None (chat answers 400)."""
     try:
-        gguf_source, tokens = export_lib.gguf_chat(args.gguf) if getattr(args, "gguf", None) else (None, {})
+        gguf_source, tokens = pretrained.gguf_chat(args.gguf) if getattr(args, "gguf", None) else (None, {})
         tokens = special_tokens(args.hf) if args.hf else tokens
         if args.chat_template:
             path = Path(args.chat_template)

@@ -31,11 +31,15 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxattn import axes, layer_losses, sharding
+from jaxattn import axes, layer_losses, lora, sharding
 from jaxattn.model import DecoderLM
 from train.config import ExperimentConfig
+from train.init_from import Initial
 from train.optim import lr_schedule, make_optimizer
 from train.runtime import Runtime
+
+ADAPTER_SEED = 7  # folded into the run's seed for the adapters' initialisation
+
 
 def token_losses(logits: jax.Array, targets: jax.Array) -> jax.Array:
     """Next-token losses in float32 `[B*T]`; logits `[B, T, V]`, targets `[B, T]`."""
@@ -43,9 +47,24 @@ def token_losses(logits: jax.Array, targets: jax.Array) -> jax.Array:
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets.reshape(-1))
 
 
-def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    """Mean next-token loss in float32; logits `[B, T, V]`, targets `[B, T]`."""
-    return token_losses(logits, targets).mean()
+def cross_entropy(logits: jax.Array, targets: jax.Array, weights: jax.Array | None = None) -> jax.Array:
+    """Mean next-token loss in float32; logits `[B, T, V]`, targets `[B, T]`; with `weights [B, T]` the
+    weighted mean (what a packed batch counts: its documents' predictions, 0 for a batch that counts none)."""
+    losses = token_losses(logits, targets)
+    if weights is None:
+        return losses.mean()
+    weights = weights.reshape(-1).astype(jnp.float32)
+    return jnp.sum(losses * weights) / jnp.maximum(jnp.sum(weights), 1.0)
+
+
+def model_inputs(batch: Any) -> tuple[jax.Array, jax.Array, jax.Array | None, dict]:
+    """(inputs `[B, T]`, targets `[B, T]`, weights `[B, T]` or None, what else the model takes) of a batch:
+    a window `[B, T + 1]` (inputs its first T tokens, targets its last T), or packed documents
+    (`train.packed_batches`: their segment ids and positions keep attention within each document)."""
+    if isinstance(batch, dict):
+        where = {"segment_ids": batch["segment_ids"], "positions": batch["positions"]}
+        return batch["inputs"], batch["targets"], batch.get("weights"), where
+    return batch[:, :-1], batch[:, 1:], None, {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,13 +97,18 @@ class StateLayout:
                             state_shapes, self.state)
 
 
-def state_layout(config: ExperimentConfig, mesh: Mesh, init_state: Callable) -> StateLayout:
-    """The layout of the state `init_state(seed)` returns, by the rules of `jaxattn.sharding`."""
+def state_layout(config: ExperimentConfig, mesh: Mesh, init_state: Callable, *, adapters: bool = False
+                 ) -> StateLayout:
+    """The layout of the state `init_state(seed)` returns, by the rules of `jaxattn.sharding`.
+
+    `adapters`: the state's params are LoRA adapters (`jaxattn.lora`), small: replicated, as their
+    optimizer state."""
     shape = axes.MeshShape.of(mesh)
     params = sharding.param_layout(config.model, shape)
     shapes = jax.eval_shape(init_state, 0)
-    opt_specs = sharding.mirror_specs(shapes["opt_state"], params.specs, shapes["params"])
-    specs = {"params": params.specs, "opt_state": opt_specs, "step": P(), "rng": P()}
+    param_specs = jax.tree.map(lambda _: P(), shapes["params"]) if adapters else params.specs
+    opt_specs = sharding.mirror_specs(shapes["opt_state"], param_specs, shapes["params"])
+    specs = {"params": param_specs, "opt_state": opt_specs, "step": P(), "rng": P()}
     state = jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs, is_leaf=lambda x: isinstance(x, P))
     batch = NamedSharding(mesh, sharding.batch_spec(shape, config.train.batch_size))
     return StateLayout(mesh=mesh, params=params, state=state, batch=batch)
@@ -95,15 +119,20 @@ class Programs:
     """The jitted functions of a run (each compiles once per distinct input shape).
 
     Attributes:
-      init: (seed) -> state {'params', 'opt_state', 'step', 'rng'}, laid out on the mesh.
-      train_steps: (state, windows [n, B, T + 1] int32) -> (state, (losses [n], lrs [n], layer_losses)):
-        one optimizer step per batch of the chunk. `layer_losses` is `{name: [n]}`, each loss the
-        layers sowed (`jaxattn.layer_losses`), the step's mean over the layers that sowed it: `{}`
-        for a dense model; the losses include the sown objective.
-      evaluate: (params, windows [n, R, T + 1] int32, weights [n, R, T] float32) -> [n] float32, the
-        weighted sum of each batch's next-token losses.
+      init: (seed) -> state {'params', 'opt_state', 'step', 'rng'}, laid out on the mesh: the params
+        drawn at random, or a checkpoint's (`train.init_from`); with LoRA the state's params are the
+        adapters alone (`jaxattn.lora.split_lora`).
+      train_steps: (state, windows [n, B, T + 1] int32, frozen) -> (state, (losses [n], lrs [n],
+        layer_losses)): one optimizer step per batch of the chunk. `layer_losses` is `{name: [n]}`,
+        each loss the layers sowed (`jaxattn.layer_losses`), the step's mean over the layers that
+        sowed it: `{}` for a dense model; the losses include the sown objective.
+      evaluate: (params, windows [n, R, T + 1] int32, weights [n, R, T] float32, frozen) -> [n]
+        float32, the weighted sum of each batch's next-token losses.
       eval_rows: R of whole-split evaluation (about 256 windows a batch, split like B).
       layout: where everything lives.
+      frozen: what the programs take besides the state and is never trained: a LoRA run's base
+        (`jaxattn.lora.split_lora`'s frozen part, laid out on the mesh as the model's params), `{}`
+        for every other run. The programs' last argument.
     """
 
     init: Callable
@@ -112,44 +141,75 @@ class Programs:
     eval_rows: int
     layout: StateLayout
     block_size: int
+    frozen: Any = dataclasses.field(default_factory=dict)
 
-    def inputs(self, n: int, rows: int) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:
-        """The abstract windows `[n, rows, T + 1]` and target weights `[n, rows, T]` the programs
-        take, laid out on the mesh (what they are compiled for ahead of time)."""
+    def model_params(self, params: Any) -> Any:
+        """The model's whole params from the state's: a LoRA run's adapters merged into its frozen base
+        (`jaxattn.lora.merge_lora`: plain params, which sample, shard and count as any model's)."""
+        return lora.merge_lora(lora.combine_lora(self.frozen, params)) if self.frozen else params
+
+    def inputs(self, n: int, rows: int, packed: bool = False) -> tuple[Any, jax.ShapeDtypeStruct]:
+        """What `evaluate` takes, abstract and laid out on the mesh (what it is compiled for ahead of
+        time): windows `[n, rows, T + 1]` (`packed`: batches of packed documents, `train.packed_batches`,
+        `{inputs, targets, segment_ids, positions: [n, rows, T]}`) and the target weights `[n, rows, T]`."""
         sharded, T = self.layout.windows(rows), self.block_size
-        return (jax.ShapeDtypeStruct((n, rows, T + 1), jnp.int32, sharding=sharded),
-                jax.ShapeDtypeStruct((n, rows, T), jnp.float32, sharding=sharded))
+        ids = lambda width: jax.ShapeDtypeStruct((n, rows, width), jnp.int32, sharding=sharded)  # noqa: E731
+        weights = jax.ShapeDtypeStruct((n, rows, T), jnp.float32, sharding=sharded)
+        if packed:
+            return {field: ids(T) for field in ("inputs", "targets", "segment_ids", "positions")}, weights
+        return ids(T + 1), weights
+
+    def train_inputs(self, n: int, rows: int, packed: bool = False) -> Any:
+        """What `train_steps` takes besides the state, abstract: windows `[n, rows, T + 1]`, or packed
+        batches with their weights (`{inputs, targets, weights, segment_ids, positions: [n, rows, T]}`)."""
+        batch, weights = self.inputs(n, rows, packed)
+        return {**batch, "weights": weights} if packed else batch
 
 
-def build_programs(config: ExperimentConfig, runtime: Runtime) -> Programs:
+def build_programs(config: ExperimentConfig, runtime: Runtime, initial: Initial | None = None) -> Programs:
+    """The run's programs; `initial`: the checkpoint it starts from (`train.init_from`), whose params
+    (and, with `config.lora`, adapters on them) replace the random initialisation."""
     model, tc = DecoderLM(config.model, runtime.kernels), config.train
-    optimizer, schedule = make_optimizer(tc, sharding.logical_names(config.model)), lr_schedule(tc)
-    dropout = config.model.dropout > 0
+    adapters = config.lora is not None
+    optimizer = make_optimizer(tc, None if adapters else sharding.logical_names(config.model))
+    schedule, dropout = lr_schedule(tc), config.model.dropout > 0 or (adapters and config.lora.dropout > 0)
     B, T = tc.batch_size, tc.block_size
     eval_rows = B * max(1, 256 // B)
 
-    def init_state(seed):
-        params_key, dropout_key = jax.random.split(jax.random.PRNGKey(seed))
-        params = nn.unbox(model.init(params_key, jnp.zeros((1, T), jnp.int32))["params"])
+    def start_state(params, seed):  # the trained params -> the whole state
+        _, dropout_key = jax.random.split(jax.random.PRNGKey(seed))
         return {"params": params, "opt_state": optimizer.init(params), "step": jnp.int32(0), "rng": dropout_key}
 
-    layout = state_layout(config, runtime.mesh, init_state)
+    def init_state(seed):  # from scratch: random params
+        params_key, _ = jax.random.split(jax.random.PRNGKey(seed))
+        return start_state(nn.unbox(model.init(params_key, jnp.zeros((1, T), jnp.int32))["params"]), seed)
+
+    frozen, trained = {}, None
+    if initial is not None:
+        trained, frozen = start_params(config, initial)
+        layout = state_layout(config, runtime.mesh, lambda seed: start_state(trained, seed), adapters=adapters)
+    else:
+        layout = state_layout(config, runtime.mesh, init_state)
     params_sharding, replicated = layout.state["params"], layout.replicated
+    frozen_sharding = frozen_layout(frozen, layout)
+    frozen = jax.device_put(frozen, frozen_sharding)
 
-    def forward(params, x, **kwargs):
+    def forward(params, frozen, x, **kwargs):
+        whole = lora.combine_lora(frozen, params) if adapters else params
         with axes.activation_rules(layout.mesh):  # rows split through every layer
-            return model.apply({"params": params}, x, **kwargs)
+            return model.apply({"params": whole}, x, **kwargs)
 
-    def loss_fn(params, x, y, dropout_key):  # -> (cross entropy + the sown objective, the layers' mean losses)
+    def loss_fn(params, frozen, batch, dropout_key):  # -> (cross entropy + the sown objective, the layers' mean losses)
+        x, y, weights, where = model_inputs(batch)
         rngs = {"dropout": dropout_key} if dropout else None
-        logits, sown = forward(params, x, deterministic=not dropout, rngs=rngs, mutable=[layer_losses.COLLECTION])
+        logits, sown = forward(params, frozen, x, deterministic=config.model.dropout == 0, rngs=rngs,
+                               mutable=[layer_losses.COLLECTION], **where)
         means = layer_losses.mean_over_layers(sown)
-        return layer_losses.add_objective(cross_entropy(logits, y), means), means
+        return layer_losses.add_objective(cross_entropy(logits, y, weights), means), means
 
-    def one_step(state, window):
+    def one_step(frozen, state, batch):
         step = state["step"]
-        x, y = window[:, :-1], window[:, 1:]  # [B, T] inputs and next-token targets
-        args = (state["params"], x, y, jax.random.fold_in(state["rng"], step))
+        args = (state["params"], frozen, batch, jax.random.fold_in(state["rng"], step))
         (loss, sown_means), grads = jax.value_and_grad(loss_fn, has_aux=True)(*args)
         grads = jax.lax.with_sharding_constraint(grads, params_sharding)  # FSDP: reduce-scattered
         updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
@@ -158,19 +218,53 @@ def build_programs(config: ExperimentConfig, runtime: Runtime) -> Programs:
         state = {**state, "params": params, "opt_state": opt_state, "step": step + 1}
         return state, (loss, schedule(step), sown_means)
 
-    @partial(jax.jit, donate_argnums=(0,), in_shardings=(layout.state, layout.windows(B)),
+    @partial(jax.jit, donate_argnums=(0,), in_shardings=(layout.state, layout.windows(B), frozen_sharding),
              out_shardings=(layout.state, replicated))
-    def train_steps(state, windows):
-        return jax.lax.scan(one_step, state, windows)
+    def train_steps(state, windows, frozen):
+        return jax.lax.scan(partial(one_step, frozen), state, windows)
 
-    def batch_loss(params, window, weight):  # [R, T + 1], [R, T] -> the weighted sum of R * T losses
-        losses = token_losses(forward(params, window[:, :-1]), window[:, 1:])
+    def batch_loss(params, frozen, batch, weight):  # [R, T + 1] (or packed), [R, T] -> the weighted sum of R * T losses
+        x, y, _, where = model_inputs(batch)
+        losses = token_losses(forward(params, frozen, x, **where), y)
         return jnp.sum(losses * weight.reshape(-1))
 
-    @partial(jax.jit, in_shardings=(params_sharding, None, None), out_shardings=replicated)
-    def evaluate(params, windows, weights):
-        return jax.lax.map(lambda batch: batch_loss(params, *batch), (windows, weights))
+    @partial(jax.jit, in_shardings=(params_sharding, None, None, frozen_sharding), out_shardings=replicated)
+    def evaluate(params, windows, weights, frozen):
+        return jax.lax.map(lambda batch: batch_loss(params, frozen, *batch), (windows, weights))
 
-    init = jax.jit(init_state, static_argnums=(0,), out_shardings=layout.state)
+    if initial is None:
+        init = jax.jit(init_state, static_argnums=(0,), out_shardings=layout.state)
+    else:
+        # each call places the host params anew, so the placed copy can become the state's (donated)
+        start = jax.jit(start_state, static_argnums=(1,), donate_argnums=(0,), out_shardings=layout.state)
+        init = lambda seed: start(jax.device_put(trained, params_sharding), seed)  # noqa: E731
     return Programs(init=init, train_steps=train_steps, evaluate=evaluate, eval_rows=eval_rows, layout=layout,
-                    block_size=T)
+                    block_size=T, frozen=frozen)
+
+
+def start_params(config: ExperimentConfig, initial: Initial) -> tuple[Any, Any]:
+    """(the params a run from `initial` trains, what it keeps frozen): the checkpoint's params and `{}`
+    for a full fine-tune; with `config.lora`, the adapters (`jaxattn.lora.add_lora`, drawn from the
+    run's seed) and the base, stored in `lora.base_dtype`. The checkpoint's arrays are handed on as they
+    are (host arrays): the programs place them on the mesh, and nothing here keeps a second copy."""
+    if config.lora is None:
+        return initial.params, {}
+    key = jax.random.fold_in(jax.random.PRNGKey(config.train.seed), ADAPTER_SEED)
+    adapters, frozen = lora.split_lora(lora.add_lora(initial.params, config.model, config.lora.settings(), key))
+    if config.lora.base_dtype != "float32":
+        dtype = jnp.dtype(config.lora.base_dtype)
+        frozen = jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, frozen)
+    return adapters, frozen
+
+
+def frozen_layout(frozen: Any, layout: StateLayout) -> Any:
+    """The shardings of a LoRA run's frozen base: each base kernel as the model's parameter at its path
+    (the pytree attribute holding it left out of the path), anything else replicated."""
+    by_path = {_plain_path(path): spec for path, spec in jax.tree_util.tree_leaves_with_path(
+        layout.params.specs, is_leaf=lambda x: isinstance(x, P))}
+    return jax.tree_util.tree_map_with_path(
+        lambda path, leaf: NamedSharding(layout.mesh, by_path.get(_plain_path(path), P())), frozen)
+
+
+def _plain_path(path) -> tuple[str, ...]:
+    return tuple(str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey))

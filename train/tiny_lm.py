@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from train import distributed
+from train import distributed, init_from
 from train import runtime as runtime_lib
 from train.checkpoint import CheckpointError
 from train.cli import ArgumentParser, Stopped, UsageError, guard
@@ -45,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "\"model.moe={aux_loss_coef = 0}\" keeps its other keys, as does "
                              "model.moe.aux_loss_coef=0; model.moe=none first drops it")
     parser.add_argument("--data", help="the text file to train on (= train.data_path)")
+    parser.add_argument("--init-from", metavar="hf:DIR|gguf:FILE", help="= train.init_from: fine-tune a checkpoint "
+                        "(its model and tokenizer); --set lora.rank=16 trains adapters only (docs/finetuning.md)")
     parser.add_argument("--out-dir", help="= train.out_dir")
     parser.add_argument("--target-loss", type=float, metavar="LOSS",
                         help="= train.target_loss: the final line says when the val loss first reached it")
@@ -67,6 +69,7 @@ def overrides(args: argparse.Namespace) -> list[str]:
     """`--set` items plus the flags that are shorthands for config fields."""
     extra = [f"train.data_path={json.dumps(args.data)}"] if args.data is not None else []  # "" is refused, not ignored
     extra += [f"train.out_dir={json.dumps(args.out_dir)}"] if args.out_dir is not None else []
+    extra += [f"train.init_from={json.dumps(args.init_from)}"] if args.init_from is not None else []
     extra += [f"runtime.mesh={json.dumps(args.mesh)}"] if args.mesh is not None else []
     extra += [f"train.target_loss={args.target_loss}"] if args.target_loss is not None else []
     extra += [f"runtime.cpu_devices={args.cpu_devices}"] if args.cpu_devices is not None else []
@@ -89,6 +92,9 @@ def run(argv: list[str] | None) -> RunResult:
         raise UsageError(RESUME_OR_OVERWRITE)
     try:
         config, processes = load_config(args.config, overrides(args)), cluster(args)
+        config = init_from.with_checkpoint_model(config)  # before JAX starts: the kernels are chosen for it
+    except CheckpointError:  # a checkpoint that cannot be read: a runtime error
+        raise
     except (ValueError, TypeError, FileNotFoundError) as err:
         raise UsageError(str(err)) from err
     if processes is not None:  # before anything starts JAX; every process must agree on these settings

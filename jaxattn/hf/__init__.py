@@ -98,6 +98,7 @@ from jaxattn.hf.architectures import ARCHITECTURES
 from jaxattn.hf.checkpoint import SaveReport, load_pretrained, load_state_dict, save_pretrained
 from jaxattn.hf.errors import HFCheckpointError, InvalidCheckpoint, UnsupportedCheckpoint
 from jaxattn.hf.tokenizer import HFTokenizer, load_tokenizer
+from jaxattn.hf import peft  # PEFT's LoRA adapter files (`peft.save_adapter`, `peft.load_adapter`)
 
 __all__ = ["ARCHITECTURES", "HFCheckpointError", "HFTokenizer", "InvalidCheckpoint", "SaveReport",
-           "UnsupportedCheckpoint", "load_pretrained", "load_state_dict", "load_tokenizer", "save_pretrained"]
+           "UnsupportedCheckpoint", "load_pretrained", "load_state_dict", "load_tokenizer", "peft", "save_pretrained"]

@@ -1,0 +1,161 @@
+"""Where a fine-tuning run starts: `train.init_from`, a checkpoint someone else trained.
+
+    train.init_from = "hf:DIR"     a transformers directory (config.json, *.safetensors, tokenizer.json)
+    train.init_from = "gguf:FILE"  a llama.cpp file (its weights dequantized to float32)
+
+The run then trains that model: its config replaces the experiment's `[model]` table (what the
+checkpoint computes is not the run's to change), and the corpus is tokenized with its tokenizer
+(a text file when the run starts; a prepared directory must have been prepared with the same
+tokenizer.json, `python -m train.prepare --tokenizer hf:DIR`). The weights are read once, as float32,
+and their sha256 (`Initial.digest`, over every array in path order) goes into each checkpoint's
+meta: a run resumed on a checkpoint whose weights changed since is refused (`check_same_base`), since
+its adapters or its optimizer state would continue from other weights than they were trained on.
+
+Reading the config alone (`model_config`) touches no tensor, so it can come before JAX starts and
+the runtime picks kernels for the real model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxattn import lora
+from jaxattn.config import ModelConfig
+from jaxattn.hf.chat_template import ChatTemplate, ChatTemplateError
+from train import pretrained
+from train.checkpoint_meta import CheckpointError, path_name
+from train.config import ExperimentConfig
+from train.tokenizer import JSONTokenizer
+
+KINDS = ("hf", "gguf")
+META_KEY = "init_from"  # the checkpoint meta's record of the base: {"source": spec, "sha256": digest}
+
+
+@dataclasses.dataclass(frozen=True)
+class Initial:
+    """A checkpoint a run starts from.
+
+    Attributes:
+      source: the spec as given ("hf:DIR" or "gguf:FILE").
+      config: its model config.
+      params: its parameters, float32 numpy arrays in `DecoderLM(config)`'s tree.
+      tokenizer: its tokenizer.json as the run's tokenizer (kind "hf", as `train.prepare --tokenizer hf:DIR`
+        makes it), ids as the checkpoint's.
+      digest: sha256 of every parameter, in path order.
+      chat_template: its chat template (how a chat JSONL corpus is rendered), None when it has none.
+    """
+
+    source: str
+    config: ModelConfig
+    params: Any
+    tokenizer: JSONTokenizer
+    digest: str
+    chat_template: ChatTemplate | None = None
+
+
+def parse_source(spec: str) -> tuple[str, Path]:
+    """("hf" or "gguf", path) of a `train.init_from` value; ValueError naming what is wrong."""
+    kind, sep, path = str(spec).partition(":")
+    if not sep or kind not in KINDS or not path.strip():
+        raise ValueError(f"train.init_from must be hf:DIR (a transformers directory) or gguf:FILE (a llama.cpp "
+                         f"file), got {spec!r}")
+    return kind, Path(path).expanduser()
+
+
+def model_config(spec: str) -> ModelConfig:
+    """The model config of the checkpoint `spec` names, without reading a tensor; CheckpointError when
+    it cannot be read."""
+    kind, path = parse_source(spec)
+    return pretrained.gguf_config(path) if kind == "gguf" else pretrained.hf_config(path)
+
+
+def with_base_model(config: ExperimentConfig, initial: Initial | ModelConfig) -> ExperimentConfig:
+    """`config` with the checkpoint's model in place of its `[model]` table; ValueError (one line) when
+    train.block_size is longer than the checkpoint's max_seq_len."""
+    model = initial.config if isinstance(initial, Initial) else initial
+    return config if config.model == model else config.replace(model=model)
+
+
+def with_checkpoint_model(config: ExperimentConfig) -> ExperimentConfig:
+    """`config` with the model of its `train.init_from` checkpoint, read from its config alone (unchanged
+    without one); CheckpointError when the checkpoint cannot be read, ValueError when its model does not
+    fit the run (a block longer than its max_seq_len)."""
+    if config.train.init_from is None:
+        return config
+    return with_base_model(config, model_config(config.train.init_from))
+
+
+def load(spec: str) -> Initial:
+    """The checkpoint `spec` names, read whole; CheckpointError (one line naming the file) when it
+    cannot be."""
+    kind, path = parse_source(spec)
+    params, config, tokenizer = pretrained.load_gguf(path) if kind == "gguf" else pretrained.load_hf(path)
+    params = jax.tree.map(lambda leaf: np.asarray(leaf, np.float32), params)
+    run_tokenizer = JSONTokenizer("hf", tokenizer.tokenizer.to_str())
+    return Initial(source=spec, config=config, params=params, tokenizer=run_tokenizer, digest=digest(params),
+                   chat_template=_chat_template(kind, path))
+
+
+def _chat_template(kind: str, path: Path) -> ChatTemplate | None:
+    """The checkpoint's chat template (a directory's chat_template.jinja or tokenizer_config.json, a GGUF
+    file's metadata); CheckpointError when it is there and does not parse."""
+    try:
+        if kind == "hf":
+            return ChatTemplate.from_directory(path)
+        source, special = pretrained.gguf_chat(path)
+        return None if source is None else ChatTemplate(source, special)
+    except ChatTemplateError as err:
+        raise CheckpointError(f"cannot load {path}'s chat template: {err}") from None
+
+
+def digest(params: Any) -> str:
+    """sha256 over every array of `params` (its path, shape, dtype and bytes), in path order."""
+    hasher = hashlib.sha256()
+    leaves = sorted(((path_name(path), np.asarray(leaf)) for path, leaf in jax.tree_util.tree_leaves_with_path(params)),
+                    key=lambda item: item[0])
+    for name, leaf in leaves:
+        hasher.update(f"{name}:{leaf.shape}:{leaf.dtype}".encode())
+        hasher.update(np.ascontiguousarray(leaf).tobytes())
+    return hasher.hexdigest()
+
+
+def meta_record(initial: Initial | None) -> dict:
+    """What a checkpoint's meta says of the run's base (nothing for a run from scratch)."""
+    return {} if initial is None else {META_KEY: {"source": initial.source, "sha256": initial.digest}}
+
+
+def check_same_base(meta: dict, initial: Initial | None) -> None:
+    """CheckpointError unless the checkpoint was trained from the same base as this run."""
+    saved = meta.get(META_KEY)
+    if saved is None and initial is None:
+        return
+    if saved is None:
+        raise CheckpointError(f"--resume: the checkpoint is of a run from scratch and this run starts from "
+                              f"{initial.source}")
+    if initial is None:
+        raise CheckpointError(f"--resume: the checkpoint's run started from {saved['source']} (train.init_from) "
+                              "and this one from scratch")
+    if saved["sha256"] != initial.digest:
+        raise CheckpointError(f"--resume: the base's weights changed: {initial.source} has sha256 "
+                              f"{initial.digest[:16]}..., the checkpoint was trained from {saved['source']} with "
+                              f"{saved['sha256'][:16]}...; resume with the base it was trained from")
+
+
+def adapted_params(config: ExperimentConfig, meta: dict, adapters: Any) -> Any:
+    """A LoRA run's model: the base it was trained from (read again from `train.init_from` and checked
+    against the checkpoint's sha256) with the checkpoint's `adapters` (`jaxattn.lora.LoraWeight`s, float32);
+    CheckpointError when the base cannot be read or has changed."""
+    base = load(config.train.init_from)
+    check_same_base(meta, base)
+    structure = lora.add_lora(jax.tree.map(jax.numpy.asarray, base.params), config.model, config.lora.settings(),
+                              jax.random.PRNGKey(0))  # the adapters' places; their values are the checkpoint's
+    try:
+        return lora.combine_lora(lora.split_lora(structure)[1], adapters)
+    except ValueError as err:
+        raise CheckpointError(f"the checkpoint's adapters do not fit its [lora] settings: {err}") from None
