@@ -340,3 +340,16 @@ def test_a_gguf_file_starts_a_run_as_its_transformers_directory_does(files, tmp_
     for a, b in zip(jax.tree.leaves(from_gguf.params), jax.tree.leaves(from_hf.params)):
         np.testing.assert_allclose(a, b, atol=1e-6)
     assert from_gguf.digest == from_hf.digest  # the same weights: a run resumes on either
+
+
+def test_the_block_is_checked_against_the_checkpoints_context_not_the_files_model(files, tmp_path, capsys):
+    base, text, _ = files
+    # the default config's model has a context of 64; the checkpoint's (32) is the one that counts
+    config = load_config(overrides=[f"train.init_from='hf:{base}'", "train.block_size=128"])
+    with pytest.raises(ValueError, match="longer than the checkpoint's max_seq_len=32"):
+        init_from.with_checkpoint_model(config)
+    with pytest.raises(SystemExit) as stop:
+        tiny_lm.main(["--init-from", f"hf:{base}", "--data", str(text), "--out-dir", str(tmp_path / "run"),
+                      "--set", "train.block_size=128"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert stop.value.code == 2 and len(err) == 1 and "max_seq_len=32" in err[0]

@@ -354,7 +354,9 @@ class ExperimentConfig(_Table):
 
     @model_validator(mode="after")
     def _block_fits_the_model(self) -> Self:
-        if self.model.max_seq_len < self.train.block_size:
+        """A run from a checkpoint (`train.init_from`) is checked once its model is the checkpoint's
+        (`train.init_from.with_base_model`): the file's [model] is not the one it trains."""
+        if self.train.init_from is None and self.model.max_seq_len < self.train.block_size:
             raise ValueError(f"model.max_seq_len={self.model.max_seq_len} is shorter than "
                              f"train.block_size={self.train.block_size}")
         return self

@@ -79,6 +79,9 @@ def with_base_model(config: ExperimentConfig, initial: Initial | ModelConfig) ->
     """`config` with the checkpoint's model in place of its `[model]` table; ValueError (one line) when
     train.block_size is longer than the checkpoint's max_seq_len."""
     model = initial.config if isinstance(initial, Initial) else initial
+    if model.max_seq_len < config.train.block_size:
+        raise ValueError(f"train.block_size={config.train.block_size} is longer than the checkpoint's max_seq_len="
+                         f"{model.max_seq_len} ({config.train.init_from})")
     return config if config.model == model else config.replace(model=model)
 
 
