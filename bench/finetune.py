@@ -1,0 +1,301 @@
+"""LoRA fine-tuning steps: jaxattn's training program beside PEFT + transformers, on the same weights and threads.
+
+    PYTHONPATH=$PWD python bench/finetune.py [--rounds 2] [--steps 4] [--threads N] [--seq 256] [--batch 8]
+        [--rank 16] [--runners jax,peft] [--out bench/results/finetune]
+    PYTHONPATH=$PWD python bench/finetune.py --quick     # a smoke run: a tiny Llama, one round
+
+One optimizer step of LoRA fine-tuning (rank --rank, alpha twice it, no dropout, on q, k, v, o, gate,
+up and down of every layer; AdamW) on a batch of --batch sequences of --seq tokens, on one set of random
+weights of SmolLM2-135M's shape (bench/serve.py's `smollm2` checkpoint: Llama, 30 layers, d 576, 9 query /
+3 kv heads of 64, MLP 1536, vocab 49152, tied; random init, seed 0, written once with
+`jaxattn.hf.save_pretrained` under --cache-dir), each runner starting from that directory:
+
+* `jax`: `train.steps.build_programs` of a run with `train.init_from = "hf:DIR"` and a `[lora]` table, as
+  `python -m train.tiny_lm` builds it (the kernels "auto" resolves to on this machine; the base float32,
+  or --base-dtype bfloat16), one step per call on windows of --seq + 1 tokens.
+* `jax_bf16`: the same with bfloat16 matmul operands and float32 sums (`runtime.matmul=bfloat16_cpu`, the
+  numbers of `torch.autocast`), which "auto" picks only on a CPU with AMX-BF16.
+* `peft`: transformers' `LlamaForCausalLM` (float32, attn_implementation "sdpa") wrapped by
+  `peft.get_peft_model`, `torch.optim.AdamW` over the adapters, `loss.backward()` and `step()` on
+  --seq tokens with labels; torch threads = --threads.
+
+Each runner runs in a fresh process restricted to --threads cores, once per round, the runners in turns
+(the order reversed every other round); inside, one untimed step compiles (or warms up), then --steps
+timed steps; reported: the median over rounds of each process's median ms/step, its peak resident
+memory (the kernel's, the whole process: the loaded base included), the adapters' parameters and their
+optimizer state's bytes, beside what a full fine-tune's AdamW state would take (two float32 moments per
+parameter). Writes --out.json and --out.md with the CPU named, the command and the checks of the
+targets (jaxattn at least 1.5x PEFT's speed, peak memory no higher, optimizer state under 2% of a full
+fine-tune's).
+
+    python -m bench.fresh bench.finetune:run_case SPEC_JSON     # one cell, what each fresh process runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+from bench import fresh
+from bench.machine import cpu_cores, describe_machine, load_average, machine_line, portable_command, write_results
+from bench.serve import default_cache_dir, ensure_checkpoint
+
+TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+PEFT_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+SPEEDUP_TARGET, STATE_FRACTION_TARGET = 1.5, 0.02
+SEED = 0
+
+
+def _pin(threads: int) -> None:
+    """This process on its first `threads` cores, before JAX or torch starts (their pools size to them)."""
+    if threads < cpu_cores() and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:threads])
+
+
+def windows(spec: dict, vocab: int, count: int):
+    """`count` batches of token windows `[B, seq + 1]`, the same for every runner."""
+    import numpy as np
+    rng = np.random.default_rng(SEED)
+    return rng.integers(0, vocab, size=(count, spec["batch"], spec["seq"] + 1), dtype=np.int64)
+
+
+def run_jax(spec: dict) -> dict:
+    """jaxattn's training program of a LoRA run from the checkpoint: one optimizer step per call."""
+    import jax
+    import numpy as np
+
+    from bench.timing import time_call
+    from jaxattn import hf
+    from train import init_from, runtime as runtime_lib
+    from train.config import load_config
+    from train.steps import build_programs
+    lora = {"rank": spec["rank"], "alpha": 2.0 * spec["rank"], "targets": list(TARGETS),
+            "base_dtype": spec["base_dtype"]}
+    overrides = [f"train.init_from='hf:{spec['checkpoint']}'", f"train.batch_size={spec['batch']}",
+                 f"train.block_size={spec['seq']}", "train.steps_per_dispatch=1", "train.grad_clip=0",
+                 "train.weight_decay=0.0", "train.warmup_iters=0", "runtime.mesh='data:1'",
+                 f"runtime.matmul={json.dumps(spec.get('matmul', 'auto'))}",
+                 *(f"lora.{k}={json.dumps(v)}" for k, v in lora.items())]
+    config = load_config(overrides=overrides)
+    # the bench's checkpoint has no tokenizer (random weights; the batches are ids): read as init_from.load reads
+    # it, its weights float32 and hashed, without the tokenizer no step uses
+    model_config, params = hf.load_pretrained(spec["checkpoint"], dtype="float32")
+    params = jax.tree.map(lambda x: np.asarray(x, np.float32), params)
+    initial = init_from.Initial(source=config.train.init_from, config=model_config, params=params, tokenizer=None,
+                                digest=init_from.digest(params))
+    del params
+    config = init_from.with_base_model(config, initial)
+    runtime = runtime_lib.start(config.runtime, config.train.batch_size, model=config.model)
+    programs = build_programs(config, runtime, initial)
+    del initial  # the base lives on in the programs' frozen part
+    state = programs.init(config.train.seed)
+    batches = [np.asarray(b, np.int32)[None] for b in windows(spec, config.model.vocab_size, spec["steps"] + 1)]
+    compiled = programs.train_steps.lower(state, programs.train_inputs(1, spec["batch"]), programs.frozen).compile()
+    holder = {"state": state, "i": 0}
+
+    def step():
+        holder["state"], (holder["losses"], _, _) = compiled(holder["state"], batches[holder["i"] % len(batches)],
+                                                             programs.frozen)
+        holder["i"] += 1
+        return holder["losses"]
+    timing = time_call(step, spec["steps"])
+    adapters = holder["state"]["params"]
+    opt_bytes = sum(x.nbytes for x in jax.tree.leaves(holder["state"]["opt_state"]))
+    return {"ms_per_step": 1000 * timing.median_s, "times_s": timing.times_s, "compile_s": timing.compile_s,
+            "trainable_params": int(sum(x.size for x in jax.tree.leaves(adapters))),
+            "optimizer_state_bytes": int(opt_bytes), "kernels": runtime.kernels.to_dict(),
+            "last_loss": float(np.asarray(holder["losses"])[-1])}
+
+
+def run_peft(spec: dict) -> dict:
+    """transformers + PEFT: the same adapters on the same checkpoint, torch's AdamW, one step per call."""
+    import peft
+    import torch
+    import transformers
+
+    from bench.timing import time_call
+    torch.set_num_threads(spec["threads"])
+    model = transformers.AutoModelForCausalLM.from_pretrained(spec["checkpoint"], torch_dtype=torch.float32,
+                                                              attn_implementation="sdpa")
+    settings = peft.LoraConfig(r=spec["rank"], lora_alpha=2 * spec["rank"], lora_dropout=0.0,
+                               target_modules=list(PEFT_MODULES), task_type="CAUSAL_LM")
+    model = peft.get_peft_model(model, settings)
+    model.train()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=1e-4, weight_decay=0.0)
+    batches = [torch.from_numpy(b[:, :-1].copy()) for b in windows(spec, model.config.vocab_size, spec["steps"] + 1)]
+    last = {"i": 0, "loss": None}
+
+    def step():
+        ids = batches[last["i"] % len(batches)]
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        last["i"] += 1
+        last["loss"] = float(loss.detach())
+        return last["loss"]
+    timing = time_call(step, spec["steps"])
+    state_bytes = sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values()
+                      if torch.is_tensor(t))
+    return {"ms_per_step": 1000 * timing.median_s, "times_s": timing.times_s, "compile_s": timing.compile_s,
+            "trainable_params": int(sum(p.numel() for p in trainable)), "optimizer_state_bytes": int(state_bytes),
+            "last_loss": last["loss"], "torch": torch.__version__, "peft": peft.__version__, "transformers": transformers.__version__}
+
+
+def run_jax_bf16(spec: dict) -> dict:
+    """`run_jax` with bfloat16 matmul operands and float32 sums (`runtime.matmul = "bfloat16_cpu"`), the base
+    still float32: what "auto" picks only on a CPU with AMX-BF16 (`jaxattn.kernels.select`)."""
+    return run_jax({**spec, "matmul": "bfloat16_cpu"})
+
+
+CELLS = {"jax": run_jax, "jax_bf16": run_jax_bf16, "peft": run_peft}
+
+
+def run_case(spec: dict) -> dict:
+    """One runner on `spec["threads"]` cores: what each fresh process runs."""
+    _pin(spec["threads"])
+    return CELLS[spec["runner"]](spec)
+
+
+# ---------------------------------------------------------------- the driver
+
+def quick_config():
+    """The smoke run's model: SmolLM2's kind (Llama, tied, GQA), tiny."""
+    from jaxattn.config import ModelConfig
+    return ModelConfig(vocab_size=512, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                       mlp_hidden=128, mlp="swiglu", norm="rmsnorm", norm_eps=1e-5, positions="rope",
+                       rope_theta=100000.0, use_bias=False, tie_embeddings=True, max_seq_len=128)
+
+
+def measure(specs: list[dict], rounds: int, timeout: float) -> dict[str, dict]:
+    """Each runner once a round in a fresh process, in turns; per runner its spec, every round's record
+    (with the process's peak resident memory) and `failed` (then it is not run again)."""
+    cells = {s["runner"]: {"spec": s, "records": []} for s in specs}
+    order = list(cells)
+    for round_index in range(rounds):
+        for name in order if round_index % 2 == 0 else order[::-1]:
+            cell = cells[name]
+            if "failed" in cell:
+                continue
+            print(f"round {round_index + 1} of {rounds}: {name}", file=sys.stderr, flush=True)
+            try:
+                done = fresh.run(fresh.function_argv("bench.finetune:run_case", cell["spec"]), what=name,
+                                 env=fresh.environment(cell["spec"]["threads"]), timeout=timeout)
+            except fresh.FreshProcessError as err:
+                cell["failed"] = str(err)
+                continue
+            cell["records"].append({**done.json(), "peak_rss_bytes": done.peak_rss_bytes,
+                                    "load_average": load_average()})
+    return cells
+
+
+def summarize(cells: dict[str, dict], full_params: int) -> list[dict]:
+    """One row per runner: medians over rounds."""
+    rows = []
+    for name, cell in cells.items():
+        records = cell["records"]
+        row = {"runner": name, "rounds": len(records), "failed": cell.get("failed")}
+        if records:
+            row.update(ms_per_step=statistics.median(r["ms_per_step"] for r in records),
+                       peak_rss_mb=statistics.median(r["peak_rss_bytes"] for r in records) / 2**20,
+                       trainable_params=records[0]["trainable_params"],
+                       optimizer_state_mb=records[0]["optimizer_state_bytes"] / 2**20,
+                       state_fraction=records[0]["optimizer_state_bytes"] / (8 * full_params),
+                       compile_s=statistics.median(r["compile_s"] for r in records))
+        rows.append(row)
+    return rows
+
+
+def checks(rows: list[dict]) -> list[dict]:
+    by = {r["runner"]: r for r in rows if r.get("ms_per_step")}
+    out = []
+    for name in ("jax", "jax_bf16"):
+        if name in by and "peft" in by:
+            speedup = by["peft"]["ms_per_step"] / by[name]["ms_per_step"]
+            out.append({"check": f"jaxattn LoRA step ({name}) at least {SPEEDUP_TARGET}x PEFT's",
+                        "value": f"{speedup:.2f}x", "holds": speedup >= SPEEDUP_TARGET})
+    if "jax" in by and "peft" in by:
+        out.append({"check": "peak memory (jax) no higher than PEFT's",
+                    "value": f"{by['jax']['peak_rss_mb']:,.0f} MB vs {by['peft']['peak_rss_mb']:,.0f} MB",
+                    "holds": by["jax"]["peak_rss_mb"] <= by["peft"]["peak_rss_mb"]})
+    if "jax" in by:
+        fraction = by["jax"]["state_fraction"]
+        out.append({"check": f"optimizer state under {100 * STATE_FRACTION_TARGET:.0f}% of a full fine-tune's",
+                    "value": f"{100 * fraction:.2f}%", "holds": fraction < STATE_FRACTION_TARGET})
+    return out
+
+
+def markdown(record: dict) -> str:
+    a = record["settings"]
+    lines = ["# LoRA fine-tuning step: jaxattn beside PEFT + transformers", "",
+             f"Machine: {machine_line(record['machine'])}.", "",
+             f"Command: `{record['command']}`", "",
+             f"Model: {record['model']}; batch {a['batch']} x {a['seq']} tokens, rank {a['rank']} (alpha "
+             f"{2 * a['rank']}) on {', '.join(TARGETS)}; {a['threads']} threads each; {a['rounds']} rounds of "
+             f"{a['steps']} timed steps, medians.", "",
+             "| runner | ms/step | vs PEFT | peak memory MB | trained params | optimizer state MB | of full FT's |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    peft_ms = next((r.get("ms_per_step") for r in record["rows"] if r["runner"] == "peft"), None)
+    for r in record["rows"]:
+        if not r.get("ms_per_step"):
+            lines.append(f"| {r['runner']} | failed: {r.get('failed')} | | | | | |")
+            continue
+        versus = f"{peft_ms / r['ms_per_step']:.2f}x" if peft_ms else "–"
+        lines.append(f"| {r['runner']} | {r['ms_per_step']:,.0f} | {versus} | {r['peak_rss_mb']:,.0f} | "
+                     f"{r['trainable_params']:,} | {r['optimizer_state_mb']:,.1f} | {100 * r['state_fraction']:.2f}% |")
+    lines += ["", "| check | value | holds |", "| --- | --- | --- |"]
+    lines += [f"| {c['check']} | {c['value']} | {'yes' if c['holds'] else 'no'} |" for c in record["checks"]]
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(prog="bench/finetune.py", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=4, help="timed steps per process")
+    parser.add_argument("--threads", type=int, default=cpu_cores())
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--base-dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--runners", default="jax,jax_bf16,peft")
+    parser.add_argument("--cache-dir", type=Path, default=default_cache_dir())
+    parser.add_argument("--timeout", type=float, default=3600)
+    parser.add_argument("--quick", action="store_true", help="a tiny Llama, one round, two steps (a smoke run)")
+    parser.add_argument("--out", default="bench/results/finetune")
+    args = parser.parse_args(argv)
+    args.runners = [r.strip() for r in args.runners.split(",") if r.strip()]
+    unknown = sorted(set(args.runners) - set(CELLS))
+    if unknown:
+        parser.error(f"--runners: unknown {unknown}; choose from {sorted(CELLS)}")
+    if args.quick:
+        args.rounds, args.steps, args.seq, args.batch, args.rank = 1, 2, 32, 2, 4
+    return args
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    name, config = ("quick", quick_config()) if args.quick else ("smollm2", None)
+    checkpoint, facts = ensure_checkpoint(name, args.cache_dir, config)
+    spec = {"checkpoint": str(checkpoint), "threads": args.threads, "steps": args.steps, "seq": args.seq,
+            "batch": args.batch, "rank": args.rank, "base_dtype": args.base_dtype}
+    cells = measure([{**spec, "runner": r} for r in args.runners], args.rounds, args.timeout)
+    for cell in cells.values():  # the results name the checkpoint, not where this machine keeps it
+        cell["spec"]["checkpoint"] = checkpoint.name
+    rows = summarize(cells, facts["params"])
+    record = {"machine": describe_machine(), "command": portable_command(sys.argv, ("--cache-dir", "--out")),
+              "model": f"{name} ({facts['architecture']}, {facts['params']:,} parameters, random weights)",
+              "settings": {**{k: v for k, v in spec.items() if k != "checkpoint"}, "rounds": args.rounds},
+              "rows": rows, "checks": checks(rows), "cells": cells}
+    write_results(Path(args.out).parent, Path(args.out).name, record, markdown(record))
+    print(markdown(record))
+    return record
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,46 @@
+"""bench/finetune.py's pieces in this process: both runners on a tiny Llama (one step each), the rows, the
+checks of the targets and the report."""
+
+import json
+
+import pytest
+
+from bench import finetune
+from bench.serve import ensure_checkpoint
+
+
+@pytest.fixture(scope="module")
+def spec(tmp_path_factory):
+    checkpoint, facts = ensure_checkpoint("quick", tmp_path_factory.mktemp("ft"), finetune.quick_config())
+    return {"checkpoint": str(checkpoint), "threads": 2, "steps": 1, "seq": 16, "batch": 2, "rank": 4,
+            "base_dtype": "float32", "params": facts["params"]}
+
+
+def test_both_runners_train_the_same_adapters_on_the_same_batches(spec):
+    ours, theirs = finetune.run_jax(spec), finetune.run_peft(spec)
+    # rank 4 on every projection of 2 layers (d 64, kv 32, mlp 128): the same count on both sides
+    assert ours["trainable_params"] == theirs["trainable_params"] == 2 * 4 * (2 * (64 + 64) + 2 * (64 + 32)
+                                                                               + 3 * (64 + 128))
+    assert ours["optimizer_state_bytes"] >= 8 * ours["trainable_params"]  # two float32 moments (and a count)
+    # B = 0 at the start: the first step's loss is the base's on the same batch, on both sides
+    assert ours["ms_per_step"] > 0 and abs(ours["last_loss"] - theirs["last_loss"]) < 0.05
+
+
+def test_the_rows_checks_and_report_say_what_held():
+    cells = {"jax": {"records": [{"ms_per_step": 100.0, "peak_rss_bytes": 2**30, "trainable_params": 10,
+                                  "optimizer_state_bytes": 80, "compile_s": 1.0}]},
+             "peft": {"records": [{"ms_per_step": 160.0, "peak_rss_bytes": 2 * 2**30, "trainable_params": 10,
+                                   "optimizer_state_bytes": 80, "compile_s": 0.0}]}}
+    rows = finetune.summarize(cells, full_params=1000)
+    assert rows[0]["state_fraction"] == pytest.approx(0.01) and rows[0]["peak_rss_mb"] == 1024
+    checks = {c["check"]: c["holds"] for c in finetune.checks(rows)}
+    assert checks == {"jaxattn LoRA step (jax) at least 1.5x PEFT's": True,
+                      "peak memory (jax) no higher than PEFT's": True,
+                      "optimizer state under 2% of a full fine-tune's": True}
+    record = {"machine": {"cpu": "x", "platform": "cpu", "cpus": 2, "jax": "0"}, "command": "bench/finetune.py",
+              "model": "quick",
+              "settings": {"batch": 2, "seq": 16, "rank": 4, "threads": 2, "rounds": 1, "steps": 1},
+              "rows": rows, "checks": finetune.checks(rows)}
+    text = finetune.markdown(record)
+    assert "| jax | 100 | 1.60x |" in text and "| yes |" in text
+    json.dumps(record)
