@@ -88,7 +88,8 @@ CONVERTED = ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads",
              "rope_interleaved", "rope_scaling", "norm_eps", "gelu_approximate", "mlp_hidden", "use_bias",
              "qkv_bias", "out_bias", "mlp_bias", "sliding_window", "layer_pattern", "fused_qkv", "max_seq_len",
              "tie_embeddings", "dtype", "param_dtype", "dropout", "init_std", "zero_init_out",
-             "dense_layers")  # dense_layers: without moe always empty; a family with moe checks it
+             "dense_layers",  # without moe always empty; a family with moe checks it
+             "scan_layers")  # the params' layout, not the function: saving unstacks them (jaxattn.layer_plan)
 
 
 def describe_need(field: str, need: Any) -> str:
