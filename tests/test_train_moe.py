@@ -48,7 +48,7 @@ def test_a_step_trains_on_cross_entropy_plus_the_layers_mean_aux_loss():
     state = programs.init(0)
     params = jax.tree.map(np.asarray, state["params"])
     data = windows(3, config)
-    _, (losses, lrs, layers) = programs.train_steps(state, jnp.asarray(data))
+    _, (losses, lrs, layers) = programs.train_steps(state, jnp.asarray(data), programs.frozen)
     assert losses.shape == lrs.shape == (3,) and sorted(layers) == sorted(LOSS_NAMES)
 
     x, y = data[0, :, :-1], data[0, :, 1:]
@@ -73,13 +73,13 @@ def test_evaluation_is_the_plain_cross_entropy_and_dense_models_sow_no_layer_los
     programs, runtime = programs_for(config)
     params = programs.init(0)["params"]
     data = windows(1, config)
-    got = programs.evaluate(params, jnp.asarray(data), jnp.ones(data[:, :, 1:].shape, jnp.float32))
+    got = programs.evaluate(params, jnp.asarray(data), jnp.ones(data[:, :, 1:].shape, jnp.float32), programs.frozen)
     logits = DecoderLM(config.model, runtime.kernels).apply({"params": params}, data[0, :, :-1])
     np.testing.assert_allclose(got[0] / data[0, :, 1:].size, cross_entropy(logits, data[0, :, 1:]), rtol=1e-5)
 
     dense = experiment(moe=None)
     programs, _ = programs_for(dense)
-    _, outputs = programs.train_steps(programs.init(0), jnp.asarray(windows(2, dense)))
+    _, outputs = programs.train_steps(programs.init(0), jnp.asarray(windows(2, dense)), programs.frozen)
     assert not dense.model.moe_layers and len(outputs) == 3 and outputs[2] == {}
     params = programs.init(0)["params"]
     assert describe_params(dense.model, params) == f"parameters: {active_params(dense.model):,}"
