@@ -97,10 +97,10 @@ def create_app(runner: EngineRunner, served: ServedModel, metrics: ServerMetrics
         return error_response(APIError(err.status_code, str(err.detail)))
 
     @app.exception_handler(Exception)
-    async def _internal(request: Request, err: Exception):
+    async def _internal(request: Request, err: Exception):  # outside KeyAndTag, which answers the rest
         tag = getattr(request.state, "tag", "-")
         log.exception("request %s failed: %s", tag, err)
-        return error_response(APIError(500, f"internal error (request {tag}); the server logged it"))
+        return internal_error(tag)
 
     app.add_middleware(KeyAndTag, api_key=limits.api_key)
 
@@ -276,7 +276,12 @@ class CancellingStream(StreamingResponse):
 class KeyAndTag:
     """ASGI middleware: a request id (`request.state.tag`, named in logs and 500s) for every request,
     and with an API key, a 401 for a `/v1/` request without it (`/health`, `/metrics` and the page
-    stay open). Plain ASGI, not `BaseHTTPMiddleware`, so that streams and disconnects pass through."""
+    stay open). Plain ASGI, not `BaseHTTPMiddleware`, so that streams and disconnects pass through.
+
+    An exception no handler took becomes the 500 here, and goes no further: Starlette's outermost
+    middleware would send the same 500 and then raise again, and uvicorn then closes the connection,
+    which a client that keeps connections (the openai client, retrying a 500 on the same connection)
+    may find reset. Once a response has begun (a stream) nothing can be answered: it is raised."""
 
     def __init__(self, app, api_key: str | None):
         self.app, self.api_key = app, api_key
@@ -288,12 +293,30 @@ class KeyAndTag:
         if self.api_key is not None and scope["path"].startswith("/v1/") and not self._allowed(scope):
             err = APIError(401, "a missing or wrong API key (Authorization: Bearer KEY)", code="invalid_api_key")
             return await error_response(err)(scope, receive, send)
-        return await self.app(scope, receive, send)
+        started = False
+
+        async def watched(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+        try:
+            return await self.app(scope, receive, watched)
+        except Exception as err:  # noqa: BLE001: every failure is answered, and logged with its traceback
+            if started:
+                raise
+            tag = scope["state"]["tag"]
+            log.exception("request %s failed: %s", tag, err)
+            return await internal_error(tag)(scope, receive, send)
 
     def _allowed(self, scope) -> bool:
         given = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
         scheme, _, key = given.partition(" ")
         return scheme.lower() == "bearer" and hmac.compare_digest(key.strip().encode(), self.api_key.encode())
+
+
+def internal_error(tag: str):
+    """The 500 of a request that failed in the server (its traceback in the log, not the answer)."""
+    return error_response(APIError(500, f"internal error (request {tag}); the server logged it"))
 
 
 def sse(payload: dict) -> str:
