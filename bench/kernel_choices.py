@@ -61,10 +61,10 @@ def time_training(runtime, rounds: int) -> list[dict]:
         data = RunBatches(corpus.train, corpus.val, config.train, programs.layout.windows,
                           programs.eval_rows).train_chunk(0, steps)  # [steps, B, T + 1], read once
         state = {"s": programs.init(config.train.seed)}
-        compiled = programs.train_steps.lower(state["s"], data).compile()
+        compiled = programs.train_steps.lower(state["s"], data, programs.frozen).compile()
 
-        def call(compiled=compiled, state=state, data=data):
-            state["s"], (losses, _) = compiled(state["s"], data)
+        def call(compiled=compiled, state=state, data=data, frozen=programs.frozen):
+            state["s"], (losses, _, _) = compiled(state["s"], data, frozen)
             np.asarray(losses)
         calls[name] = call
     medians = medians_in_turns(calls, rounds)
