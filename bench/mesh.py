@@ -40,8 +40,8 @@ MIB = 2**20
 
 def compiled_memory(programs, state, batch_size: int) -> dict:
     """XLA's per-device sizes (MiB) of one compiled train step (its batch's windows among the arguments)."""
-    stats = programs.train_steps.lower(state, programs.train_inputs(1, batch_size), programs.frozen).compile(
-    ).memory_analysis()
+    compiled = programs.train_steps.lower(state, programs.train_inputs(1, batch_size), programs.frozen).compile()
+    stats = compiled.memory_analysis()
     return {"arguments_mib": stats.argument_size_in_bytes / MIB, "outputs_mib": stats.output_size_in_bytes / MIB,
             "temporaries_mib": stats.temp_size_in_bytes / MIB}
 
