@@ -35,25 +35,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 from pathlib import Path
 
 from bench import fresh
-from bench.machine import cpu_cores, describe_machine, load_average, machine_line, portable_command, write_results
+from bench.machine import (cpu_cores, describe_machine, load_average, machine_line, pin_to_cores, portable_command,
+                           write_results)
+from bench.quant import quick_config  # the smoke run's tiny Llama, as the decoding bench's
 from bench.serve import default_cache_dir, ensure_checkpoint
 
 TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 PEFT_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 SPEEDUP_TARGET, STATE_FRACTION_TARGET = 1.5, 0.02
 SEED = 0
-
-
-def _pin(threads: int) -> None:
-    """This process on its first `threads` cores, before JAX or torch starts (their pools size to them)."""
-    if threads < cpu_cores() and hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:threads])
 
 
 def windows(spec: dict, vocab: int, count: int):
@@ -158,19 +153,11 @@ CELLS = {"jax": run_jax, "jax_bf16": run_jax_bf16, "peft": run_peft}
 
 def run_case(spec: dict) -> dict:
     """One runner on `spec["threads"]` cores: what each fresh process runs."""
-    _pin(spec["threads"])
+    pin_to_cores(spec["threads"])
     return CELLS[spec["runner"]](spec)
 
 
 # ---------------------------------------------------------------- the driver
-
-def quick_config():
-    """The smoke run's model: SmolLM2's kind (Llama, tied, GQA), tiny."""
-    from jaxattn.config import ModelConfig
-    return ModelConfig(vocab_size=512, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
-                       mlp_hidden=128, mlp="swiglu", norm="rmsnorm", norm_eps=1e-5, positions="rope",
-                       rope_theta=100000.0, use_bias=False, tie_embeddings=True, max_seq_len=128)
-
 
 def measure(specs: list[dict], rounds: int, timeout: float) -> dict[str, dict]:
     """Each runner once a round in a fresh process, in turns; per runner its spec, every round's record

@@ -12,6 +12,12 @@ import platform
 from pathlib import Path
 
 
+def pin_to_cores(threads: int) -> None:
+    """This process on its first `threads` cores, before JAX or torch starts (their pools size to them)."""
+    if threads < cpu_cores() and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:threads])
+
+
 def cpu_model(cpuinfo: str = "/proc/cpuinfo") -> str:
     """The CPU's model name as `lscpu` shows it ("unknown" where /proc/cpuinfo is missing)."""
     try:

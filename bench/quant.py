@@ -70,7 +70,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench import fresh  # noqa: E402
-from bench.machine import cpu_cores, load_average, portable_command, write_results  # noqa: E402
+from bench.machine import cpu_cores, load_average, pin_to_cores, portable_command, write_results  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 WEIGHTS = ("float32", "bfloat16", "int8", "int4")
@@ -240,12 +240,6 @@ def gguf_bytes_per_token(path: str | Path) -> int:
 
 
 # ---------------------------------------------------------------- the cells (each in a fresh process)
-
-def _pin(threads: int) -> None:
-    """This process on its first `threads` cores, before JAX or torch starts (their pools size to them)."""
-    if threads < cpu_cores() and hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:threads])
-
 
 def _speed(timing, tokens: int) -> dict:
     return {"tokens_per_s": tokens / timing.median_s, "median_s": timing.median_s, "times_s": timing.times_s,
@@ -449,7 +443,7 @@ CELLS = {"jax": run_jax, "engine": run_engine, "hf": run_hf, "llamacpp": run_lla
 
 def run_case(spec: dict) -> dict:
     """One cell (`spec["runner"]` of CELLS) on `spec["threads"]` cores: what each fresh process runs."""
-    _pin(spec["threads"])
+    pin_to_cores(spec["threads"])
     return CELLS[spec["runner"]](spec)
 
 

@@ -20,7 +20,7 @@ from jaxattn.lora import (LoraConfig, LoraWeight, add_lora, combine_lora, count_
                           split_lora)
 from jaxattn.moe import MoEConfig
 from jaxattn.quantization import QuantizedWeight, quantize
-from tiny_models import VOCAB, drawn_params, tiny_config
+from tiny_models import VOCAB, drawn_params, tiny_config, with_random_b
 
 TOL = 2e-5
 ALL = ("q", "k", "v", "o", "gate", "up", "down")
@@ -42,15 +42,6 @@ CASES = {
 
 def tokens(seed=0):
     return jnp.asarray(np.random.default_rng(seed).integers(0, VOCAB, (2, 8)))
-
-
-def with_random_b(params, seed=0, std=0.2):
-    """Every adapter's b redrawn N(0, std): the delta is then visible in the logits."""
-    adapters, frozen = split_lora(params)
-    rng = np.random.default_rng(seed)
-    adapters = jax.tree_util.tree_map_with_path(
-        lambda path, x: jnp.asarray(rng.normal(size=x.shape) * std, x.dtype) if path[-1].key == "b" else x, adapters)
-    return combine_lora(frozen, adapters)
 
 
 def logits(config, params, **kwargs):

@@ -31,7 +31,7 @@ from jaxattn.hf import UnsupportedCheckpoint, InvalidCheckpoint
 from jaxattn.hf.peft import load_adapter, save_adapter
 from jaxattn.lora import LoraConfig, add_lora, combine_lora, split_lora
 from jaxattn.moe import MoEConfig
-from tiny_models import drawn_params, tiny_config
+from tiny_models import drawn_params, tiny_config, with_random_b
 
 transformers.logging.set_verbosity_error()
 torch.set_num_threads(2)
@@ -62,14 +62,6 @@ def torch_logits(model, ids):
 
 def jax_logits(config, params, ids):
     return np.asarray(jaxattn.DecoderLM(config).apply({"params": params}, jnp.asarray(ids)))
-
-
-def with_random_b(params, seed=0, std=0.1):
-    adapters, frozen = split_lora(params)
-    rng = np.random.default_rng(seed)
-    adapters = jax.tree_util.tree_map_with_path(
-        lambda path, x: jnp.asarray(rng.normal(size=x.shape) * std, x.dtype) if path[-1].key == "b" else x, adapters)
-    return combine_lora(frozen, adapters)
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +105,7 @@ EXPORTS = {"llama": ALL, "qwen3": ALL, "own_llama_interleaved_fused": ("q", "k",
 def test_an_adapter_jaxattn_wrote_loads_in_peft(bases, tmp_path, name):
     model, _, config, params = bases(name)
     lora = LoraConfig(rank=4, alpha=8.0, targets=EXPORTS[name])
-    with_lora = with_random_b(add_lora(params, config, lora, jax.random.PRNGKey(1)))
+    with_lora = with_random_b(add_lora(params, config, lora, jax.random.PRNGKey(1)), std=0.1)
     save_adapter(tmp_path, config, with_lora, lora, base_model_name_or_path="tiny")
     written = json.loads((tmp_path / "adapter_config.json").read_text())
     assert written["r"] == 4 and written["lora_alpha"] == 8 and written["peft_type"] == "LORA"
@@ -204,7 +196,7 @@ def written(bases, tmp_path_factory):
     _, _, config, params = bases("llama")
     lora = LoraConfig(rank=2, targets=("q", "v"))
     directory = tmp_path_factory.mktemp("written")
-    save_adapter(directory, config, with_random_b(add_lora(params, config, lora, jax.random.PRNGKey(0))), lora)
+    save_adapter(directory, config, with_random_b(add_lora(params, config, lora, jax.random.PRNGKey(0)), std=0.1), lora)
     return directory
 
 

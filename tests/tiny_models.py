@@ -1,14 +1,16 @@
-"""Tiny DecoderLM configs and params shared by the model tests."""
+"""Tiny DecoderLM configs and params shared by the model tests (and adapters made visible: `with_random_b`)."""
 
 import functools
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax.traverse_util import flatten_dict, unflatten_dict
 
 from jaxattn.config import MLAConfig, ModelConfig
 from jaxattn.kernels import Kernels
+from jaxattn.lora import combine_lora, split_lora
 from jaxattn.model import abstract_params
 
 VOCAB, T, MAX_LEN = 13, 8, 12
@@ -62,3 +64,12 @@ def drawn_params(config, seed=0, std=0.1):
     shapes = flatten_dict(nn.unbox(abstract_params(config)))
     return unflatten_dict({path: jnp.asarray((center * (path[-1] == "scale") + std * rng.standard_normal(leaf.shape))
                                              .astype(leaf.dtype)) for path, leaf in shapes.items()})
+
+
+def with_random_b(params, seed=0, std=0.2):
+    """Every adapter's b redrawn N(0, std): the delta is then visible in the logits."""
+    adapters, frozen = split_lora(params)
+    rng = np.random.default_rng(seed)
+    adapters = jax.tree_util.tree_map_with_path(
+        lambda path, x: jnp.asarray(rng.normal(size=x.shape) * std, x.dtype) if path[-1].key == "b" else x, adapters)
+    return combine_lora(frozen, adapters)

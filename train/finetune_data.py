@@ -82,6 +82,16 @@ class Conversation:
         return f"{self.path}:{self.line}"
 
 
+def _read_utf8(path: Path) -> str:
+    """The file's text; DataError naming it when it cannot be read or is not UTF-8."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise DataError(f"{path}: is not UTF-8 text (near byte {err.start}): {err.reason}") from None
+    except OSError as err:
+        raise DataError(f"{path}: cannot be read ({err.strerror or err})") from None
+
+
 def read_chat_jsonl(path: str | Path) -> list[Conversation]:
     """The conversations of a chat JSONL file, in file order; blank lines are skipped.
 
@@ -91,12 +101,7 @@ def read_chat_jsonl(path: str | Path) -> list[Conversation]:
     DataError naming the file when it cannot be read, is not UTF-8 or holds no conversation.
     """
     path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as err:
-        raise DataError(f"{path}: is not UTF-8 text (near byte {err.start}): {err.reason}") from None
-    except OSError as err:
-        raise DataError(f"{path}: cannot be read ({err.strerror or err})") from None
+    text = _read_utf8(path)
     conversations = []
     for number, line in enumerate(text.splitlines(), start=1):
         if line.strip():
@@ -288,12 +293,7 @@ def text_documents(path: str | Path, tokenizer: Tokenizer, *, split: str = "para
     if split not in TEXT_SPLITS:
         raise ValueError(f"split must be one of {TEXT_SPLITS}, got {split!r}")
     path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as err:
-        raise DataError(f"{path}: is not UTF-8 text (near byte {err.start}): {err.reason}") from None
-    except OSError as err:
-        raise DataError(f"{path}: cannot be read ({err.strerror or err})") from None
+    text = _read_utf8(path)
     if split == "file":
         texts = [text] if text.strip() else []
     else:
