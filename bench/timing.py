@@ -49,6 +49,18 @@ def seconds(call: Callable[[], Any]) -> tuple[Any, float]:
     return result, perf_counter() - start
 
 
+def best_seconds(call: Callable[[], Any], budget_s: float = 0.2, most: int = 20) -> tuple[Any, float]:
+    """(the last result, the fewest seconds of `call()`): called again while the calls so far took under
+    `budget_s` (at most `most` times), as `timeit` ranges. A call of milliseconds is then timed as the least
+    of many, which the machine's noise does not reach; a call of seconds is timed once, as by `seconds`."""
+    result, best = seconds(call)
+    spent, calls = best, 1
+    while spent < budget_s and calls < most:
+        result, took = seconds(call)
+        best, spent, calls = min(best, took), spent + took, calls + 1
+    return result, best
+
+
 def in_turns(calls: dict[Hashable, Callable[[], Any]], repeats: int,
              warmup: bool = True) -> dict[Hashable, Timing]:
     """Each zero-argument call timed `repeats` times, one call of each per round, the order reversed every

@@ -25,6 +25,24 @@ def clock(monkeypatch):
     return fake
 
 
+def test_best_seconds_repeats_a_short_call_and_keeps_the_least(clock):
+    costs = iter([0.05, 0.03, 0.08, 0.06, 0.04])
+
+    def call():
+        clock.now += next(costs)
+        return clock.now
+    last, best = timing.best_seconds(call, budget_s=0.2)
+    assert best == pytest.approx(0.03) and last == pytest.approx(0.22)  # 4 calls: 0.22 s spent, past 0.2
+
+
+def test_best_seconds_times_a_long_call_once(clock):
+    calls = []
+
+    def call():
+        clock.now += 1.5
+        calls.append(1)
+    assert timing.best_seconds(call, budget_s=0.2)[1] == 1.5 and len(calls) == 1
+
 def test_candidates_take_turns_after_one_warm_up_each(clock):
     order = []
 
