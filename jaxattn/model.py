@@ -32,10 +32,11 @@ import re
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import optax
 from flax.traverse_util import flatten_dict
 from jax.experimental import checkify
 
-from jaxattn import kernels as kernels_lib
+from jaxattn import head_loss, kernels as kernels_lib
 from jaxattn._validate import concrete_or_none
 from jaxattn.attention_kinds import attention_class
 from jaxattn.attention_layer import WEIGHTS
@@ -44,6 +45,7 @@ from jaxattn.cache import DecodeCache, PagedBatch
 from jaxattn.config import ModelConfig
 from jaxattn.kernels import Kernels
 from jaxattn.layer_plan import SCANNED, plan_layers
+from jaxattn.lora import is_lora
 from jaxattn.masks import check_segment_ids, segment_positions
 from jaxattn.moe import mlp_for_layer
 from jaxattn.position_embeddings import absolute_positions
@@ -270,6 +272,18 @@ class DecoderLM(nn.Module):
             logits = logits.reshape(B, T, -1)
         return soft_cap(logits, self.config.final_logits_soft_cap)
 
+    def head_matrix(self):
+        """The head `[D, V]` as a float array in the compute dtype (the tied embedding's transpose, or
+        lm_head's kernel), or None where it is quantized or adapted (`jaxattn.head_loss` then cannot take it)."""
+        if self.config.tie_embeddings:
+            tied = self.get_variable("params", TIED_HEAD)  # a quantized model's copy, when it has one
+            head = self.wte.embedding.T if tied is None else tied
+        else:
+            head = self.lm_head.get_variable("params", "kernel")
+        if is_quantized(head) or is_lora(head):
+            return None
+        return head.astype(jnp.dtype(self.config.dtype))
+
     # -- whole sequences -------------------------------------------------------------------
 
     def __call__(self, tokens, *, positions=None, padding_mask=None, deterministic=True, check=False,
@@ -295,6 +309,28 @@ class DecoderLM(nn.Module):
         known (outside `jit`); under `jit` an id outside gives NaN logits unless
         `check=True` inside `checkify.checkify` (see `extend`).
         """
+        return self.logits(self.hidden(tokens, positions=positions, padding_mask=padding_mask,
+                                        deterministic=deterministic, check=check, segment_ids=segment_ids))
+
+    def token_losses(self, tokens, targets, *, fused=True, **kwargs):
+        """Next-token losses `[B*T]` float32 of `tokens [B, T]` against `targets [B, T]` (`__call__`'s
+        keyword arguments otherwise). `fused`: the head and the cross entropy together, a chunk of rows at
+        a time (`jaxattn.head_loss`: no `[B, T, V]` logits kept), where `head_matrix()` is a float matrix;
+        else the cross entropy of `__call__`'s logits. The two are equal up to float32 summation order;
+        the fused gradient recomputes the logits for the head's own gradient (where it is differentiated)."""
+        x = self.hidden(tokens, **kwargs)  # [B, T, D]
+        head = self.head_matrix() if fused else None
+        if head is None:
+            logits = self.logits(x).reshape(-1, self.config.vocab_size)  # [B*T, V] float32
+            return optax.softmax_cross_entropy_with_integer_labels(logits, targets.reshape(-1))
+        x = self.final_norm(x).astype(head.dtype)
+        matmul = kernels_lib.matmul_kernel(self.kernels.matmul)
+        return head_loss.token_losses(x.reshape(-1, x.shape[-1]), head, targets.reshape(-1), matmul=matmul,
+                                      cap=self.config.final_logits_soft_cap)
+
+    def hidden(self, tokens, *, positions=None, padding_mask=None, deterministic=True, check=False,
+               segment_ids=None):
+        """`__call__` up to the final norm: `[B, T] -> [B, T, D]` (the layers' last residual stream)."""
         _check_tokens(tokens)
         self._check_token_range(tokens, check)
         B, T = tokens.shape
@@ -317,7 +353,7 @@ class DecoderLM(nn.Module):
                 x = self.blocks[unit](x, positions=positions, padding_mask=padding_mask, deterministic=deterministic,
                                       value_embedding=values[unit], segment_ids=segment_ids)
             x = nn.with_logical_constraint(x, RESIDUAL_AXES)
-        return self.logits(x)
+        return x
 
     def _units(self) -> list:
         """The layers in order: an unrolled layer's index, or `SCANNED` for the scanned periods."""
