@@ -50,7 +50,11 @@ def token_losses(logits: jax.Array, targets: jax.Array) -> jax.Array:
 def cross_entropy(logits: jax.Array, targets: jax.Array, weights: jax.Array | None = None) -> jax.Array:
     """Mean next-token loss in float32; logits `[B, T, V]`, targets `[B, T]`; with `weights [B, T]` the
     weighted mean (what a packed batch counts: its documents' predictions, 0 for a batch that counts none)."""
-    losses = token_losses(logits, targets)
+    return mean_loss(token_losses(logits, targets), weights)
+
+
+def mean_loss(losses: jax.Array, weights: jax.Array | None = None) -> jax.Array:
+    """The mean of per-token losses `[B*T]`, or with `weights [B, T]` their weighted mean (`cross_entropy`)."""
     if weights is None:
         return losses.mean()
     weights = weights.reshape(-1).astype(jnp.float32)
@@ -194,18 +198,21 @@ def build_programs(config: ExperimentConfig, runtime: Runtime, initial: Initial 
     frozen_sharding = frozen_layout(frozen, layout)
     frozen = jax.device_put(frozen, frozen_sharding)
 
-    def forward(params, frozen, x, **kwargs):
+    def forward_losses(params, frozen, x, y, **kwargs):  # -> per-token losses [B*T] (and what apply returns)
         whole = lora.combine_lora(frozen, params) if adapters else params
         with axes.activation_rules(layout.mesh):  # rows split through every layer
-            return model.apply({"params": whole}, x, **kwargs)
+            # The head fused with the cross entropy where it is frozen (a LoRA run): no [B, T, V] logits
+            # kept, and no more products than the logits' pair. A trained head's gradient would cost
+            # one more, so a full run keeps the logits (`DecoderLM.token_losses`).
+            return model.apply({"params": whole}, x, y, fused=adapters, method=DecoderLM.token_losses, **kwargs)
 
     def loss_fn(params, frozen, batch, dropout_key):  # -> (cross entropy + the sown objective, the layers' mean losses)
         x, y, weights, where = model_inputs(batch)
         rngs = {"dropout": dropout_key} if dropout else None
-        logits, sown = forward(params, frozen, x, deterministic=config.model.dropout == 0, rngs=rngs,
-                               mutable=[layer_losses.COLLECTION], **where)
+        losses, sown = forward_losses(params, frozen, x, y, deterministic=config.model.dropout == 0, rngs=rngs,
+                                      mutable=[layer_losses.COLLECTION], **where)
         means = layer_losses.mean_over_layers(sown)
-        return layer_losses.add_objective(cross_entropy(logits, y, weights), means), means
+        return layer_losses.add_objective(mean_loss(losses, weights), means), means
 
     def one_step(frozen, state, batch):
         step = state["step"]
@@ -225,7 +232,7 @@ def build_programs(config: ExperimentConfig, runtime: Runtime, initial: Initial 
 
     def batch_loss(params, frozen, batch, weight):  # [R, T + 1] (or packed), [R, T] -> the weighted sum of R * T losses
         x, y, _, where = model_inputs(batch)
-        losses = token_losses(forward(params, frozen, x, **where), y)
+        losses = forward_losses(params, frozen, x, y, **where)
         return jnp.sum(losses * weight.reshape(-1))
 
     @partial(jax.jit, in_shardings=(params_sharding, None, None, frozen_sharding), out_shardings=replicated)
