@@ -15,9 +15,11 @@ weights of SmolLM2-135M's shape (bench/serve.py's `smollm2` checkpoint: Llama, 3
   or --base-dtype bfloat16), one step per call on windows of --seq + 1 tokens.
 * `jax_bf16`: the same with bfloat16 matmul operands and float32 sums (`runtime.matmul=bfloat16_cpu`, the
   numbers of `torch.autocast`), which "auto" picks only on a CPU with AMX-BF16.
+* `jax_bf16_base`: `jax_bf16` with the frozen base held in bfloat16 (`lora.base_dtype = "bfloat16"`).
 * `peft`: transformers' `LlamaForCausalLM` (float32, attn_implementation "sdpa") wrapped by
   `peft.get_peft_model`, `torch.optim.AdamW` over the adapters, `loss.backward()` and `step()` on
   --seq tokens with labels; torch threads = --threads.
+* `peft_bf16`: `peft` with the step's forward under `torch.autocast("cpu", torch.bfloat16)`.
 
 Each runner runs in a fresh process restricted to --threads cores, once per round, the runners in turns
 (the order reversed every other round); inside, one untimed step compiles (or warms up), then --steps
@@ -107,7 +109,10 @@ def run_jax(spec: dict) -> dict:
 
 
 def run_peft(spec: dict) -> dict:
-    """transformers + PEFT: the same adapters on the same checkpoint, torch's AdamW, one step per call."""
+    """transformers + PEFT: the same adapters on the same checkpoint, torch's AdamW, one step per call
+    (under `torch.autocast("cpu", torch.bfloat16)` where `spec["autocast"]`)."""
+    import contextlib
+
     import peft
     import torch
     import transformers
@@ -127,7 +132,8 @@ def run_peft(spec: dict) -> dict:
 
     def step():
         ids = batches[last["i"] % len(batches)]
-        loss = model(input_ids=ids, labels=ids).loss
+        with torch.autocast("cpu", dtype=torch.bfloat16) if spec.get("autocast") else contextlib.nullcontext():
+            loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -148,7 +154,18 @@ def run_jax_bf16(spec: dict) -> dict:
     return run_jax({**spec, "matmul": "bfloat16_cpu"})
 
 
-CELLS = {"jax": run_jax, "jax_bf16": run_jax_bf16, "peft": run_peft}
+def run_jax_bf16_base(spec: dict) -> dict:
+    """`run_jax_bf16` with the frozen base held in bfloat16 (`lora.base_dtype = "bfloat16"`)."""
+    return run_jax({**spec, "matmul": "bfloat16_cpu", "base_dtype": "bfloat16"})
+
+
+def run_peft_bf16(spec: dict) -> dict:
+    """`run_peft` under `torch.autocast("cpu", torch.bfloat16)`: the peer's bfloat16 operands."""
+    return run_peft({**spec, "autocast": True})
+
+
+CELLS = {"jax": run_jax, "jax_bf16": run_jax_bf16, "jax_bf16_base": run_jax_bf16_base, "peft": run_peft,
+         "peft_bf16": run_peft_bf16}
 
 
 def run_case(spec: dict) -> dict:
@@ -201,15 +218,16 @@ def summarize(cells: dict[str, dict], full_params: int) -> list[dict]:
 def checks(rows: list[dict]) -> list[dict]:
     by = {r["runner"]: r for r in rows if r.get("ms_per_step")}
     out = []
-    for name in ("jax", "jax_bf16"):
-        if name in by and "peft" in by:
-            speedup = by["peft"]["ms_per_step"] / by[name]["ms_per_step"]
-            out.append({"check": f"jaxattn LoRA step ({name}) at least {SPEEDUP_TARGET}x PEFT's",
-                        "value": f"{speedup:.2f}x", "holds": speedup >= SPEEDUP_TARGET})
-    if "jax" in by and "peft" in by:
-        out.append({"check": "peak memory (jax) no higher than PEFT's",
-                    "value": f"{by['jax']['peak_rss_mb']:,.0f} MB vs {by['peft']['peak_rss_mb']:,.0f} MB",
-                    "holds": by["jax"]["peak_rss_mb"] <= by["peft"]["peak_rss_mb"]})
+    pairs = [(mine, peer) for mine in ("jax", "jax_bf16", "jax_bf16_base") for peer in ("peft", "peft_bf16")
+             if mine in by and peer in by and (peer == "peft" or mine != "jax")]  # bfloat16 beside both peers
+    for mine, peer in pairs:
+        speedup = by[peer]["ms_per_step"] / by[mine]["ms_per_step"]
+        out.append({"check": f"jaxattn LoRA step ({mine}) at least {SPEEDUP_TARGET}x {peer}'s",
+                    "value": f"{speedup:.2f}x", "holds": speedup >= SPEEDUP_TARGET})
+    for mine, peer in pairs:
+        out.append({"check": f"peak memory ({mine}) no higher than {peer}'s",
+                    "value": f"{by[mine]['peak_rss_mb']:,.0f} MB vs {by[peer]['peak_rss_mb']:,.0f} MB",
+                    "holds": by[mine]["peak_rss_mb"] <= by[peer]["peak_rss_mb"]})
     if "jax" in by:
         fraction = by["jax"]["state_fraction"]
         out.append({"check": f"optimizer state under {100 * STATE_FRACTION_TARGET:.0f}% of a full fine-tune's",
@@ -250,7 +268,7 @@ def parse_args(argv=None):
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--base-dtype", choices=("float32", "bfloat16"), default="float32")
-    parser.add_argument("--runners", default="jax,jax_bf16,peft")
+    parser.add_argument("--runners", default="jax,jax_bf16,jax_bf16_base,peft,peft_bf16")
     parser.add_argument("--cache-dir", type=Path, default=default_cache_dir())
     parser.add_argument("--timeout", type=float, default=3600)
     parser.add_argument("--quick", action="store_true", help="a tiny Llama, one round, two steps (a smoke run)")

@@ -24,6 +24,9 @@ def test_both_runners_train_the_same_adapters_on_the_same_batches(spec):
     assert ours["optimizer_state_bytes"] >= 8 * ours["trainable_params"]  # two float32 moments (and a count)
     # B = 0 at the start: the first step's loss is the base's on the same batch, on both sides
     assert ours["ms_per_step"] > 0 and abs(ours["last_loss"] - theirs["last_loss"]) < 0.05
+    autocast = finetune.run_peft_bf16(spec)  # bfloat16 operands: the same loss to bfloat16's rounding
+    assert autocast["trainable_params"] == theirs["trainable_params"]
+    assert abs(autocast["last_loss"] - theirs["last_loss"]) < 0.05
 
 
 def test_the_rows_checks_and_report_say_what_held():
@@ -34,9 +37,15 @@ def test_the_rows_checks_and_report_say_what_held():
     rows = finetune.summarize(cells, full_params=1000)
     assert rows[0]["state_fraction"] == pytest.approx(0.01) and rows[0]["peak_rss_mb"] == 1024
     checks = {c["check"]: c["holds"] for c in finetune.checks(rows)}
-    assert checks == {"jaxattn LoRA step (jax) at least 1.5x PEFT's": True,
-                      "peak memory (jax) no higher than PEFT's": True,
+    assert checks == {"jaxattn LoRA step (jax) at least 1.5x peft's": True,
+                      "peak memory (jax) no higher than peft's": True,
                       "optimizer state under 2% of a full fine-tune's": True}
+    bf16 = {name: {"records": [{**cells[like]["records"][0], "ms_per_step": ms}]}
+            for name, like, ms in (("jax_bf16", "jax", 70.0), ("peft_bf16", "peft", 120.0))}
+    both = {c["check"]: c["holds"] for c in finetune.checks(finetune.summarize({**cells, **bf16}, full_params=1000))}
+    # bfloat16 beside both peers, float32 beside PEFT's float32 only
+    assert both["jaxattn LoRA step (jax_bf16) at least 1.5x peft_bf16's"] is True  # 120 / 70
+    assert "jaxattn LoRA step (jax) at least 1.5x peft_bf16's" not in both and len(both) == 2 * 3 + 1
     record = {"machine": {"cpu": "x", "platform": "cpu", "cpus": 2, "jax": "0"}, "command": "bench/finetune.py",
               "model": "quick",
               "settings": {"batch": 2, "seq": 16, "rank": 4, "threads": 2, "rounds": 1, "steps": 1},
