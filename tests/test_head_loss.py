@@ -61,7 +61,7 @@ def test_a_frozen_head_costs_the_logits_pair_of_products_and_keeps_no_logits():
     assert fused.as_text().count(" dot(") == plain.as_text().count(" dot(") == 2  # forward logits, dx
     logits_bytes = 2048 * 4096 * 4
     assert plain.memory_analysis().temp_size_in_bytes >= logits_bytes
-    assert fused.memory_analysis().temp_size_in_bytes < logits_bytes // 2  # a chunk of 256 rows and its softmax: an eighth each
+    assert fused.memory_analysis().temp_size_in_bytes < logits_bytes // 2  # 256 rows at a time: an eighth
 
 
 def test_bad_shapes_are_refused_naming_them():
