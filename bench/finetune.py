@@ -16,6 +16,8 @@ weights of SmolLM2-135M's shape (bench/serve.py's `smollm2` checkpoint: Llama, 3
 * `jax_bf16`: the same with bfloat16 matmul operands and float32 sums (`runtime.matmul=bfloat16_cpu`, the
   numbers of `torch.autocast`), which "auto" picks only on a CPU with AMX-BF16.
 * `jax_bf16_base`: `jax_bf16` with the frozen base held in bfloat16 (`lora.base_dtype = "bfloat16"`).
+* `jax_bf16_compute`: `jax_bf16_base` computing in bfloat16 (`--set model.dtype=bfloat16`): activations kept
+  in bfloat16 for the backward pass, as `torch.autocast` keeps them.
 * `peft`: transformers' `LlamaForCausalLM` (float32, attn_implementation "sdpa") wrapped by
   `peft.get_peft_model`, `torch.optim.AdamW` over the adapters, `loss.backward()` and `step()` on
   --seq tokens with labels; torch threads = --threads.
@@ -85,7 +87,7 @@ def run_jax(spec: dict) -> dict:
     initial = init_from.Initial(source=config.train.init_from, config=model_config, params=params, tokenizer=None,
                                 digest=init_from.digest(params))
     del params
-    config = init_from.with_base_model(config, initial)
+    config = init_from.with_base_model(config, initial, {"dtype": spec["dtype"]} if spec.get("dtype") else None)
     runtime = runtime_lib.start(config.runtime, config.train.batch_size, model=config.model)
     programs = build_programs(config, runtime, initial)
     del initial  # the base lives on in the programs' frozen part
@@ -159,13 +161,19 @@ def run_jax_bf16_base(spec: dict) -> dict:
     return run_jax({**spec, "matmul": "bfloat16_cpu", "base_dtype": "bfloat16"})
 
 
+def run_jax_bf16_compute(spec: dict) -> dict:
+    """`run_jax_bf16_base` computing in bfloat16 (`--set model.dtype=bfloat16`: activations and matmul operands
+    bfloat16, softmax and norm statistics float32): what `torch.autocast` keeps for its backward pass."""
+    return run_jax({**spec, "matmul": "bfloat16_cpu", "base_dtype": "bfloat16", "dtype": "bfloat16"})
+
+
 def run_peft_bf16(spec: dict) -> dict:
     """`run_peft` under `torch.autocast("cpu", torch.bfloat16)`: the peer's bfloat16 operands."""
     return run_peft({**spec, "autocast": True})
 
 
-CELLS = {"jax": run_jax, "jax_bf16": run_jax_bf16, "jax_bf16_base": run_jax_bf16_base, "peft": run_peft,
-         "peft_bf16": run_peft_bf16}
+CELLS = {"jax": run_jax, "jax_bf16": run_jax_bf16, "jax_bf16_base": run_jax_bf16_base,
+         "jax_bf16_compute": run_jax_bf16_compute, "peft": run_peft, "peft_bf16": run_peft_bf16}
 
 
 def run_case(spec: dict) -> dict:
@@ -218,7 +226,8 @@ def summarize(cells: dict[str, dict], full_params: int) -> list[dict]:
 def checks(rows: list[dict]) -> list[dict]:
     by = {r["runner"]: r for r in rows if r.get("ms_per_step")}
     out = []
-    pairs = [(mine, peer) for mine in ("jax", "jax_bf16", "jax_bf16_base") for peer in ("peft", "peft_bf16")
+    pairs = [(mine, peer) for mine in ("jax", "jax_bf16", "jax_bf16_base", "jax_bf16_compute")
+             for peer in ("peft", "peft_bf16")
              if mine in by and peer in by and (peer == "peft" or mine != "jax")]  # bfloat16 beside both peers
     for mine, peer in pairs:
         speedup = by[peer]["ms_per_step"] / by[mine]["ms_per_step"]
@@ -268,7 +277,7 @@ def parse_args(argv=None):
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--base-dtype", choices=("float32", "bfloat16"), default="float32")
-    parser.add_argument("--runners", default="jax,jax_bf16,jax_bf16_base,peft,peft_bf16")
+    parser.add_argument("--runners", default="jax,jax_bf16,jax_bf16_base,jax_bf16_compute,peft,peft_bf16")
     parser.add_argument("--cache-dir", type=Path, default=default_cache_dir())
     parser.add_argument("--timeout", type=float, default=3600)
     parser.add_argument("--quick", action="store_true", help="a tiny Llama, one round, two steps (a smoke run)")

@@ -24,9 +24,10 @@ def test_both_runners_train_the_same_adapters_on_the_same_batches(spec):
     assert ours["optimizer_state_bytes"] >= 8 * ours["trainable_params"]  # two float32 moments (and a count)
     # B = 0 at the start: the first step's loss is the base's on the same batch, on both sides
     assert ours["ms_per_step"] > 0 and abs(ours["last_loss"] - theirs["last_loss"]) < 0.05
-    autocast = finetune.run_peft_bf16(spec)  # bfloat16 operands: the same loss to bfloat16's rounding
-    assert autocast["trainable_params"] == theirs["trainable_params"]
-    assert abs(autocast["last_loss"] - theirs["last_loss"]) < 0.05
+    autocast, compute16 = finetune.run_peft_bf16(spec), finetune.run_jax_bf16_compute(spec)
+    for bf16 in (autocast, compute16):  # bfloat16 operands: the same loss to bfloat16's rounding
+        assert bf16["trainable_params"] == theirs["trainable_params"]
+        assert abs(bf16["last_loss"] - theirs["last_loss"]) < 0.05
 
 
 def test_the_rows_checks_and_report_say_what_held():

@@ -198,6 +198,7 @@ def test_the_base_held_in_bfloat16_trains_adapters_in_float32(files, tmp_path):
     (["--init-from", "pt:model.bin"], "train.init_from"),
     (["--init-from", "hf:BASE", "--set", "lora.rank=4", "train.optimizer='muon'"], "trains its adapters with AdamW"),
     (["--init-from", "hf:BASE", "--set", "lora.targets=['q','x']"], "lora.targets"),
+    (["--init-from", "hf:BASE", "--set", "model.d_model=64"], "only model.dtype, model.dropout can be set"),
 ])
 def test_bad_fine_tuning_settings_are_one_usage_line(files, tmp_path, capsys, argv, message):
     base, text, _ = files
@@ -340,6 +341,25 @@ def test_a_gguf_file_starts_a_run_as_its_transformers_directory_does(files, tmp_
     for a, b in zip(jax.tree.leaves(from_gguf.params), jax.tree.leaves(from_hf.params)):
         np.testing.assert_allclose(a, b, atol=1e-6)
     assert from_gguf.digest == from_hf.digest  # the same weights: a run resumes on either
+
+
+def test_how_the_model_runs_is_the_runs_own_and_what_it_computes_the_checkpoints(files, tmp_path):
+    base, text, _ = files
+    given = ["model.dtype='bfloat16'", "model.dropout=0.1"]
+    config = init_from.with_checkpoint_model(config_for(tmp_path / "run", text, base, *given), given)
+    checkpoint = init_from.model_config(f"hf:{base}")
+    assert config.model == checkpoint.replace(dtype="bfloat16", dropout=0.1)
+    initial = init_from.load(f"hf:{base}")
+    assert init_from.with_base_model(config, initial).model == config.model  # the second call keeps them
+    # a file's [model] of another architecture gives the checkpoint's settings, not its own
+    assert init_from.with_base_model(config_for(tmp_path / "run", text, base), initial).model == checkpoint
+    # a LoRA run computing in bfloat16 through tiny_lm: the saved config says so, and the loss is finite
+    out = tmp_path / "bf16"
+    tiny_lm.main(["--init-from", f"hf:{base}", "--data", str(text), "--out-dir", str(out), "--quiet",
+                  *(x for item in RUN + given + ["lora.rank=2", "train.max_iters=2"] for x in ("--set", item))])
+    saved = json.loads((out / "config.json").read_text())["model"]
+    assert (saved["dtype"], saved["dropout"], saved["d_model"]) == ("bfloat16", 0.1, checkpoint.d_model)
+    assert all(np.isfinite(m["loss"]) for m in metrics(out) if "loss" in m)
 
 
 def test_the_block_is_checked_against_the_checkpoints_context_not_the_files_model(files, tmp_path, capsys):

@@ -4,7 +4,9 @@
     train.init_from = "gguf:FILE"  a llama.cpp file (its weights dequantized to float32)
 
 The run then trains that model: its config replaces the experiment's `[model]` table (what the
-checkpoint computes is not the run's to change), and the corpus is tokenized with its tokenizer
+checkpoint computes is not the run's to change) except for how the model runs, `RUN_SETTINGS`, which
+`--set model.dtype=bfloat16` or `--set model.dropout=0.1` still sets (any other `--set model.X` is
+refused: it would be lost), and the corpus is tokenized with its tokenizer
 (a text file when the run starts; a prepared directory must have been prepared with the same
 tokenizer.json, `python -m train.prepare --tokenizer hf:DIR`). The weights are read once, as float32,
 and their sha256 (`Initial.digest`, over every array in path order) goes into each checkpoint's
@@ -20,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 import numpy as np
@@ -30,10 +32,12 @@ from jaxattn.config import ModelConfig
 from jaxattn.hf.chat_template import ChatTemplate, ChatTemplateError
 from train import pretrained
 from train.checkpoint_meta import CheckpointError, path_name
-from train.config import ExperimentConfig
+from train.config import ExperimentConfig, parse_override
 from train.tokenizer import JSONTokenizer
 
 KINDS = ("hf", "gguf")
+# How the model runs, not what it computes: the compute dtype of activations and matmuls, and dropout.
+RUN_SETTINGS = ("dtype", "dropout")
 META_KEY = "init_from"  # the checkpoint meta's record of the base: {"source": spec, "sha256": digest}
 
 
@@ -75,23 +79,48 @@ def model_config(spec: str) -> ModelConfig:
     return pretrained.gguf_config(path) if kind == "gguf" else pretrained.hf_config(path)
 
 
-def with_base_model(config: ExperimentConfig, initial: Initial | ModelConfig) -> ExperimentConfig:
-    """`config` with the checkpoint's model in place of its `[model]` table; ValueError (one line) when
+def model_settings(overrides: Sequence[str]) -> dict[str, Any]:
+    """The `RUN_SETTINGS` that `--set model.X=V` items give (values as the config reads them), for a run
+    from a checkpoint; ValueError naming an item that sets another model field, which the checkpoint's
+    model would silently replace."""
+    settings = {}
+    for item in overrides:
+        table, field, value = parse_override(item)
+        if table != "model":
+            continue
+        if field not in RUN_SETTINGS:
+            allowed = ", ".join(f"model.{f}" for f in RUN_SETTINGS)
+            raise ValueError(f"--set {item}: a run from a checkpoint (train.init_from) takes its model from the "
+                             f"checkpoint; only {allowed} can be set")
+        settings[field] = value
+    return settings
+
+
+def with_base_model(config: ExperimentConfig, initial: Initial | ModelConfig,
+                    settings: dict[str, Any] | None = None) -> ExperimentConfig:
+    """`config` with the checkpoint's model in place of its `[model]` table, its `RUN_SETTINGS` from
+    `settings` (`model_settings`) where given, else kept from `config.model` where that already is the
+    checkpoint's model (a second call, a run's saved config), else the checkpoint's; ValueError (one line) when
     train.block_size is longer than the checkpoint's max_seq_len."""
     model = initial.config if isinstance(initial, Initial) else initial
     if model.max_seq_len < config.train.block_size:
         raise ValueError(f"train.block_size={config.train.block_size} is longer than the checkpoint's max_seq_len="
                          f"{model.max_seq_len} ({config.train.init_from})")
+    own = {field: getattr(config.model, field) for field in RUN_SETTINGS}
+    if config.model.replace(**{field: getattr(model, field) for field in RUN_SETTINGS}) != model:
+        own = {}  # the file's [model], not the checkpoint's: its settings were not chosen for this model
+    model = model.replace(**{**own, **(settings or {})})
     return config if config.model == model else config.replace(model=model)
 
 
-def with_checkpoint_model(config: ExperimentConfig) -> ExperimentConfig:
+def with_checkpoint_model(config: ExperimentConfig, overrides: Sequence[str] = ()) -> ExperimentConfig:
     """`config` with the model of its `train.init_from` checkpoint, read from its config alone (unchanged
-    without one); CheckpointError when the checkpoint cannot be read, ValueError when its model does not
-    fit the run (a block longer than its max_seq_len)."""
+    without one), and the `RUN_SETTINGS` of `overrides` (`--set` items); CheckpointError when the
+    checkpoint cannot be read, ValueError when its model does not fit the run (a block longer than its
+    max_seq_len) or an override sets what the checkpoint decides."""
     if config.train.init_from is None:
         return config
-    return with_base_model(config, model_config(config.train.init_from))
+    return with_base_model(config, model_config(config.train.init_from), model_settings(overrides))
 
 
 def load(spec: str) -> Initial:

@@ -92,7 +92,7 @@ def run(argv: list[str] | None) -> RunResult:
         raise UsageError(RESUME_OR_OVERWRITE)
     try:
         config, processes = load_config(args.config, overrides(args)), cluster(args)
-        config = init_from.with_checkpoint_model(config)  # before JAX starts: the kernels are chosen for it
+        config = init_from.with_checkpoint_model(config, overrides(args))  # before JAX starts: kernels for it
     except CheckpointError:  # a checkpoint that cannot be read: a runtime error
         raise
     except (ValueError, TypeError, FileNotFoundError) as err:
