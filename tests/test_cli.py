@@ -73,12 +73,13 @@ def test_usage_errors_from_argparse_are_one_line(capsys):
 
 
 def test_stop_signals_ask_once_and_stop_at_once_the_second_time():
+    before = signal.getsignal(signal.SIGINT)  # Python's default, or SIG_IGN where a shell started us in the background
     with cli.StopSignals() as signals:
         signal.raise_signal(signal.SIGINT)
         assert signals.requested == "SIGINT"
         with pytest.raises(KeyboardInterrupt):
             signal.raise_signal(signal.SIGTERM)
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.getsignal(signal.SIGINT) is before  # restored as it was
 
 
 def test_outputs_are_checked_before_any_work(tmp_path):
