@@ -13,7 +13,6 @@ import dataclasses
 import hmac
 import json
 import logging
-import time
 from pathlib import Path
 from typing import AsyncIterator, Callable
 
@@ -29,7 +28,6 @@ from train.server.runner import Draining, EngineRunner, QueueFull, Ticket, Updat
 
 log = logging.getLogger("train.serve")
 CHAT_PAGE = Path(__file__).with_name("chat.html")
-DISCONNECT_POLL = 0.1  # seconds between checks that a client waiting for a whole answer is still there
 
 
 @dataclasses.dataclass
@@ -78,6 +76,13 @@ async def read_json(request: Request, limit: int):
         return json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise bad_request(f"the body is not valid JSON: {err}") from None
+
+
+async def client_gone(request: Request) -> None:
+    """Returns when the client has hung up (ASGI's "http.disconnect", which the server sends when the
+    connection closes); the request's body must have been read."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def create_app(runner: EngineRunner, served: ServedModel, metrics: ServerMetrics, limits: Limits = Limits()
@@ -199,20 +204,17 @@ def create_app(runner: EngineRunner, served: ServedModel, metrics: ServerMetrics
         return await whole(request, ticket, shape, len(ids))
 
     async def whole(request: Request, ticket: Ticket, shape: Answer, prompt_tokens: int) -> JSONResponse:
-        text, count, checked = [], 0, time.monotonic()
+        text, count = [], 0
+        gone = asyncio.ensure_future(client_gone(request))  # a client that hangs up is seen at once
         try:
             while True:
-                try:
-                    update = await asyncio.wait_for(ticket.next(), DISCONNECT_POLL)
-                except asyncio.TimeoutError:
-                    update = None
-                if time.monotonic() - checked >= DISCONNECT_POLL:
-                    checked = time.monotonic()
-                    if await request.is_disconnected():
-                        runner.cancel(ticket)
-                        return Response(status_code=499)  # nobody reads it
-                if update is None:
-                    continue
+                next_update = asyncio.ensure_future(ticket.next())
+                await asyncio.wait({next_update, gone}, return_when=asyncio.FIRST_COMPLETED)
+                if not next_update.done():  # the client went away first
+                    next_update.cancel()
+                    runner.cancel(ticket)
+                    return Response(status_code=499)  # nobody reads it
+                update = next_update.result()
                 text.append(update.text)
                 count += len(update.tokens)
                 if update.finish_reason is not None:
@@ -220,6 +222,8 @@ def create_app(runner: EngineRunner, served: ServedModel, metrics: ServerMetrics
         except asyncio.CancelledError:
             runner.cancel(ticket)
             raise
+        finally:
+            gone.cancel()
         ended(update, ticket)
         return JSONResponse(shape.whole("".join(text), update.finish_reason, protocol.usage(prompt_tokens, count)))
 
