@@ -246,17 +246,17 @@ def _speed(timing, tokens: int) -> dict:
             "compile_s": timing.compile_s}
 
 
-def run_jax(spec: dict) -> dict:
-    """`jaxattn.generate` at batch 1 in `spec["weights"]` and `spec["cache"]`."""
+def jax_decoder(spec: dict) -> tuple:
+    """(a call of `jaxattn.generate` at batch 1 in `spec["weights"]` and `spec["cache"]` on JAX's default
+    device, facts about it) or (None, why it cannot run)."""
     import jax
     import numpy as np
 
-    from bench.timing import time_call
     from jaxattn.decoding import generate
     from jaxattn.kernels import resolve_kernels
     options, reason = cache_options(spec["cache"], generate)
     if reason:
-        return {"available": False, "reason": reason}
+        return None, {"available": False, "reason": reason}
     config, params = load_weights(spec["checkpoint"], spec["weights"])
     kernels = resolve_kernels()[0]
     prompt = np.asarray(prompts(1, spec["prompt_len"], config.vocab_size), np.int32)
@@ -265,13 +265,21 @@ def run_jax(spec: dict) -> dict:
     def call():
         return generate(params, config, prompt, lengths, max_new_tokens=spec["new_tokens"], rng=jax.random.PRNGKey(0),
                         temperature=0.0, kernels=kernels, **options).tokens
-    timing = time_call(call, spec["calls"])
-    return {"available": True, **_speed(timing, spec["new_tokens"]), "kernels": kernels.to_dict(),
-            "weight_bytes_per_token": weight_bytes_per_token(params, config)}
+    return call, {"available": True, "kernels": kernels.to_dict(),
+                  "weight_bytes_per_token": weight_bytes_per_token(params, config)}
 
 
-def run_engine(spec: dict) -> dict:
-    """`jaxattn.serving.Engine` with every sequence added at once, greedy, `spec["new_tokens"]` each."""
+def run_jax(spec: dict) -> dict:
+    """`jax_decoder`'s call timed: a warm-up (compiling), then `spec["calls"]` calls."""
+    from bench.timing import time_call
+    call, facts = jax_decoder(spec)
+    return facts if call is None else {**facts, **_speed(time_call(call, spec["calls"]), spec["new_tokens"])}
+
+
+def engine_decoder(spec: dict) -> tuple:
+    """(a call of `jaxattn.serving.Engine.generate` on `spec["batch"]` prompts added at once, greedy,
+    `spec["new_tokens"]` each, the engine compiled and warmed up on other prompts, facts about it) or
+    (None, why it cannot run). No prefix caching."""
     import math
     import time
 
@@ -279,7 +287,7 @@ def run_engine(spec: dict) -> dict:
     from jaxattn.serving import Engine, EngineConfig, SamplingParams
     options, reason = cache_options(spec["cache"], EngineConfig)
     if reason:
-        return {"available": False, "reason": reason}
+        return None, {"available": False, "reason": reason}
     config, params = load_weights(spec["checkpoint"], spec["weights"])
     kernels = resolve_kernels()[0]
     batch, page = spec["batch"], 16
@@ -292,17 +300,25 @@ def run_engine(spec: dict) -> dict:
     sampling = SamplingParams(temperature=0.0, max_tokens=spec["new_tokens"], seed=0)
     engine.generate(prompts(batch, spec["prompt_len"], config.vocab_size, seed=SEED + 1), sampling)  # warm-up
     work = prompts(batch, spec["prompt_len"], config.vocab_size)
-    times = []
-    for _ in range(spec["calls"]):
-        start = time.perf_counter()
+
+    def call():
         outputs = engine.generate(work, sampling)
-        times.append(time.perf_counter() - start)
         if any(len(o) != spec["new_tokens"] for o in outputs):
             raise RuntimeError(f"engine: a sequence ended before {spec['new_tokens']} tokens")
-    median = statistics.median(times)
-    return {"available": True, "tokens_per_s": batch * spec["new_tokens"] / median, "median_s": median,
-            "times_s": times, "compile_s": compile_s, "kernels": kernels.to_dict(),
-            "weight_bytes_per_token": weight_bytes_per_token(params, config)}
+        return outputs
+    return call, {"available": True, "compile_s": compile_s, "kernels": kernels.to_dict(),
+                  "weight_bytes_per_token": weight_bytes_per_token(params, config)}
+
+
+def run_engine(spec: dict) -> dict:
+    """`engine_decoder`'s call timed `spec["calls"]` times: output tokens/s over the whole run."""
+    from bench.timing import time_call
+    call, facts = engine_decoder(spec)
+    if call is None:
+        return facts
+    timing = time_call(call, spec["calls"], warmup=False)
+    return {**facts, "tokens_per_s": spec["batch"] * spec["new_tokens"] / timing.median_s,
+            "median_s": timing.median_s, "times_s": timing.times_s}
 
 
 def run_hf(spec: dict) -> dict:
