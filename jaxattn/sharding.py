@@ -86,18 +86,20 @@ def _path_key(path) -> tuple[str, ...]:
 def mirror_specs(tree: Any, params_specs: Any, params: Any) -> Any:
     """Specs for a tree that holds copies of the params (an optimizer state: Adam's mu and nu).
 
-    A leaf whose path ends with a parameter's path and has its shape gets that parameter's
-    spec; every other leaf (step counts, scalars) is replicated.
+    A leaf whose path ends with a parameter's path, or with it and one field more (a moment held
+    as codes and scales: the codes), and has its shape gets that parameter's spec; every other
+    leaf (step counts, scalars, per-block scales) is replicated.
     """
     by_path = {_path_key(path): (spec, np.shape(leaf)) for (path, spec), leaf in zip(
         jax.tree_util.tree_leaves_with_path(params_specs, is_leaf=_is_spec), jax.tree.leaves(params))}
 
     def spec(path, leaf):
         key = _path_key(path)
-        for start in range(len(key)):
-            found = by_path.get(key[start:])
-            if found is not None and found[1] == np.shape(leaf):
-                return found[0]
+        for end in (len(key), len(key) - 1):
+            for start in range(end):
+                found = by_path.get(key[start:end])
+                if found is not None and found[1] == np.shape(leaf):
+                    return found[0]
         return P()
 
     return jax.tree_util.tree_map_with_path(spec, tree)

@@ -107,6 +107,9 @@ class TrainConfig(_Table):
       muon_momentum, muon_momentum_start, muon_momentum_warmup: Muon's Nesterov momentum,
         linear from start to muon_momentum over the first muon_momentum_warmup steps.
       beta1, beta2, weight_decay: AdamW (weight_decay also Muon's, decoupled).
+      adam_states: AdamW's two moments in "float32", or "int8": one byte per value in blocks of 256
+        with a float32 scale each, on a dynamic code (bitsandbytes' 8-bit Adam; train.adam8bit), a
+        quarter of the memory, for parameters of at least 4096 values.
       decay_embeddings: apply weight decay to embedding tables too (nanoGPT does).
       grad_clip: clip_by_global_norm threshold (0 = off).
       eval_interval, eval_iters: evaluate every N steps on eval_iters fixed batches per split.
@@ -154,6 +157,7 @@ class TrainConfig(_Table):
     beta1: OpenFraction = 0.9
     beta2: OpenFraction = 0.99
     weight_decay: NonNegativeFloat = 0.1
+    adam_states: Literal["float32", "int8"] = "float32"
     decay_embeddings: bool = True
     grad_clip: NonNegativeFloat = 1.0
     eval_interval: PositiveInt = 250

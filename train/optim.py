@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxattn.axes import LAYERS
+from train.adam8bit import adamw_8bit
 from train.config import TrainConfig
 
 TABLE_AXES = frozenset({"vocab", "position", "length"})  # rows looked up by token or position
@@ -116,7 +117,8 @@ def _is_pair(x) -> bool:
 def _adamw(tc: TrainConfig, stacked: Any = None) -> optax.GradientTransformation:
     mask = lambda params: decay_mask(params, tc.decay_embeddings,  # noqa: E731 (masked leaves: the subtree)
                                      None if stacked is None else _matching(stacked, params))
-    return optax.adamw(lr_schedule(tc), b1=tc.beta1, b2=tc.beta2, weight_decay=tc.weight_decay, mask=mask)
+    adamw = adamw_8bit if tc.adam_states == "int8" else optax.adamw
+    return adamw(lr_schedule(tc), b1=tc.beta1, b2=tc.beta2, weight_decay=tc.weight_decay, mask=mask)
 
 
 def _matching(stacked: Any, tree: Any) -> Any:
@@ -143,7 +145,7 @@ def _muon(tc: TrainConfig, stacked: Any) -> optax.GradientTransformation:
 def make_optimizer(tc: TrainConfig, logical_names: Any = None) -> optax.GradientTransformation:
     """`tc.optimizer`: "adamw" (nanoGPT's: AdamW, decay on matrices only) or "muon" (Muon for the
     hidden matrices, that AdamW for the rest; needs the model's `logical_names`), after global-norm
-    clipping when `grad_clip > 0`."""
+    clipping when `grad_clip > 0`; AdamW's moments as `tc.adam_states` says (train.adam8bit)."""
     if tc.optimizer == "muon":
         if logical_names is None:
             raise ValueError("make_optimizer: optimizer 'muon' needs the model's logical_names "
