@@ -18,6 +18,8 @@ weights of SmolLM2-135M's shape (bench/serve.py's `smollm2` checkpoint: Llama, 3
 * `jax_bf16_base`: `jax_bf16` with the frozen base held in bfloat16 (`lora.base_dtype = "bfloat16"`).
 * `jax_bf16_compute`: `jax_bf16_base` computing in bfloat16 (`--set model.dtype=bfloat16`): activations kept
   in bfloat16 for the backward pass, as `torch.autocast` keeps them.
+* `jax_adam8bit`: `jax_bf16_compute` with AdamW's moments in 8 bits (`train.adam_states = "int8"`,
+  train.adam8bit: bitsandbytes' block-wise 8-bit Adam).
 * `peft`: transformers' `LlamaForCausalLM` (float32, attn_implementation "sdpa") wrapped by
   `peft.get_peft_model`, `torch.optim.AdamW` over the adapters, `loss.backward()` and `step()` on
   --seq tokens with labels; torch threads = --threads.
@@ -41,6 +43,7 @@ import argparse
 import json
 import statistics
 import sys
+import tempfile
 from pathlib import Path
 
 from bench import fresh
@@ -49,6 +52,7 @@ from bench.machine import (cpu_cores, describe_machine, load_average, machine_li
 from bench.quant import quick_config  # the smoke run's tiny Llama, as the decoding bench's
 from bench.serve import default_cache_dir, ensure_checkpoint
 
+ROOT = Path(__file__).resolve().parent.parent
 TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 PEFT_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 SPEEDUP_TARGET, STATE_FRACTION_TARGET = 1.5, 0.02
@@ -78,6 +82,7 @@ def run_jax(spec: dict) -> dict:
                  f"train.block_size={spec['seq']}", "train.steps_per_dispatch=1", "train.grad_clip=0",
                  "train.weight_decay=0.0", "train.warmup_iters=0", "runtime.mesh='data:1'",
                  f"runtime.matmul={json.dumps(spec.get('matmul', 'auto'))}",
+                 f"train.adam_states={json.dumps(spec.get('adam_states', 'float32'))}",
                  *(f"lora.{k}={json.dumps(v)}" for k, v in lora.items())]
     config = load_config(overrides=overrides)
     # the bench's checkpoint has no tokenizer (random weights; the batches are ids): read as init_from.load reads
@@ -167,13 +172,21 @@ def run_jax_bf16_compute(spec: dict) -> dict:
     return run_jax({**spec, "matmul": "bfloat16_cpu", "base_dtype": "bfloat16", "dtype": "bfloat16"})
 
 
+def run_jax_adam8bit(spec: dict) -> dict:
+    """`run_jax_bf16_compute` with AdamW's moments in 8 bits (`train.adam_states = "int8"`)."""
+    return run_jax({**spec, "matmul": "bfloat16_cpu", "base_dtype": "bfloat16", "dtype": "bfloat16",
+                    "adam_states": "int8"})
+
+
 def run_peft_bf16(spec: dict) -> dict:
     """`run_peft` under `torch.autocast("cpu", torch.bfloat16)`: the peer's bfloat16 operands."""
     return run_peft({**spec, "autocast": True})
 
 
 CELLS = {"jax": run_jax, "jax_bf16": run_jax_bf16, "jax_bf16_base": run_jax_bf16_base,
-         "jax_bf16_compute": run_jax_bf16_compute, "peft": run_peft, "peft_bf16": run_peft_bf16}
+         "jax_bf16_compute": run_jax_bf16_compute, "jax_adam8bit": run_jax_adam8bit, "peft": run_peft,
+         "peft_bf16": run_peft_bf16}
+JAX_RUNNERS = ("jax", "jax_bf16", "jax_bf16_base", "jax_bf16_compute", "jax_adam8bit")
 
 
 def run_case(spec: dict) -> dict:
@@ -226,7 +239,7 @@ def summarize(cells: dict[str, dict], full_params: int) -> list[dict]:
 def checks(rows: list[dict]) -> list[dict]:
     by = {r["runner"]: r for r in rows if r.get("ms_per_step")}
     out = []
-    pairs = [(mine, peer) for mine in ("jax", "jax_bf16", "jax_bf16_base", "jax_bf16_compute")
+    pairs = [(mine, peer) for mine in JAX_RUNNERS
              for peer in ("peft", "peft_bf16")
              if mine in by and peer in by and (peer == "peft" or mine != "jax")]  # bfloat16 beside both peers
     for mine, peer in pairs:
@@ -237,10 +250,10 @@ def checks(rows: list[dict]) -> list[dict]:
         out.append({"check": f"peak memory ({mine}) no higher than {peer}'s",
                     "value": f"{by[mine]['peak_rss_mb']:,.0f} MB vs {by[peer]['peak_rss_mb']:,.0f} MB",
                     "holds": by[mine]["peak_rss_mb"] <= by[peer]["peak_rss_mb"]})
-    if "jax" in by:
-        fraction = by["jax"]["state_fraction"]
-        out.append({"check": f"optimizer state under {100 * STATE_FRACTION_TARGET:.0f}% of a full fine-tune's",
-                    "value": f"{100 * fraction:.2f}%", "holds": fraction < STATE_FRACTION_TARGET})
+    for mine in (m for m in JAX_RUNNERS if m in by and m in ("jax", "jax_adam8bit")):  # float32 moments, 8-bit ones
+        fraction = by[mine]["state_fraction"]
+        out.append({"check": f"optimizer state ({mine}) under {100 * STATE_FRACTION_TARGET:.0f}% of a full "
+                             "fine-tune's", "value": f"{100 * fraction:.2f}%", "holds": fraction < STATE_FRACTION_TARGET})
     return out
 
 
@@ -277,11 +290,12 @@ def parse_args(argv=None):
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--base-dtype", choices=("float32", "bfloat16"), default="float32")
-    parser.add_argument("--runners", default="jax,jax_bf16,jax_bf16_base,jax_bf16_compute,peft,peft_bf16")
+    parser.add_argument("--runners", default=",".join((*JAX_RUNNERS, "peft", "peft_bf16")))
     parser.add_argument("--cache-dir", type=Path, default=default_cache_dir())
     parser.add_argument("--timeout", type=float, default=3600)
     parser.add_argument("--quick", action="store_true", help="a tiny Llama, one round, two steps (a smoke run)")
-    parser.add_argument("--out", default="bench/results/finetune")
+    parser.add_argument("--out", default=None, help="writes OUT.json and OUT.md (default bench/results/finetune; "
+                        "--quick: a temporary directory, never the committed results)")
     args = parser.parse_args(argv)
     args.runners = [r.strip() for r in args.runners.split(",") if r.strip()]
     unknown = sorted(set(args.runners) - set(CELLS))
@@ -306,7 +320,9 @@ def main(argv=None) -> dict:
               "model": f"{name} ({facts['architecture']}, {facts['params']:,} parameters, random weights)",
               "settings": {**{k: v for k, v in spec.items() if k != "checkpoint"}, "rounds": args.rounds},
               "rows": rows, "checks": checks(rows), "cells": cells}
-    write_results(Path(args.out).parent, Path(args.out).name, record, markdown(record))
+    out = Path(args.out) if args.out else (Path(tempfile.gettempdir()) / "jaxattn-finetune-quick" / "finetune"
+                                           if args.quick else ROOT / "bench" / "results" / "finetune")
+    write_results(out.parent, out.name, record, markdown(record))
     print(markdown(record))
     return record
 
