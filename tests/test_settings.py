@@ -56,7 +56,8 @@ def cli(capsys, *argv):
 def float_fields(kind) -> list[str]:
     fields = kind.model_fields.items() if isinstance(kind, type) and hasattr(kind, "model_fields") else \
         ((f.name, f) for f in dataclasses.fields(kind))
-    return [name for name, f in fields if "float" in str(getattr(f, "annotation", None) or f.type)]
+    annotations = ((name, str(getattr(f, "annotation", None) or f.type)) for name, f in fields)
+    return [name for name, kind in annotations if "float" in kind and "Literal" not in kind]  # not a choice of names
 
 
 # ------------------------------------------------------------------------------------ numbers
