@@ -494,6 +494,13 @@ def cases(args, checkpoint: Path, ggufs: dict[str, Path], stream_bytes: int) -> 
     return out
 
 
+def model_line(facts: dict, quick: bool) -> str:
+    """The benchmarked model in words, from `bench.serve.ensure_checkpoint`'s facts."""
+    if quick:
+        return f"the smoke run's tiny Llama ({facts['params'] / 1e6:.2f}M params, random init)"
+    return f"SmolLM2-135M's shape ({facts['architecture']}, {facts['params'] / 1e6:.1f}M params, random init)"
+
+
 def cell_name(spec: dict) -> str:
     return f"{spec['runner']} {spec.get('weights', '')} {spec.get('cache', '')} b{spec.get('batch', '')}".strip()
 
@@ -704,8 +711,7 @@ def main(argv=None) -> int:
         except fresh.FreshProcessError as err:
             ppl = {"available": False, "reason": str(err)}
     machine = describe_machine()
-    model = (f"SmolLM2-135M's shape ({facts['architecture']}, {facts['params'] / 1e6:.1f}M params, random init)"
-             if not args.quick else f"the smoke run's tiny Llama ({facts['params'] / 1e6:.2f}M params, random init)")
+    model = model_line(facts, args.quick)
     meta = {"machine": machine, "machine_line": machine_line(machine), "cores": cpu_cores(), "threads": args.threads,
             "model": model, "checkpoint": facts, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
             "engine_batch": args.engine_batch, "rounds": args.rounds, "calls": args.calls,

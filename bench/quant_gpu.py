@@ -41,7 +41,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench.machine import portable_command, write_results  # noqa: E402
-from bench.quant import engine_decoder, jax_decoder, prompts, quick_config  # noqa: E402
+from bench.quant import cell_name, engine_decoder, fmt, jax_decoder, model_line, prompts, quick_config  # noqa: E402
 from bench.serve import default_cache_dir, ensure_checkpoint  # noqa: E402
 from bench.timing import in_turns, ratio, seconds  # noqa: E402
 
@@ -99,10 +99,6 @@ def cases(args, checkpoint: Path) -> list[dict]:
     return out
 
 
-def cell_name(spec: dict) -> str:
-    return f"{spec['runner']} {spec['weights']} {spec['cache']} b{spec['batch']}"
-
-
 DECODERS = {"jax": jax_decoder, "engine": engine_decoder, "hf": hf_decoder}
 
 
@@ -144,10 +140,6 @@ def measure(specs: list[dict], rounds: int, calls: int, stream_mb: int) -> tuple
                      and r["weights"] == "float32" and r["cache"] == "float"), None)
         row["vs_float32"] = ratio(row.get("tokens_per_s"), base and base.get("tokens_per_s"))
     return rows, read_gbs
-
-
-def fmt(value, spec=",.0f", none="–") -> str:
-    return none if value is None else format(value, spec)
 
 
 def markdown(record: dict) -> str:
@@ -215,8 +207,7 @@ def main(argv=None) -> int:
                                           quick_config() if args.quick else None)
     rows, read_gbs = measure(cases(args, checkpoint), args.rounds, args.calls, args.stream_mb)
     device = jax.devices()[0]
-    model = (f"SmolLM2-135M's shape ({facts['architecture']}, {facts['params'] / 1e6:.1f}M params, random init)"
-             if not args.quick else f"the smoke run's tiny Llama ({facts['params'] / 1e6:.2f}M params, random init)")
+    model = model_line(facts, args.quick)
     meta = {"device": f"{device.device_kind} ({device.platform})", "backend": jax.default_backend(),
             "jax": jax.__version__, "model": model, "checkpoint": facts, "prompt_len": args.prompt_len,
             "new_tokens": args.new_tokens, "engine_batch": args.engine_batch, "timed_calls": args.rounds * args.calls,
