@@ -96,6 +96,9 @@ def test_a_large_parameters_moments_take_a_quarter_of_the_bytes_and_the_rest_sta
     state = optim.make_optimizer(TrainConfig(adam_states="int8", grad_clip=0.0)).init(params)
     adam = state[0]
     assert isinstance(adam.mu["big"], adam8bit.Quantized) and adam.mu["norm"].dtype == jnp.float32
+    zero = adam8bit.quantize(jnp.zeros((256, 256)), adam8bit.SIGNED)  # a fresh moment is zero, as rounded
+    assert all(np.array_equal(a, b) for a, b in zip(adam.mu["big"], zero))
+    np.testing.assert_array_equal(adam8bit.dequantize(adam.nu["big"], adam8bit.UNSIGNED), 0.0)
     assert sum(x.nbytes for x in jax.tree.leaves((adam.mu["big"], adam.nu["big"]))) == 2 * (65536 + 4 * 256)
     plain = optim.make_optimizer(TrainConfig(grad_clip=0.0)).init(params)
     assert sum(x.nbytes for x in jax.tree.leaves((plain[0].mu["big"], plain[0].nu["big"]))) == 8 * 65536

@@ -107,8 +107,11 @@ def scale_by_adam_8bit(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) ->
     moments are exact (every parameter under `MIN_SIZE` values), close to it elsewhere."""
 
     def init(params):
-        def zeros(p, code):
-            return quantize(jnp.zeros_like(p, jnp.float32), code) if held_in_8bit(p) else jnp.zeros_like(p, jnp.float32)
+        def zeros(p, code):  # a zero moment: every value the code's 0, every scale 0
+            if not held_in_8bit(p):
+                return jnp.zeros_like(p, jnp.float32)
+            zero = int(np.flatnonzero(code == 0.0)[0])
+            return Quantized(jnp.full(np.shape(p), zero, jnp.uint8), jnp.zeros(-(-np.size(p) // BLOCK), jnp.float32))
         return ScaleByAdam8bitState(count=jnp.zeros([], jnp.int32), mu=jax.tree.map(lambda p: zeros(p, SIGNED), params),
                                     nu=jax.tree.map(lambda p: zeros(p, UNSIGNED), params))
 
