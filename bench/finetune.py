@@ -20,6 +20,8 @@ weights of SmolLM2-135M's shape (bench/serve.py's `smollm2` checkpoint: Llama, 3
   in bfloat16 for the backward pass, as `torch.autocast` keeps them.
 * `jax_adam8bit`: `jax_bf16_compute` with AdamW's moments in 8 bits (`train.adam_states = "int8"`,
   train.adam8bit: bitsandbytes' block-wise 8-bit Adam).
+* `jax_scan`, `jax_adam8bit_scan` (only when named in --runners): `jax_bf16_compute` and `jax_adam8bit` with
+  the layers under one scan (`--set model.scan_layers=true`): 14 stacked adapter tensors instead of 420.
 * `peft`: transformers' `LlamaForCausalLM` (float32, attn_implementation "sdpa") wrapped by
   `peft.get_peft_model`, `torch.optim.AdamW` over the adapters, `loss.backward()` and `step()` on
   --seq tokens with labels; torch threads = --threads.
@@ -92,7 +94,8 @@ def run_jax(spec: dict) -> dict:
     initial = init_from.Initial(source=config.train.init_from, config=model_config, params=params, tokenizer=None,
                                 digest=init_from.digest(params))
     del params
-    config = init_from.with_base_model(config, initial, {"dtype": spec["dtype"]} if spec.get("dtype") else None)
+    settings = {k: spec[k] for k in ("dtype", "scan_layers") if spec.get(k)}
+    config = init_from.with_base_model(config, initial, settings or None)
     runtime = runtime_lib.start(config.runtime, config.train.batch_size, model=config.model)
     programs = build_programs(config, runtime, initial)
     del initial  # the base lives on in the programs' frozen part
@@ -178,15 +181,32 @@ def run_jax_adam8bit(spec: dict) -> dict:
                     "adam_states": "int8"})
 
 
+def run_jax_scan(spec: dict) -> dict:
+    """`run_jax_bf16_compute` with the layers under one scan (`--set model.scan_layers=true`): 14 stacked adapter
+    tensors instead of 420, compiled once."""
+    return run_jax({**spec, "matmul": "bfloat16_cpu", "base_dtype": "bfloat16", "dtype": "bfloat16",
+                    "scan_layers": True})
+
+
+def run_jax_adam8bit_scan(spec: dict) -> dict:
+    """`run_jax_adam8bit` with the layers under one scan: the 8-bit moments of 14 stacked tensors."""
+    return run_jax({**spec, "matmul": "bfloat16_cpu", "base_dtype": "bfloat16", "dtype": "bfloat16",
+                    "adam_states": "int8", "scan_layers": True})
+
+
 def run_peft_bf16(spec: dict) -> dict:
     """`run_peft` under `torch.autocast("cpu", torch.bfloat16)`: the peer's bfloat16 operands."""
     return run_peft({**spec, "autocast": True})
 
 
 CELLS = {"jax": run_jax, "jax_bf16": run_jax_bf16, "jax_bf16_base": run_jax_bf16_base,
-         "jax_bf16_compute": run_jax_bf16_compute, "jax_adam8bit": run_jax_adam8bit, "peft": run_peft,
-         "peft_bf16": run_peft_bf16}
-JAX_RUNNERS = ("jax", "jax_bf16", "jax_bf16_base", "jax_bf16_compute", "jax_adam8bit")
+         "jax_bf16_compute": run_jax_bf16_compute, "jax_adam8bit": run_jax_adam8bit, "jax_scan": run_jax_scan,
+         "jax_adam8bit_scan": run_jax_adam8bit_scan, "peft": run_peft, "peft_bf16": run_peft_bf16}
+JAX_RUNNERS = ("jax", "jax_bf16", "jax_bf16_base", "jax_bf16_compute", "jax_adam8bit", "jax_scan",
+               "jax_adam8bit_scan")
+STATE_RUNNERS = ("jax", "jax_adam8bit", "jax_adam8bit_scan")  # float32 moments, 8-bit ones
+# the scanned runners only on request: their step is slower (docs/performance.md §17)
+DEFAULT_RUNNERS = (*(r for r in JAX_RUNNERS if not r.endswith("scan")), "peft", "peft_bf16")
 
 
 def run_case(spec: dict) -> dict:
@@ -250,7 +270,7 @@ def checks(rows: list[dict]) -> list[dict]:
         out.append({"check": f"peak memory ({mine}) no higher than {peer}'s",
                     "value": f"{by[mine]['peak_rss_mb']:,.0f} MB vs {by[peer]['peak_rss_mb']:,.0f} MB",
                     "holds": by[mine]["peak_rss_mb"] <= by[peer]["peak_rss_mb"]})
-    for mine in (m for m in JAX_RUNNERS if m in by and m in ("jax", "jax_adam8bit")):  # float32 moments, 8-bit ones
+    for mine in (m for m in STATE_RUNNERS if m in by):
         fraction = by[mine]["state_fraction"]
         out.append({"check": f"optimizer state ({mine}) under {100 * STATE_FRACTION_TARGET:.0f}% of a full "
                              "fine-tune's", "value": f"{100 * fraction:.2f}%", "holds": fraction < STATE_FRACTION_TARGET})
@@ -290,7 +310,7 @@ def parse_args(argv=None):
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--base-dtype", choices=("float32", "bfloat16"), default="float32")
-    parser.add_argument("--runners", default=",".join((*JAX_RUNNERS, "peft", "peft_bf16")))
+    parser.add_argument("--runners", default=",".join(DEFAULT_RUNNERS))
     parser.add_argument("--cache-dir", type=Path, default=default_cache_dir())
     parser.add_argument("--timeout", type=float, default=3600)
     parser.add_argument("--quick", action="store_true", help="a tiny Llama, one round, two steps (a smoke run)")

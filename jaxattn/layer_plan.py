@@ -26,6 +26,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxattn.axes import LAYERS
 from jaxattn.config import ModelConfig
@@ -124,10 +125,15 @@ def stack_params(params: Any, config: ModelConfig) -> Any:
     if missing:
         raise ValueError(f"params lack the layers {missing[:3]}{'...' if len(missing) > 3 else ''} "
                          f"of a {config.num_layers}-layer model")
-    out[SCANNED] = {_blocks(j): jax.tree.map(lambda *leaves: jnp.stack(leaves),
+    out[SCANNED] = {_blocks(j): jax.tree.map(_stack,
                                              *[params[_blocks(plan.layer(r, j))] for r in range(plan.repeats)])
                     for j in range(plan.period)}
     return type(params)(out) if isinstance(params, dict) else out
+
+
+def _stack(*leaves: Any) -> Any:
+    # host arrays stay on the host (a checkpoint read for a run is placed on its mesh later), others on JAX's device
+    return np.stack(leaves) if all(isinstance(leaf, np.ndarray) for leaf in leaves) else jnp.stack(leaves)
 
 
 def unstack_params(params: Any, config: ModelConfig) -> Any:

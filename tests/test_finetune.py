@@ -198,7 +198,8 @@ def test_the_base_held_in_bfloat16_trains_adapters_in_float32(files, tmp_path):
     (["--init-from", "pt:model.bin"], "train.init_from"),
     (["--init-from", "hf:BASE", "--set", "lora.rank=4", "train.optimizer='muon'"], "trains its adapters with AdamW"),
     (["--init-from", "hf:BASE", "--set", "lora.targets=['q','x']"], "lora.targets"),
-    (["--init-from", "hf:BASE", "--set", "model.d_model=64"], "only model.dtype, model.dropout can be set"),
+    (["--init-from", "hf:BASE", "--set", "model.d_model=64"],
+     "only model.dtype, model.dropout, model.scan_layers can be set"),
 ])
 def test_bad_fine_tuning_settings_are_one_usage_line(files, tmp_path, capsys, argv, message):
     base, text, _ = files
@@ -360,6 +361,42 @@ def test_how_the_model_runs_is_the_runs_own_and_what_it_computes_the_checkpoints
     saved = json.loads((out / "config.json").read_text())["model"]
     assert (saved["dtype"], saved["dropout"], saved["d_model"]) == ("bfloat16", 0.1, checkpoint.d_model)
     assert all(np.isfinite(m["loss"]) for m in metrics(out) if "loss" in m)
+
+
+def test_a_run_with_its_layers_scanned_replays_the_unrolled_run_and_exports_the_same_model(files, full_run, lora_run,
+                                                                                           tmp_path):
+    from flax.traverse_util import flatten_dict
+
+    from jaxattn.layer_plan import unstack_params
+    from train import export, sample
+    base, text, chats = files
+    lora_settings = ("lora.rank=4", "lora.alpha=8", "train.lr=1e-2")
+    for name, (unrolled, _), data, extra in (("full", full_run, text, ()), ("lora", lora_run, chats, lora_settings)):
+        out = tmp_path / name
+        config = init_from.with_checkpoint_model(config_for(out, data, base, *extra, "train.sample_tokens=0"),
+                                                 ["model.scan_layers=true"])
+        run_experiment(config, quiet=True, sample=False)
+        # the same adapters drawn (per layer, then stacked), the same steps: the unrolled run's losses
+        steps = [(m["step"], m["loss"]) for m in metrics(out) if "loss" in m]
+        assert steps == [(s, pytest.approx(v, rel=1e-5)) for s, v in
+                         ((m["step"], m["loss"]) for m in metrics(unrolled) if "loss" in m)]
+        assert [s for s, _ in evals(out)] == [s for s, _ in evals(unrolled)]
+        np.testing.assert_allclose([v for _, v in evals(out)], [v for _, v in evals(unrolled)], rtol=1e-5)
+        meta = checkpoint_meta(out, 6)
+        assert any(path.startswith("params/layers/") for path in meta["checksums"])  # saved stacked
+        # read back for sampling (a LoRA run's adapters on its base, merged): the unrolled run's model
+        params, model, _ = load_for_sampling(out)
+        assert model.scan_layers
+        ours, theirs = flatten_dict(unstack_params(params, model)), flatten_dict(load_for_sampling(unrolled)[0])
+        assert ours.keys() == theirs.keys()
+        for path in ours:
+            np.testing.assert_allclose(np.asarray(ours[path]), np.asarray(theirs[path]), atol=1e-5, err_msg=str(path))
+    # the scanned LoRA run's PEFT adapter, read back onto the base, is the same model
+    assert export.main(["--checkpoint", str(tmp_path / "lora"), "--out", str(tmp_path / "adapter")]) == 0
+    merged, model, _ = load_for_sampling(lora_run[0])
+    adapted = sample.with_adapter(str(tmp_path / "adapter"), model, hf.load_pretrained(base)[1])
+    for a, b in zip(jax.tree.leaves(adapted), jax.tree.leaves(merged)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
 
 
 def test_the_block_is_checked_against_the_checkpoints_context_not_the_files_model(files, tmp_path, capsys):

@@ -5,7 +5,8 @@
 
 The run then trains that model: its config replaces the experiment's `[model]` table (what the
 checkpoint computes is not the run's to change) except for how the model runs, `RUN_SETTINGS`, which
-`--set model.dtype=bfloat16` or `--set model.dropout=0.1` still sets (any other `--set model.X` is
+`--set model.dtype=bfloat16`, `--set model.dropout=0.1` or `--set model.scan_layers=true` (the layers
+compiled once, `params_for` stacking the checkpoint's weights) still sets (any other `--set model.X` is
 refused: it would be lost), and the corpus is tokenized with its tokenizer
 (a text file when the run starts; a prepared directory must have been prepared with the same
 tokenizer.json, `python -m train.prepare --tokenizer hf:DIR`). The weights are read once, as float32,
@@ -30,14 +31,16 @@ import numpy as np
 from jaxattn import lora
 from jaxattn.config import ModelConfig
 from jaxattn.hf.chat_template import ChatTemplate, ChatTemplateError
+from jaxattn.layer_plan import relayout
 from train import pretrained
 from train.checkpoint_meta import CheckpointError, path_name
 from train.config import ExperimentConfig, parse_override
 from train.tokenizer import JSONTokenizer
 
 KINDS = ("hf", "gguf")
-# How the model runs, not what it computes: the compute dtype of activations and matmuls, and dropout.
-RUN_SETTINGS = ("dtype", "dropout")
+# How the model runs, not what it computes: the compute dtype of activations and matmuls, dropout, and whether
+# the repeated layers run under one scan (the same maths; the weights stacked, `params_for`).
+RUN_SETTINGS = ("dtype", "dropout", "scan_layers")
 META_KEY = "init_from"  # the checkpoint meta's record of the base: {"source": spec, "sha256": digest}
 
 
@@ -157,6 +160,14 @@ def digest(params: Any) -> str:
     return hasher.hexdigest()
 
 
+def params_for(initial: Initial, model: ModelConfig) -> Any:
+    """`initial.params` in the layout of the run's `model` (the checkpoint's model with the run's
+    `RUN_SETTINGS`): the repeated layers' weights stacked for a scan with `model.scan_layers`, else per
+    layer. Host arrays stay host arrays."""
+    params, _ = relayout(initial.params, model.replace(scan_layers=initial.config.scan_layers), model.scan_layers)
+    return params
+
+
 def meta_record(initial: Initial | None) -> dict:
     """What a checkpoint's meta says of the run's base (nothing for a run from scratch)."""
     return {} if initial is None else {META_KEY: {"source": initial.source, "sha256": initial.digest}}
@@ -185,7 +196,8 @@ def adapted_params(config: ExperimentConfig, meta: dict, adapters: Any) -> Any:
     CheckpointError when the base cannot be read or has changed."""
     base = load(config.train.init_from)
     check_same_base(meta, base)
-    structure = lora.add_lora(jax.tree.map(jax.numpy.asarray, base.params), config.model, config.lora.settings(),
+    on_base = jax.tree.map(jax.numpy.asarray, params_for(base, config.model))
+    structure = lora.add_lora(on_base, config.model, config.lora.settings(),
                               jax.random.PRNGKey(0))  # the adapters' places; their values are the checkpoint's
     try:
         return lora.combine_lora(lora.split_lora(structure)[1], adapters)

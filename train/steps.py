@@ -32,9 +32,10 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxattn import axes, layer_losses, lora, sharding
+from jaxattn.layer_plan import relayout
 from jaxattn.model import DecoderLM
 from train.config import ExperimentConfig
-from train.init_from import Initial
+from train.init_from import Initial, params_for
 from train.optim import lr_schedule, make_optimizer
 from train.runtime import Runtime
 
@@ -252,12 +253,16 @@ def build_programs(config: ExperimentConfig, runtime: Runtime, initial: Initial 
 def start_params(config: ExperimentConfig, initial: Initial) -> tuple[Any, Any]:
     """(the params a run from `initial` trains, what it keeps frozen): the checkpoint's params and `{}`
     for a full fine-tune; with `config.lora`, the adapters (`jaxattn.lora.add_lora`, drawn from the
-    run's seed) and the base, stored in `lora.base_dtype`. The checkpoint's arrays are handed on as they
-    are (host arrays): the programs place them on the mesh, and nothing here keeps a second copy."""
+    run's seed) and the base, stored in `lora.base_dtype`. Both in the layout of `config.model`: stacked
+    for a scan with `model.scan_layers` (`init_from.params_for`), the adapters drawn per layer first so
+    that a run starts from the same ones either way. The checkpoint's arrays are handed on as host
+    arrays: the programs place them on the mesh."""
     if config.lora is None:
-        return initial.params, {}
+        return params_for(initial, config.model), {}
     key = jax.random.fold_in(jax.random.PRNGKey(config.train.seed), ADAPTER_SEED)
-    adapters, frozen = lora.split_lora(lora.add_lora(initial.params, config.model, config.lora.settings(), key))
+    drawn_on = config.model.replace(scan_layers=initial.config.scan_layers)  # the checkpoint's layout
+    adapters, frozen = lora.split_lora(lora.add_lora(initial.params, drawn_on, config.lora.settings(), key))
+    adapters, frozen = (relayout(tree, drawn_on, config.model.scan_layers)[0] for tree in (adapters, frozen))
     if config.lora.base_dtype != "float32":
         dtype = jnp.dtype(config.lora.base_dtype)
         frozen = jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, frozen)
