@@ -7,7 +7,8 @@ per block) and each value rounded to the nearest of the 256 values of a dynamic 
 magnitudes from 1e-7 to 1, with fewer fraction steps the smaller the decade). The first moment takes
 the signed code, the second the unsigned one. A step dequantizes both, updates them in float32,
 computes the update from the float32 moments, then rounds them again: the step's own arithmetic is
-float32's.
+float32's. The code tables equal bitsandbytes' bit for bit, and a step from a state of
+`bitsandbytes.optim.AdamW8bit` gives its parameters (tests/test_adam8bit.py).
 
 Why not simpler formats: the second moment of one block spans orders of magnitude, which a linear
 int8 code (steps of absmax / 127) rounds to zero, and a zero there divides the first moment by eps.
@@ -37,17 +38,29 @@ MIN_SIZE = 4096  # smaller parameters keep float32 moments (bitsandbytes' min_8b
 def dynamic_code(signed: bool) -> np.ndarray:
     """The 256 sorted values of the dynamic 8-bit code in [-1, 1] (signed) or [0, 1]: for each decade
     10^-6 .. 10^0, the midpoints of an even split of [0.1, 1] times the decade, with 2^i (signed: per
-    sign) or 2^(i+1) midpoints in the i-th decade from the smallest; then 0 and 1 (bitsandbytes'
-    `create_dynamic_map` with 7 exponent bits)."""
-    values = [0.0, 1.0]
+    sign) or 2^(i+1) midpoints in the i-th decade from the smallest; then 0 and 1. Bit for bit
+    bitsandbytes' `create_dynamic_map` (7 exponent bits): float32 arithmetic on torch's linspace."""
+    values = [np.float32(0.0), np.float32(1.0)]
     for i in range(7):
         items = 2 ** i + 1 if signed else 2 ** (i + 1) + 1
-        bounds = np.linspace(0.1, 1.0, items)
-        means = 10.0 ** (i - 6) * (bounds[:-1] + bounds[1:]) / 2
+        bounds = _torch_linspace(0.1, 1.0, items)
+        means = np.float32(10.0 ** (i - 6)) * ((bounds[:-1] + bounds[1:]) / np.float32(2))
         values += list(means) + (list(-means) if signed else [])
     code = np.sort(np.asarray(values, np.float32))
     assert code.shape == (256,) and len(np.unique(code)) == 256
     return code
+
+
+def _torch_linspace(start: float, end: float, steps: int) -> np.ndarray:
+    """`torch.linspace(start, end, steps, dtype=torch.float32)` to the bit: a float32 step, each value
+    computed in double from the nearer end and rounded to float32 (float64 `np.linspace` differs in
+    the last bit of some, and so would the code)."""
+    start32, end32 = np.float32(start), np.float32(end)
+    step = np.float64((end32 - start32) / np.float32(steps - 1))
+    index = np.arange(steps)
+    from_start = np.float64(start32) + step * index
+    from_end = np.float64(end32) - step * (steps - 1 - index)
+    return np.where(index < steps // 2, from_start, from_end).astype(np.float32)
 
 
 SIGNED, UNSIGNED = dynamic_code(True), dynamic_code(False)
