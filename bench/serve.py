@@ -227,6 +227,15 @@ def default_cache_dir() -> Path:
     return Path(base) / "jaxattn" / "bench-serve"
 
 
+def load_model(checkpoint: str):
+    """(config, params) of a transformers checkpoint in float32, q, k and v fused into one projection as
+    `train.serve` loads a model (`jaxattn.with_fused_qkv`)."""
+    from jaxattn import hf, with_fused_qkv
+    config, params = hf.load_pretrained(checkpoint, dtype="float32")
+    params, config = with_fused_qkv(params, config)
+    return config, params
+
+
 def ensure_checkpoint(name: str, cache_dir: Path, config=None) -> tuple[Path, dict]:
     """The checkpoint of --model NAME (or of `config`, named `name`) under `cache_dir` (written once:
     random init, seed 0, then `jaxattn.hf.save_pretrained`, renamed into place complete); (its
@@ -306,9 +315,8 @@ def run_engine(spec: dict) -> dict:
         from jaxattn.serving import Engine, EngineConfig, SamplingParams
     except ImportError as err:
         return {"available": False, "reason": f"jaxattn.serving does not import: {err}"}
-    from jaxattn import hf
     load = load_of(spec)
-    config, params = hf.load_pretrained(spec["checkpoint"], dtype="float32")
+    config, params = load_model(spec["checkpoint"])
     kernels = jax_kernels(spec)
     engine_config = EngineConfig(max_seqs=rows_at_once(spec, load), page_size=spec["page_size"],
                                  num_pages=cache_pages(spec, load), token_budget=spec["token_budget"])
@@ -375,11 +383,10 @@ def run_static(spec: dict) -> dict:
     import numpy as np
 
     from bench.timing import best_seconds, seconds
-    from jaxattn import hf
     from jaxattn.caches import cache_bytes_per_token
     from jaxattn.decoding import call_lengths, generate, prompt_bucket
     load = load_of(spec)
-    config, params = hf.load_pretrained(spec["checkpoint"], dtype="float32")
+    config, params = load_model(spec["checkpoint"])
     kernels = jax_kernels(spec)
     token_bytes = cache_bytes_per_token(config)["bytes"]
     rows_cap = rows_at_once(spec, load)

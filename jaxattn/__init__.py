@@ -59,6 +59,7 @@ from jaxattn.primitives import (
     RMSNorm,
     fused_to_separate_qkv,
     separate_to_fused_qkv,
+    with_fused_qkv,
 )
 from jaxattn.masks import (
     causal_mask,
@@ -131,4 +132,5 @@ __all__ = [
     "sinusoidal_positions",
     "sliding_window_mask",
     "windows",
+    "with_fused_qkv",
 ]

@@ -256,6 +256,44 @@ def separate_to_fused_qkv(params: dict) -> dict:
     parts = [params.pop(name) for name in ("query", "key", "value")]
     fused = {"kernel": jnp.concatenate([p["kernel"] for p in parts], axis=-1)}
     if "bias" in parts[0]:
-        fused["bias"] = jnp.concatenate([p["bias"] for p in parts])
+        fused["bias"] = jnp.concatenate([p["bias"] for p in parts], axis=-1)  # [..., width]: stacked layers too
     params["qkv"] = fused
     return params
+
+
+def with_fused_qkv(params: dict, config: ModelConfig) -> tuple[dict, ModelConfig]:
+    """`(params, config)` with every attention layer's `query`, `key` and `value` projections as one
+    `qkv` (`config.fused_qkv`): the same maths and the same numbers, one matmul of the input instead of
+    three. Decoding a token is a string of small matmuls, each a call with its own overhead, so
+    fewer and wider ones decode faster (docs/performance.md §15). Layers unrolled or stacked for a
+    scan alike; `params` unboxed, the inner tree (no "params" key).
+
+    Returned unchanged: a config already fused, MLA (no q/k/v projections), or projections that are
+    not plain arrays (quantized or with adapters: fuse before `jaxattn.quantize` and after merging).
+    """
+    if config.fused_qkv or config.mla is not None:
+        return params, config
+    separate = list(_attention_params(params))
+    wrapped = lambda x: is_quantized(x) or is_lora(x)  # noqa: E731
+    if any(wrapped(leaf) for attn in separate for leaf in jax.tree.leaves(attn, is_leaf=wrapped)):
+        return params, config
+
+    def walk(tree):
+        if not hasattr(tree, "items"):
+            return tree
+        return {name: separate_to_fused_qkv(dict(value)) if _is_separate_attention(name, value) else walk(value)
+                for name, value in tree.items()}
+    return walk(params), config.replace(fused_qkv=True)
+
+
+def _is_separate_attention(name: str, value) -> bool:
+    return name == "attn" and hasattr(value, "items") and {"query", "key", "value"} <= set(value)
+
+
+def _attention_params(tree):
+    """Each `attn` subtree of `tree` with separate `query`, `key` and `value`."""
+    for name, value in tree.items():
+        if _is_separate_attention(name, value):
+            yield value
+        elif hasattr(value, "items"):
+            yield from _attention_params(value)

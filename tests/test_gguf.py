@@ -738,10 +738,10 @@ def test_sample_keeps_a_q8_0_file_as_int8_unless_quant_says_otherwise(tmp_path, 
     assert out == " the cat" + tokenizer.decode(sample.until_eos(np.asarray(expected.tokens[0]),
                                                                  tokenizer.eos_token_id)) + "\n"
     args = sample.parse_args(["--gguf", str(path), "--prompt", "A"])
-    kept = sample.load(args)[0]["blocks_0"]["attn"]["query"]["kernel"]
+    kept = sample.load(args)[0]["blocks_0"]["attn"]["qkv"]["kernel"]  # q, k and v fused on loading
     assert args.quant == "int8:32" and isinstance(kept, QuantizedWeight) and (kept.bits, kept.group) == (8, 32)
     args = sample.parse_args(["--gguf", str(path), "--prompt", "A", "--quant", "int8"])
-    asked = sample.load(args)[0]["blocks_0"]["attn"]["query"]["kernel"]
+    asked = sample.load(args)[0]["blocks_0"]["attn"]["qkv"]["kernel"]
     assert args.quant == "int8" and asked.group == 256  # per channel, as asked
     args = sample.parse_args(["--gguf", str(path), "--prompt", "A", "--mesh", "data:1"])  # no quantized weights
     assert not isinstance(sample.load(args)[0]["lm_head"]["kernel"], QuantizedWeight) and args.quant is None

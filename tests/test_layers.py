@@ -16,6 +16,7 @@ from jaxattn.primitives import (
     RMSNorm,
     fused_to_separate_qkv,
     separate_to_fused_qkv,
+    with_fused_qkv,
 )
 from jaxattn.rope import RopeScaling
 
@@ -210,3 +211,27 @@ def test_bad_inputs_raise_clear_errors():
         Attention(config, "custom_vjp").init(jax.random.PRNGKey(0), x)
     with pytest.raises(ValueError, match=r"Kernels.attention is \"auto\""):
         Attention(config, Kernels(attention="auto")).init(jax.random.PRNGKey(0), x)
+
+
+def test_a_models_separate_projections_fuse_into_one_with_the_same_logits_unrolled_or_scanned():
+    from jaxattn.layer_plan import relayout
+    from jaxattn.model import DecoderLM
+    from jaxattn.quantization import quantize
+    config = ModelConfig(vocab_size=64, d_model=32, num_layers=3, num_heads=4, num_kv_heads=2, positions="rope",
+                         norm="rmsnorm", mlp="swiglu", fused_qkv=False, qkv_bias=True, max_seq_len=32)
+    params = nn.unbox(DecoderLM(config).init(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))["params"])
+    params = jax.tree.map(lambda x: x + 0.02 * jax.random.normal(jax.random.PRNGKey(1), x.shape), params)  # biases too
+    tokens = jax.random.randint(jax.random.PRNGKey(2), (2, 8), 0, 64)
+    expected = DecoderLM(config).apply({"params": params}, tokens)
+    for layout in (params, relayout(params, config, True)[0]):
+        given = config.replace(scan_layers="layers" in layout)
+        fused, fused_config = with_fused_qkv(layout, given)
+        assert fused_config == given.replace(fused_qkv=True)
+        attn = fused["layers"]["blocks_0"]["attn"] if given.scan_layers else fused["blocks_2"]["attn"]
+        assert set(attn) == {"qkv", "out"} and attn["qkv"]["bias"].shape[-1] == (4 + 2 * 2) * 8
+        np.testing.assert_allclose(DecoderLM(fused_config).apply({"params": fused}, tokens), expected, atol=1e-5)
+    # nothing to fuse: already fused, or the projections are quantized (fuse first)
+    again, quantized = with_fused_qkv(fused, fused_config), quantize(params, config, "int8")
+    assert again[0] is fused and again[1] is fused_config
+    kept = with_fused_qkv(quantized, config)
+    assert kept[0] is quantized and kept[1] is config
