@@ -120,6 +120,7 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--decode-tokens", type=int, default=256)
+    parser.add_argument("--out", type=Path, default=RESULTS, help="the directory of kernel_choices.json and .md")
     args = parser.parse_args(argv)
     config = load_config()
     runtime = runtime_lib.start(config.runtime, config.train.batch_size)  # before anything starts JAX
@@ -129,7 +130,7 @@ def main(argv=None) -> dict:
               "mesh": str(runtime.mesh_shape), "decode_tokens": args.decode_tokens,
               "training": time_training(runtime, args.rounds),
               "decoding": time_decoding(args.rounds, args.decode_tokens)}
-    write_results(RESULTS, "kernel_choices", record, markdown(record))
+    write_results(args.out, "kernel_choices", record, markdown(record))
     return record
 
 
