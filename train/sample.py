@@ -116,7 +116,8 @@ def random_init(name: str, seed: int = 0, data: str | None = None) -> tuple[dict
 
 def load(args: argparse.Namespace) -> tuple[dict, ModelConfig, Tokenizer]:
     """The model of `--checkpoint`, `--hf`, `--gguf` or `--random-init`, its attention's q, k and v
-    projections fused into one (`jaxattn.with_fused_qkv`: the same numbers, a faster token), its layers scanned or
+    projections fused into one (`jaxattn.with_fused_qkv`: the same numbers, a faster token; not with
+    `--allow-nonfinite`, so that a damaged weight is named as the checkpoint names it), its layers scanned or
     unrolled as `--scan-layers` says (a checkpoint of either layout loads as either), its weights
     quantized as `--quant` asks (`jaxattn.quantize`; UsageError when the model's widths do not fit the mode).
 
@@ -138,7 +139,8 @@ def load(args: argparse.Namespace) -> tuple[dict, ModelConfig, Tokenizer]:
         params, config, tokenizer = sampling_checkpoint.load_for_sampling(args.checkpoint)
     if getattr(args, "adapter", None) is not None:
         params = with_adapter(args.adapter, config, params)
-    params, config = with_fused_qkv(nn.unbox(params), config)  # one matmul for q, k and v: a faster token
+    if not getattr(args, "allow_nonfinite", False):  # a damaged model keeps its layout: errors name its own weights
+        params, config = with_fused_qkv(nn.unbox(params), config)  # one matmul for q, k and v: a faster token
     scan = getattr(args, "scan_layers", None)
     if scan is not None:
         params, config = relayout(nn.unbox(params), config, scan)
