@@ -177,21 +177,18 @@ def run_jax_bf16_compute(spec: dict) -> dict:
 
 def run_jax_adam8bit(spec: dict) -> dict:
     """`run_jax_bf16_compute` with AdamW's moments in 8 bits (`train.adam_states = "int8"`)."""
-    return run_jax({**spec, "matmul": "bfloat16_cpu", "base_dtype": "bfloat16", "dtype": "bfloat16",
-                    "adam_states": "int8"})
+    return run_jax_bf16_compute({**spec, "adam_states": "int8"})
 
 
 def run_jax_scan(spec: dict) -> dict:
     """`run_jax_bf16_compute` with the layers under one scan (`--set model.scan_layers=true`): 14 stacked adapter
     tensors instead of 420, compiled once."""
-    return run_jax({**spec, "matmul": "bfloat16_cpu", "base_dtype": "bfloat16", "dtype": "bfloat16",
-                    "scan_layers": True})
+    return run_jax_bf16_compute({**spec, "scan_layers": True})
 
 
 def run_jax_adam8bit_scan(spec: dict) -> dict:
     """`run_jax_adam8bit` with the layers under one scan: the 8-bit moments of 14 stacked tensors."""
-    return run_jax({**spec, "matmul": "bfloat16_cpu", "base_dtype": "bfloat16", "dtype": "bfloat16",
-                    "adam_states": "int8", "scan_layers": True})
+    return run_jax_adam8bit({**spec, "scan_layers": True})
 
 
 def run_peft_bf16(spec: dict) -> dict:
@@ -273,7 +270,8 @@ def checks(rows: list[dict]) -> list[dict]:
     for mine in (m for m in STATE_RUNNERS if m in by):
         fraction = by[mine]["state_fraction"]
         out.append({"check": f"optimizer state ({mine}) under {100 * STATE_FRACTION_TARGET:.0f}% of a full "
-                             "fine-tune's", "value": f"{100 * fraction:.2f}%", "holds": fraction < STATE_FRACTION_TARGET})
+                             "fine-tune's", "value": f"{100 * fraction:.2f}%",
+                    "holds": fraction < STATE_FRACTION_TARGET})
     return out
 
 

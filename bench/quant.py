@@ -105,11 +105,10 @@ def cache_options(cache: str, target) -> tuple[dict | None, str | None]:
 def load_weights(checkpoint: str, weights: str):
     """(config, params) of a transformers checkpoint in the weight format `weights`: "float32",
     "bfloat16" (parameters and compute), or a `jaxattn.quantize` mode of the float32 parameters; q, k and v
-    fused into one projection first, as `train.sample` and `train.serve` load a model (`jaxattn.with_fused_qkv`)."""
-    from jaxattn import hf, with_fused_qkv
+    fused into one projection first, as `train.sample` and `train.serve` load a model (`bench.serve.load_model`)."""
+    from bench.serve import load_model
     from jaxattn.quantization import quantize
-    config, params = hf.load_pretrained(checkpoint, dtype="bfloat16" if weights == "bfloat16" else "float32")
-    params, config = with_fused_qkv(params, config)
+    config, params = load_model(checkpoint, dtype="bfloat16" if weights == "bfloat16" else "float32")
     if weights not in ("float32", "bfloat16"):
         params = quantize(params, config, weights)
     return config, params

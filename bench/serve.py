@@ -227,11 +227,11 @@ def default_cache_dir() -> Path:
     return Path(base) / "jaxattn" / "bench-serve"
 
 
-def load_model(checkpoint: str):
-    """(config, params) of a transformers checkpoint in float32, q, k and v fused into one projection as
+def load_model(checkpoint: str, dtype: str = "float32"):
+    """(config, params) of a transformers checkpoint in `dtype`, q, k and v fused into one projection as
     `train.serve` loads a model (`jaxattn.with_fused_qkv`)."""
     from jaxattn import hf, with_fused_qkv
-    config, params = hf.load_pretrained(checkpoint, dtype="float32")
+    config, params = hf.load_pretrained(checkpoint, dtype=dtype)
     params, config = with_fused_qkv(params, config)
     return config, params
 

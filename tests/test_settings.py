@@ -57,7 +57,8 @@ def float_fields(kind) -> list[str]:
     fields = kind.model_fields.items() if isinstance(kind, type) and hasattr(kind, "model_fields") else \
         ((f.name, f) for f in dataclasses.fields(kind))
     annotations = ((name, str(getattr(f, "annotation", None) or f.type)) for name, f in fields)
-    return [name for name, kind in annotations if "float" in kind and "Literal" not in kind]  # not a choice of names
+    return [name for name, annotation in annotations
+            if "float" in annotation and "Literal" not in annotation]  # a Literal is a choice of names
 
 
 # ------------------------------------------------------------------------------------ numbers
