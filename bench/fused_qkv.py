@@ -32,7 +32,7 @@ def cells(weights: list[str], new_tokens: int, quick: bool = False, cache_dir: P
 
     from bench.quant import quick_config
     from bench.serve import default_cache_dir, ensure_checkpoint
-    from jaxattn import hf, resolve_kernels, with_fused_qkv
+    from jaxattn import hf, prepare_weights, resolve_kernels, with_fused_qkv
     from jaxattn.decoding import generate
     from jaxattn.quantization import quantize
     name, model = ("quick", quick_config()) if quick else ("smollm2", None)
@@ -44,7 +44,7 @@ def cells(weights: list[str], new_tokens: int, quick: bool = False, cache_dir: P
     calls, tokens = {}, {}
     for weight in weights:
         for layout, (p, c) in layouts.items():
-            held = p if weight == "float32" else quantize(p, c, weight)
+            held = p if weight == "float32" else prepare_weights(quantize(p, c, weight), kernels)
 
             def call(held=held, c=c):
                 return np.asarray(generate(held, c, prompt, lengths, max_new_tokens=new_tokens,

@@ -254,12 +254,13 @@ def jax_decoder(spec: dict) -> tuple:
     import numpy as np
 
     from jaxattn.decoding import generate
-    from jaxattn.kernels import resolve_kernels
+    from jaxattn.kernels import prepare_weights, resolve_kernels
     options, reason = cache_options(spec["cache"], generate)
     if reason:
         return None, {"available": False, "reason": reason}
     config, params = load_weights(spec["checkpoint"], spec["weights"])
     kernels = resolve_kernels()[0]
+    params = prepare_weights(params, kernels)  # as train.sample runs them
     prompt = np.asarray(prompts(1, spec["prompt_len"], config.vocab_size), np.int32)
     lengths = np.full((1,), prompt.shape[1], np.int32)
 
@@ -284,13 +285,14 @@ def engine_decoder(spec: dict) -> tuple:
     import math
     import time
 
-    from jaxattn.kernels import resolve_kernels
+    from jaxattn.kernels import prepare_weights, resolve_kernels
     from jaxattn.serving import Engine, EngineConfig, SamplingParams
     options, reason = cache_options(spec["cache"], EngineConfig)
     if reason:
         return None, {"available": False, "reason": reason}
     config, params = load_weights(spec["checkpoint"], spec["weights"])
     kernels = resolve_kernels()[0]
+    params = prepare_weights(params, kernels)  # as train.serve runs them
     batch, page = spec["batch"], 16
     longest = spec["prompt_len"] + spec["new_tokens"]
     engine_config = EngineConfig(max_seqs=batch, page_size=page, num_pages=batch * math.ceil(longest / page),

@@ -11,7 +11,8 @@ are: `jaxattn.quantize`'s `tied_head`; --no-head leaves it out), one jitted prog
 * int8 per channel, the XLA reference (`Kernels.quantized` "xla": dequantize, then a float32 dot);
 * int8 per channel and int4 in groups of 32 in the native loop (`Kernels.quantized` "native_cpu");
 * int8 per channel and int4 in groups of 32 with the activations rounded to int8 in groups of 32 and
-  integer dots (`Kernels.quantized` "native_cpu_q8act").
+  integer dots (`Kernels.quantized` "native_cpu_q8act"), the weights in rows as quantized and in the
+  panels `jaxattn.kernels.prepare_weights` gives that kernel (`jaxattn.quantization.to_panels`).
 
 Timed in turns (`bench.timing.in_turns`), medians. GB/s is the bytes of weights (values and scales)
 read per token over the time per token; the machine's streaming read bandwidth (a float32 sum over a
@@ -61,7 +62,7 @@ def main() -> None:
     import numpy as np
 
     from jaxattn.kernels import matmul_kernel, quantized_matmul_kernel
-    from jaxattn.quantization import quantize_weight
+    from jaxattn.quantization import quantize_weight, to_panels
 
     rng = np.random.default_rng(0)
     weights = [{name: jnp.asarray(rng.normal(scale=0.05, size=shape).astype(np.float32))
@@ -69,7 +70,9 @@ def main() -> None:
     if args.head:
         weights.append({"head": jnp.asarray(rng.normal(scale=0.05, size=HEAD).astype(np.float32))})
     formats = {"float32": lambda w: w, "int8": lambda w: quantize_weight(w, "int8"),
-               "int4 (groups of 32)": lambda w: quantize_weight(w, "int4")}
+               "int4 (groups of 32)": lambda w: quantize_weight(w, "int4"),
+               "int8 in panels": lambda w: to_panels(quantize_weight(w, "int8")),
+               "int4 (groups of 32) in panels": lambda w: to_panels(quantize_weight(w, "int4"))}
     stored = {name: jax.block_until_ready([{k: f(w) for k, w in layer.items()} for layer in weights])
               for name, f in formats.items()}
     candidates = {"float32, XLA": ("float32", matmul_kernel("xla")),
@@ -78,7 +81,11 @@ def main() -> None:
                   "int8, native, int8 activations": ("int8", quantized_matmul_kernel("native_cpu_q8act")),
                   "int4 (groups of 32), native": ("int4 (groups of 32)", quantized_matmul_kernel("native_cpu")),
                   "int4 (groups of 32), native, int8 activations": ("int4 (groups of 32)",
-                                                                    quantized_matmul_kernel("native_cpu_q8act"))}
+                                                                    quantized_matmul_kernel("native_cpu_q8act")),
+                  "int8 in panels, native, int8 activations": ("int8 in panels",
+                                                               quantized_matmul_kernel("native_cpu_q8act")),
+                  "int4 (groups of 32) in panels, native, int8 activations": (
+                      "int4 (groups of 32) in panels", quantized_matmul_kernel("native_cpu_q8act"))}
 
     def token(matmul):
         def run(layers, h):  # h [1, D]

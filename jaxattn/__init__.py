@@ -51,7 +51,7 @@ from jaxattn.caches import cache_bytes_per_token, init_cache
 from jaxattn.config import AttentionSpec, LayerKind, MLAConfig, ModelConfig, MoEConfig
 from jaxattn.decoding import GenerateOutput, generate
 from jaxattn.windowed import generate_windowed, windows
-from jaxattn.kernels import Kernels, Platform, resolve_kernels
+from jaxattn.kernels import Kernels, Platform, prepare_weights, resolve_kernels
 from jaxattn.gqa import Attention
 from jaxattn.primitives import (
     MLP,
@@ -119,6 +119,7 @@ __all__ = [
     "mask_to_bias",
     "masked_softmax",
     "padding_mask",
+    "prepare_weights",
     "quantize",
     "reference_attention",
     "repeat_kv",

@@ -10,6 +10,12 @@
   integer dot holds rows of one column); `scales [in / group, out]`; each weight is off by at most
   half its group's scale.
 
+A weight may also be laid out in "panels" of `PANEL` (16) columns, each panel's rows contiguous (`to_panels`;
+the layout the native int8-activation kernel reads as one stream, `jaxattn.kernels.prepare_weights`):
+int8 `values [N / 16, in / 4, 64]`, byte `4c + i` of row `t` of panel `p` holding `W[4t + i, 16p + c]`;
+int4 `values [N / 16, in / 8, 16]`, word `c` of row `t` of panel `p` the rows layout's word `[t, 16p + c]`;
+`scales [N / 16, in / group, 16]`. The same numbers: `dequantize`, `unpack` and `to_rows` read either.
+
 A weight with leading axes (`[..., in, out]`: layers stacked for a scan, a mixture's experts) is
 quantized slice by slice; its values and scales keep the leading axes (`[..., in / 8, out]`,
 `[..., in / group, out]`), so a scan step or an expert sees a 2-D `QuantizedWeight`.
@@ -40,6 +46,8 @@ import jax.numpy as jnp
 from jaxattn.config import ModelConfig
 
 MODES = ("int8", "int8:32", "int4", "int4:32", "int4:64")
+LAYOUTS = ("rows", "panels")
+PANEL = 16  # columns per panel of the "panels" layout
 TIED_HEAD = "tied_head"  # the quantized copy of a tied head, beside "wte" at the top of the params
 # Parameters that are matmul weights but no Linear kernel: name -> the axis (from the end) that is `in`.
 OTHER_WEIGHTS = {"experts_gate_up": 2, "experts_down": 2, "wkv_b": 3}
@@ -54,16 +62,22 @@ class QuantizedWeight:
       scales: float32 `[..., in / group, out]` (`[..., 1, out]` per output channel).
       bits: 8 or 4.
       group: input rows per scale (`in` for per-channel).
+      layout: "rows" (as above) or "panels" (the module docstring: values `[..., N / 16, in / 4, 64]`
+        int8 or `[..., N / 16, in / 8, 16]` int32, scales `[..., N / 16, in / group, 16]`).
     """
 
     values: jax.Array
     scales: jax.Array
     bits: int = flax.struct.field(pytree_node=False, default=8)
     group: int = flax.struct.field(pytree_node=False, default=0)
+    layout: str = flax.struct.field(pytree_node=False, default="rows")
 
     @property
     def shape(self) -> tuple[int, ...]:
         """The float weight's shape `[..., in, out]`."""
+        if self.layout == "panels":  # each row of a panel holds 4 (int8) or 8 (int4) input rows
+            *lead, panels, rows, _ = self.values.shape
+            return (*lead, rows * (8 if self.bits == 4 else 4), panels * PANEL)
         *lead, rows, N = self.values.shape
         return (*lead, rows * (8 if self.bits == 4 else 1), N)
 
@@ -117,8 +131,51 @@ def _shifts(leading: int) -> jax.Array:
     return (4 * jnp.arange(8, dtype=jnp.uint32)).reshape((1,) * (leading + 1) + (8, 1))
 
 
+def to_panels(weight: QuantizedWeight) -> QuantizedWeight:
+    """`weight` in the "panels" layout (the module docstring); ValueError unless `out` is a multiple of
+    `PANEL` (and, int8, `in` of 4)."""
+    if weight.layout == "panels":
+        return weight
+    *lead, K, N = weight.shape
+    if N % PANEL or K % 4:
+        raise ValueError(f"the panels layout takes a weight [..., in, out] with out a multiple of {PANEL} and in of 4, "
+                         f"got {weight.shape}")
+    n = len(lead)
+    if weight.bits == 8:  # [..., K/4, 4, N/16, 16] (t, i, p, c) -> [..., p, t, c, i]
+        values = weight.values.reshape(*lead, K // 4, 4, N // PANEL, PANEL).transpose(*range(n), n + 2, n, n + 3, n + 1)
+        values = values.reshape(*lead, N // PANEL, K // 4, 4 * PANEL)
+    else:  # [..., K/8, N/16, 16] (t, p, c) -> [..., p, t, c]
+        values = weight.values.reshape(*lead, K // 8, N // PANEL, PANEL).transpose(*range(n), n + 1, n, n + 2)
+    return QuantizedWeight(values, _scales_to_panels(weight.scales), bits=weight.bits, group=weight.group,
+                           layout="panels")
+
+
+def _scales_to_panels(scales: jax.Array) -> jax.Array:
+    """`[..., G, N]` -> `[..., N / 16, G, 16]`."""
+    *lead, G, N = scales.shape
+    n = len(lead)
+    return scales.reshape(*lead, G, N // PANEL, PANEL).transpose(*range(n), n + 1, n, n + 2)
+
+
+def to_rows(weight: QuantizedWeight) -> QuantizedWeight:
+    """`weight` in the "rows" layout (the inverse of `to_panels`)."""
+    if weight.layout == "rows":
+        return weight
+    *lead, K, N = weight.shape
+    n = len(lead)
+    if weight.bits == 8:  # [..., p, t, c, i] -> [..., t, i, p, c]
+        values = weight.values.reshape(*lead, N // PANEL, K // 4, PANEL, 4).transpose(*range(n), n + 1, n + 3, n, n + 2)
+        values = values.reshape(*lead, K, N)
+    else:  # [..., p, t, c] -> [..., t, p, c]
+        values = weight.values.transpose(*range(n), n + 1, n, n + 2).reshape(*lead, K // 8, N)
+    *_, G, _ = weight.scales.shape
+    scales = weight.scales.transpose(*range(n), n + 1, n, n + 2).reshape(*lead, G, N)
+    return QuantizedWeight(values, scales, bits=weight.bits, group=weight.group)
+
+
 def unpack(weight: QuantizedWeight) -> jax.Array:
     """The integer values as int8 `[..., in, out]` (int4 unpacked to [-8, 7])."""
+    weight = to_rows(weight)
     if weight.bits == 8:
         return weight.values
     *lead, T, N = weight.values.shape
@@ -129,6 +186,7 @@ def unpack(weight: QuantizedWeight) -> jax.Array:
 
 def dequantize(weight: QuantizedWeight, dtype=jnp.float32) -> jax.Array:
     """The float weight `[..., in, out]` the values and scales stand for."""
+    weight = to_rows(weight)
     *lead, K, N = weight.shape
     values = unpack(weight).astype(jnp.float32).reshape(*lead, K // weight.group, weight.group, N)
     return (values * weight.scales[..., :, None, :]).reshape(*lead, K, N).astype(dtype)  # [..., G, group, N]
@@ -199,6 +257,23 @@ def quantize(params: Any, config: ModelConfig, mode: str) -> Any:
         inner = dict(inner)
         inner[TIED_HEAD] = one(jnp.swapaxes(jnp.asarray(inner["wte"]["embedding"]), -1, -2), (TIED_HEAD,), 2)
     return {"params": inner} if outer else inner
+
+
+def with_layout(params: Any, layout: str, fits=lambda weight: True) -> Any:
+    """`params` with each quantized `Linear` kernel and tied head's copy for which `fits(weight)` holds in
+    `layout` ("rows" or "panels"); everything else as it is (the weights read through `float_param` stay
+    in rows: they are dequantized whole)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    convert = to_panels if layout == "panels" else to_rows
+
+    def one(path, leaf):
+        name = getattr(path[-1], "key", None) if path else None
+        if is_quantized(leaf) and name in ("kernel", TIED_HEAD) and fits(leaf):
+            return convert(leaf)
+        return leaf
+
+    return jax.tree_util.tree_map_with_path(one, params, is_leaf=is_quantized)
 
 
 def weight_bytes(params: Any) -> int:

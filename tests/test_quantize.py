@@ -292,6 +292,74 @@ def test_generate_with_q8act_stays_close_to_the_reference():
     assert 0 < float(jnp.max(jnp.abs(got.logits - expected.logits))) <= 0.03 * scale
 
 
+@pytest.mark.parametrize("mode", ["int8", "int8:32", "int4", "int4:64"])
+def test_the_panels_layout_holds_the_same_weight(mode):
+    rows = quantize_weight(np.stack([weight(64, 48, seed=s) for s in range(3)]), mode)  # leading axes too
+    panels = quantization.to_panels(rows)
+    assert panels.layout == "panels" and panels.shape == rows.shape == (3, 64, 48)
+    per_row = 4 if rows.bits == 8 else 8
+    assert panels.values.shape == (3, 3, 64 // per_row, 64 if rows.bits == 8 else 16)
+    assert panels.scales.shape == (3, 3, 64 // rows.group, 16) and panels.nbytes == rows.nbytes
+    back = quantization.to_rows(panels)
+    assert back.layout == "rows"
+    np.testing.assert_array_equal(back.values, rows.values)
+    np.testing.assert_array_equal(back.scales, rows.scales)
+    np.testing.assert_array_equal(dequantize(panels), dequantize(rows))
+    np.testing.assert_array_equal(unpack(panels), unpack(rows))
+    if rows.bits == 8:  # byte 4c + i of row t of panel p: W[4t + i, 16p + c]
+        t, i, p, c = 5, 3, 2, 7
+        assert panels.values[1, p, t, 4 * c + i] == rows.values[1, 4 * t + i, 16 * p + c]
+    else:  # word c of row t of panel p: the rows layout's word [t, 16p + c]
+        assert panels.values[1, 2, 5, 7] == rows.values[1, 5, 39]
+    with pytest.raises(ValueError, match="multiple of 16"):
+        quantization.to_panels(quantize_weight(weight(64, 24), mode))
+
+
+@needs_cxx
+@pytest.mark.parametrize("mode", ["int8", "int4", "int4:64"])
+@pytest.mark.parametrize("M", [1, 3, 9])  # up to 4 rows a pass over a panel: one pass, one short, three
+@pytest.mark.parametrize("K, N", [(64, 16), (192, 80), (128, 4096)])
+def test_native_q8act_reads_panels_as_it_reads_rows(mode, M, K, N):
+    q = quantize_weight(weight(K, N, seed=K + N), mode)
+    x = np.random.default_rng(M).normal(size=(M, K)).astype(np.float32)
+    call = jax.jit(lambda a, w: quant_matmul.native_matmul(a, w, q8act=True))
+    panels = quant_matmul.prepare_weights({"kernel": q})["kernel"]
+    assert panels.layout == "panels"
+    assert "jaxattn_quant_matmul_int" in call.lower(x, panels).as_text()  # the panels' own target
+    got, expected = call(x, panels), quant_matmul.matmul_q8act(x, q)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(expected))))
+    np.testing.assert_allclose(got, call(x, q), rtol=1e-6, atol=1e-6 * float(jnp.max(jnp.abs(expected))))
+    # Every other formulation reads panels too (putting them back in rows): the same numbers.
+    np.testing.assert_allclose(quant_matmul.matmul(x, panels), quant_matmul.matmul(x, q), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(quant_matmul.native_matmul(x, panels), quant_matmul.native_matmul(x, q), rtol=1e-6,
+                               atol=1e-6)
+
+
+@needs_cxx
+@pytest.mark.parametrize("scan_layers", [False, True], ids=["unrolled", "scanned"])
+def test_prepared_weights_decode_as_the_weights_they_came_from(scan_layers):
+    config, params = tiny(tie_embeddings=True, scan_layers=scan_layers)
+    q = quantize(params, config, "int4")
+    kernels = Kernels(quantized="native_cpu_q8act")
+    prepared = ja.prepare_weights(q, kernels)
+    layouts = {"/".join(str(getattr(k, "key", k)) for k in path): leaf.layout for path, leaf in
+               jax.tree_util.tree_flatten_with_path(prepared, is_leaf=quantization.is_quantized)[0]
+               if quantization.is_quantized(leaf)}
+    assert layouts and set(layouts.values()) == {"panels"} and quantization.TIED_HEAD in layouts
+    assert ja.prepare_weights(q, Kernels()) is q  # the reference reads rows: nothing to do
+    with pytest.raises(ValueError, match="resolve it"):
+        ja.prepare_weights(q, Kernels.auto())
+    prompt, lengths = np.array([[3, 1, 4, 1, 5, 9], [2, 7, 1, 8, 0, 0]]), np.array([6, 4])
+    run = dict(max_new_tokens=5, rng=jax.random.PRNGKey(0), temperature=0.0, return_logits=True)
+    expected = ja.generate(q, config, prompt, lengths, kernels=kernels, **run)
+    got = ja.generate(prepared, config, prompt, lengths, kernels=kernels, **run)
+    np.testing.assert_array_equal(got.tokens, expected.tokens)
+    np.testing.assert_allclose(got.logits, expected.logits, rtol=1e-5, atol=1e-5)
+    reference = ja.generate(prepared, config, prompt, lengths, **run)  # "xla" on the prepared weights
+    np.testing.assert_allclose(reference.logits, ja.generate(q, config, prompt, lengths, **run).logits, rtol=1e-6,
+                               atol=1e-6)
+
+
 def test_moe_experts_are_quantized_per_expert_and_run():
     moe = ja.MoEConfig(num_experts=4, experts_per_token=2, expert_hidden=32)
     config = tiny_config("gqa", positions="rope", d_model=32, mlp_hidden=64, vocab_size=32, max_seq_len=16, moe=moe)
@@ -310,7 +378,7 @@ def test_moe_experts_are_quantized_per_expert_and_run():
 PORTABLE = """
 import jax, numpy as np
 from jaxattn.kernels import native_build, quant_matmul
-from jaxattn.quantization import quantize_weight
+from jaxattn.quantization import quantize_weight, to_panels
 native_build.FLAGS = tuple("-march=x86-64-v3" if f == "-march=native" else f for f in native_build.FLAGS)
 rng = np.random.default_rng(0)
 x = rng.normal(size=(3, 96)).astype(np.float32)
@@ -320,6 +388,10 @@ for mode in ("int8", "int4"):
         expected = np.asarray(reference(x, q))
         got = np.asarray(jax.jit(lambda a, w: quant_matmul.native_matmul(a, w, q8act=q8act))(x, q))
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+    q = quantize_weight(rng.normal(size=(96, 80)).astype(np.float32), mode)  # in panels
+    expected = np.asarray(quant_matmul.matmul_q8act(x, q))
+    got = np.asarray(quant_matmul.native_matmul(x, to_panels(q), q8act=True))
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
 print("ok")
 """
 

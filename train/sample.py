@@ -42,7 +42,7 @@ import numpy as np
 import psutil
 from tqdm import tqdm
 
-from jaxattn import Kernels, axes, lora, resolve_kernels, with_fused_qkv
+from jaxattn import Kernels, axes, lora, prepare_weights, resolve_kernels, with_fused_qkv
 from jaxattn.cache import KV_CACHES
 from jaxattn.caches import cache_bytes_per_token
 from jaxattn.config import ModelConfig
@@ -609,6 +609,7 @@ def run(argv=None) -> int:
           f"({reasons['matmul']})" + (f"; mesh {axes.MeshShape.of(mesh)}" if mesh is not None else "")
           + quant_line(args, kernels, reasons), file=sys.stderr)
     plan = plan_sampling(args, config, len(prompt_ids), kernels, mesh)
+    params = prepare_weights(params, kernels)  # e.g. quantized weights in the native kernel's panels
     ids, stopped = sample(args, params, config, prompt_ids, kernels, mesh, plan.rows)
     print_samples(prompt, ids, tokenizer)
     if stopped:

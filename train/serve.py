@@ -35,7 +35,7 @@ import jax
 import uvicorn
 from tqdm import tqdm
 
-from jaxattn import Kernels, axes, resolve_kernels
+from jaxattn import Kernels, axes, prepare_weights, resolve_kernels
 from jaxattn.cache import KV_CACHES
 from jaxattn.hf.chat_template import ChatTemplate, ChatTemplateError, find_chat_template, special_tokens
 from jaxattn.hf.tokenizer import HFTokenizer
@@ -255,6 +255,7 @@ def run(argv=None) -> int:
         print(f"kernels: paged {kernels.paged!r} ({reasons['paged']}), matmul {kernels.matmul!r} "
               f"({reasons['matmul']})" + (f"; mesh {axes.MeshShape.of(mesh)}" if mesh is not None else "")
               + sample_lib.quant_line(args, kernels, reasons), file=sys.stderr)
+        params = prepare_weights(params, kernels)  # e.g. quantized weights in the native kernel's panels
         started = time.perf_counter()
         engine, compile_seconds = build_engine(args, params, config, tokenizer, kernels, mesh)
         served = served_model(args, config, tokenizer, engine.max_model_len)

@@ -31,7 +31,9 @@ reference with a one-line `KernelFallbackWarning`:
 
 The choice is made once, when a program resolves a run for its platform
 (`resolve_kernels`, which also says why); building or applying a model never
-looks at the hardware, and a field left at "auto" raises until resolved.
+looks at the hardware, and a field left at "auto" raises until resolved. An
+implementation that reads weights fastest in a layout of its own gets them so
+from `prepare_weights(params, kernels)`, called once after loading.
 
 Adding an implementation is a new module in this package and one entry in
 `IMPLEMENTATIONS` (`jaxattn.kernels.registry`; plus, if it should be picked
@@ -41,9 +43,9 @@ automatically, a rule in `jaxattn.kernels.select`).
 from jaxattn.kernels._call import KernelFallbackWarning
 from jaxattn.kernels.registry import (AUTO, IMPLEMENTATIONS, Kernels, attention_kernel, cache_writer,
                                       cached_attention_kernel, check_mla_path, check_paged, choices, matmul_kernel,
-                                      moe_kernel, paged_attention_kernel, quantized_matmul_kernel)
+                                      moe_kernel, paged_attention_kernel, prepare_weights, quantized_matmul_kernel)
 from jaxattn.kernels.select import Platform, resolve_kernels
 
 __all__ = ["AUTO", "IMPLEMENTATIONS", "KernelFallbackWarning", "Kernels", "Platform", "attention_kernel",
            "cache_writer", "cached_attention_kernel", "check_mla_path", "check_paged", "choices", "matmul_kernel",
-           "moe_kernel", "paged_attention_kernel", "quantized_matmul_kernel", "resolve_kernels"]
+           "moe_kernel", "paged_attention_kernel", "prepare_weights", "quantized_matmul_kernel", "resolve_kernels"]

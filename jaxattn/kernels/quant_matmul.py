@@ -17,6 +17,12 @@ trained). Each equals its reference to float32 summation order (tests/test_quant
   rounding moves each x by at most half its group's scale `max|x_group| / 127`, so each output by
   at most `sum_k |x_k - xq_k xs_k| |W_kj|` (tests/test_quantize.py bounds it so). Other weights
   (int8 in groups) and more rows than `NATIVE_UP_TO` run as "native_cpu".
+
+  Its weights are read fastest in the "panels" layout (`jaxattn.quantization.to_panels`: each 16
+  columns' rows contiguous, one stream through memory per piece of work, and int8 rows already the
+  integer dot's operand), which `prepare_weights` gives the weights it takes when the run is resolved
+  (`jaxattn.kernels.prepare_weights`). Every formulation reads either layout; "native_cpu" and the
+  reference put a panels weight back in rows first (a copy each call).
 """
 
 from __future__ import annotations
@@ -29,10 +35,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxattn.kernels import native_build
-from jaxattn.quantization import QuantizedWeight, dequantize
+from jaxattn.quantization import PANEL, QuantizedWeight, dequantize, to_rows, with_layout
 
 SOURCE = Path(__file__).parent / "native" / "quant_matmul.cc"
 TARGETS = {8: "jaxattn_quant_matmul_int8", 4: "jaxattn_quant_matmul_int4"}
+PANEL_TARGETS = {8: "jaxattn_quant_matmul_int8_panels", 4: "jaxattn_quant_matmul_int4_panels"}
 NATIVE_UP_TO = 32  # rows up to which "native_cpu" goes native (a decode step of up to 32 sequences, a short prompt)
 ACT_GROUP = 32  # activation rows per int8 scale in "native_cpu_q8act"
 WAY_OUT = "use Kernels(quantized='xla')"
@@ -87,7 +94,21 @@ def _registered() -> bool:
     path = library_path()
     native_build.register(path, "JaxattnQuantMatmul8", TARGETS[8], "the native quantized matmul", WAY_OUT)
     native_build.register(path, "JaxattnQuantMatmul4", TARGETS[4], "the native quantized matmul", WAY_OUT)
+    native_build.register(path, "JaxattnQuantMatmul8Panels", PANEL_TARGETS[8], "the native quantized matmul", WAY_OUT)
+    native_build.register(path, "JaxattnQuantMatmul4Panels", PANEL_TARGETS[4], "the native quantized matmul", WAY_OUT)
     return True
+
+
+def _panels_fit(weight: QuantizedWeight) -> bool:
+    """A weight "native_cpu_q8act" reads in panels: one it takes (`_takes_q8act`), `out` a multiple of 16."""
+    K, N = weight.shape[-2:]
+    return N % PANEL == 0 and _takes_q8act(jax.ShapeDtypeStruct((1, K), jnp.float32), weight)
+
+
+def prepare_weights(params):
+    """"native_cpu_q8act"'s weights: `params` with each quantized matmul weight it reads natively in the
+    "panels" layout (`jaxattn.quantization.with_layout`); the others as they are."""
+    return with_layout(params, "panels", fits=_panels_fit)
 
 
 def native_matmul(x, weight: QuantizedWeight, q8act: bool = False):
@@ -103,6 +124,11 @@ def native_matmul(x, weight: QuantizedWeight, q8act: bool = False):
                          f"group {weight.group}, x {x.shape}")
     _registered()
     out = jax.ShapeDtypeStruct((x.shape[0], weight.shape[1]), jnp.float32)
+    if weight.layout == "panels" and q8act:
+        call = jax.ffi.ffi_call(PANEL_TARGETS[weight.bits], out, vmap_method="sequential")
+        return call(x.astype(jnp.float32), weight.values, weight.scales.astype(jnp.float32),
+                    threads=np.int32(native_build.threads()))
+    weight = to_rows(weight)  # the float loops read rows
     call = jax.ffi.ffi_call(TARGETS[weight.bits], out, vmap_method="sequential")
     return call(x.astype(jnp.float32), weight.values, weight.scales.astype(jnp.float32),
                 q8act=np.int32(q8act), threads=np.int32(native_build.threads()))

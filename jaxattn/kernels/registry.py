@@ -33,6 +33,13 @@ IMPLEMENTATIONS: dict[str, dict[str, object]] = {
 }
 
 
+# The weight layout an implementation reads fastest, given when a run is resolved (`prepare_weights`):
+# field -> implementation name -> params -> params (the same numbers; every implementation reads any layout).
+WEIGHT_LAYOUTS: dict[str, dict[str, Callable]] = {
+    "quantized": {"native_cpu_q8act": quant_matmul.prepare_weights},
+}
+
+
 def choices(field: str) -> tuple[str, ...]:
     """The implementation names of `field`, reference first."""
     return tuple(IMPLEMENTATIONS[field])
@@ -101,6 +108,19 @@ class Kernels:
 
     def to_dict(self) -> dict[str, str]:
         return dataclasses.asdict(self)
+
+
+def prepare_weights(params, kernels: Kernels):
+    """`params` laid out as the chosen `kernels` read them fastest (once, after loading and quantizing, before
+    sampling or serving: e.g. "native_cpu_q8act"'s quantized weights in panels,
+    `jaxattn.quantization.to_panels`). The numbers stay the same and every implementation reads either
+    layout, so a model prepared for one set of kernels still runs with another, only slower."""
+    for field, table in WEIGHT_LAYOUTS.items():
+        name = getattr(kernels, field)
+        _lookup(field, name)
+        if name in table:
+            params = table[name](params)
+    return params
 
 
 def _lookup(field: str, name: str):

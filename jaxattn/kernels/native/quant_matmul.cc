@@ -25,6 +25,14 @@
 // Without VNNI the same integer sums run in plain loops the compiler vectorizes: equal results.
 // int8 values stay [K, N] (the layout GGUF and the reference share): Int8Q8 interleaves four rows
 // itself, a few shuffles per 256 products.
+//
+// Panels (targets JaxattnQuantMatmul8Panels and JaxattnQuantMatmul4Panels, q8act only): the same
+// weight cut into panels of 16 columns, each panel's rows contiguous (jaxattn.quantization's "panels"
+// layout): int8 values [N / 16, K / 4, 64], byte 4c + i of row t of panel p holding W[4t + i, 16p + c];
+// int4 words [N / 16, K / 8, 16], word c of row t of panel p the rows layout's word [t, 16p + c];
+// scales [N / 16, G, 16]. A piece of consecutive panels is one contiguous stream through memory (the
+// rows layout has 32 streams N bytes apart per group), and an int8 row of a panel is already the
+// 4-rows-per-lane operand the integer dot takes: no interleaving, no reordering.
 
 #include <algorithm>
 #include <atomic>
@@ -57,6 +65,7 @@ struct Problem {
   int64_t M, K, N, bits, G;
   int64_t group;  // input rows per weight scale (K when G == 1)
   bool q8;
+  bool panels;  // the panels layout (q8 only)
   // q8act: per row, words of 4 int8 activations (even rows 8t, 8t+2, 8t+4, 8t+6 and odd rows 8t+1, ..),
   // the scales xs [M, K / 32] and the sums of xq per group of 32 [M, K / 32].
   std::vector<int32_t> even, odd, xsum;
@@ -363,6 +372,116 @@ void Int8Q8(const Problem& p, int64_t m0, int64_t m1, int64_t j0, int64_t j1, fl
   }
 }
 
+// Up to kPanelRows rows of x times one panel of 16 columns (either width of values), the int32 sums
+// of each group of 32 rows turned to float32 as the rows layout's kernels do. R: the rows (templated so
+// that the accumulators stay in registers).
+constexpr int64_t kPanelRows = 4;
+
+template <int R>
+void Int8Q8Panel(const Problem& p, int64_t m0, int64_t panel, float* out) {
+  const int64_t A = p.K / kActGroup, Q = p.K / 4;
+  const int8_t* w = static_cast<const int8_t*>(p.w) + panel * Q * 64;
+  const float* s = p.scales + panel * 16;
+  const int64_t j = panel * 16;
+#ifdef JAXATTN_VNNI
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512 f[R];
+  for (int r = 0; r < R; ++r) f[r] = _mm512_setzero_ps();
+  for (int64_t a = 0; a < A; ++a) {
+    __m512i acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_si512();
+    for (int64_t q = a * (kActGroup / 4); q < (a + 1) * (kActGroup / 4); ++q) {
+      const __m512i v = _mm512_xor_si512(_mm512_loadu_si512(w + q * 64), flip);  // w + 128: VNNI's unsigned side
+      for (int r = 0; r < R; ++r) acc[r] = _mm512_dpbusd_epi32(acc[r], v, _mm512_set1_epi32(p.quads[(m0 + r) * Q + q]));
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512i offset = _mm512_set1_epi32(128 * p.xsum[(m0 + r) * A + a]);
+      f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r], offset)),
+                             _mm512_set1_ps(p.xs[(m0 + r) * A + a]), f[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + (m0 + r) * p.N + j, _mm512_mul_ps(f[r], _mm512_loadu_ps(s)));
+#else
+  for (int r = 0; r < R; ++r) {
+    const int8_t* xq = reinterpret_cast<const int8_t*>(p.quads.data() + (m0 + r) * Q);
+    float f[16] = {};
+    for (int64_t a = 0; a < A; ++a) {
+      int32_t acc[16] = {};
+      for (int64_t k = a * kActGroup; k < (a + 1) * kActGroup; ++k)
+        for (int c = 0; c < 16; ++c) acc[c] += static_cast<int32_t>(xq[k]) * w[(k / 4) * 64 + 4 * c + k % 4];
+      for (int c = 0; c < 16; ++c) f[c] += static_cast<float>(acc[c]) * p.xs[(m0 + r) * A + a];
+    }
+    for (int c = 0; c < 16; ++c) out[(m0 + r) * p.N + j + c] = f[c] * s[c];
+  }
+#endif
+}
+
+template <int R>
+void Int4Q8Panel(const Problem& p, int64_t m0, int64_t panel, float* out) {
+  const int64_t A = p.K / kActGroup, T = p.K / 8;
+  const uint32_t* w = static_cast<const uint32_t*>(p.w) + panel * T * 16;
+  const float* s = p.scales + panel * p.G * 16;
+  const int64_t j = panel * 16;
+#ifdef JAXATTN_VNNI
+  const __m512i nibble = _mm512_set1_epi32(0x0F0F0F0F);
+  __m512 f[R];
+  for (int r = 0; r < R; ++r) f[r] = _mm512_setzero_ps();
+  for (int64_t a = 0; a < A; ++a) {
+    __m512i acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_si512();
+    for (int64_t t = a * 4; t < a * 4 + 4; ++t) {
+      const __m512i v = _mm512_loadu_si512(w + t * 16);
+      const __m512i low = _mm512_and_si512(v, nibble), high = _mm512_and_si512(_mm512_srli_epi32(v, 4), nibble);
+      for (int r = 0; r < R; ++r) {
+        acc[r] = _mm512_dpbusd_epi32(acc[r], low, _mm512_set1_epi32(p.even[(m0 + r) * T + t]));
+        acc[r] = _mm512_dpbusd_epi32(acc[r], high, _mm512_set1_epi32(p.odd[(m0 + r) * T + t]));
+      }
+    }
+    const __m512 sa = _mm512_loadu_ps(s + (a * kActGroup / p.group) * 16);
+    for (int r = 0; r < R; ++r) {
+      const __m512i offset = _mm512_set1_epi32(8 * p.xsum[(m0 + r) * A + a]);
+      f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r], offset)),
+                             _mm512_mul_ps(sa, _mm512_set1_ps(p.xs[(m0 + r) * A + a])), f[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + (m0 + r) * p.N + j, f[r]);
+#else
+  for (int r = 0; r < R; ++r) {
+    const int8_t* even = reinterpret_cast<const int8_t*>(p.even.data() + (m0 + r) * T);
+    const int8_t* odd = reinterpret_cast<const int8_t*>(p.odd.data() + (m0 + r) * T);
+    float f[16] = {};
+    for (int64_t a = 0; a < A; ++a) {
+      int32_t acc[16] = {};
+      for (int64_t t = a * 4; t < a * 4 + 4; ++t)
+        for (int c = 0; c < 16; ++c) {
+          const uint32_t v = w[t * 16 + c];
+          for (int b = 0; b < 4; ++b)
+            acc[c] += static_cast<int32_t>((v >> (8 * b)) & 15u) * even[4 * t + b] +
+                      static_cast<int32_t>((v >> (8 * b + 4)) & 15u) * odd[4 * t + b];
+        }
+      const float* sa = s + (a * kActGroup / p.group) * 16;
+      const float xs = p.xs[(m0 + r) * A + a];
+      const int32_t offset = 8 * p.xsum[(m0 + r) * A + a];
+      for (int c = 0; c < 16; ++c) f[c] += static_cast<float>(acc[c] - offset) * (sa[c] * xs);
+    }
+    for (int c = 0; c < 16; ++c) out[(m0 + r) * p.N + j + c] = f[c];
+  }
+#endif
+}
+
+// out[:, j0:j1] (whole panels) for the panels layout: each panel for kPanelRows rows at a time, the
+// first pass reading it from memory, the next ones from the cache.
+void Panels(const Problem& p, int64_t j0, int64_t j1, float* out) {
+  using Kernel = void (*)(const Problem&, int64_t, int64_t, float*);
+  static constexpr Kernel int8[] = {Int8Q8Panel<1>, Int8Q8Panel<2>, Int8Q8Panel<3>, Int8Q8Panel<4>};
+  static constexpr Kernel int4[] = {Int4Q8Panel<1>, Int4Q8Panel<2>, Int4Q8Panel<3>, Int4Q8Panel<4>};
+  for (int64_t panel = j0 / 16; panel < j1 / 16; ++panel)
+    for (int64_t m0 = 0; m0 < p.M; m0 += kPanelRows) {
+      const int64_t rows = std::min(kPanelRows, p.M - m0);
+      (p.bits == 8 ? int8 : int4)[rows - 1](p, m0, panel, out);
+    }
+}
+
 struct Shared {
   Problem p;
   float* out;
@@ -378,6 +497,11 @@ void Work(Shared& s) {
   std::vector<int32_t> isums;
   for (int64_t c; (c = s.next.fetch_add(1)) < s.chunks;) {
     const int64_t j0 = c * s.chunk_cols, j1 = std::min(p.N, j0 + s.chunk_cols);
+    if (p.panels) {
+      Panels(p, j0, j1, s.out);
+      s.done.fetch_add(1);
+      continue;
+    }
     for (int64_t m0 = 0; m0 < p.M; m0 += kMaxRows) {
       const int64_t m1 = std::min(p.M, m0 + kMaxRows);
       if (p.q8) {
@@ -398,13 +522,13 @@ void Work(Shared& s) {
 }
 
 ffi::Error Run(ffi::ThreadPool& pool, const float* x, const void* w, const float* scales, float* out, int64_t M,
-               int64_t K, int64_t N, int64_t G, int32_t bits, int32_t q8act, int32_t threads) {
+               int64_t K, int64_t N, int64_t G, int32_t bits, int32_t q8act, int32_t threads, bool panels = false) {
   if (M == 0 || N == 0) return ffi::Error::Success();
   if (q8act && (K % kActGroup != 0 || (K / G) % kActGroup != 0 || (bits == 8 && G != 1)))
     return ffi::Error::InvalidArgument("quantized matmul: q8act takes int4 weights in groups of a multiple of 32 "
                                        "rows or int8 weights per column, K a multiple of 32");
   auto shared = std::make_shared<Shared>();
-  shared->p = Problem{x, w, scales, M, K, N, bits, G, K / G, q8act != 0, {}, {}, {}, {}};
+  shared->p = Problem{x, w, scales, M, K, N, bits, G, K / G, q8act != 0, panels, {}, {}, {}, {}, {}};
   if (q8act) QuantizeRows(shared->p);
   shared->out = out;
   // A worker for each kMinWeights weights, up to `threads`: waking one costs more than a small product.
@@ -415,6 +539,8 @@ ffi::Error Run(ffi::ThreadPool& pool, const float* x, const void* w, const float
   const int64_t most = std::max<int64_t>(unit, kChunkBytes / (bits == 4 ? 4 : 1) / unit * unit);
   shared->chunk_cols =
       std::min(most, std::max<int64_t>(unit, ((N + 2 * workers - 1) / (2 * workers) + unit - 1) / unit * unit));
+  // Panels: a piece is consecutive whole panels, one stream however many columns, about four a worker.
+  if (panels) shared->chunk_cols = std::max<int64_t>(16, ((N + 4 * workers - 1) / (4 * workers) + 15) / 16 * 16);
   shared->chunks = (N + shared->chunk_cols - 1) / shared->chunk_cols;
   // Helpers hold the shared state themselves: one that starts after the work is done finds none.
   for (int64_t i = 1; i < std::min(workers, shared->chunks); ++i) pool.Schedule([shared] { Work(*shared); });
@@ -447,7 +573,53 @@ ffi::Error QuantMatmul4(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
              threads);
 }
 
+// The panels layout's shapes (see the contract): values [N / 16, K / 4, 64] int8 or [N / 16, K / 8, 16] int32,
+// scales [N / 16, G, 16]; q8act only.
+template <ffi::DataType V>
+ffi::Error QuantMatmulPanels(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<V> values,
+                             ffi::Buffer<ffi::F32> scales, ffi::ResultBuffer<ffi::F32> out, int32_t threads) {
+  constexpr int32_t bits = V == ffi::DataType::S8 ? 8 : 4;
+  const auto xd = x.dimensions(), vd = values.dimensions(), sd = scales.dimensions();
+  if (xd.size() != 2 || vd.size() != 3 || sd.size() != 3)
+    return ffi::Error::InvalidArgument("quantized matmul (panels): x [M, K], values [N / 16, rows, width], "
+                                       "scales [N / 16, G, 16]");
+  const int64_t M = xd[0], K = xd[1], N = vd[0] * 16, G = sd[1];
+  const bool fits = bits == 8 ? vd[1] * 4 == K && vd[2] == 64 : vd[1] * 8 == K && vd[2] == 16;
+  if (!fits || sd[0] != vd[0] || sd[2] != 16 || G < 1 || K % G != 0)
+    return ffi::Error::InvalidArgument("quantized matmul (panels): shapes do not match");
+  return Run(pool, x.typed_data(), values.typed_data(), scales.typed_data(), out->typed_data(), M, K, N, G, bits, 1,
+             threads, true);
+}
+
+ffi::Error QuantMatmul8Panels(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> values,
+                              ffi::Buffer<ffi::F32> scales, ffi::ResultBuffer<ffi::F32> out, int32_t threads) {
+  return QuantMatmulPanels<ffi::DataType::S8>(pool, x, values, scales, out, threads);
+}
+
+ffi::Error QuantMatmul4Panels(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> values,
+                              ffi::Buffer<ffi::F32> scales, ffi::ResultBuffer<ffi::F32> out, int32_t threads) {
+  return QuantMatmulPanels<ffi::DataType::S32>(pool, x, values, scales, out, threads);
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxattnQuantMatmul8Panels, QuantMatmul8Panels,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
+                                  .Arg<ffi::Buffer<ffi::S8>>()   // values [N / 16, K / 4, 64]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // scales [N / 16, G, 16]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // out [M, N]
+                                  .Attr<int32_t>("threads"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxattnQuantMatmul4Panels, QuantMatmul4Panels,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // values [N / 16, K / 8, 16]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // scales [N / 16, G, 16]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // out [M, N]
+                                  .Attr<int32_t>("threads"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxattnQuantMatmul8, QuantMatmul8,
                               ffi::Ffi::Bind()
