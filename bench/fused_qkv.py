@@ -1,12 +1,14 @@
-"""q, k and v as one projection or three: `generate`'s speed at batch 1 in each layout, in one process.
+"""How a loaded model is laid out: `generate`'s speed at batch 1 in each layout, in one process.
 
     PYTHONPATH=$PWD .venv/bin/python bench/fused_qkv.py [--weights float32,int8,int4] [--rounds 4]
     PYTHONPATH=$PWD .venv/bin/python bench/fused_qkv.py --quick --out DIR    # a tiny Llama, a smoke run
 
 A Llama-family checkpoint stores q, k and v apart; `train.sample`, `train.serve` and bench/quant.py fuse
-them on loading (`jaxattn.with_fused_qkv`). On the SmolLM2-135M-shaped model (bench/serve.py's `smollm2`,
-random init), for each weight format: one greedy `generate` of --new-tokens after a 16-token prompt,
-with the projections separate and fused (the tokens must be equal), the kernels "auto" resolves to
+them on loading (`jaxattn.with_fused_qkv`) and, once the kernels are resolved, lay quantized weights out
+as the chosen kernel reads them (`jaxattn.prepare_weights`: "native_cpu_q8act"'s panels). On the
+SmolLM2-135M-shaped model (bench/serve.py's `smollm2`, random init), for each weight format: one greedy
+`generate` of --new-tokens after a 16-token prompt with the projections "separate", "fused", and (quantized
+formats) "fused, prepared", the tokens of each equal to the first's; the kernels "auto" resolves to
 here; every call compiled and warmed up first, then the cells timed in turns (`bench.timing.in_turns`).
 Writes bench/results/fused_qkv.{json,md}.
 """
@@ -40,28 +42,29 @@ def cells(weights: list[str], new_tokens: int, quick: bool = False, cache_dir: P
     config, params = hf.load_pretrained(str(checkpoint), dtype="float32")
     kernels = resolve_kernels()[0]
     prompt, lengths = np.ones((1, PROMPT), np.int32), np.array([PROMPT], np.int32)
-    layouts = {"separate": (params, config), "fused": with_fused_qkv(params, config)}
+    fused = with_fused_qkv(params, config)
     calls, tokens = {}, {}
     for weight in weights:
-        for layout, (p, c) in layouts.items():
-            held = p if weight == "float32" else prepare_weights(quantize(p, c, weight), kernels)
-
-            def call(held=held, c=c):
-                return np.asarray(generate(held, c, prompt, lengths, max_new_tokens=new_tokens,
+        held = {"separate": (params, config), "fused": fused}
+        if weight != "float32":
+            held = {layout: (quantize(p, c, weight), c) for layout, (p, c) in held.items()}
+            held["fused, prepared"] = (prepare_weights(held["fused"][0], kernels), fused[1])
+        for layout, (p, c) in held.items():
+            def call(p=p, c=c):
+                return np.asarray(generate(p, c, prompt, lengths, max_new_tokens=new_tokens,
                                            rng=jax.random.PRNGKey(0), temperature=0.0, kernels=kernels).tokens)
             calls[weight, layout], tokens[weight, layout] = call, call()  # compiled here, not in the timing
     return calls, tokens
 
 
 def markdown(record: dict) -> str:
-    lines = [f"# q, k and v fused or apart: `generate` on {machine_line(record['machine'])}", "",
+    lines = [f"# Layouts of a loaded model: `generate` on {machine_line(record['machine'])}", "",
              f"{record['model']} (random init), batch 1, greedy, {PROMPT}-token prompt, {record['new_tokens']} "
              f"new tokens; kernels `{record['kernels']}`; medians of {record['rounds']} rounds in turns, in one "
              f"process. Command: `{record['command']}`.", "",
-             "| weights | q, k, v | tok/s | fused over separate | same tokens |", "| --- | --- | ---: | ---: | --- |"]
+             "| weights | layout | tok/s | over separate | same tokens |", "| --- | --- | ---: | ---: | --- |"]
     for row in record["rows"]:
-        speedup = f"{row['speedup']:.2f}x" if "speedup" in row else ""
-        lines.append(f"| {row['weights']} | {row['layout']} | {row['tokens_per_s']:.1f} | {speedup} | "
+        lines.append(f"| {row['weights']} | {row['layout']} | {row['tokens_per_s']:.1f} | {row['speedup']:.2f}x | "
                      f"{'yes' if row['same_tokens'] else 'no'} |")
     return "\n".join(lines) + "\n"
 
@@ -83,11 +86,12 @@ def main(argv=None) -> dict:
     timings = in_turns(calls, args.rounds, warmup=False)
     rows = []
     for weight in weights:
-        separate, fused = (args.new_tokens / timings[weight, layout].median_s for layout in ("separate", "fused"))
-        same = bool((tokens[weight, "separate"] == tokens[weight, "fused"]).all())
-        rows += [{"weights": weight, "layout": "separate", "tokens_per_s": separate, "same_tokens": same},
-                 {"weights": weight, "layout": "fused", "tokens_per_s": fused, "speedup": fused / separate,
-                  "same_tokens": same}]
+        layouts = [layout for w, layout in calls if w == weight]
+        base = args.new_tokens / timings[weight, "separate"].median_s
+        for layout in layouts:
+            speed = args.new_tokens / timings[weight, layout].median_s
+            rows.append({"weights": weight, "layout": layout, "tokens_per_s": speed, "speedup": speed / base,
+                         "same_tokens": bool((tokens[weight, layout] == tokens[weight, "separate"]).all())})
     record = {"machine": describe_machine(), "command": portable_command(sys.argv, ("--out", "--cache-dir")),
               "model": "a tiny Llama" if args.quick else "SmolLM2-135M's shape",
               "kernels": str(resolve_kernels()[0]), "new_tokens": args.new_tokens, "rounds": args.rounds, "rows": rows}
