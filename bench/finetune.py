@@ -77,6 +77,7 @@ def run_jax(spec: dict) -> dict:
     from jaxattn import hf
     from train import init_from, runtime as runtime_lib
     from train.config import load_config
+    from train.host_memory import release_freed_memory
     from train.steps import build_programs
     lora = {"rank": spec["rank"], "alpha": 2.0 * spec["rank"], "targets": list(TARGETS),
             "base_dtype": spec["base_dtype"]}
@@ -102,6 +103,7 @@ def run_jax(spec: dict) -> dict:
     state = programs.init(config.train.seed)
     batches = [np.asarray(b, np.int32)[None] for b in windows(spec, config.model.vocab_size, spec["steps"] + 1)]
     compiled = programs.train_steps.lower(state, programs.train_inputs(1, spec["batch"]), programs.frozen).compile()
+    release_freed_memory()  # as train.loop does once its programs are compiled
     holder = {"state": state, "i": 0}
 
     def step():

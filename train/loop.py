@@ -34,6 +34,7 @@ from train.checkpoint import Checkpointer
 from train.init_from import Initial
 from train.packed_batches import PackedBatches
 from train.cli import StopSignals
+from train.host_memory import release_freed_memory
 from train.config import ExperimentConfig, TrainConfig
 from train.metrics import MetricsLog, Throughput
 from train.resume import resume_from_checkpoint
@@ -122,6 +123,7 @@ class Run:
                                                                frozen).compile()
                            for shape in self.batches.eval_shapes()}
         self.log(f"compiled {sizes}-step train programs and eval in {time.perf_counter() - start:.1f}s")
+        release_freed_memory()  # the compiler's freed heap: not resident through training
         if self.signals.requested:
             self._stop_before_training()
         return time.perf_counter() - start
