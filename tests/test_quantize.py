@@ -270,7 +270,11 @@ def test_native_cpu_q8act_rounds_x_only_where_the_weight_allows():
         assert "q8act = 1" in lower(x, q).as_text()
         np.testing.assert_allclose(quant_matmul.matmul_cpu_q8act(x, q), quant_matmul.matmul_q8act(x, q), rtol=1e-5,
                                    atol=1e-5)
-    grouped = quantize_weight(weight(64, 24), "int8:32")  # int8 in groups: the exact loop, x as it is
+    q8_0 = quantize_weight(weight(64, 32), "int8:32")  # int8 in groups of 32 (Q8_0): integer dots in panels
+    assert "jaxattn_quant_matmul_int8_panels" in lower(x, q8_0).as_text()
+    np.testing.assert_allclose(quant_matmul.matmul_cpu_q8act(x, q8_0), quant_matmul.matmul_q8act(x, q8_0), rtol=1e-5,
+                               atol=1e-5)
+    grouped = quantize_weight(weight(64, 24), "int8:32")  # in groups, out not a multiple of 16: the exact loop
     assert "q8act = 0" in lower(x, grouped).as_text()
     np.testing.assert_allclose(quant_matmul.matmul_cpu_q8act(x, grouped), quant_matmul.matmul(x, grouped),
                                rtol=1e-5, atol=1e-5)
@@ -316,7 +320,7 @@ def test_the_panels_layout_holds_the_same_weight(mode):
 
 
 @needs_cxx
-@pytest.mark.parametrize("mode", ["int8", "int4", "int4:64"])
+@pytest.mark.parametrize("mode", ["int8", "int8:32", "int4", "int4:64"])
 @pytest.mark.parametrize("M", [1, 3, 9])  # up to 4 rows a pass over a panel: one pass, one short, three
 @pytest.mark.parametrize("K, N", [(64, 16), (192, 80), (128, 4096)])
 def test_native_q8act_reads_panels_as_it_reads_rows(mode, M, K, N):
@@ -329,6 +333,12 @@ def test_native_q8act_reads_panels_as_it_reads_rows(mode, M, K, N):
     got, expected = call(x, panels), quant_matmul.matmul_q8act(x, q)
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(expected))))
     np.testing.assert_allclose(got, call(x, q), rtol=1e-6, atol=1e-6 * float(jnp.max(jnp.abs(expected))))
+    # x rounded: each output within sum_k |x_k - xq_k xs_k| |W_kj| of the float x's (plus float32 rounding)
+    xq, xs = quant_matmul.quantize_rows(jnp.asarray(x))
+    rounded = np.asarray(xq, np.float32) * np.repeat(np.asarray(xs), 32, axis=1)
+    exact = np.asarray(quant_matmul.matmul(x, q))
+    bound = np.abs(rounded - x) @ np.abs(np.asarray(dequantize(q)))
+    assert (np.abs(np.asarray(got) - exact) <= bound + 1e-5 * np.abs(exact).max()).all()
     # Every other formulation reads panels too (putting them back in rows): the same numbers.
     np.testing.assert_allclose(quant_matmul.matmul(x, panels), quant_matmul.matmul(x, q), rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(quant_matmul.native_matmul(x, panels), quant_matmul.native_matmul(x, q), rtol=1e-6,

@@ -12,17 +12,19 @@ trained). Each equals its reference to float32 summation order (tests/test_quant
 * "native_cpu_q8act": as "native_cpu", except that x is rounded to int8 in groups of 32
   (`quantize_rows`, as llama.cpp's Q8_0 activations) and multiplied with integer dots (AVX512-VNNI
   where the CPU has it, else plain loops with the same integer sums), for int4 weights in groups of
-  a multiple of 32 rows and int8 weights per output channel, K a multiple of 32: a different
+  a multiple of 32 rows, int8 weights per output channel, and int8 weights in such groups (llama.cpp's
+  Q8_0, as a GGUF file's are kept) whose `out` is a multiple of 16, K a multiple of 32: a different
   result, the reference of which is `matmul_q8act` (x rounded so, then the "xla" reference). The
   rounding moves each x by at most half its group's scale `max|x_group| / 127`, so each output by
   at most `sum_k |x_k - xq_k xs_k| |W_kj|` (tests/test_quantize.py bounds it so). Other weights
-  (int8 in groups) and more rows than `NATIVE_UP_TO` run as "native_cpu".
+  and more rows than `NATIVE_UP_TO` run as "native_cpu".
 
   Its weights are read fastest in the "panels" layout (`jaxattn.quantization.to_panels`: each 16
   columns' rows contiguous, one stream through memory per piece of work, and int8 rows already the
   integer dot's operand), which `prepare_weights` gives the weights it takes when the run is resolved
   (`jaxattn.kernels.prepare_weights`). Every formulation reads either layout; "native_cpu" and the
-  reference put a panels weight back in rows first (a copy each call).
+  reference put a panels weight back in rows first (a copy each call), and int8 weights in groups
+  are read by integer dots in panels only (put in panels each call if they are not).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxattn.kernels import native_build
-from jaxattn.quantization import PANEL, QuantizedWeight, dequantize, to_rows, with_layout
+from jaxattn.quantization import PANEL, QuantizedWeight, dequantize, to_panels, to_rows, with_layout
 
 SOURCE = Path(__file__).parent / "native" / "quant_matmul.cc"
 TARGETS = {8: "jaxattn_quant_matmul_int8", 4: "jaxattn_quant_matmul_int4"}
@@ -73,11 +75,13 @@ def matmul_q8act(x, weight: QuantizedWeight):
 
 
 def _takes_q8act(x, weight: QuantizedWeight) -> bool:
-    """An int4 weight in groups of a multiple of 32 rows or an int8 one per output channel, K a multiple of 32."""
-    K = x.shape[-1]
+    """K a multiple of 32 and the weight: int4 in groups of a multiple of 32 rows; int8 per output channel;
+    int8 in such groups (llama.cpp's Q8_0) with `out` a multiple of `PANEL` (read in panels)."""
+    K, N = weight.shape[-2:]
     per_channel = weight.group == K
-    return K % ACT_GROUP == 0 and ((weight.bits == 4 and weight.group % ACT_GROUP == 0) or
-                                   (weight.bits == 8 and per_channel))
+    grouped = weight.group % ACT_GROUP == 0
+    return x.shape[-1] % ACT_GROUP == 0 and ((weight.bits == 4 and grouped) or (weight.bits == 8 and per_channel) or
+                                             (weight.bits == 8 and grouped and N % PANEL == 0))
 
 
 def library_path() -> Path:
@@ -119,11 +123,14 @@ def native_matmul(x, weight: QuantizedWeight, q8act: bool = False):
     if x.ndim != 2 or x.shape[1] != weight.shape[0]:
         raise ValueError(f"quantized matmul: x must be [M, {weight.shape[0]}], got {x.shape}")
     if q8act and not _takes_q8act(x, weight):
-        raise ValueError(f"quantized matmul: q8act takes an int4 weight in groups of a multiple of {ACT_GROUP} rows "
-                         f"or an int8 one per output channel, K a multiple of {ACT_GROUP}; got bits {weight.bits}, "
-                         f"group {weight.group}, x {x.shape}")
+        raise ValueError(f"quantized matmul: q8act takes an int4 weight in groups of a multiple of {ACT_GROUP} rows, "
+                         f"an int8 one per output channel, or in such groups with out a multiple of {PANEL}, K a "
+                         f"multiple of {ACT_GROUP}; got bits {weight.bits}, group {weight.group}, weight "
+                         f"{weight.shape}, x {x.shape}")
     _registered()
     out = jax.ShapeDtypeStruct((x.shape[0], weight.shape[1]), jnp.float32)
+    if q8act and weight.bits == 8 and weight.group != weight.shape[0]:
+        weight = to_panels(weight)  # int8 in groups: integer dots in panels only (a copy each call in rows)
     if weight.layout == "panels" and q8act:
         call = jax.ffi.ffi_call(PANEL_TARGETS[weight.bits], out, vmap_method="sequential")
         return call(x.astype(jnp.float32), weight.values, weight.scales.astype(jnp.float32),

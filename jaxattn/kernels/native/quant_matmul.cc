@@ -8,7 +8,7 @@
 //  * bits 4 (target JaxattnQuantMatmul4): values [K / 8, N] int32, word [t, j] holds rows 8t .. 8t + 7
 //    of column j, row 8t + i in bits 4i .. 4i + 3 as an unsigned nibble u, W = (u - 8) * scale.
 // out [M, N] = x @ W. With q8act = 1 (int4 in groups of a multiple of 32 rows, or int8 with one scale
-// per column; K a multiple of 32), x is first rounded to int8 per row in groups of 32
+// per column, or in panels in groups of a multiple of 32 rows; K a multiple of 32), x is first rounded to int8 per row in groups of 32
 // (`xs = max|x| / 127` per group, `xq = round(x / xs)`, as jaxattn.kernels.quant_matmul.quantize_rows)
 // and out = (xq * xs) @ W: the products are integer dots, scaled per group of 32.
 //
@@ -381,7 +381,7 @@ template <int R>
 void Int8Q8Panel(const Problem& p, int64_t m0, int64_t panel, float* out) {
   const int64_t A = p.K / kActGroup, Q = p.K / 4;
   const int8_t* w = static_cast<const int8_t*>(p.w) + panel * Q * 64;
-  const float* s = p.scales + panel * 16;
+  const float* s = p.scales + panel * p.G * 16;
   const int64_t j = panel * 16;
 #ifdef JAXATTN_VNNI
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
@@ -394,13 +394,16 @@ void Int8Q8Panel(const Problem& p, int64_t m0, int64_t panel, float* out) {
       const __m512i v = _mm512_xor_si512(_mm512_loadu_si512(w + q * 64), flip);  // w + 128: VNNI's unsigned side
       for (int r = 0; r < R; ++r) acc[r] = _mm512_dpbusd_epi32(acc[r], v, _mm512_set1_epi32(p.quads[(m0 + r) * Q + q]));
     }
+    // One scale per column (G = 1): applied at the end; in groups: with each group's sums.
+    const __m512 sa = p.G == 1 ? _mm512_set1_ps(1.0f) : _mm512_loadu_ps(s + (a * kActGroup / p.group) * 16);
     for (int r = 0; r < R; ++r) {
       const __m512i offset = _mm512_set1_epi32(128 * p.xsum[(m0 + r) * A + a]);
       f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r], offset)),
-                             _mm512_set1_ps(p.xs[(m0 + r) * A + a]), f[r]);
+                             _mm512_mul_ps(sa, _mm512_set1_ps(p.xs[(m0 + r) * A + a])), f[r]);
     }
   }
-  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + (m0 + r) * p.N + j, _mm512_mul_ps(f[r], _mm512_loadu_ps(s)));
+  const __m512 last = p.G == 1 ? _mm512_loadu_ps(s) : _mm512_set1_ps(1.0f);
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + (m0 + r) * p.N + j, _mm512_mul_ps(f[r], last));
 #else
   for (int r = 0; r < R; ++r) {
     const int8_t* xq = reinterpret_cast<const int8_t*>(p.quads.data() + (m0 + r) * Q);
@@ -409,9 +412,10 @@ void Int8Q8Panel(const Problem& p, int64_t m0, int64_t panel, float* out) {
       int32_t acc[16] = {};
       for (int64_t k = a * kActGroup; k < (a + 1) * kActGroup; ++k)
         for (int c = 0; c < 16; ++c) acc[c] += static_cast<int32_t>(xq[k]) * w[(k / 4) * 64 + 4 * c + k % 4];
-      for (int c = 0; c < 16; ++c) f[c] += static_cast<float>(acc[c]) * p.xs[(m0 + r) * A + a];
+      const float* sa = s + (a * kActGroup / p.group) * 16;
+      for (int c = 0; c < 16; ++c) f[c] += static_cast<float>(acc[c]) * (p.xs[(m0 + r) * A + a] * (p.G == 1 ? 1.0f : sa[c]));
     }
-    for (int c = 0; c < 16; ++c) out[(m0 + r) * p.N + j + c] = f[c] * s[c];
+    for (int c = 0; c < 16; ++c) out[(m0 + r) * p.N + j + c] = f[c] * (p.G == 1 ? s[c] : 1.0f);
   }
 #endif
 }
@@ -524,9 +528,9 @@ void Work(Shared& s) {
 ffi::Error Run(ffi::ThreadPool& pool, const float* x, const void* w, const float* scales, float* out, int64_t M,
                int64_t K, int64_t N, int64_t G, int32_t bits, int32_t q8act, int32_t threads, bool panels = false) {
   if (M == 0 || N == 0) return ffi::Error::Success();
-  if (q8act && (K % kActGroup != 0 || (K / G) % kActGroup != 0 || (bits == 8 && G != 1)))
-    return ffi::Error::InvalidArgument("quantized matmul: q8act takes int4 weights in groups of a multiple of 32 "
-                                       "rows or int8 weights per column, K a multiple of 32");
+  if (q8act && (K % kActGroup != 0 || (K / G) % kActGroup != 0 || (bits == 8 && G != 1 && !panels)))
+    return ffi::Error::InvalidArgument("quantized matmul: q8act takes weights in groups of a multiple of 32 rows "
+                                       "(int8 in rows: per column), K a multiple of 32");
   auto shared = std::make_shared<Shared>();
   shared->p = Problem{x, w, scales, M, K, N, bits, G, K / G, q8act != 0, panels, {}, {}, {}, {}, {}};
   if (q8act) QuantizeRows(shared->p);
