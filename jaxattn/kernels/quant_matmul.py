@@ -66,7 +66,7 @@ def quantize_rows(x) -> tuple[jax.Array, jax.Array]:
 def matmul_q8act(x, weight: QuantizedWeight):
     """The reference of "native_cpu_q8act": x rounded as `quantize_rows`, then `matmul`, for the
     weights it takes (`native_matmul`'s q8act); other weights, `matmul`."""
-    if not _takes_q8act(x, weight):
+    if not _takes_q8act(weight):
         return matmul(x, weight)
     xq, xs = quantize_rows(x)
     M, K = x.shape
@@ -74,14 +74,14 @@ def matmul_q8act(x, weight: QuantizedWeight):
     return matmul(rounded, weight)
 
 
-def _takes_q8act(x, weight: QuantizedWeight) -> bool:
-    """K a multiple of 32 and the weight: int4 in groups of a multiple of 32 rows; int8 per output channel;
-    int8 in such groups (llama.cpp's Q8_0) with `out` a multiple of `PANEL` (read in panels)."""
+def _takes_q8act(weight: QuantizedWeight) -> bool:
+    """K (the weight's in) a multiple of 32 and the weight: int4 in groups of a multiple of 32 rows; int8 per
+    output channel; int8 in such groups (llama.cpp's Q8_0) with `out` a multiple of `PANEL` (read in panels)."""
     K, N = weight.shape[-2:]
     per_channel = weight.group == K
     grouped = weight.group % ACT_GROUP == 0
-    return x.shape[-1] % ACT_GROUP == 0 and ((weight.bits == 4 and grouped) or (weight.bits == 8 and per_channel) or
-                                             (weight.bits == 8 and grouped and N % PANEL == 0))
+    return K % ACT_GROUP == 0 and ((weight.bits == 4 and grouped) or (weight.bits == 8 and per_channel) or
+                                   (weight.bits == 8 and grouped and N % PANEL == 0))
 
 
 def library_path() -> Path:
@@ -105,8 +105,7 @@ def _registered() -> bool:
 
 def _panels_fit(weight: QuantizedWeight) -> bool:
     """A weight "native_cpu_q8act" reads in panels: one it takes (`_takes_q8act`), `out` a multiple of 16."""
-    K, N = weight.shape[-2:]
-    return N % PANEL == 0 and _takes_q8act(jax.ShapeDtypeStruct((1, K), jnp.float32), weight)
+    return weight.shape[-1] % PANEL == 0 and _takes_q8act(weight)
 
 
 def prepare_weights(params):
@@ -122,7 +121,7 @@ def native_matmul(x, weight: QuantizedWeight, q8act: bool = False):
         raise ValueError(f"quantized matmul: the weight must be [in, out], got shape {weight.shape}")
     if x.ndim != 2 or x.shape[1] != weight.shape[0]:
         raise ValueError(f"quantized matmul: x must be [M, {weight.shape[0]}], got {x.shape}")
-    if q8act and not _takes_q8act(x, weight):
+    if q8act and not _takes_q8act(weight):
         raise ValueError(f"quantized matmul: q8act takes an int4 weight in groups of a multiple of {ACT_GROUP} rows, "
                          f"an int8 one per output channel, or in such groups with out a multiple of {PANEL}, K a "
                          f"multiple of {ACT_GROUP}; got bits {weight.bits}, group {weight.group}, weight "
@@ -149,6 +148,6 @@ def matmul_cpu(x, weight: QuantizedWeight):
 def matmul_cpu_q8act(x, weight: QuantizedWeight):
     """"native_cpu_q8act": at most `NATIVE_UP_TO` rows with x rounded to int8 (`native_matmul(...,
     q8act=True)`) where the weight allows; anything else as "native_cpu"."""
-    if x.shape[0] <= NATIVE_UP_TO and _takes_q8act(x, weight):
+    if x.shape[0] <= NATIVE_UP_TO and _takes_q8act(weight):
         return native_matmul(x, weight, q8act=True)
     return matmul_cpu(x, weight)

@@ -8,9 +8,10 @@
 //  * bits 4 (target JaxattnQuantMatmul4): values [K / 8, N] int32, word [t, j] holds rows 8t .. 8t + 7
 //    of column j, row 8t + i in bits 4i .. 4i + 3 as an unsigned nibble u, W = (u - 8) * scale.
 // out [M, N] = x @ W. With q8act = 1 (int4 in groups of a multiple of 32 rows, or int8 with one scale
-// per column, or in panels in groups of a multiple of 32 rows; K a multiple of 32), x is first rounded to int8 per row in groups of 32
-// (`xs = max|x| / 127` per group, `xq = round(x / xs)`, as jaxattn.kernels.quant_matmul.quantize_rows)
-// and out = (xq * xs) @ W: the products are integer dots, scaled per group of 32.
+// per column, or in panels in groups of a multiple of 32 rows; K a multiple of 32), x is first rounded
+// to int8 per row in groups of 32 (`xs = max|x| / 127` per group, `xq = round(x / xs)`, as
+// jaxattn.kernels.quant_matmul.quantize_rows) and out = (xq * xs) @ W: the products are integer dots,
+// scaled per group of 32.
 //
 // Why by hand: XLA:CPU converts the int8 weight to float32 in a separate pass before its dot, so it
 // reads and writes a float32 copy of the weight on every call. Here W is read once and converted as
@@ -413,7 +414,8 @@ void Int8Q8Panel(const Problem& p, int64_t m0, int64_t panel, float* out) {
       for (int64_t k = a * kActGroup; k < (a + 1) * kActGroup; ++k)
         for (int c = 0; c < 16; ++c) acc[c] += static_cast<int32_t>(xq[k]) * w[(k / 4) * 64 + 4 * c + k % 4];
       const float* sa = s + (a * kActGroup / p.group) * 16;
-      for (int c = 0; c < 16; ++c) f[c] += static_cast<float>(acc[c]) * (p.xs[(m0 + r) * A + a] * (p.G == 1 ? 1.0f : sa[c]));
+      const float xs = p.xs[(m0 + r) * A + a];
+      for (int c = 0; c < 16; ++c) f[c] += static_cast<float>(acc[c]) * (xs * (p.G == 1 ? 1.0f : sa[c]));
     }
     for (int c = 0; c < 16; ++c) out[(m0 + r) * p.N + j + c] = f[c] * (p.G == 1 ? s[c] : 1.0f);
   }
@@ -541,10 +543,10 @@ ffi::Error Run(ffi::ThreadPool& pool, const float* x, const void* w, const float
   // its rows' spans in order, and a long span is what the hardware prefetches well.
   const int64_t unit = bits == 8 ? 64 : 16;  // the vector loops' columns
   const int64_t most = std::max<int64_t>(unit, kChunkBytes / (bits == 4 ? 4 : 1) / unit * unit);
-  shared->chunk_cols =
-      std::min(most, std::max<int64_t>(unit, ((N + 2 * workers - 1) / (2 * workers) + unit - 1) / unit * unit));
   // Panels: a piece is consecutive whole panels, one stream however many columns, about four a worker.
-  if (panels) shared->chunk_cols = std::max<int64_t>(16, ((N + 4 * workers - 1) / (4 * workers) + 15) / 16 * 16);
+  const int64_t per_piece = panels ? (N + 4 * workers - 1) / (4 * workers) : (N + 2 * workers - 1) / (2 * workers);
+  shared->chunk_cols = panels ? std::max<int64_t>(16, (per_piece + 15) / 16 * 16)
+                              : std::min(most, std::max<int64_t>(unit, (per_piece + unit - 1) / unit * unit));
   shared->chunks = (N + shared->chunk_cols - 1) / shared->chunk_cols;
   // Helpers hold the shared state themselves: one that starts after the work is done finds none.
   for (int64_t i = 1; i < std::min(workers, shared->chunks); ++i) pool.Schedule([shared] { Work(*shared); });
