@@ -205,8 +205,12 @@ def apply_rope(x, positions, *, theta: float = 10000.0, interleaved: bool,
         out = jnp.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
         out = out.reshape(rotary.shape)
     else:
-        x1, x2 = rotary[..., : R // 2], rotary[..., R // 2:]
-        out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+        # The halves as an axis of 2: [x1 cos - x2 sin, x2 cos + x1 sin] = halves * cos + flipped * [-sin, sin],
+        # the same numbers as concatenating the two, as one elementwise loop (a concatenation of two
+        # computed halves ran about twice as slowly on XLA:CPU, forward and backward).
+        halves = rotary.reshape(B, T, N, 2, R // 2)
+        signed_sin = jnp.stack([-sin, sin], axis=-2)  # [B or 1, T, 1, 2, R/2]
+        out = (halves * cos[..., None, :] + jnp.flip(halves, axis=-2) * signed_sin).reshape(rotary.shape)
     if R < H:  # partial rotary: the other dims pass through
         out = jnp.concatenate([out, xf[..., R:]], axis=-1)
     return out.astype(x.dtype)
