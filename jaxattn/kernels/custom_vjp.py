@@ -5,11 +5,20 @@ through it raises). Values equal the reference ("xla") exactly in the forward pa
 and gradients to float32 summation order (tests/test_kernels.py).
 
 The backward is FlashAttention's: with P the weights and O = P V,
-dS = P * (dP - rowsum(dP * P)), and rowsum(dP * P) = rowsum(dO * O), which needs
-only the output, not a second `[T, S]` product. Heads go in front
-(`[B, K, G, T, H]`) so that every product is a matmul batched over (B, K), a
-form XLA:CPU runs faster than contracting the grouped layout in place
+dS = P * (dP - rowsum(dP * P)). The row sum is taken from the float32 P and dP, not as
+rowsum(dO * O): with 16-bit inputs O is rounded to 16 bits, and dP minus the row sum cancels,
+so a row sum from the rounded O left dS (and a bias's gradient) off by that rounding times the
+row's size. Heads go in front (`[B, K, G, T, H]`) so that every product is a matmul batched
+over (B, K), a form XLA:CPU runs faster than contracting the grouped layout in place
 (docs/performance.md). Dropout, `return_weights` and a traced scale use the reference.
+
+Every product takes its operands in the inputs' dtype and sums in float32 (the softmax's
+dtype): for bfloat16 inputs the weights and dS are rounded to bfloat16 before their products, as
+the reference rounds the weights before `P V` and as FlashAttention does, and XLA:CPU runs each as
+its bfloat16 library dot instead of widening both operands to float32. The two products that sum
+over the queries (dV = P^T dO, dK = dS^T Q) are computed transposed, from a copy of the small dO
+or Q turned `[H, G*T]`: summing over a leading dim of both operands, XLA:CPU copied the whole
+`[S, G*T]` weights transposed instead (docs/performance.md §17).
 
 A soft cap `c * tanh(z / c)` of the scaled logits z (docs/theory.md §17) multiplies
 dS by `1 - tanh^2` before the products with q and k (the bias, added after the cap,
@@ -64,7 +73,20 @@ def _logits(q, k, bias, scale, cap):
 
 
 def _weighted_values(weights, v):
-    return jnp.einsum("BKGTS,BKSH->BKGTH", weights.astype(v.dtype), v)
+    """`P V` `[B,K,G,T,Hv]` in v's dtype: the weights rounded to it, the sums in the weights' dtype."""
+    return jnp.einsum("BKGTS,BKSH->BKGTH", weights.astype(v.dtype), v,
+                      preferred_element_type=weights.dtype).astype(v.dtype)
+
+
+def _sum_over_queries(x, scores):
+    """`sum_{g,t} scores[b,k,g,t,s] x[b,k,g,t,h]` `[B,K,S,H]` in float32 (dV = P^T dO, dK = dS^T Q) for x
+    `[B,K,G,T,H]` and scores `[B,K,G,T,S]` of one dtype, as `(x^T scores)^T`: x (the small one) is copied
+    `[B,K,H,G*T]` behind a barrier, so that XLA cannot fold the transpose back into the product."""
+    B, K, G, T, H = x.shape
+    x_t = jax.lax.optimization_barrier(x.reshape(B, K, G * T, H).transpose(0, 1, 3, 2))  # [B,K,H,G*T]
+    product = jnp.einsum("BKHX,BKXS->BKHS", x_t, scores.reshape(B, K, G * T, scores.shape[-1]),
+                         preferred_element_type=jnp.promote_types(x.dtype, jnp.float32))
+    return product.transpose(0, 1, 3, 2)  # [B,K,S,H]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
@@ -79,25 +101,23 @@ def _forward(q, k, v, bias, allowed, sinks, scale, cap, want_lse):
     # The sink's gradient needs its weight exp(sink - lse): finite, as the sink is.
     lse = logsumexp(logits, allowed, sinks=sinks) if want_lse or sinks is not None else None
     out = _weighted_values(weights, v)
-    return (out, lse if want_lse else None), (q, k, v, bias, allowed, sinks, weights, tanh, out, lse)
+    return (out, lse if want_lse else None), (q, k, v, bias, allowed, sinks, weights, tanh, lse)
 
 
 def _backward(scale, cap, want_lse, residuals, cotangents):
-    q, k, v, bias, allowed, sinks, weights, tanh, out, lse = residuals
-    d_out = cotangents[0]  # the logsumexp's cotangent: it is returned under stop_gradient
-    f32 = weights.dtype
-    d_out = d_out.astype(f32)
-    d_v = jnp.einsum("BKGTS,BKGTH->BKSH", weights, d_out)
+    q, k, v, bias, allowed, sinks, weights, tanh, lse = residuals
+    f32, dtype = weights.dtype, v.dtype  # sums in f32; the products' operands in the inputs' dtype
+    d_out = cotangents[0].astype(dtype)  # the logsumexp's cotangent: it is returned under stop_gradient
+    d_v = _sum_over_queries(d_out, weights.astype(dtype))
     d_weights = jnp.einsum("BKGTH,BKSH->BKGTS", d_out, v, preferred_element_type=f32)
-    # rowsum(dO * O) as a batched dot: as a multiply and a sum, XLA:CPU fused it into the
-    # dO V^T library call and the step ran slower (docs/performance.md).
-    delta = jnp.einsum("BKGTH,BKGTH->BKGT", d_out, out.astype(f32))[..., None]  # [B,K,G,T,1]
+    delta = jnp.sum(weights * d_weights, axis=-1, keepdims=True)  # [B,K,G,T,1]
     d_logits = weights * (d_weights - delta)  # masked keys and empty rows have weight 0: 0 here
     d_bias = None if bias is None else _sum_to_shape(d_logits, bias.shape).astype(bias.dtype)  # 0 where masked
     if tanh is not None:  # through c * tanh(z / c): times 1 - tanh^2
         d_logits = d_logits * (1.0 - tanh * tanh)
-    d_q = jnp.einsum("BKGTS,BKSH->BKGTH", d_logits, k, preferred_element_type=f32) * scale
-    d_k = jnp.einsum("BKGTS,BKGTH->BKSH", d_logits, q, preferred_element_type=f32) * scale
+    d_scores = d_logits.astype(q.dtype)
+    d_q = jnp.einsum("BKGTS,BKSH->BKGTH", d_scores, k, preferred_element_type=f32) * scale
+    d_k = _sum_over_queries(q, d_scores) * scale
     d_sinks = None
     if sinks is not None:  # dP_sink = 0 (no value): d_sink = p_sink * (0 - delta), summed over B and T
         p_sink = jnp.exp(sinks.astype(f32) - lse)  # [B,K,G,T]
