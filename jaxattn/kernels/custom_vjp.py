@@ -23,7 +23,7 @@ or Q turned `[H, G*T]`: summing over a leading dim of both operands, XLA:CPU cop
 A soft cap `c * tanh(z / c)` of the scaled logits z (docs/theory.md §17) multiplies
 dS by `1 - tanh^2` before the products with q and k (the bias, added after the cap,
 gets dS itself); the tanh is kept from the forward. A sink (§18) is a logit with no
-value: its dP is 0, so its gradient is `-sum over rows of p_sink * rowsum(dO * O)`, with
+value: its dP is 0, so its gradient is `-sum over rows of p_sink * rowsum(dP * P)`, with
 `p_sink = exp(sink - logsumexp)`. Without either the program is the plain one.
 """
 
