@@ -52,6 +52,7 @@ import flax.linen as nn
 import flax.struct
 import jax
 import jax.numpy as jnp
+import jax.scipy.linalg
 
 from jaxattn.config import ModelConfig
 from jaxattn.quantization import dequantize, float_param as quantized_float_param, is_quantized
@@ -195,20 +196,13 @@ def _delta_shared_input(rows: jax.Array, weight: LoraWeight, matmul: Callable) -
     (zero columns for a part without adapters): the same sums as part by part, plus exact zeros. Small
     products cost their fixed overhead more than their flops (a fused q, k, v Linear: 2 dots, not 6).
     """
-    dtype, parts = rows.dtype, [(a, b) for a, b in zip(weight.a, weight.b) if a is not None]
-    if not parts:
+    dtype, adapted = rows.dtype, [a.astype(rows.dtype) for a in weight.a if a is not None]
+    if not adapted:
         return jnp.zeros((rows.shape[0], weight.out_features), dtype)
-    h = matmul(rows, jnp.concatenate([a.astype(dtype) for a, _ in parts], axis=-1)).astype(dtype)  # [M, sum r]
-    ranks = [a.shape[-1] for a, _ in parts]
-    blocks, row = [], 0
-    for a, b, width in zip(weight.a, weight.b, weight.widths):
-        if a is None:
-            blocks.append(jnp.zeros((sum(ranks), width), dtype))
-            continue
-        r = a.shape[-1]
-        blocks.append(jnp.pad(b.astype(dtype), ((row, sum(ranks) - row - r), (0, 0))))  # [sum r, width]
-        row += r
-    diagonal = jnp.concatenate(blocks, axis=-1)  # [sum r, out]
+    h = matmul(rows, jnp.concatenate(adapted, axis=-1)).astype(dtype)  # [M, sum r]
+    # a part without adapters: a block of no rows, its width of zero columns
+    diagonal = jax.scipy.linalg.block_diag(*(jnp.zeros((0, width), dtype) if a is None else b.astype(dtype)
+                                             for a, b, width in zip(weight.a, weight.b, weight.widths)))  # [sum r, out]
     return matmul(h, diagonal).astype(dtype) * jnp.asarray(weight.scale, dtype)
 
 
