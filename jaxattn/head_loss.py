@@ -74,9 +74,23 @@ def _loss_and_lse(logits, t_c):
 
 def _dlogits(logits, slope, lse, t_c):
     """`d loss / d raw logits` of each row: `(softmax - onehot) * slope`, `[C, V]` float32."""
-    p = jnp.exp(logits - lse[:, None])
+    return _minus_onehot(jnp.exp(logits - lse[:, None]), slope, t_c)
+
+
+def _minus_onehot(p, slope, t_c):
     p = p.at[jnp.arange(p.shape[0]), t_c].add(-1.0)
     return p if slope is None else p * slope
+
+
+def _loss_lse_dlogits(logits, slope, t_c):
+    """`_loss_and_lse` and `_dlogits` with one exponential per logit: `softmax = e / sum(e)` from the
+    `e = exp(logits - max)` the sum is taken of (the logits are finite: raw or soft-capped)."""
+    top = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))  # [C, 1]
+    e = jnp.exp(logits - top)
+    total = jnp.sum(e, axis=-1, keepdims=True)
+    lse = (top + jnp.log(total))[:, 0]
+    losses = lse - jnp.take_along_axis(logits, t_c[:, None], axis=-1)[:, 0]
+    return losses, lse, _minus_onehot(e / total, slope, t_c)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
@@ -92,9 +106,9 @@ def _forward(x, head, targets, matmul, cap, chunk):
     def one(chunk_args):
         x_c, t_c = chunk_args
         logits, slope = _logits(x_c, head, matmul, cap)
-        losses, lse = _loss_and_lse(logits, t_c)
+        losses, lse, dlogits = _loss_lse_dlogits(logits, slope, t_c)
         # the kernel's own backward for dx (its fast forms): d loss_i / d x_i, one row per token
-        rows = jax.vjp(lambda xc: matmul(xc, head), x_c)[1](_dlogits(logits, slope, lse, t_c))[0]  # [C, D]
+        rows = jax.vjp(lambda xc: matmul(xc, head), x_c)[1](dlogits)[0]  # [C, D]
         return losses, rows, lse
     losses, rows, lse = jax.lax.map(one, (_in_chunks(x, chunk), _in_chunks(targets, chunk)))
     M = x.shape[0]
