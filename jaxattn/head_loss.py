@@ -66,38 +66,33 @@ def _logits(x_c, head, matmul, cap):
     return cap * squashed, 1.0 - squashed * squashed
 
 
-def _loss_and_lse(logits, t_c):
-    """`[C, V]`, `[C]` -> (losses `[C]`, log-sum-exp `[C]`)."""
-    lse = jax.nn.logsumexp(logits, axis=-1)  # [C]
-    return lse - jnp.take_along_axis(logits, t_c[:, None], axis=-1)[:, 0], lse
-
-
-def _dlogits(logits, slope, lse, t_c):
-    """`d loss / d raw logits` of each row: `(softmax - onehot) * slope`, `[C, V]` float32."""
-    return _minus_onehot(jnp.exp(logits - lse[:, None]), slope, t_c)
-
-
-def _minus_onehot(p, slope, t_c):
-    p = p.at[jnp.arange(p.shape[0]), t_c].add(-1.0)
-    return p if slope is None else p * slope
-
-
-def _loss_lse_dlogits(logits, slope, t_c):
-    """`_loss_and_lse` and `_dlogits` with one exponential per logit: `softmax = e / sum(e)` from the
-    `e = exp(logits - max)` the sum is taken of (the logits are finite: raw or soft-capped)."""
+def _loss_lse_softmax(logits, t_c):
+    """`[C, V]`, `[C]` -> (losses `[C]`, log-sum-exp `[C]`, softmax `[C, V]`), one exponential per logit:
+    `e = exp(logits - max)`, its sum and `e / sum(e)` (the logits are finite: raw or soft-capped). Where
+    only the losses are used, `jit` drops the softmax."""
     top = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))  # [C, 1]
     e = jnp.exp(logits - top)
     total = jnp.sum(e, axis=-1, keepdims=True)
     lse = (top + jnp.log(total))[:, 0]
-    losses = lse - jnp.take_along_axis(logits, t_c[:, None], axis=-1)[:, 0]
-    return losses, lse, _minus_onehot(e / total, slope, t_c)
+    return lse - jnp.take_along_axis(logits, t_c[:, None], axis=-1)[:, 0], lse, e / total
+
+
+def _minus_onehot(p, slope, t_c):
+    """`(p - onehot(t_c)) * slope`: the softmax `p` `[C, V]` to `d loss / d raw logits`."""
+    p = p.at[jnp.arange(p.shape[0]), t_c].add(-1.0)
+    return p if slope is None else p * slope
+
+
+def _dlogits(logits, slope, lse, t_c):
+    """`d loss / d raw logits` of each row from the log-sum-exp kept by the forward, `[C, V]` float32."""
+    return _minus_onehot(jnp.exp(logits - lse[:, None]), slope, t_c)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def _token_losses(x, head, targets, matmul, cap, chunk):
     def one(chunk_args):  # forward only (no gradient asked): each chunk's losses
         x_c, t_c = chunk_args
-        return _loss_and_lse(_logits(x_c, head, matmul, cap)[0], t_c)[0]
+        return _loss_lse_softmax(_logits(x_c, head, matmul, cap)[0], t_c)[0]
     losses = jax.lax.map(one, (_in_chunks(x, chunk), _in_chunks(targets, chunk)))  # [M/C, C]
     return losses.reshape(-1)[:x.shape[0]]
 
@@ -106,9 +101,9 @@ def _forward(x, head, targets, matmul, cap, chunk):
     def one(chunk_args):
         x_c, t_c = chunk_args
         logits, slope = _logits(x_c, head, matmul, cap)
-        losses, lse, dlogits = _loss_lse_dlogits(logits, slope, t_c)
+        losses, lse, softmax = _loss_lse_softmax(logits, t_c)
         # the kernel's own backward for dx (its fast forms): d loss_i / d x_i, one row per token
-        rows = jax.vjp(lambda xc: matmul(xc, head), x_c)[1](dlogits)[0]  # [C, D]
+        rows = jax.vjp(lambda xc: matmul(xc, head), x_c)[1](_minus_onehot(softmax, slope, t_c))[0]  # [C, D]
         return losses, rows, lse
     losses, rows, lse = jax.lax.map(one, (_in_chunks(x, chunk), _in_chunks(targets, chunk)))
     M = x.shape[0]
