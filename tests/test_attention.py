@@ -404,7 +404,7 @@ def test_custom_vjp_is_reverse_mode_only_and_the_name_is_checked():
     f = functools.partial(scaled_dot_product_attention, implementation="custom_vjp")
     with pytest.raises(TypeError, match="custom_vjp"):
         jax.jvp(lambda q: f(q, k, v), (q,), (q,))
-    with pytest.raises(ValueError, match=r"attention implementation must be one of \('xla', 'custom_vjp', 'chunked', 'cudnn', 'splash', 'auto_cpu', 'auto_gpu', 'auto_tpu'\), got 'flash'"):
+    with pytest.raises(ValueError, match=r"attention implementation must be one of \('xla', 'custom_vjp', 'causal_blocks', 'chunked', 'cudnn', 'splash', 'auto_cpu', 'auto_gpu', 'auto_tpu'\), got 'flash'"):
         scaled_dot_product_attention(q, k, v, implementation="flash")
 
 

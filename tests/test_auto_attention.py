@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from jaxattn import reference_attention, scaled_dot_product_attention
-from jaxattn.kernels import Kernels, Platform, auto, resolve_kernels
+from jaxattn.kernels import Kernels, Platform, auto, custom_vjp, resolve_kernels
 from jaxattn.kernels._call import AttentionCall, KernelFallbackWarning
 
 LONG = auto.CHUNKED_FROM_KEYS
@@ -35,20 +35,26 @@ def qkv(B=1, T=8, S=8, N=4, K=2, H=16, dtype=jnp.float32, seed=0):
 
 
 @pytest.mark.parametrize("changes, expected", [
-    (dict(), "custom_vjp"),
-    (dict(S=LONG - 1, T=LONG - 1), "custom_vjp"),
+    (dict(), "causal_blocks"),
+    (dict(S=LONG - 1, T=LONG - 1), "causal_blocks"),
+    (dict(is_causal=False), "custom_vjp"),
+    (dict(T=1), "custom_vjp"),
+    (dict(T=32, S=32), "custom_vjp"),
+    (dict(T=33, S=33, dtype="float32", segments=True), "causal_blocks"),
     (dict(S=LONG, T=1), "chunked"),
     (dict(S=4 * LONG, T=4 * LONG, dtype="float32", is_causal=False), "chunked"),
     (dict(S=4 * LONG, weights=True), "xla"),
     (dict(dropout=True), "xla"),
     (dict(mask=True, bias=True, S=2 * LONG), "chunked"),
-    (dict(soft_cap=True, sinks=True, residual=True, window=(3, 2)), "custom_vjp"),
+    (dict(soft_cap=True, sinks=True, residual=True, window=(3, 2)), "causal_blocks"),
     (dict(soft_cap=True, sinks=True, residual=True, window=(3, 2), S=LONG), "chunked"),
-], ids=["short", "just-short", "long-keys", "long-f32", "weights", "dropout", "mask-and-bias",
+], ids=["short", "just-short", "not-causal", "one-query", "one-block", "two-blocks", "long-keys", "long-f32", "weights", "dropout", "mask-and-bias",
         "features-short", "features-long"])
 def test_the_cpu_rule_is_dense_below_the_threshold_and_blockwise_from_it(changes, expected):
     name, reason = auto.cpu_rule(call(**changes))
     assert name == expected and reason
+    if name == "causal_blocks":
+        assert f"blocks of {custom_vjp.block_rows(call(**changes).T)} rows" in reason
 
 
 @pytest.mark.parametrize("changes, why", [

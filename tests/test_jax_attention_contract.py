@@ -6,7 +6,7 @@ A port of `testDotProductAttention`, `testDotProductAttentionMask` and
 with pytest in place of JAX's private test base (only public JAX APIs). As there,
 `jax.nn.dot_product_attention(implementation=None)` is the reference; the answer is
 `jaxattn.scaled_dot_product_attention` with each implementation that runs on a CPU
-("xla", "custom_vjp", "chunked") where JAX's tests take its cuDNN kernel. Shapes, seeds,
+("xla", "custom_vjp", "causal_blocks", "chunked") where JAX's tests take its cuDNN kernel. Shapes, seeds,
 arguments (positional bias and mask, `query_seq_lengths`, two-sided `local_window_size`,
 vmapped unbatched calls, `return_residual`) and tolerances are JAX's, and everything runs under
 `jax.numpy_rank_promotion("raise")`, which JAX's test base sets. With `return_residual=True`
@@ -49,7 +49,7 @@ from jax import random
 
 from jaxattn import scaled_dot_product_attention
 
-IMPLEMENTATIONS = ("xla", "custom_vjp", "chunked")
+IMPLEMENTATIONS = ("xla", "custom_vjp", "causal_blocks", "chunked")
 TOLERANCE = {jnp.dtype(jnp.bfloat16): 1e-2, jnp.dtype(jnp.float16): 1e-3}  # JAX's defaults for assertAllClose
 
 

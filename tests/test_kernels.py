@@ -14,7 +14,7 @@ import pytest
 from jaxattn import kernels
 from jaxattn.attention import cached_attention, reference_attention, scaled_dot_product_attention
 from jaxattn.cache import write_rows
-from jaxattn.kernels import Kernels, Platform, choices, resolve_kernels
+from jaxattn.kernels import Kernels, Platform, choices, custom_vjp, resolve_kernels
 from jaxattn.kernels.select import read_cpu_flags
 from jaxattn.masks import padding_mask, sliding_window_mask, visible_cache_slots
 
@@ -99,6 +99,79 @@ def test_attention_kernels_equal_the_reference(implementation, heads, case):
     for name, g, g_i in zip("qkvbs", grads, grads_i):
         assert np.all(np.isfinite(g_i)), name
         np.testing.assert_allclose(g_i, g, rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+# Causal self-attention (T == S) in blocks of query rows ("causal_blocks"): the cases above have T != S, which
+# it runs densely; these have T == S == 12 in blocks of 4 rows, of 5 (uneven: 4 + 4 + 4 after evening out)
+# and of 11 (two), with every feature that reaches a causal self-attention.
+SELF = {
+    "causal": dict(),
+    "cap_bias_sinks": dict(logits_soft_cap=1.5, bias=True, sinks=True),
+    "window_lengths": dict(local_window_size=(3, 0), key_value_seq_lengths=jnp.array([12, 7])),
+    "segments": dict(segment_ids=jnp.array([[1] * 5 + [2] * 7, [1] * 3 + [2] * 4 + [0] * 5], jnp.int32)),
+    "empty_rows_residual": dict(mask=padding_mask(jnp.array([12, 0]), 12), sinks=True, return_residual=True),
+}
+
+
+@functools.cache
+def _blocks_answers(case, dtype):
+    """Loss `<out, W> (+ sum of the residual)` and its gradients wrt q, k, v, the bias and the sinks, of the
+    reference and of custom_vjp in no blocks and in blocks of 4, 5 and 11 rows, in one compiled program."""
+    rng = np.random.default_rng(7)
+    q, k, v, weights = (jnp.asarray(rng.standard_normal(shape), dtype)
+                        for shape in ((2, 12, 4, 8), (2, 12, 2, 8), (2, 12, 2, 8), (2, 12, 4, 8)))
+    bias = jnp.asarray(rng.standard_normal((1, 4, 12, 12)), dtype)
+    sinks = jnp.asarray(rng.standard_normal(4), jnp.float32)
+    kw = dict(SELF[case])
+    with_bias, with_sinks = kw.pop("bias", False), kw.pop("sinks", False)
+    arguments = {"mask": None, "is_causal": True, "scale": 0.3, "dropout_rate": 0.0, "dropout_rng": None,
+                 "return_weights": False, **kw}
+
+    def loss(attend, q, k, v, bias, sinks):
+        out, _, residual = attend(q, k, v, bias=bias if with_bias else None, sinks=sinks if with_sinks else None,
+                                  **arguments)
+        total = jnp.vdot(out.astype(jnp.float32), weights.astype(jnp.float32))
+        return total if residual is None else total + jnp.sum(jnp.where(jnp.isfinite(residual), residual, 0.0))
+    attends = {"xla": kernels.attention_kernel("xla"),
+               **{f"rows {rows}": functools.partial(custom_vjp.attention, rows_per_block=rows) for rows in (None, 4, 5, 11)}}
+    return jax.jit(lambda *a: {name: jax.value_and_grad(functools.partial(loss, attend), argnums=(0, 1, 2, 3, 4))(*a)
+                               for name, attend in attends.items()})(q, k, v, bias, sinks)
+
+
+@pytest.mark.parametrize("rows", [4, 5, 11])
+@pytest.mark.parametrize("case", SELF)
+def test_causal_blocks_equal_the_reference_and_the_dense_kernel(case, rows):
+    """float32: the reference's values and gradients to float32 summation order. bfloat16: the dense
+    kernel's, to one rounding of the gradients (each block's dK, dV partial is summed in float32, then
+    rounded once)."""
+    answers = _blocks_answers(case, jnp.float32)
+    (loss, grads), (loss_b, grads_b) = answers["xla"], answers[f"rows {rows}"]
+    np.testing.assert_allclose(loss_b, loss, rtol=1e-5)
+    for name, g, g_b in zip("qkvbs", grads, grads_b):
+        assert np.all(np.isfinite(g_b)), name
+        np.testing.assert_allclose(g_b, g, rtol=1e-4, atol=1e-5, err_msg=name)
+    answers = _blocks_answers(case, jnp.bfloat16)
+    (loss, grads), (loss_b, grads_b) = answers["rows None"], answers[f"rows {rows}"]
+    np.testing.assert_allclose(loss_b, loss, rtol=1e-2)
+    for name, g, g_b in zip("qkvbs", grads, grads_b):
+        assert g_b.dtype == g.dtype, name
+        np.testing.assert_allclose(np.asarray(g_b, np.float32), np.asarray(g, np.float32), rtol=2e-2, atol=2e-2,
+                                   err_msg=name)
+
+
+def test_causal_row_blocks_cover_the_rows_evenly_and_only_for_causal_self_attention():
+    assert custom_vjp.causal_row_blocks(12, 12, True, 5) == ((0, 4), (4, 8), (8, 12))
+    assert custom_vjp.causal_row_blocks(12, 12, True, 12) == ((0, 12),)
+    assert custom_vjp.causal_row_blocks(12, 13, True, 4) == ((0, 12),)  # T != S: dense
+    assert custom_vjp.causal_row_blocks(12, 12, False, 4) == ((0, 12),)
+    assert custom_vjp.causal_row_blocks(12, 12, True, None) == ((0, 12),)
+    for T in (33, 64, 256, 257, 1000, 1023):
+        blocks = custom_vjp.causal_row_blocks(T, T, True, custom_vjp.block_rows(T))
+        assert blocks[0][0] == 0 and blocks[-1][1] == T and all(a[1] == b[0] for a, b in zip(blocks, blocks[1:]))
+        sizes = [stop - start for start, stop in blocks]
+        assert max(sizes) - min(sizes) <= 1 and max(sizes) <= custom_vjp.block_rows(T)
+        assert 2 <= len(blocks) <= custom_vjp.MOST_BLOCKS
+    assert custom_vjp.block_rows(256) == 32 and custom_vjp.block_rows(1024) == 128
 
 
 @pytest.mark.parametrize("implementation", RUNS_HERE)

@@ -7,7 +7,7 @@ tests/test_kernels.py:
 
 | field | dispatched by | implementations (reference first) |
 | --- | --- | --- |
-| attention | `scaled_dot_product_attention` | "xla", "custom_vjp", "chunked", "cudnn", "splash"; per-call rules "auto_cpu", "auto_gpu", "auto_tpu" |
+| attention | `scaled_dot_product_attention` | "xla", "custom_vjp", "causal_blocks", "chunked", "cudnn", "splash"; per-call rules "auto_cpu", "auto_gpu", "auto_tpu" |
 | decode | `cached_attention`, `cache.write_rows` | "xla", "xla_cpu", "blocked" (inference only); per-call rule "auto_cpu" |
 | matmul | `Linear`, the tied lm_head | "xla", "bfloat16", "bfloat16_cpu" |
 | mla | `MultiHeadLatentAttention.__call__` | "naive", "absorb" |
@@ -25,7 +25,7 @@ reference with a one-line `KernelFallbackWarning`:
 | attention | soft cap | sinks | windows `(left, right)` | residual | segment ids | weights, dropout |
 | --- | --- | --- | --- | --- | --- | --- |
 | "xla" | yes | yes | yes | yes | yes | yes |
-| "custom_vjp", "chunked" | yes | yes | yes | yes | yes ("chunked" skips other documents' blocks) | the reference |
+| "custom_vjp", "causal_blocks", "chunked" | yes | yes | yes | yes | yes ("chunked" skips other documents' blocks) | the reference |
 | "cudnn" | no | no | left only (or causal), T == S | yes | no | no |
 | "splash" | yes | no | yes | no | yes | no |
 

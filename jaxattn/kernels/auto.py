@@ -8,7 +8,8 @@ kernel it picks. The rules are pure functions of an `AttentionCall`, so they
 are tested on any machine (tests/test_auto_attention.py):
 
 - CPU: the dense path with the hand-written backward ("custom_vjp") below
-  `CHUNKED_FROM_KEYS` keys, blockwise ("chunked") from there; the reference for
+  `CHUNKED_FROM_KEYS` keys, its causal self-attention in blocks of query rows over the keys
+  each block sees ("causal_blocks"), blockwise ("chunked") from there; the reference for
   attention weights and dropout. Both take every other feature (masks, biases,
   two-sided windows, key lengths, soft caps, sinks, the residual, segment ids), so no other
   feature decides the kernel.
@@ -42,8 +43,8 @@ from jaxattn.kernels._call import AttentionCall, KernelFallbackWarning, weights_
 CHUNKED_FROM_KEYS = 1024
 
 CONCRETE: dict[str, Callable] = {"xla": xla.attention, "custom_vjp": custom_vjp.attention,
-                                 "chunked": chunked.attention, "cudnn": cudnn.attention,
-                                 "splash": splash.attention}
+                                 "causal_blocks": custom_vjp.blocked_attention, "chunked": chunked.attention,
+                                 "cudnn": cudnn.attention, "splash": splash.attention}
 _log = logging.getLogger("jaxattn.kernels")
 
 
@@ -59,8 +60,14 @@ def _by_length(call: AttentionCall, dense: str) -> tuple[str, str]:
 
 
 def cpu_rule(call: AttentionCall) -> tuple[str, str]:
-    """(kernel, reason) for `call` on a CPU."""
-    return _by_length(call, "custom_vjp")
+    """(kernel, reason) for `call` on a CPU: a causal self-attention of more rows than a block in blocks
+    of query rows, each over the keys it sees."""
+    name, reason = _by_length(call, "custom_vjp")
+    if name != "custom_vjp" or not call.is_causal or call.T != call.S or call.T <= custom_vjp.block_rows(call.T):
+        return name, reason
+    rows = custom_vjp.block_rows(call.T)
+    return "causal_blocks", (f"causal self-attention of T={call.T} < {CHUNKED_FROM_KEYS} rows: in blocks of "
+                             f"{rows} rows, each over the keys it sees")
 
 
 def _fused_rule(call: AttentionCall, kernel: str, refusal: Callable) -> tuple[str, str]:

@@ -20,6 +20,14 @@ over the queries (dV = P^T dO, dK = dS^T Q) are computed transposed, from a copy
 or Q turned `[H, G*T]`: summing over a leading dim of both operands, XLA:CPU copied the whole
 `[S, G*T]` weights transposed instead (docs/performance.md §17).
 
+Causal self-attention (T == S) can run in blocks of query rows (`rows_per_block`; "causal_blocks" is
+this kernel with `block_rows(T)` rows a block): rows [a, b) see keys [0, b) only, so each block's
+logits are `[b - a, b]` and the keys every row of a block hides are never computed. With n blocks
+that is (n + 1) / (2n) of the dense logits and products (9/16 with 8), and each block's working set
+is a fraction of the whole. Each block is this kernel's forward and backward; dK, dV and a bias's or
+the sinks' gradients are summed over the blocks in float32 and rounded once, so the blocks equal
+the dense kernel in the forward pass and in gradients to float32 summation order.
+
 A soft cap `c * tanh(z / c)` of the scaled logits z (docs/theory.md §17) multiplies
 dS by `1 - tanh^2` before the products with q and k (the bias, added after the cap,
 gets dS itself); the tanh is kept from the forward. A sink (§18) is a logit with no
@@ -42,8 +50,9 @@ from jaxattn.softmax import grouped_sinks, logsumexp, masked_softmax, softmax_dt
 @reference_unless(weights_or_dropout)
 def attention(query, key, value, *, mask, bias, is_causal, scale, dropout_rate, dropout_rng,
               return_weights, local_window_size=None, key_value_seq_lengths=None, logits_soft_cap=None,
-              sinks=None, return_residual=False, segment_ids=None):
-    """Same arguments and results as `jaxattn.kernels.xla.attention`."""
+              sinks=None, return_residual=False, segment_ids=None, rows_per_block=None):
+    """Same arguments and results as `jaxattn.kernels.xla.attention`; with `rows_per_block`, a causal
+    self-attention's query rows in blocks of that many (`causal_row_blocks`)."""
     B, T, N = query.shape[:3]
     S, K = key.shape[1:3]
     q, k, v = heads_major(query, key, value)  # [B,K,G,T,H], [B,K,S,H], [B,K,S,Hv]
@@ -53,11 +62,42 @@ def attention(query, key, value, *, mask, bias, is_causal, scale, dropout_rate, 
     if sinks is not None:
         sinks = grouped_sinks(jnp.asarray(sinks), K).astype(softmax_dtype(query.dtype))  # [1,K,G,1]
     cap = None if logits_soft_cap is None else float(logits_soft_cap)
-    out, lse = _attention(q, k, v, bias, allowed, sinks, scale, cap, return_residual)  # [B,K,G,T,Hv]
+    blocks = causal_row_blocks(T, S, is_causal, rows_per_block)
+    if len(blocks) > 1:
+        out, lse = _blocked_attention(q, k, v, bias, allowed, sinks, scale, cap, return_residual, blocks)
+    else:
+        out, lse = _attention(q, k, v, bias, allowed, sinks, scale, cap, return_residual)  # [B,K,G,T,Hv]
     residual = None
     if return_residual:  # [B,K,G,T] -> [B,T,N]
         residual = jax.lax.stop_gradient(lse).transpose(0, 3, 1, 2).reshape(B, T, N)
     return heads_minor(out, query.dtype), None, residual  # [B,T,N,Hv]
+
+
+# "causal_blocks" cuts T rows into at most MOST_BLOCKS blocks of a multiple of BLOCK_ROWS rows: on the CPU
+# measured, smaller blocks ran faster down to 32 rows, and more blocks than 8 add to the compiled
+# program more than they save (docs/performance.md §4.2).
+BLOCK_ROWS, MOST_BLOCKS = 32, 8
+
+
+def block_rows(T: int) -> int:
+    """Rows a block of "causal_blocks" for T queries: a multiple of `BLOCK_ROWS`, at most `MOST_BLOCKS` blocks."""
+    return BLOCK_ROWS * max(1, -(-T // (BLOCK_ROWS * MOST_BLOCKS)))
+
+
+def blocked_attention(query, key, value, **arguments):
+    """"causal_blocks": this kernel with a causal self-attention's rows in blocks of `block_rows(T)`."""
+    return attention(query, key, value, rows_per_block=block_rows(query.shape[1]), **arguments)
+
+
+def causal_row_blocks(T: int, S: int, is_causal: bool, rows_per_block: int | None) -> tuple[tuple[int, int], ...]:
+    """The `(start, stop)` query rows of each block: the fewest runs of consecutive rows, as even as
+    they divide, of at most `rows_per_block` rows each, for a causal self-attention (T == S); else one
+    block of all T rows."""
+    if rows_per_block is None or not is_causal or T != S or T <= rows_per_block:
+        return ((0, T),)
+    n = -(-T // rows_per_block)
+    bounds = [i * T // n for i in range(n + 1)]
+    return tuple(zip(bounds[:-1], bounds[1:]))
 
 
 def _logits(q, k, bias, scale, cap):
@@ -105,14 +145,29 @@ def _forward(q, k, v, bias, allowed, sinks, scale, cap, want_lse):
 
 
 def _backward(scale, cap, want_lse, residuals, cotangents):
+    q, k, v, bias, _, sinks = residuals[:6]
+    d_q, d_k, d_v, d_bias, d_sinks = _gradients(scale, cap, residuals, cotangents[0])
+    return _rounded(d_q, d_k, d_v, d_bias, d_sinks, q, k, v, bias, sinks)
+
+
+def _rounded(d_q, d_k, d_v, d_bias, d_sinks, q, k, v, bias, sinks):
+    """The float32 gradients rounded to their primals' dtypes (None for the mask)."""
+    return (d_q.astype(q.dtype), d_k.astype(k.dtype), d_v.astype(v.dtype),
+            None if bias is None else d_bias.astype(bias.dtype), None,
+            None if sinks is None else d_sinks.astype(sinks.dtype))
+
+
+def _gradients(scale, cap, residuals, d_out):
+    """(dq, dk, dv, d_bias | None, d_sinks | None) in float32 from `_forward`'s residuals and out's
+    cotangent (the logsumexp's is ignored: it is returned under stop_gradient)."""
     q, k, v, bias, allowed, sinks, weights, tanh, lse = residuals
     f32, dtype = weights.dtype, v.dtype  # sums in f32; the products' operands in the inputs' dtype
-    d_out = cotangents[0].astype(dtype)  # the logsumexp's cotangent: it is returned under stop_gradient
+    d_out = d_out.astype(dtype)
     d_v = _sum_over_queries(d_out, weights.astype(dtype))
     d_weights = jnp.einsum("BKGTH,BKSH->BKGTS", d_out, v, preferred_element_type=f32)
     delta = jnp.sum(weights * d_weights, axis=-1, keepdims=True)  # [B,K,G,T,1]
     d_logits = weights * (d_weights - delta)  # masked keys and empty rows have weight 0: 0 here
-    d_bias = None if bias is None else _sum_to_shape(d_logits, bias.shape).astype(bias.dtype)  # 0 where masked
+    d_bias = None if bias is None else _sum_to_shape(d_logits, bias.shape)  # 0 where masked
     if tanh is not None:  # through c * tanh(z / c): times 1 - tanh^2
         d_logits = d_logits * (1.0 - tanh * tanh)
     d_scores = d_logits.astype(q.dtype)
@@ -121,8 +176,8 @@ def _backward(scale, cap, want_lse, residuals, cotangents):
     d_sinks = None
     if sinks is not None:  # dP_sink = 0 (no value): d_sink = p_sink * (0 - delta), summed over B and T
         p_sink = jnp.exp(sinks.astype(f32) - lse)  # [B,K,G,T]
-        d_sinks = _sum_to_shape(-(p_sink * delta[..., 0]), sinks.shape).astype(sinks.dtype)
-    return d_q.astype(q.dtype), d_k.astype(k.dtype), d_v.astype(v.dtype), d_bias, None, d_sinks
+        d_sinks = _sum_to_shape(-(p_sink * delta[..., 0]), sinks.shape)
+    return d_q, d_k, d_v, d_bias, d_sinks
 
 
 def _sum_to_shape(x, shape):
@@ -132,3 +187,60 @@ def _sum_to_shape(x, shape):
 
 
 _attention.defvjp(_forward, _backward)
+
+
+def _block_index(x, block, T, S):
+    """The index of rows `block` and keys `[0, stop)` in a `[B,K,G,T,S]`-broadcastable mask or bias (a dim
+    of size 1 stays whole)."""
+    start, stop = block
+    rows = slice(start, stop) if x.shape[3] == T else slice(None)
+    keys = slice(0, stop) if x.shape[4] == S else slice(None)
+    return slice(None), slice(None), slice(None), rows, keys
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
+def _blocked_attention(q, k, v, bias, allowed, sinks, scale, cap, want_lse, blocks):
+    """`_attention` with the query rows in `blocks` (`causal_row_blocks`), each over the keys before its end."""
+    return _blocked_forward(q, k, v, bias, allowed, sinks, scale, cap, want_lse, blocks)[0]
+
+
+def _blocked_forward(q, k, v, bias, allowed, sinks, scale, cap, want_lse, blocks):
+    T, S = q.shape[3], k.shape[2]
+    outs, lses, saved = [], [], []
+    for block in blocks:
+        start, stop = block
+        (out, lse), block_saved = _forward(
+            q[:, :, :, start:stop], k[:, :, :stop], v[:, :, :stop],
+            None if bias is None else bias[_block_index(bias, block, T, S)],
+            None if allowed is None else allowed[_block_index(allowed, block, T, S)], sinks, scale, cap, want_lse)
+        outs.append(out)
+        lses.append(lse)
+        saved.append(block_saved)
+    lse = jnp.concatenate(lses, axis=3) if want_lse else None
+    # the last block's keys and values are all of them; q, k and v are kept only in the blocks' slices
+    return (jnp.concatenate(outs, axis=3), lse), (bias, sinks, saved)
+
+
+def _blocked_backward(scale, cap, want_lse, blocks, residuals, cotangents):
+    bias, sinks, saved = residuals
+    q_block, k, v = saved[0][0], saved[-1][1], saved[-1][2]
+    T, S = blocks[-1][1], k.shape[2]
+    f32 = jnp.promote_types(q_block.dtype, jnp.float32)
+    d_qs = []
+    d_k, d_v = jnp.zeros(k.shape, f32), jnp.zeros(v.shape, f32)
+    d_bias = None if bias is None else jnp.zeros(bias.shape, f32)
+    d_sinks = None if sinks is None else jnp.zeros(sinks.shape, f32)
+    for block, block_saved in zip(blocks, saved):
+        start, stop = block
+        g_q, g_k, g_v, g_bias, g_sinks = _gradients(scale, cap, block_saved, cotangents[0][:, :, :, start:stop])
+        d_qs.append(g_q)
+        d_k = d_k.at[:, :, :stop].add(g_k)
+        d_v = d_v.at[:, :, :stop].add(g_v)
+        if bias is not None:
+            d_bias = d_bias.at[_block_index(bias, block, T, S)].add(g_bias)
+        if sinks is not None:
+            d_sinks = d_sinks + g_sinks
+    return _rounded(jnp.concatenate(d_qs, axis=3), d_k, d_v, d_bias, d_sinks, q_block, k, v, bias, sinks)
+
+
+_blocked_attention.defvjp(_blocked_forward, _blocked_backward)

@@ -50,7 +50,8 @@ class Kernels:
     """Which implementation runs each operation (the maths is the same; see `jaxattn.kernels`).
 
     Attributes:
-      attention: "xla" (reference), "custom_vjp" (hand-written backward), "chunked" (blockwise
+      attention: "xla" (reference), "custom_vjp" (hand-written backward), "causal_blocks" (custom_vjp
+        with a causal self-attention's query rows in blocks, each over the keys it sees), "chunked" (blockwise
         online softmax, O(T) memory, hidden causal/window blocks skipped), "cudnn" (cuDNN's fused
         kernel, CUDA GPUs), "splash" (Pallas's TPU kernel; interpret mode elsewhere), or a
         platform's per-call rule "auto_cpu", "auto_gpu", "auto_tpu" (`jaxattn.kernels.auto`:

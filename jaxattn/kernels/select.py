@@ -80,7 +80,8 @@ def attention_rule_here() -> str:
 
 def _attention(platform: Platform) -> tuple[str, str]:
     rule = f"auto_{platform.family}"
-    return rule, {"auto_cpu": "per call: custom_vjp below {n} keys, chunked from {n}",
+    return rule, {"auto_cpu": "per call: custom_vjp below {n} keys (causal self-attention in blocks of query "
+                              "rows: causal_blocks), chunked from {n}",
                   "auto_gpu": "per call: cuDNN where it takes the call, else xla below {n} keys, chunked from {n}",
                   "auto_tpu": "per call: splash where it takes the call, else xla below {n} keys, chunked from {n}",
                   }[rule].format(n=auto.CHUNKED_FROM_KEYS)
