@@ -26,15 +26,19 @@ weights of SmolLM2-135M's shape (bench/serve.py's `smollm2` checkpoint: Llama, 3
   `peft.get_peft_model`, `torch.optim.AdamW` over the adapters, `loss.backward()` and `step()` on
   --seq tokens with labels; torch threads = --threads.
 * `peft_bf16`: `peft` with the step's forward under `torch.autocast("cpu", torch.bfloat16)`.
+* `products_xla`, `products_torch`: the floor under a step at bfloat16 precision, no step at all: the matrix
+  products the chain rule asks of this LoRA step (bench/step_products.py), each distinct one timed alone
+  (bfloat16 operands, float32 sums), by XLA and by torch, summed over the step.
 
 Each runner runs in a fresh process restricted to --threads cores, once per round, the runners in turns
 (the order reversed every other round); inside, one untimed step compiles (or warms up), then --steps
 timed steps; reported: the median over rounds of each process's median ms/step, its peak resident
 memory (the kernel's, the whole process: the loaded base included), the adapters' parameters and their
 optimizer state's bytes, beside what a full fine-tune's AdamW state would take (two float32 moments per
-parameter). Writes --out.json and --out.md with the CPU named, the command and the checks of the
+parameter). Writes --out.json and --out.md with the CPU named, the command, the checks of the
 targets (jaxattn at least 1.5x PEFT's speed, peak memory no higher, optimizer state under 2% of a full
-fine-tune's).
+fine-tune's) and the floor beside them: what 1.5x PEFT's autocast step leaves for everything in a step
+but its products.
 
     python -m bench.fresh bench.finetune:run_case SPEC_JSON     # one cell, what each fresh process runs
 """
@@ -48,7 +52,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench import fresh
+from bench import fresh, step_products
 from bench.machine import (cpu_cores, describe_machine, load_average, machine_line, pin_to_cores, portable_command,
                            write_results)
 from bench.quant import quick_config  # the smoke run's tiny Llama, as the decoding bench's
@@ -198,14 +202,34 @@ def run_peft_bf16(spec: dict) -> dict:
     return run_peft({**spec, "autocast": True})
 
 
+def products_of(spec: dict) -> list[step_products.Product]:
+    """The products the chain rule asks of this runner's LoRA step, for the checkpoint's model."""
+    from jaxattn.hf.architectures import config_from_hf
+    from jaxattn.hf.checkpoint import read_config_json
+    _, model = config_from_hf(read_config_json(Path(spec["checkpoint"])), "float32")
+    return step_products.step_products(model, spec["batch"], spec["seq"], spec["rank"], TARGETS)
+
+
+def run_products_xla(spec: dict) -> dict:
+    """The step's products alone with XLA (bfloat16 operands, float32 sums), each at its best."""
+    return step_products.time_products_xla(products_of(spec), rounds=spec["steps"] + 2)
+
+
+def run_products_torch(spec: dict) -> dict:
+    """The step's products alone with torch's `matmul` of bfloat16 tensors, each at its best."""
+    return step_products.time_products_torch(products_of(spec), spec["threads"], rounds=spec["steps"] + 2)
+
+
 CELLS = {"jax": run_jax, "jax_bf16": run_jax_bf16, "jax_bf16_base": run_jax_bf16_base,
          "jax_bf16_compute": run_jax_bf16_compute, "jax_adam8bit": run_jax_adam8bit, "jax_scan": run_jax_scan,
-         "jax_adam8bit_scan": run_jax_adam8bit_scan, "peft": run_peft, "peft_bf16": run_peft_bf16}
+         "jax_adam8bit_scan": run_jax_adam8bit_scan, "peft": run_peft, "peft_bf16": run_peft_bf16,
+         "products_xla": run_products_xla, "products_torch": run_products_torch}
 JAX_RUNNERS = ("jax", "jax_bf16", "jax_bf16_base", "jax_bf16_compute", "jax_adam8bit", "jax_scan",
                "jax_adam8bit_scan")
 STATE_RUNNERS = ("jax", "jax_adam8bit", "jax_adam8bit_scan")  # float32 moments, 8-bit ones
 # the scanned runners only on request: their step is slower (docs/performance.md §17)
-DEFAULT_RUNNERS = (*(r for r in JAX_RUNNERS if not r.endswith("scan")), "peft", "peft_bf16")
+FLOOR_RUNNERS = ("products_xla", "products_torch")  # no step: the step's products alone
+DEFAULT_RUNNERS = (*(r for r in JAX_RUNNERS if not r.endswith("scan")), "peft", "peft_bf16", *FLOOR_RUNNERS)
 
 
 def run_case(spec: dict) -> dict:
@@ -239,12 +263,15 @@ def measure(specs: list[dict], rounds: int, timeout: float) -> dict[str, dict]:
 
 
 def summarize(cells: dict[str, dict], full_params: int) -> list[dict]:
-    """One row per runner: medians over rounds."""
+    """One row per runner: medians over rounds (for the floor's runners, the products' ms and GFLOP/s)."""
     rows = []
     for name, cell in cells.items():
         records = cell["records"]
         row = {"runner": name, "rounds": len(records), "failed": cell.get("failed")}
-        if records:
+        if records and name in FLOOR_RUNNERS:
+            row.update(ms_per_step=statistics.median(r["ms_per_step"] for r in records), flops=records[0]["flops"],
+                       gflops=statistics.median(r["gflops"] for r in records))
+        elif records:
             row.update(ms_per_step=statistics.median(r["ms_per_step"] for r in records),
                        peak_rss_mb=statistics.median(r["peak_rss_bytes"] for r in records) / 2**20,
                        trainable_params=records[0]["trainable_params"],
@@ -253,6 +280,25 @@ def summarize(cells: dict[str, dict], full_params: int) -> list[dict]:
                        compile_s=statistics.median(r["compile_s"] for r in records))
         rows.append(row)
     return rows
+
+
+def floor(rows: list[dict]) -> dict | None:
+    """The step's products alone beside the steps at bfloat16 precision: what 1.5x PEFT's autocast step
+    leaves for everything else, and what each bfloat16 step spends beyond its library's products (None
+    without the floor's runners and PEFT's autocast step)."""
+    by = {r["runner"]: r for r in rows if r.get("ms_per_step")}
+    if "peft_bf16" not in by or not any(r in by for r in FLOOR_RUNNERS):
+        return None
+    target = by["peft_bf16"]["ms_per_step"] / SPEEDUP_TARGET
+    library = {"products_xla": ("jax_bf16_compute", "jax_adam8bit"), "products_torch": ("peft_bf16",)}
+    out = {"target_ms": target, "products": []}
+    for name in (r for r in FLOOR_RUNNERS if r in by):
+        products = by[name]["ms_per_step"]
+        steps = {step: by[step]["ms_per_step"] - products for step in library[name] if step in by}
+        out["products"].append({"runner": name, "ms": products, "tflop": by[name]["flops"] / 1e12,
+                                "gflops": by[name]["gflops"], "left_for_the_rest_ms": target - products,
+                                "the_rest_ms": steps})
+    return out
 
 
 def checks(rows: list[dict]) -> list[dict]:
@@ -277,6 +323,38 @@ def checks(rows: list[dict]) -> list[dict]:
     return out
 
 
+def floor_markdown(record: dict) -> list[str]:
+    """The floor's section: the products alone beside 1.5x PEFT's autocast step, then each distinct product
+    by XLA and by torch."""
+    found = record.get("floor")
+    if not found:
+        return []
+    lines = ["", "## The floor: the step's products alone", "",
+             f"1.5x PEFT's autocast step is {found['target_ms']:,.0f} ms. The products the chain rule asks of "
+             "this step (bench/step_products.py), each distinct one timed alone at its best with bfloat16 "
+             "operands and float32 sums, summed over the step:", "",
+             "| products by | TFLOP | ms | GFLOP/s | left of 1.5x PEFT's autocast step for all the rest, ms "
+             "| the rest in the steps, ms |", "| --- | ---: | ---: | ---: | ---: | --- |"]
+    for p in found["products"]:
+        rest = ", ".join(f"{step} {ms:,.0f}" for step, ms in p["the_rest_ms"].items()) or "–"
+        lines.append(f"| {p['runner']} | {p['tflop']:.3g} | {p['ms']:,.0f} | {p['gflops']:,.0f} | "
+                     f"{p['left_for_the_rest_ms']:,.0f} | {rest} |")
+    shapes = {name: {(s["batch"], s["m"], s["k"], s["n"]): s for s in cell["records"][0]["shapes"]}
+              for name, cell in record.get("cells", {}).items() if name in FLOOR_RUNNERS and cell["records"]}
+    if shapes:
+        names = [n for n in FLOOR_RUNNERS if n in shapes]
+        every = list(dict.fromkeys(shape for n in names for shape in shapes[n]))
+        lines += ["", "Each distinct product (of the first round), `[batch, m, k] @ [batch, k, n]`:", "",
+                  "| batch, m, k, n | a step | " + " | ".join(f"{n} ms, GFLOP/s" for n in names) + " |",
+                  "| --- | ---: | " + " | ".join("---:" for _ in names) + " |"]
+        for shape in every:
+            count = next(shapes[n][shape]["count"] for n in names if shape in shapes[n])
+            cells = [f"{shapes[n][shape]['ms_each']:.3f}, {shapes[n][shape]['gflops']:,.0f}" if shape in shapes[n]
+                     else "–" for n in names]
+            lines.append(f"| {', '.join(map(str, shape))} | {count} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def markdown(record: dict) -> str:
     a = record["settings"]
     lines = ["# LoRA fine-tuning step: jaxattn beside PEFT + transformers", "",
@@ -288,7 +366,7 @@ def markdown(record: dict) -> str:
              "| runner | ms/step | vs PEFT | peak memory MB | trained params | optimizer state MB | of full FT's |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     peft_ms = next((r.get("ms_per_step") for r in record["rows"] if r["runner"] == "peft"), None)
-    for r in record["rows"]:
+    for r in (r for r in record["rows"] if r["runner"] not in FLOOR_RUNNERS):
         if not r.get("ms_per_step"):
             lines.append(f"| {r['runner']} | failed: {r.get('failed')} | | | | | |")
             continue
@@ -297,6 +375,9 @@ def markdown(record: dict) -> str:
                      f"{r['trainable_params']:,} | {r['optimizer_state_mb']:,.1f} | {100 * r['state_fraction']:.2f}% |")
     lines += ["", "| check | value | holds |", "| --- | --- | --- |"]
     lines += [f"| {c['check']} | {c['value']} | {'yes' if c['holds'] else 'no'} |" for c in record["checks"]]
+    lines += floor_markdown(record)
+    failed = [r for r in record["rows"] if r["runner"] in FLOOR_RUNNERS and not r.get("ms_per_step")]
+    lines += [f"\n{r['runner']} failed: {r.get('failed')}" for r in failed]
     return "\n".join(lines) + "\n"
 
 
@@ -339,7 +420,7 @@ def main(argv=None) -> dict:
     record = {"machine": describe_machine(), "command": portable_command(sys.argv, ("--cache-dir", "--out")),
               "model": f"{name} ({facts['architecture']}, {facts['params']:,} parameters, random weights)",
               "settings": {**{k: v for k, v in spec.items() if k != "checkpoint"}, "rounds": args.rounds},
-              "rows": rows, "checks": checks(rows), "cells": cells}
+              "rows": rows, "checks": checks(rows), "floor": floor(rows), "cells": cells}
     out = Path(args.out) if args.out else (Path(tempfile.gettempdir()) / "jaxattn-finetune-quick" / "finetune"
                                            if args.quick else ROOT / "bench" / "results" / "finetune")
     write_results(out.parent, out.name, record, markdown(record))
