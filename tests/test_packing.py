@@ -3,8 +3,8 @@
 The key check: a row packing three documents of different lengths (and padding) gives every token
 the logits, and the loss its gradients, that each document gives alone, for tiny models with RoPE,
 learned positions, GQA, MLA and a sliding-window layer, under the reference, the hand-written
-backward and the blockwise kernel (blocks of 4 queries by 3 keys, so that documents span several
-blocks and blocks several documents). Documents alone run as one right-padded batch without
+backward, its causal blocks of query rows (blocks of 4 rows) and the blockwise kernel (blocks of 4
+queries by 3 keys), so that documents span several blocks and blocks several documents. Documents alone run as one right-padded batch without
 segment ids: causal attention keeps a document's tokens from seeing the padding after it.
 """
 
@@ -19,7 +19,7 @@ import pytest
 from jaxattn import kernels
 from jaxattn.attention import reference_attention, scaled_dot_product_attention
 from jaxattn.config import LayerKind
-from jaxattn.kernels import Kernels, KernelFallbackWarning, auto, chunked
+from jaxattn.kernels import Kernels, KernelFallbackWarning, auto, chunked, custom_vjp
 from jaxattn.kernels._call import AttentionCall
 from jaxattn.layer_plan import stack_params
 from jaxattn.masks import causal_mask, combine_masks, segment_mask, segment_positions
@@ -27,12 +27,15 @@ from jaxattn.model import DecoderLM
 from tests.tiny_models import VOCAB, params_for, tiny_config
 
 SMALL = "chunked_4x3"  # the test-only name: query blocks of 4, key blocks of 3
+ROWS = "causal_blocks_5"  # the test-only name: causal_blocks in blocks of at most 5 rows (16 rows: 4 of 4)
 
 
 @pytest.fixture(autouse=True)
 def small_blocks(monkeypatch):
     monkeypatch.setitem(kernels.IMPLEMENTATIONS["attention"], SMALL,
                         functools.partial(chunked.attention, block_q=4, block_k=3))
+    monkeypatch.setitem(kernels.IMPLEMENTATIONS["attention"], ROWS,
+                        functools.partial(custom_vjp.attention, rows_per_block=5))
 
 
 # Two packed rows of 16 tokens: lengths 5, 3, 6 and 2 of padding; 9, 4 and 3 of padding.
@@ -84,7 +87,7 @@ def test_a_packed_row_gives_each_document_what_it_gives_alone(name):
     params = {"params": params_for(config)}
     tokens, ids, alone, _, where = tokens_and_alone()
     expected = jax.jit(DecoderLM(config).apply)(params, alone)  # [5, L, V], no segment ids
-    attentions = ("xla", "custom_vjp", SMALL) + (("absorb",) if name == "mla" else ())
+    attentions = ("xla", "custom_vjp", SMALL, ROWS) + (("absorb",) if name == "mla" else ())
     for attention in attentions:
         chosen = Kernels(mla="absorb") if attention == "absorb" else Kernels(attention=attention)
         packed = jax.jit(functools.partial(DecoderLM(config, chosen).apply, segment_ids=ids))(params, tokens)
@@ -106,7 +109,7 @@ def test_a_packed_row_gives_each_document_what_it_gives_alone(name):
         assert np.abs(mixed[b, start:start + n] - expected[1, :n]).max() > 1e-3
 
 
-@pytest.mark.parametrize("attention", ["custom_vjp", SMALL])
+@pytest.mark.parametrize("attention", ["custom_vjp", SMALL, ROWS])
 def test_the_packed_loss_has_the_gradients_of_the_documents_alone(attention):
     config = CONFIGS["gqa_window"]
     params = params_for(config)
