@@ -268,12 +268,12 @@ def summarize(cells: dict[str, dict], full_params: int) -> list[dict]:
     for name, cell in cells.items():
         records = cell["records"]
         row = {"runner": name, "rounds": len(records), "failed": cell.get("failed")}
+        if records:
+            row["ms_per_step"] = statistics.median(r["ms_per_step"] for r in records)
         if records and name in FLOOR_RUNNERS:
-            row.update(ms_per_step=statistics.median(r["ms_per_step"] for r in records), flops=records[0]["flops"],
-                       gflops=statistics.median(r["gflops"] for r in records))
+            row.update(flops=records[0]["flops"], gflops=statistics.median(r["gflops"] for r in records))
         elif records:
-            row.update(ms_per_step=statistics.median(r["ms_per_step"] for r in records),
-                       peak_rss_mb=statistics.median(r["peak_rss_bytes"] for r in records) / 2**20,
+            row.update(peak_rss_mb=statistics.median(r["peak_rss_bytes"] for r in records) / 2**20,
                        trainable_params=records[0]["trainable_params"],
                        optimizer_state_mb=records[0]["optimizer_state_bytes"] / 2**20,
                        state_fraction=records[0]["optimizer_state_bytes"] / (8 * full_params),

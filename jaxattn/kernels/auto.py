@@ -63,9 +63,9 @@ def cpu_rule(call: AttentionCall) -> tuple[str, str]:
     """(kernel, reason) for `call` on a CPU: a causal self-attention of more rows than a block in blocks
     of query rows, each over the keys it sees."""
     name, reason = _by_length(call, "custom_vjp")
-    if name != "custom_vjp" or not call.is_causal or call.T != call.S or call.T <= custom_vjp.block_rows(call.T):
-        return name, reason
     rows = custom_vjp.block_rows(call.T)
+    if name != "custom_vjp" or len(custom_vjp.causal_row_blocks(call.T, call.S, call.is_causal, rows)) == 1:
+        return name, reason
     return "causal_blocks", (f"causal self-attention of T={call.T} < {CHUNKED_FROM_KEYS} rows: in blocks of "
                              f"{rows} rows, each over the keys it sees")
 
