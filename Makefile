@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
-# `make test` also needs the `test` extra (torch, transformers for tests/test_hf.py);
+# `make test` also needs the `test` extra (torch, transformers for tests/hf/test_hf.py);
 # `make train` installs only `.[dev]`.
 TEST_STAMP := $(VENV)/.installed-test
 
@@ -42,7 +42,7 @@ TEST_PROGRAMS ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/jaxattn/test-programs
 test-fast: $(TEST_STAMP)
 	JAXATTN_TEST_PROGRAMS=$(TEST_PROGRAMS) $(PY) -m pytest -n 2 --dist loadfile -m "not slow" tests
 
-# The browser tests (tests/test_viewer_browser.py) drive Debian's chromium through Playwright
+# The browser tests (tests/viewer/test_viewer_browser.py) drive Debian's chromium through Playwright
 # (tests/browser.py). Installed here when it is missing and the machine allows (root and apt-get);
 # otherwise the tests are skipped with the reason, except under CI=true, where it must be installed.
 chromium:

@@ -47,7 +47,7 @@ import numpy as np  # noqa: E402
 from bench import fresh  # noqa: E402
 from bench.machine import cpu_cores, describe_machine, load_average, machine_line, write_results  # noqa: E402
 from bench.timing import Timing, in_turns  # noqa: E402
-from jaxattn.caches import cache_bytes_per_token, init_cache  # noqa: E402
+from jaxattn.cache.build import cache_bytes_per_token, init_cache  # noqa: E402
 from jaxattn.config import MLAConfig, ModelConfig  # noqa: E402
 from jaxattn.decoding import generate, generate_without_cache  # noqa: E402
 from jaxattn.kernels import Kernels, resolve_kernels  # noqa: E402

@@ -3,7 +3,7 @@
     PYTHONPATH=$PWD python bench/moe.py [--tokens 64,256,1024,4096] [--experts 4,8,16,32,64] [--reps 5]
         [--max-grouped-rows 262144] [--decode-tokens 1,8,32] [--report-only]
 
-One `jaxattn.moe.MoE` layer (router + routed experts, no shared expert), D=256, F=512,
+One `jaxattn.layers.moe.MoE` layer (router + routed experts, no shared expert), D=256, F=512,
 float32, M tokens ([1, M, D]), k=2 experts per token at each E, and k=8 at E=64. Timed: the
 gradient of a fixed projection of the output with respect to the input and every parameter
 (forward and backward, one jitted program). Implementations (`jaxattn.kernels.moe`): "dense"
@@ -45,7 +45,7 @@ def _program(impl: str, M: int, E: int, k: int, forward_only: bool = False):
     import jax
     import jax.numpy as jnp
     from jaxattn import Kernels, ModelConfig
-    from jaxattn.moe import MoE, MoEConfig
+    from jaxattn.layers.moe import MoE, MoEConfig
     import flax.linen as nn
     module = MoE(ModelConfig(d_model=D, num_heads=4), MoEConfig(num_experts=E, experts_per_token=k, expert_hidden=F),
                  Kernels(moe=impl))

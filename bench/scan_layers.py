@@ -39,7 +39,7 @@ def worker(spec: dict) -> dict:
 
     from bench.serve import model_config
     from jaxattn.decoding import generate
-    from jaxattn.layer_plan import relayout
+    from jaxattn.scan_plan import relayout
     from jaxattn.model import DecoderLM
 
     config = model_config("smollm2").replace(num_layers=spec["layers"])

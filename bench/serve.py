@@ -383,7 +383,7 @@ def run_static(spec: dict) -> dict:
     import numpy as np
 
     from bench.timing import best_seconds, seconds
-    from jaxattn.caches import cache_bytes_per_token
+    from jaxattn.cache.build import cache_bytes_per_token
     from jaxattn.decoding import call_lengths, generate, prompt_bucket
     load = load_of(spec)
     config, params = load_model(spec["checkpoint"])

@@ -128,7 +128,7 @@ async def peak_pages(host: str, port: int, done: asyncio.Event) -> int:
 def run_server(spec: dict, load, warmups: list[list[int]], max_seqs: int, num_pages: int, clock_type) -> dict:
     """The `server` runner's record (bench/serve.py's RUNNERS: the same fields as the engine's)."""
     from jaxattn import hf
-    from jaxattn.caches import cache_bytes_per_token
+    from jaxattn.cache.build import cache_bytes_per_token
     checkpoint = Path(spec["checkpoint"])
     config, _ = hf.load_pretrained(checkpoint, dtype="float32")
     ensure_tokenizer(checkpoint, config.vocab_size)

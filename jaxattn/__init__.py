@@ -13,15 +13,15 @@ The functional core (pure, jit-able; docs/theory.md derives each formula):
 The Flax modules and the model (built from one `ModelConfig`, the maths, and
 an optional `Kernels`, which implementations run it):
 
-* `Attention` (MHA/MQA/GQA, `jaxattn.gqa`), `MultiHeadLatentAttention`
-  (`MLAConfig`, `jaxattn.mla`), peers over one skeleton (`jaxattn.attention_layer`);
-  `MLP`, `RMSNorm`, `LayerNorm` (`jaxattn.primitives`)
+* `Attention` (MHA/MQA/GQA, `jaxattn.layers.gqa`), `MultiHeadLatentAttention`
+  (`MLAConfig`, `jaxattn.layers.mla`), peers over one skeleton (`jaxattn.layers.attention_layer`);
+  `MLP`, `RMSNorm`, `LayerNorm` (`jaxattn.layers.primitives`)
 * per-layer attention: `LayerKind` (`ModelConfig.layer_pattern`), `AttentionSpec`
-* mixture-of-experts MLPs: `MoE`, `MoEConfig` (`ModelConfig.moe`, `dense_layers`; `jaxattn.moe`:
+* mixture-of-experts MLPs: `MoE`, `MoEConfig` (`ModelConfig.moe`, `dense_layers`; `jaxattn.layers.moe`:
   the router, the router losses; the routed experts' implementations behind `Kernels.moe`)
 * `Block`, `DecoderLM`, `abstract_params`, `count_params`, `active_params`, `attention_weights`
 * caches: `KVCache`, `LatentCache`, `DecodeCache` (each attention kind declares what it keeps per
-  token, `jaxattn.cache`), `init_cache`, `cache_bytes_per_token` (`jaxattn.caches`: the dense cache
+  token, `jaxattn.cache.containers`), `init_cache`, `cache_bytes_per_token` (`jaxattn.cache.build`: the dense cache
   and the paged pools built from that declaration)
 
 Decoding: `generate` (prefill + `jax.lax.scan` over one-token steps),
@@ -46,14 +46,14 @@ axis names); `generate(..., mesh=mesh)` samples on one.
 
 from jaxattn.additive import additive_attention
 from jaxattn.attention import cached_attention, reference_attention, repeat_kv, scaled_dot_product_attention
-from jaxattn.cache import DecodeCache, KVCache, LatentCache
-from jaxattn.caches import cache_bytes_per_token, init_cache
+from jaxattn.cache.containers import DecodeCache, KVCache, LatentCache
+from jaxattn.cache.build import cache_bytes_per_token, init_cache
 from jaxattn.config import AttentionSpec, LayerKind, MLAConfig, ModelConfig, MoEConfig
 from jaxattn.decoding import GenerateOutput, generate
 from jaxattn.windowed import generate_windowed, windows
 from jaxattn.kernels import Kernels, Platform, prepare_weights, resolve_kernels
-from jaxattn.gqa import Attention
-from jaxattn.primitives import (
+from jaxattn.layers.gqa import Attention
+from jaxattn.layers.primitives import (
     MLP,
     LayerNorm,
     RMSNorm,
@@ -70,8 +70,8 @@ from jaxattn.masks import (
     segment_positions,
     sliding_window_mask,
 )
-from jaxattn.mla import MultiHeadLatentAttention, latent_attention
-from jaxattn.moe import MoE
+from jaxattn.layers.mla import MultiHeadLatentAttention, latent_attention
+from jaxattn.layers.moe import MoE
 from jaxattn.model import Block, DecoderLM, abstract_params, active_params, attention_weights, count_params
 from jaxattn.positions import sinusoidal_positions
 from jaxattn.quantization import QuantizedWeight, dequantize, quantize

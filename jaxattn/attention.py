@@ -331,7 +331,7 @@ def cached_attention(query, key_cache, value_cache, query_positions, *, scale=No
                      logits_soft_cap=None, sinks=None, implementation="xla"):
     """Attention of T new queries against a KV cache (prefill and decode steps, docs/theory.md §9).
 
-    The cache is heads-major (`jaxattn.cache`): each (row, kv head) is one
+    The cache is heads-major (`jaxattn.cache.containers`): each (row, kv head) is one
     contiguous `[L, H]` matrix. Slot j holds absolute position j and is visible
     to a query at position p iff j <= p (`jaxattn.masks.visible_cache_slots`),
     so slots not yet written never are. The same maths as

@@ -15,7 +15,7 @@ each device holds whole experts (expert parallelism) where fsdp divides their nu
 and their "embed" axis stays whole; otherwise they split along "embed" like the rest.
 
 Every parameter and every constrained activation names its axes with the constants
-below (`EMBED`, `HEADS`, ...; parameters through `jaxattn.primitives.logical`,
+below (`EMBED`, `HEADS`, ...; parameters through `jaxattn.layers.primitives.logical`,
 activations through `nn.with_logical_constraint`), and one table, `RULES`, maps each
 name to mesh axes: `spec_for` for arrays, `activation_rules` for the activations while
 a model is traced. Where a mesh axis does not divide what a name counts (GQA's 2 kv
@@ -61,7 +61,7 @@ VOCAB = "vocab"  # a token table's rows, the logits' columns
 LATENT = "latent"  # MLA's compressed widths
 EXPERT = "expert"  # MoE experts
 POSITION = "position"  # a learned position table's rows
-LAYERS = "layers"  # the repeats of a scanned period of layers (`jaxattn.layer_plan`), never split
+LAYERS = "layers"  # the repeats of a scanned period of layers (`jaxattn.scan_plan`), never split
 # The activations' own names where their layout differs from the parameters' of the same meaning:
 ACTIVATION_EMBED = "activation_embed"  # the residual stream's width: whole, while the parameters' "embed" splits
 ACTIVATION_VOCAB = "activation_vocab"  # a table's rows gathered whole for a lookup, while "vocab" splits

@@ -5,7 +5,7 @@ prompt lengths are padded up to a bucket (powers of two up to 64, then
 multiples of 64) and the sampling knobs, the stop token and the rng are traced
 values, so a new prompt, temperature, top-k, top-p or seed reuses the compiled
 program. Each scan step is one `DecoderLM.extend` call with T = 1 against the
-KV cache (see `jaxattn.cache`), then one `jaxattn.sampling.sample`.
+KV cache (see `jaxattn.cache.containers`), then one `jaxattn.sampling.sample`.
 
 `generate_without_cache` is the same loop that reruns the full forward pass
 over a fixed-size token buffer every step: the oracle for tests and the
@@ -32,8 +32,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxattn import sampling, sharding
 from jaxattn._validate import concrete_or_none, is_int
 from jaxattn.axes import MeshShape
-from jaxattn.cache import KV_CACHES, DecodeCache
-from jaxattn.caches import init_cache
+from jaxattn.cache.containers import KV_CACHES, DecodeCache
+from jaxattn.cache.build import init_cache
 from jaxattn.config import ModelConfig
 from jaxattn.kernels import Kernels
 from jaxattn.model import DecoderLM
@@ -328,7 +328,7 @@ def generate(params, config: ModelConfig, prompt_tokens, prompt_lengths, *, max_
         summation order in the logits). The outputs are replicated on the mesh.
       kv_cache: the cache's storage (static): "auto" (the compute dtype: exact) or "int8" (int8
         values and a float32 scale per token and head, dequantized before the softmax: a quarter
-        of float32's bytes plus the scales, logits off by the rounding; `jaxattn.quantized_cache`).
+        of float32's bytes plus the scales, logits off by the rounding; `jaxattn.cache.int8`).
 
     Returns:
       `GenerateOutput(tokens [B, max_new_tokens], counts [B], logits, nonfinite_from [B])`.

@@ -1,6 +1,6 @@
 """Losses a layer adds to the training objective beside next-token prediction, sown where they arise.
 
-A layer with such losses (a mixture of experts' router losses, `jaxattn.moe`) sows each one,
+A layer with such losses (a mixture of experts' router losses, `jaxattn.layers.moe`) sows each one,
 a float32 scalar, into the `COLLECTION` under its name. A model applied with
 `mutable=[COLLECTION]` returns them; `mean_over_layers` reduces them to one value per name,
 the mean over the layers that sowed it (the mean, not the sum, so a coefficient means the same

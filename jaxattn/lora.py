@@ -13,7 +13,7 @@ layers (a scan's leading axis).
   widths `N*H, K*H, K*H`), a gated MLP's `gate_up` two (gate, up: `F, F`), every other weight one. A
   part that is not targeted has `a = b = None` (no delta). Leading axes (layers stacked for a scan,
   `[R, in, out]`; experts, `[E, in, out]`) are on every leaf alike, so `nn.scan` slices them.
-* `jaxattn.primitives.Linear` runs a `LoraWeight` kernel as the base matmul (the float or the quantized
+* `jaxattn.layers.primitives.Linear` runs a `LoraWeight` kernel as the base matmul (the float or the quantized
   kernel) plus `scale * (dropout(x) @ a) @ b` per part; the routed experts and MLA's `wkv_b` read
   theirs through `float_param`, merged (`base + scale * a @ b`, per expert).
 * Dropout contract: the adapters' input dropout (PEFT's `lora_dropout`, on x) runs only when the module
@@ -235,7 +235,7 @@ def float_param(module: nn.Module, name: str, init, shape: tuple[int, ...], dtyp
 # ---------------------------------------------------------------- which weights each target names
 
 # A Linear module's name -> the target of each part of its kernel's columns. The names are the
-# modules' own (jaxattn.gqa, jaxattn.mla, jaxattn.primitives.MLP, jaxattn.moe.MoE); no two modules
+# modules' own (jaxattn.layers.gqa, jaxattn.layers.mla, jaxattn.layers.primitives.MLP, jaxattn.layers.moe.MoE); no two modules
 # share a name, so the name alone says what a kernel is, wherever the block nests it.
 _LINEAR_ROLES = {
     "qkv": ("q", "k", "v"), "query": ("q",), "key": ("k",), "value": ("v",), "out": ("o",),  # gqa

@@ -16,9 +16,9 @@ leaf's logical axis names (nothing allocated); `count_params` and `active_params
 `attention_weights(model, variables, tokens)` returns the logits and every
 layer's attention weights (sown by the layers into "intermediates"). A layer's
 MLP is dense or, where `ModelConfig.layer_is_moe`, a mixture of experts
-(`jaxattn.moe.MoE`): both are called alike, and a layer with training losses of its own sows
+(`jaxattn.layers.moe.MoE`): both are called alike, and a layer with training losses of its own sows
 them (`jaxattn.layer_losses`). The absolute positions added to the embeddings are one module,
-chosen once from the config (`jaxattn.position_embeddings`); positions are computed here, once
+chosen once from the config (`jaxattn.layers.absolute_positions`); positions are computed here, once
 per call, and passed down to every layer. Packed rows (`segment_ids`, docs/theory.md §27) go down
 to every attention layer too, and their positions restart at each document
 (`jaxattn.masks.segment_positions`), so a packed row gives each document what it gives alone.
@@ -38,18 +38,18 @@ from jax.experimental import checkify
 
 from jaxattn import head_loss, kernels as kernels_lib
 from jaxattn._validate import concrete_or_none
-from jaxattn.attention_kinds import attention_class
-from jaxattn.attention_layer import WEIGHTS
+from jaxattn.layers.kinds import attention_class
+from jaxattn.layers.attention_layer import WEIGHTS
 from jaxattn.axes import ACTIVATION_EMBED, ACTIVATION_VOCAB, BATCH, EMBED, KV_HEADS, LENGTH, VOCAB
-from jaxattn.cache import DecodeCache, PagedBatch
+from jaxattn.cache.containers import DecodeCache, PagedBatch
 from jaxattn.config import ModelConfig
 from jaxattn.kernels import Kernels
-from jaxattn.layer_plan import SCANNED, plan_layers
+from jaxattn.scan_plan import SCANNED, plan_layers
 from jaxattn.lora import is_lora
 from jaxattn.masks import check_segment_ids, segment_positions
-from jaxattn.moe import mlp_for_layer
-from jaxattn.position_embeddings import absolute_positions
-from jaxattn.primitives import check_config, logical, make_linear, make_norm
+from jaxattn.layers.moe import mlp_for_layer
+from jaxattn.layers.absolute_positions import absolute_positions
+from jaxattn.layers.primitives import check_config, logical, make_linear, make_norm
 from jaxattn.quantization import TIED_HEAD, is_quantized
 from jaxattn.softmax import soft_cap
 
@@ -148,7 +148,7 @@ class Block(nn.Module):
 
 class LayerPeriod(nn.Module):
     """One scan step: the P blocks of a period, layers `first .. first + P - 1` for their programs
-    (`jaxattn.layer_plan`); `DecoderLM` scans it over the period's repeats, so its parameters and
+    (`jaxattn.scan_plan`); `DecoderLM` scans it over the period's repeats, so its parameters and
     caches carry a leading `[R]` outside the scan and none inside."""
 
     config: ModelConfig
@@ -200,7 +200,7 @@ class DecoderLM(nn.Module):
     """Token embedding `wte`, the absolute positions `wpe` (a learned table for "learned" positions),
     value-embedding tables `value_embed_j` (`[V, K*H]`, logical axes ("vocab", "kv_heads")), blocks
     `blocks_i` (with `config.scan_layers`, the scanned ones stacked under `layers`:
-    `jaxattn.layer_plan`), `final_norm`, lm_head."""
+    `jaxattn.scan_plan`), `final_norm`, lm_head."""
 
     config: ModelConfig
     kernels: Kernels = Kernels()
@@ -229,7 +229,7 @@ class DecoderLM(nn.Module):
 
     def embed(self, tokens, positions, *, deterministic=True):
         """tokens `[B, T]`, positions `[B, T]` or `[T]` -> `[B, T, D]`: the token rows, scaled, plus
-        the absolute positions (`jaxattn.position_embeddings`; RoPE and none add nothing here)."""
+        the absolute positions (`jaxattn.layers.absolute_positions`; RoPE and none add nothing here)."""
         # nn.Embed's lookup, with the table gathered first on a mesh (FSDP splits it along D; looking
         # rows up in a split table would give activations split along D, not by rows).
         table = nn.with_logical_constraint(self.wte.embedding, (ACTIVATION_VOCAB, ACTIVATION_EMBED))
@@ -417,7 +417,7 @@ class DecoderLM(nn.Module):
 
         Args:
           tokens: `[Tf]` int ids (`batch` says where each belongs; padding tokens are any id).
-          pools: tuple over layers of each layer's page pool (`jaxattn.caches.init_pools`).
+          pools: tuple over layers of each layer's page pool (`jaxattn.cache.build.init_pools`).
           batch: positions, cache slots, rows of queries and the tokens to read logits at.
 
         Returns:
@@ -426,7 +426,7 @@ class DecoderLM(nn.Module):
         """
         if plan_layers(self.config).repeats:
             raise ValueError("a paged step runs its layers unrolled: give the engine a config without scan_layers "
-                             "and jaxattn.layer_plan.unstack_params(params, config)")
+                             "and jaxattn.scan_plan.unstack_params(params, config)")
         if not hasattr(tokens, "ndim") or tokens.ndim != 1 or tokens.shape != batch.positions.shape:
             raise ValueError(f"tokens must be [Tf] = {batch.positions.shape}, got {getattr(tokens, 'shape', None)}")
         if len(pools) != self.config.num_layers:

@@ -24,8 +24,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxattn.axes import BATCH, MeshShape, logical_counts, spec_for
-from jaxattn.cache import DecodeCache
-from jaxattn.caches import cache_fields
+from jaxattn.cache.containers import DecodeCache
+from jaxattn.cache.build import cache_fields
 from jaxattn.config import ModelConfig
 from jaxattn.model import abstract_params
 
@@ -113,7 +113,7 @@ def batch_spec(mesh: MeshShape, batch_size: int, ndim: int = 2) -> P:
 
 
 def cache_specs(cache: DecodeCache, config: ModelConfig, mesh: MeshShape) -> DecodeCache:
-    """A `DecodeCache` of PartitionSpecs, by each field's logical axes (`jaxattn.cache.CacheField`):
+    """A `DecodeCache` of PartitionSpecs, by each field's logical axes (`jaxattn.cache.containers.CacheField`):
     rows over data x fsdp, kv heads over tensor (where they divide); a latent every head reads stays whole."""
     counts = logical_counts(config)
     fields = cache_fields(config)

@@ -16,7 +16,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxattn._validate import require_positive_int
-from jaxattn.cache import KV_CACHES
+from jaxattn.cache.containers import KV_CACHES
 from jaxattn.config import ModelConfig
 from jaxattn.decoding import generate
 from jaxattn.kernels import Kernels

@@ -7,7 +7,7 @@ time: level 0 leaves XLA's graph optimisations as they are and skips only LLVM's
 compiles faster and computes the same operations (float32 results may differ in the last bit, far
 inside every tolerance here). XLA's older loop emitters (`--xla_cpu_use_fusion_emitters=false`)
 would compile faster still, but at level 0 they round some fused programs far worse (Muon's update
-drifts from its float64 reference beyond tests/test_optim.py's tolerance), so the tests keep the
+drifts from its float64 reference beyond tests/train/test_optim.py's tolerance), so the tests keep the
 emitters users get. An XLA_FLAGS that already sets the level keeps its own. The
 environment variables carry both settings into the programs tests start.
 

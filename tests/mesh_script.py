@@ -15,7 +15,7 @@ import numpy as np  # noqa: E402
 
 from jaxattn import sharding  # noqa: E402
 from jaxattn.config import LayerKind, MLAConfig, ModelConfig  # noqa: E402
-from jaxattn.layer_config import MoEConfig  # noqa: E402
+from jaxattn.config.moe import MoEConfig  # noqa: E402
 from jaxattn.decoding import generate  # noqa: E402
 from jaxattn.axes import MeshShape  # noqa: E402
 from train import runtime as runtime_lib  # noqa: E402

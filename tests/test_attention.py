@@ -4,7 +4,7 @@ Oracles: `jax.nn.dot_product_attention(implementation='xla')`, our textbook
 `reference_attention`, and the properties derived in docs/theory.md (rows sum
 to 1, masked keys get 0, permutation equivariance, Var(q.k) = d_k).
 Every implementation behind `implementation=` is compared with the reference
-in tests/test_kernels.py.
+in tests/kernels/test_kernels.py.
 """
 
 import functools

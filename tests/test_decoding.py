@@ -64,7 +64,7 @@ def full_sequences(prompts, lengths, generated):
 
 
 # Every kind with two position schemes and every scheme with two kinds: the full cross product of
-# kinds and schemes is checked one level down, on `extend` (tests/test_cache.py); here the same
+# kinds and schemes is checked one level down, on `extend` (tests/cache/test_cache.py); here the same
 # exactness through `generate`'s scan loop.
 PAIRS = [("mha", "learned"), ("mha", "none"), ("gqa", "rope"), ("gqa", "sinusoidal"), ("mqa", "learned"),
          ("mqa", "rope"), ("mla", "sinusoidal"), ("mla", "none")]

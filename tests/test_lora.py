@@ -18,7 +18,7 @@ from flax.traverse_util import flatten_dict
 import jaxattn
 from jaxattn.lora import (LoraConfig, LoraWeight, add_lora, combine_lora, count_lora_params, is_lora, merge_lora,
                           split_lora)
-from jaxattn.moe import MoEConfig
+from jaxattn.layers.moe import MoEConfig
 from jaxattn.quantization import QuantizedWeight, quantize
 from tiny_models import VOCAB, drawn_params, tiny_config, with_random_b
 

@@ -7,11 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxattn.caches import init_cache
+from jaxattn.cache.build import init_cache
 from jaxattn.config import ModelConfig
-from jaxattn.gqa import Attention
+from jaxattn.layers.gqa import Attention
 from jaxattn.model import DecoderLM
-from jaxattn.primitives import MLP
+from jaxattn.layers.primitives import MLP
 from tiny_models import TINY_MLA, VOCAB, drawn_params, tiny_config
 
 T = 10

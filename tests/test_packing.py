@@ -21,7 +21,7 @@ from jaxattn.attention import reference_attention, scaled_dot_product_attention
 from jaxattn.config import LayerKind
 from jaxattn.kernels import Kernels, KernelFallbackWarning, auto, chunked, custom_vjp
 from jaxattn.kernels._call import AttentionCall
-from jaxattn.layer_plan import stack_params
+from jaxattn.scan_plan import stack_params
 from jaxattn.masks import causal_mask, combine_masks, segment_mask, segment_positions
 from jaxattn.model import DecoderLM
 from tests.tiny_models import VOCAB, params_for, tiny_config

@@ -1,4 +1,4 @@
-"""Layers compiled once (`ModelConfig.scan_layers`, `jaxattn.layer_plan`): the plan, the layouts,
+"""Layers compiled once (`ModelConfig.scan_layers`, `jaxattn.scan_plan`): the plan, the layouts,
 and the scanned model equal to the unrolled one (logits, gradients, cached decoding, attention
 weights, layer losses), for uniform, patterned, mixed dense/MoE, value-embedding and MLA models."""
 
@@ -13,10 +13,10 @@ from jax.sharding import PartitionSpec as P
 
 from jaxattn import LayerKind, MLAConfig, ModelConfig, MoEConfig, hf, sharding
 from jaxattn.axes import MeshShape
-from jaxattn.caches import init_cache
+from jaxattn.cache.build import init_cache
 from jaxattn.decoding import generate
 from jaxattn.layer_losses import COLLECTION, mean_over_layers
-from jaxattn.layer_plan import LayerPlan, plan_layers, stack_caches, stack_params, unstack_caches, unstack_params
+from jaxattn.scan_plan import LayerPlan, plan_layers, stack_caches, stack_params, unstack_caches, unstack_params
 from jaxattn.model import DecoderLM, attention_weights
 from jaxattn.quantization import quantize
 from train import optim

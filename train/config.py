@@ -44,7 +44,7 @@ from pydantic_core import PydanticCustomError
 from jaxattn import kernels, lora
 from jaxattn.axes import MeshShape
 from jaxattn.config import ModelConfig
-from jaxattn.layer_config import MoEConfig
+from jaxattn.config.moe import MoEConfig
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 DEFAULT_CONFIG = "shakespeare_char_baby"

@@ -31,7 +31,7 @@ import numpy as np
 from jaxattn import lora
 from jaxattn.config import ModelConfig
 from jaxattn.hf.chat_template import ChatTemplate, ChatTemplateError
-from jaxattn.layer_plan import relayout
+from jaxattn.scan_plan import relayout
 from train import pretrained
 from train.checkpoint_meta import CheckpointError, path_name
 from train.config import ExperimentConfig, parse_override

@@ -24,7 +24,7 @@ from train.config import TrainConfig
 
 TABLE_AXES = frozenset({"vocab", "position", "length"})  # rows looked up by token or position
 MUON, ADAM = "muon", "adam"
-# A scanned model's stacked parameters lead with the LAYERS axis (`jaxattn.layer_plan`): each of its
+# A scanned model's stacked parameters lead with the LAYERS axis (`jaxattn.scan_plan`): each of its
 # slices is one layer's parameter, so every rule below reads the axes after it (a matrix per layer).
 
 

@@ -43,13 +43,13 @@ import psutil
 from tqdm import tqdm
 
 from jaxattn import Kernels, axes, lora, prepare_weights, resolve_kernels, with_fused_qkv
-from jaxattn.cache import KV_CACHES
-from jaxattn.caches import cache_bytes_per_token
+from jaxattn.cache.containers import KV_CACHES
+from jaxattn.cache.build import cache_bytes_per_token
 from jaxattn.config import ModelConfig
 from jaxattn.decoding import call_lengths
 from jaxattn.hf import peft as hf_peft
 from jaxattn.hf.errors import HFCheckpointError
-from jaxattn.layer_plan import relayout
+from jaxattn.scan_plan import relayout
 from jaxattn.windowed import NonFiniteLogits, window_programs, windows
 from jaxattn.model import DecoderLM
 from jaxattn.quantization import quantize
@@ -332,7 +332,7 @@ def call_bytes(config: ModelConfig, rows: int, prompt_len: int, max_new_tokens: 
     """(KV cache, logits, activations) in bytes that one call of `rows` samples holds at its peak: the
     largest of the programs `windows` compiles, each the cache plus the larger of its two phases, the
     prefill (logits `[rows, bucket, V]`) and the decoding loop (a few `[rows, V]` sampling buffers).
-    tests/test_sample_memory.py holds it against `memory_analysis()` of the compiled programs."""
+    tests/train/test_sample_memory.py holds it against `memory_analysis()` of the compiled programs."""
     act, V, N = np.dtype(config.dtype).itemsize, config.vocab_size, config.num_heads
     hidden = 2 * config.d_model + config.mlp_hidden + (N + 2 * config.num_kv_heads) * config.head_dim
     per_token = cache_bytes_per_token(config)["bytes"]

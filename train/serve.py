@@ -36,7 +36,7 @@ import uvicorn
 from tqdm import tqdm
 
 from jaxattn import Kernels, axes, prepare_weights, resolve_kernels
-from jaxattn.cache import KV_CACHES
+from jaxattn.cache.containers import KV_CACHES
 from jaxattn.hf.chat_template import ChatTemplate, ChatTemplateError, find_chat_template, special_tokens
 from jaxattn.hf.tokenizer import HFTokenizer
 from jaxattn.serving import Engine, EngineConfig

@@ -32,7 +32,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxattn import axes, layer_losses, lora, sharding
-from jaxattn.layer_plan import relayout
+from jaxattn.scan_plan import relayout
 from jaxattn.model import DecoderLM
 from train.config import ExperimentConfig
 from train.init_from import Initial, params_for

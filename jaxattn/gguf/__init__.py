@@ -9,7 +9,7 @@ ids = tokenizer.encode("Hello")           # a jaxattn.hf.HFTokenizer: encode, de
 
 The file is read with the `gguf` package's `GGUFReader` (llama.cpp's own Python reader) and
 becomes what `jaxattn.hf` reads from a transformers checkpoint: its metadata a config.json dict
-(`jaxattn.gguf.config`), its tensors the state dict under transformers' names, each dequantized
+(`jaxattn.gguf.hf_config`), its tensors the state dict under transformers' names, each dequantized
 when it is loaded (`jaxattn.gguf.reader`). `jaxattn.hf.load_state_dict` then does the rest with
 the family's own mapping and checks, so a GGUF file loads as the transformers checkpoint it was
 converted from, and computes what transformers' own GGUF loader
@@ -30,7 +30,7 @@ tensor jaxattn does not read (naming it), `InvalidCheckpoint` for a file that is
 GGUF, or holds metadata or tensors no model can have (naming the key or tensor).
 
 Where the file states what transformers' loader drops, jaxattn reads it and so computes the model
-the file describes rather than transformers' (`jaxattn.gguf.config`): RoPE scaling (linear, and
+the file describes rather than transformers' (`jaxattn.gguf.hf_config`): RoPE scaling (linear, and
 Llama 3.1's, which llama.cpp stores as `rope_freqs.weight`), Qwen3's head size, Gemma 2's
 soft-caps and Gemma 3's local/global pattern. On every other file both compute the same logits.
 
@@ -55,7 +55,7 @@ from typing import Any
 
 from jaxattn.config import ModelConfig
 from jaxattn.gguf.architectures import ARCHITECTURES
-from jaxattn.gguf.config import hf_config
+from jaxattn.gguf.hf_config import hf_config
 from jaxattn.gguf.reader import TENSOR_TYPES, GGUFFile, GGUFTensors
 from jaxattn.gguf.tokenizer import build_tokenizer, special_tokens
 from jaxattn.hf.checkpoint import load_state_dict
@@ -91,7 +91,7 @@ class GGUFModel:
         return self.file.metadata
 
     def hf_config(self) -> dict[str, Any]:
-        """The transformers config.json dict this file describes (`jaxattn.gguf.config`)."""
+        """The transformers config.json dict this file describes (`jaxattn.gguf.hf_config`)."""
         return hf_config(self.metadata, self.file.tensors, self.file.architecture, self.path, self.file.dequantized)
 
     def tokenizer(self) -> HFTokenizer:

@@ -91,7 +91,7 @@ class Architecture:
       refused: tensors that may be in such a file and change the model beyond what is read:
         `{llama.cpp name: why}`; a file holding one is refused naming it.
       config_tensors: tensors read into config.json rather than the state dict (llama's
-        `rope_freqs.weight`: Llama 3.1's RoPE scaling, `jaxattn.gguf.config.llama3_scaling`).
+        `rope_freqs.weight`: Llama 3.1's RoPE scaling, `jaxattn.gguf.hf_config.llama3_scaling`).
       sentencepiece: the tokenizer transformers builds from this architecture's SentencePiece
         ("llama") vocabulary: "llama", "gemma" or "phi3" (`jaxattn.gguf.tokenizer`).
     """

@@ -30,7 +30,7 @@ from flax.traverse_util import flatten_dict, unflatten_dict
 
 from jaxattn import fused_to_separate_qkv, separate_to_fused_qkv
 from jaxattn.config import ModelConfig
-from jaxattn.layer_plan import relayout
+from jaxattn.scan_plan import relayout
 from jaxattn.model import abstract_params
 from jaxattn.hf.architectures import config_from_hf
 from jaxattn.hf.errors import InvalidCheckpoint, UnsupportedCheckpoint
@@ -183,7 +183,7 @@ def load_pretrained(path, dtype: str = "float32", *, allow_nonfinite: bool = Fal
     InvalidCheckpoint naming it, unless `allow_nonfinite` (for the rare
     checkpoint that stores -inf masks or overflowed values on purpose).
     `scan_layers`: the config scans its repeated layers and the parameters are stacked
-    (`jaxattn.layer_plan`); else every layer is its own `blocks_{i}`.
+    (`jaxattn.scan_plan`); else every layer is its own `blocks_{i}`.
     """
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")

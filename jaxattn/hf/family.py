@@ -15,7 +15,7 @@ the family says otherwise, so a feature added to `FEATURES` is refused by
 every family until one implements it. `layers(c, ...)` checks the per-layer
 attention (windows and RoPE) the same way. Every other `ModelConfig` field is
 in `CONVERTED`: each family writes it, converts it, or it does not change the
-function (tests/test_hf_families.py checks that every field is in one of the two).
+function (tests/hf/test_hf_families.py checks that every field is in one of the two).
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ CONVERTED = ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads",
              "qkv_bias", "out_bias", "mlp_bias", "sliding_window", "layer_pattern", "fused_qkv", "max_seq_len",
              "tie_embeddings", "dtype", "param_dtype", "dropout", "init_std", "zero_init_out",
              "dense_layers",  # without moe always empty; a family with moe checks it
-             "scan_layers")  # the params' layout, not the function: saving unstacks them (jaxattn.layer_plan)
+             "scan_layers")  # the params' layout, not the function: saving unstacks them (jaxattn.scan_plan)
 
 
 def describe_need(field: str, need: Any) -> str:

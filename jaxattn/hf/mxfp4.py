@@ -7,7 +7,7 @@ group 16 bytes of two FP4 (e2m1) codes, low nibble first, and one E8M0 scale
 s (the group's values times 2**(s - 127)). `dequantize` returns `W` in
 transformers' module layout (`gate_up_proj [E, D, 2F]`, `down_proj [E, F, D]`),
 equal to `transformers.integrations.mxfp4.convert_moe_packed_tensors` in
-float32 (tests/test_hf_gpt_oss.py), which is exact: every value is an FP4
+float32 (tests/hf/test_hf_gpt_oss.py), which is exact: every value is an FP4
 number times a power of two.
 
 `packed(path, name, E, d_in, d_out)` is the layout entry of such a

@@ -61,7 +61,7 @@ from jaxattn.hf.family import Family
 from jaxattn.hf.layouts import layout
 from jaxattn.hf.safetensors_io import read_header, write_safetensors
 from jaxattn.hf.weights import Entry
-from jaxattn.layer_plan import relayout
+from jaxattn.scan_plan import relayout
 from jaxattn.lora import TARGETS, LoraConfig, LoraWeight, add_lora, is_lora, part_widths, role_targets, roles_of
 
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"

@@ -3,7 +3,7 @@
 A `Kernels` value names, for each operation, which formulation runs. Every
 formulation meets the contract of the function that dispatches to it and
 equals the reference ("xla", the maths differentiated by JAX) in
-tests/test_kernels.py:
+tests/kernels/test_kernels.py:
 
 | field | dispatched by | implementations (reference first) |
 | --- | --- | --- |
@@ -11,7 +11,7 @@ tests/test_kernels.py:
 | decode | `cached_attention`, `cache.write_rows` | "xla", "xla_cpu", "blocked" (inference only); per-call rule "auto_cpu" |
 | matmul | `Linear`, the tied lm_head | "xla", "bfloat16", "bfloat16_cpu" |
 | mla | `MultiHeadLatentAttention.__call__` | "naive", "absorb" |
-| moe | `jaxattn.moe.MoE` (the routed experts) | "dense", "grouped", "grouped_cpu", "gathered"; per-call rule "auto_cpu" |
+| moe | `jaxattn.layers.moe.MoE` (the routed experts) | "dense", "grouped", "grouped_cpu", "gathered"; per-call rule "auto_cpu" |
 | quantized | `Linear` with a `QuantizedWeight` kernel (`jaxattn.quantization`) | "xla", "native_cpu" (a native loop for up to 32 rows), "native_cpu_q8act" (activations rounded to int8, integer dots) |
 | paged | `AttentionLayer.attend_pages` (a paged cache, `jaxattn.serving`) | "gather", "ragged", "ragged_cpu" (inference only; the last a native loop on a CPU) |
 

@@ -5,7 +5,7 @@
 implementation that applies its rule to every call (shapes and dtypes are
 static under `jit`, so the choice costs nothing at run time) and runs the
 kernel it picks. The rules are pure functions of an `AttentionCall`, so they
-are tested on any machine (tests/test_auto_attention.py):
+are tested on any machine (tests/kernels/test_auto_attention.py):
 
 - CPU: the dense path with the hand-written backward ("custom_vjp") below
   `CHUNKED_FROM_KEYS` keys, its causal self-attention in blocks of query rows over the keys

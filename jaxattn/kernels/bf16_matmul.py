@@ -5,7 +5,7 @@ the products summed in float32, returned as float32; the gradients
 `dx = dy @ w.T` and `dw = x.T @ dy` likewise (operands rounded to bfloat16, sums
 in float32), returned in the inputs' dtypes. The two are the same numbers up to
 float32 summation order; against float32 they differ by bfloat16 rounding
-(tests/test_kernels.py). Both have a hand-written backward, so both are
+(tests/kernels/test_kernels.py). Both have a hand-written backward, so both are
 reverse mode only: JAX's own transpose of a bfloat16 dot would return bfloat16
 gradients whose accumulation precision depends on the platform (on XLA:CPU
 about 1% off the float32 sum).

@@ -1,7 +1,7 @@
 """Cached attention that reads only the filled part of the cache ("blocked", docs/theory.md §9).
 
 Contract: `jaxattn.attention.cached_attention`; equal to the reference ("xla")
-in tests/test_blocked_decode.py and tests/test_kernels.py. The dense kernels
+in tests/kernels/test_blocked_decode.py and tests/kernels/test_kernels.py. The dense kernels
 read all L slots of every row at every step, whatever the rows' lengths, so a
 cache allocated for 8k tokens costs 8k slots per step even when it holds 256.
 Here the cache is read in key blocks of `BLOCK_SIZE` slots

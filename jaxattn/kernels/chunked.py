@@ -2,7 +2,7 @@
 
 Contract: `jaxattn.scaled_dot_product_attention`'s, reverse mode only (`jax.jvp`
 through it raises). Values and gradients equal the reference ("xla") to float32
-summation order (tests/test_chunked.py, tests/test_chunked_features.py).
+summation order (tests/kernels/test_chunked.py, tests/kernels/test_chunked_features.py).
 
 Queries are cut into blocks of `block_q` rows and keys into blocks of
 `block_k`; T and S are padded up to whole blocks and the padding masked. For

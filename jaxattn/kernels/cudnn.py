@@ -7,7 +7,7 @@ soft caps and sinks, which the fused kernel has not, and the segment ids of pack
 §27), which `jax.nn.dot_product_attention` does not take in JAX 0.10 (its `query_seq_lengths` and
 `key_value_seq_lengths` describe one sequence per row, right-padded, not several). Needs a CUDA GPU backend (a clear
 ValueError elsewhere). Reverse mode only, as cuDNN's backward is hand-written. Tested on
-a GPU in tests/test_auto_attention.py (skipped where there is none).
+a GPU in tests/kernels/test_auto_attention.py (skipped where there is none).
 """
 
 from __future__ import annotations

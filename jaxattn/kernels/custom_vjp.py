@@ -2,7 +2,7 @@
 
 Contract: `jaxattn.scaled_dot_product_attention`'s, reverse mode only (`jax.jvp`
 through it raises). Values equal the reference ("xla") exactly in the forward pass
-and gradients to float32 summation order (tests/test_kernels.py).
+and gradients to float32 summation order (tests/kernels/test_kernels.py).
 
 The backward is FlashAttention's: with P the weights and O = P V,
 dS = P * (dP - rowsum(dP * P)). The row sum is taken from the float32 P and dP, not as

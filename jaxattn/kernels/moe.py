@@ -3,16 +3,16 @@
 Contract (every implementation): `experts(x, expert_index, gate, weights, cfg) -> y`, with
 
 * `x [M, D]` token rows in the compute dtype; `expert_index [M, K]` int32, the K distinct experts
-  each row goes to; `gate [M, K]` float32, their weights (`jaxattn.moe.route`);
+  each row goes to; `gate [M, K]` float32, their weights (`jaxattn.layers.moe.route`);
 * `weights`: an `ExpertWeights` (`gate_up [E, D, 2F]`, `down [E, F, D]`, their biases where
   `MoEConfig.expert_bias`);
-* `cfg`: a `jaxattn.moe.MoEConfig` (read here: `activation`, `swiglu_limit`, `swiglu_alpha`,
+* `cfg`: a `jaxattn.layers.moe.MoEConfig` (read here: `activation`, `swiglu_limit`, `swiglu_alpha`,
   `gate_up_interleaved`);
 * `y [M, D]` in x's dtype: `y_m = sum_k gate[m, k] * expert_{index[m, k]}(x_m)`, where
   `expert_e(x) = glu(x gate_up_e (+ b_e)) down_e (+ c_e)`.
 
 Every implementation is dropless (no capacity: each row reaches all K of its experts) and
-exact: the same sums up to float32 order, values and gradients (tests/test_moe.py).
+exact: the same sums up to float32 order, values and gradients (tests/layers/test_moe.py).
 
 | name | what runs |
 | --- | --- |

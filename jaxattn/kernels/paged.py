@@ -14,7 +14,7 @@ Contract (both functions):
   Two parts are Multi-head Latent Attention absorbed (§6): (q_latent, c_kv pages)
   and (q_rope, k_rope pages), with K = 1 and the c_kv pages as values.
 * `value_pages`: `[P, ps, K, Hv]`; `block_table`: `[R, Pr]` integer page ids.
-* Any pool (key parts and values) may be float, or int8: a `jaxattn.quantized_cache.QuantizedTokens`
+* Any pool (key parts and values) may be float, or int8: a `jaxattn.cache.int8.QuantizedTokens`
   (int8 values `[P, ps, K, H_i]`, float32 scales `[P, ps, K]`), dequantized to queries[0]'s dtype
   as its pages are gathered (the whole table for the reference, a block at a time for the ragged one).
 * `query_positions`: `[R, C]` integer absolute positions; -1 marks a padding query. Slot j is
@@ -45,7 +45,7 @@ from jaxattn._validate import is_int
 from jaxattn.kernels._grouping import merge_heads
 from jaxattn.kernels.blocked_decode import block_range, online_softmax_step
 from jaxattn.masks import visible_cache_slots
-from jaxattn.quantized_cache import as_float, is_quantized, leading
+from jaxattn.cache.int8 import as_float, is_quantized, leading
 from jaxattn.softmax import grouped_sinks, masked_softmax, soft_cap, softmax_dtype
 
 

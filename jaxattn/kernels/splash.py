@@ -4,7 +4,7 @@ Contract: `jaxattn.scaled_dot_product_attention`'s for the calls `refusal` accep
 any other call runs the reference ("xla") with a one-line `KernelFallbackWarning`.
 Reverse mode only. On a TPU it compiles with Mosaic; anywhere else it runs in
 Pallas's interpret mode (slow: for tests, which is how CPU CI checks it against
-the reference, tests/test_auto_attention.py).
+the reference, tests/kernels/test_auto_attention.py).
 
 Layout: the splash MQA kernel takes the G query heads of one key/value head
 (`[G, T, H]` against `[S, H]`), so it is vmapped over (B, K) and keys and values

@@ -1,7 +1,7 @@
 """Decoding formulations for XLA:CPU ("xla_cpu"): the reference maths in the operand orders it runs fastest.
 
-Contracts: `jaxattn.attention.cached_attention` and `jaxattn.cache.write_rows`;
-equal to the reference ("xla") in tests/test_kernels.py. Why each order
+Contracts: `jaxattn.attention.cached_attention` and `jaxattn.cache.containers.write_rows`;
+equal to the reference ("xla") in tests/kernels/test_kernels.py. Why each order
 (measured in docs/performance.md):
 
 * the cache is the left operand of the logits' dot, contracted on its minor

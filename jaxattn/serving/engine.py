@@ -42,9 +42,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxattn import sharding
 from jaxattn.axes import MeshShape
-from jaxattn.cache import KV_CACHES, PagedBatch, RowGroup
-from jaxattn.caches import cache_bytes_per_token, init_pools
-from jaxattn.layer_plan import relayout
+from jaxattn.cache.containers import KV_CACHES, PagedBatch, RowGroup
+from jaxattn.cache.build import cache_bytes_per_token, init_pools
+from jaxattn.scan_plan import relayout
 from jaxattn.config import ModelConfig
 from jaxattn.kernels import Kernels
 from jaxattn.serving.pages import PageAllocator, page_keys
@@ -74,7 +74,7 @@ class EngineConfig:
       max_model_len: the longest sequence (prompt + output; None: the model's max_seq_len).
       kv_cache: the pages' storage: "auto" (the compute dtype) or "int8" (int8 values and a float32
         scale per token and head: about a quarter of float32's bytes, so `kv_memory_gib` holds about
-        four times the pages; `jaxattn.caches.cache_bytes_per_token`).
+        four times the pages; `jaxattn.cache.build.cache_bytes_per_token`).
     """
 
     max_seqs: int = 8
@@ -159,7 +159,7 @@ class Engine:
         if not isinstance(engine_config, EngineConfig):
             raise TypeError(f"engine_config must be an EngineConfig, got {type(engine_config).__name__}")
         # A paged step runs its layers unrolled: a scan would copy each layer's pool out of the stack
-        # and back on every step (`jaxattn.layer_plan`), so stacked parameters are unstacked once here.
+        # and back on every step (`jaxattn.scan_plan`), so stacked parameters are unstacked once here.
         params, config = relayout(nn.unbox(params), config, scan_layers=False)
         ec = self.engine_config = engine_config
         self.config, self.kernels, self.detokenize = config, kernels, detokenize

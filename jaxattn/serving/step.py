@@ -1,6 +1,6 @@
 """The engine's one step, compiled once per shape bucket: a paged forward and the draws.
 
-A step is a flat run of tokens from many sequences (`jaxattn.cache.PagedBatch`), in two groups
+A step is a flat run of tokens from many sequences (`jaxattn.cache.containers.PagedBatch`), in two groups
 of rows: `decode_rows` rows of one token (a sequence's last token, whose next one is drawn) and
 `prefill_rows` rows of up to `chunk` tokens (a piece of a prompt, or of a preempted sequence
 being recomputed). The weights are read once for all of them; attention reads each row's own
@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxattn.cache import PagedBatch, RowGroup
+from jaxattn.cache.containers import PagedBatch, RowGroup
 from jaxattn.config import ModelConfig
 from jaxattn.kernels import Kernels
 from jaxattn.model import DecoderLM

@@ -4,7 +4,7 @@ llama.cpp writes Mistral 7B as `llama` too; like transformers, a file whose `gen
 exactly "mistral" is read as `MistralForCausalLM` (with that class's default window), any other
 as Llama. llama.cpp's converter permutes the rows of attn_q and attn_k (`permute_qk`). Llama
 3.1's RoPE scaling, which llama.cpp writes as the tensor `rope_freqs.weight`, is read back into
-config.json's `rope_scaling` (`jaxattn.gguf.config.llama3_scaling`); transformers' loader drops it.
+config.json's `rope_scaling` (`jaxattn.gguf.hf_config.llama3_scaling`); transformers' loader drops it.
 `rope.dimension_count` is the head size, as transformers reads it for this architecture.
 """
 

@@ -49,7 +49,7 @@ from jaxattn.hf.family import ANY, Biases, Family, Problem, Switch, features, la
 from jaxattn.hf.fields import Fields
 from jaxattn.hf.rope_params import read_rope, rope_dict
 from jaxattn.hf.weights import Entry
-from jaxattn.layer_config import MoEConfig
+from jaxattn.config.moe import MoEConfig
 
 ARCH = "GptOssForCausalLM"
 BIASES = Biases(qkv=Switch("attention_bias", True), out=Switch("attention_bias", True), mlp=True)

@@ -33,7 +33,7 @@ from jaxattn.hf.families import common
 from jaxattn.hf.family import ANY, Need, Problem, unmet
 from jaxattn.hf.fields import Fields
 from jaxattn.hf.weights import Entry
-from jaxattn.layer_config import MoEConfig
+from jaxattn.config.moe import MoEConfig
 
 # The MoEConfig of a plain top-K softmax router, field by field (fields not here are written, or do not
 # change the function: swiglu_* without the clamped activation, the training losses' weights).

@@ -1,0 +1,13 @@
+"""The Flax modules a model is built from, each from one `ModelConfig` and one `Kernels`.
+
+* `jaxattn.layers.primitives`: `Linear`, `RMSNorm`, `LayerNorm`, the dense `MLP`;
+* `jaxattn.layers.attention_layer`: `AttentionLayer`, the one skeleton of every attention layer,
+  written once over named steps;
+* `jaxattn.layers.gqa` (`Attention`: MHA, GQA, MQA) and `jaxattn.layers.mla`
+  (`MultiHeadLatentAttention`): each kind's steps and what it caches per token;
+* `jaxattn.layers.kinds`: which attention kind a config asks for (`attention_class`);
+* `jaxattn.layers.moe`: the mixture-of-experts MLP and its router;
+* `jaxattn.layers.absolute_positions`: the absolute positions added to the embeddings.
+
+The package imports none of them (the public ones are also `jaxattn.Attention`, `jaxattn.MLP`, ...).
+"""
