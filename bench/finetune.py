@@ -10,7 +10,7 @@ weights of SmolLM2-135M's shape (bench/serve.py's `smollm2` checkpoint: Llama, 3
 3 kv heads of 64, MLP 1536, vocab 49152, tied; random init, seed 0, written once with
 `jaxattn.hf.save_pretrained` under --cache-dir), each runner starting from that directory:
 
-* `jax`: `train.steps.build_programs` of a run with `train.init_from = "hf:DIR"` and a `[lora]` table, as
+* `jax`: `train.run.steps.build_programs` of a run with `train.init_from = "hf:DIR"` and a `[lora]` table, as
   `python -m train.tiny_lm` builds it (the kernels "auto" resolves to on this machine; the base float32,
   or --base-dtype bfloat16), one step per call on windows of --seq + 1 tokens.
 * `jax_bf16`: the same with bfloat16 matmul operands and float32 sums (`runtime.matmul=bfloat16_cpu`, the
@@ -19,7 +19,7 @@ weights of SmolLM2-135M's shape (bench/serve.py's `smollm2` checkpoint: Llama, 3
 * `jax_bf16_compute`: `jax_bf16_base` computing in bfloat16 (`--set model.dtype=bfloat16`): activations kept
   in bfloat16 for the backward pass, as `torch.autocast` keeps them.
 * `jax_adam8bit`: `jax_bf16_compute` with AdamW's moments in 8 bits (`train.adam_states = "int8"`,
-  train.adam8bit: bitsandbytes' block-wise 8-bit Adam).
+  train.run.adam8bit: bitsandbytes' block-wise 8-bit Adam).
 * `jax_scan`, `jax_adam8bit_scan` (only when named in --runners): `jax_bf16_compute` and `jax_adam8bit` with
   the layers under one scan (`--set model.scan_layers=true`): 14 stacked adapter tensors instead of 420.
 * `peft`: transformers' `LlamaForCausalLM` (float32, attn_implementation "sdpa") wrapped by
@@ -53,8 +53,15 @@ import tempfile
 from pathlib import Path
 
 from bench import fresh, step_products
-from bench.machine import (cpu_cores, describe_machine, load_average, machine_line, pin_to_cores, portable_command,
-                           write_results)
+from bench.machine import (
+    cpu_cores,
+    describe_machine,
+    load_average,
+    machine_line,
+    pin_to_cores,
+    portable_command,
+    write_results,
+)
 from bench.quant import quick_config  # the smoke run's tiny Llama, as the decoding bench's
 from bench.serve import default_cache_dir, ensure_checkpoint
 
@@ -79,10 +86,11 @@ def run_jax(spec: dict) -> dict:
 
     from bench.timing import time_call
     from jaxattn import hf
-    from train import init_from, runtime as runtime_lib
+    from train.checkpoints import init_from
     from train.config import load_config
-    from train.host_memory import release_freed_memory
-    from train.steps import build_programs
+    from train.run import runtime as runtime_lib
+    from train.run.host_memory import release_freed_memory
+    from train.run.steps import build_programs
     lora = {"rank": spec["rank"], "alpha": 2.0 * spec["rank"], "targets": list(TARGETS),
             "base_dtype": spec["base_dtype"]}
     overrides = [f"train.init_from='hf:{spec['checkpoint']}'", f"train.batch_size={spec['batch']}",
@@ -107,7 +115,7 @@ def run_jax(spec: dict) -> dict:
     state = programs.init(config.train.seed)
     batches = [np.asarray(b, np.int32)[None] for b in windows(spec, config.model.vocab_size, spec["steps"] + 1)]
     compiled = programs.train_steps.lower(state, programs.train_inputs(1, spec["batch"]), programs.frozen).compile()
-    release_freed_memory()  # as train.loop does once its programs are compiled
+    release_freed_memory()  # as train.run.loop does once its programs are compiled
     holder = {"state": state, "i": 0}
 
     def step():

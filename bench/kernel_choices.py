@@ -25,8 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.machine import describe_machine, machine_line, write_results  # noqa: E402
 from bench.timing import in_turns, ratio  # noqa: E402
-from train import runtime as runtime_lib  # noqa: E402
 from train.config import load_config  # noqa: E402
+from train.run import runtime as runtime_lib  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -51,10 +51,10 @@ def time_training(runtime, rounds: int) -> list[dict]:
 
     import numpy as np
 
-    from train import data as data_lib
-    from train.batches import RunBatches
-    from train.experiment import with_vocabulary
-    from train.steps import build_programs
+    from train.data import corpus as data_lib
+    from train.data.batches import RunBatches
+    from train.run.experiment import with_vocabulary
+    from train.run.steps import build_programs
 
     config = load_config()
     corpus = data_lib.load_corpus(config.train.data_path)

@@ -3,7 +3,7 @@
     PYTHONPATH=$PWD python bench/large_corpus.py [--gib 4.5] [--iters 500] [--rounds 2] [--scratch DIR] [--source FILE]
 
 Writes Tiny Shakespeare repeated until the train split holds --gib GiB of uint16 character ids
-(more than 2**31 tokens at the default, so the 64-bit start draw of `train.batches.draw_starts`
+(more than 2**31 tokens at the default, so the 64-bit start draw of `train.data.batches.draw_starts`
 runs), prepares it with `python -m train.prepare --tokenizer char` into one train shard, deletes
 the text, then trains the default baby config for --iters iterations on it and on Tiny
 Shakespeare itself, in fresh processes, in turns. Each child's peak resident memory is read
@@ -89,9 +89,9 @@ def main() -> int:
     parser.add_argument("--scratch", type=Path, default=None, help="where the corpus goes (default: a temp dir)")
     parser.add_argument("--out-dir", type=Path, default=ROOT / "bench" / "results")
     parser.add_argument("--source", type=Path, default=None,
-                        help="the text repeated and trained on beside (default: Tiny Shakespeare, as train.data finds it)")
+                        help="the text repeated and trained on beside (default: Tiny Shakespeare, as train.data.corpus finds it)")
     args = parser.parse_args()
-    from train.data import resolve_data_path
+    from train.data.corpus import resolve_data_path
     source = resolve_data_path(args.source)
     scratch = Path(tempfile.mkdtemp(prefix="large-corpus-", dir=args.scratch))
     try:

@@ -32,7 +32,7 @@ def cpu_model(cpuinfo: str = "/proc/cpuinfo") -> str:
 def cpu_cores() -> int:
     """The CPU cores this process may run on: what JAX's CPU client spreads a program over, and so
     the threads a peer (torch) gets by default in a fair race. The same count as
-    `train.runtime.cpu_cores`, which needs JAX."""
+    `train.run.runtime.cpu_cores`, which needs JAX."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 

@@ -29,6 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench import fresh  # noqa: E402
 from bench.machine import describe_machine, machine_line, portable_command, write_results  # noqa: E402
+
 RESULTS = ROOT / "bench" / "results"
 TRAIN_MESHES = (("data:1", 1), ("data:2", 2), ("fsdp:2", 2), ("data:8", 8), ("fsdp:8", 8),
                 ("data:2,fsdp:2,tensor:2", 8))
@@ -58,11 +59,12 @@ def state_mib_per_device(layout, shapes) -> float:
 
 def train_worker(mesh: str, iters: int, batch: int) -> dict:
     """Trains the 10.7M config on `mesh` in this process; its figures."""
-    from train import runtime as runtime_lib
-    from train.config import load_config
-    from train.experiment import run_experiment
-    from train.steps import build_programs
     import jax
+
+    from train.config import load_config
+    from train.run import runtime as runtime_lib
+    from train.run.experiment import run_experiment
+    from train.run.steps import build_programs
     out = tempfile.mkdtemp()
     config = load_config("shakespeare_char", [
         f"train.max_iters={iters}", f"train.eval_interval={iters}", "train.eval_iters=1", "train.sample_tokens=0",
@@ -82,11 +84,12 @@ def train_worker(mesh: str, iters: int, batch: int) -> dict:
 def gpt2_worker(batch: int) -> list[dict]:
     """XLA's per-device memory of a GPT-2-small train step on each 8-device mesh (compiled, not run)."""
     import jax
+
     from jaxattn.config import ModelConfig
     from jaxattn.model import count_params
-    from train import runtime as runtime_lib
     from train.config import ExperimentConfig, RuntimeConfig, TrainConfig
-    from train.steps import build_programs
+    from train.run import runtime as runtime_lib
+    from train.run.steps import build_programs
     rows = []
     for mesh in GPT2_MESHES:
         config = ExperimentConfig(name="gpt2_small", model=ModelConfig(**GPT2),

@@ -435,8 +435,8 @@ def run_perplexity(spec: dict) -> dict:
     from bench.serve import corpus_path
     from jaxattn.kernels import resolve_kernels
     from jaxattn.quantization import quantize
-    from train.data import load_corpus
-    from train.sampling_checkpoint import load_for_sampling
+    from train.data.corpus import load_corpus
+    from train.models.runs import load_for_sampling
     params, config, tokenizer = load_for_sampling(spec["checkpoint"])
     params = nn.unbox(params)
     corpus = load_corpus(corpus_path(spec.get("data")), tokenizer=tokenizer)

@@ -105,8 +105,8 @@ class Load:
 
 def corpus_path(explicit: str | None = None) -> Path:
     """Tiny Shakespeare: --data, else $JAXATTN_SHAKESPEARE, else ../shared/data/tinyshakespeare.txt beside the
-    repository, else the cache (downloaded once): `train.data.resolve_data_path`'s order."""
-    from train.data import ENV_PATH, resolve_data_path
+    repository, else the cache (downloaded once): `train.data.corpus.resolve_data_path`'s order."""
+    from train.data.corpus import ENV_PATH, resolve_data_path
     if not explicit and not os.environ.get(ENV_PATH) and SHARED_CORPUS.is_file():
         return SHARED_CORPUS
     return resolve_data_path(explicit)

@@ -8,7 +8,7 @@
 Every run is a fresh process, one after the other (JAX started anew, no compilation cache), in
 turns: each round runs every side once, the order rotated by one each round, so that the drift of
 a shared machine falls on all sides alike. Our runs go through
-`train.experiment.run_experiment(..., sample=False, quiet=True)` with the val loss over the whole
+`train.run.experiment.run_experiment(..., sample=False, quiet=True)` with the val loss over the whole
 val split (`train.eval_whole_val=true`); our time to a loss is `train_seconds` (training time,
 compile and evaluation excluded) at the first evaluation at or below it, so the eval interval sets
 how finely it is seen.
@@ -48,7 +48,7 @@ from bench import fresh  # noqa: E402
 from bench.machine import cpu_cores, portable_command, write_results  # noqa: E402
 from bench.timing import median, ratio  # noqa: E402
 from train.config import DEFAULT_CONFIG, ExperimentConfig, TrainConfig, load_config  # noqa: E402
-from train.metrics import first_at_or_below  # noqa: E402
+from train.run.metrics import first_at_or_below  # noqa: E402
 
 TARGET = 1.8857  # nanoGPT's val loss after its 2000-iter baby run (bench/results/train.md)
 SPEEDRUN = "shakespeare_char_speedrun"
@@ -268,8 +268,8 @@ def worker(spec: dict) -> dict:
     import jax
 
     from bench.machine import describe_machine
-    from train.experiment import run_experiment
-    from train.loop import TrainingDiverged
+    from train.run.experiment import run_experiment
+    from train.run.loop import TrainingDiverged
     config = load_config(spec["config"], [*spec["overrides"], *RUN_ONLY, f"train.out_dir='{spec['out_dir']}'"])
     try:
         result = run_experiment(config, overwrite=True, quiet=True, sample=False)
@@ -561,7 +561,7 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     if args.quick:
         args.rounds, args.max_iters = 1, args.max_iters or QUICK_ITERS
-    from train.data import resolve_data_path
+    from train.data.corpus import resolve_data_path
     data = resolve_data_path(args.data, download_if_missing=False).resolve()
     name, run = (("speedrun", race) if args.race else ("ablation", ablation) if args.ablation
                  else ("speedrun_gpu", gpu_race))

@@ -38,10 +38,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import fresh  # noqa: E402
 from bench.machine import cpu_cores, describe_machine, machine_line, portable_command, write_results  # noqa: E402
-from train import runtime as runtime_lib  # noqa: E402
 from train.config import DEFAULT_CONFIG, load_config  # noqa: E402
-from train.data import resolve_data_path  # noqa: E402
-from train.experiment import run_experiment  # noqa: E402
+from train.data.corpus import resolve_data_path  # noqa: E402
+from train.run import runtime as runtime_lib  # noqa: E402
+from train.run.experiment import run_experiment  # noqa: E402
 
 NANOGPT_QUOTED = {"measured": False, "iters": 2000, "ms_per_iter_range": [45.6, 48.7],
                   "median_ms_per_iter": (45.6 + 48.7) / 2, "median_tokens_per_s": 16_000,

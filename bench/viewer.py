@@ -5,7 +5,7 @@
 
 The page (`jaxattn.viewer.model_attention_page`) of configs/shakespeare_char_baby.toml (4 layers x 4
 heads, RoPE, max_seq_len raised to 1024; random init from --seed unless --checkpoint) over the first
-1024 characters of Tiny Shakespeare (--data, else $JAXATTN_SHAKESPEARE, else train.data's cache). It is
+1024 characters of Tiny Shakespeare (--data, else $JAXATTN_SHAKESPEARE, else train.data.corpus's cache). It is
 opened --loads times, each in a fresh offline browser context of Debian's Chromium driven by Playwright
 (tests/browser.py: every request recorded and aborted; the run fails on any, or on a console error).
 Measured in the page: milliseconds from navigation start to `document.body.dataset.ready == "1"` (an
@@ -74,9 +74,9 @@ def model_and_tokens(config_name: str, checkpoint: str | None, data: str | None,
     import jax.numpy as jnp
 
     from jaxattn.model import DecoderLM
-    from train.sampling_checkpoint import load_for_sampling
     from train.config import load_config
-    from train.data import load_corpus, read_text, resolve_data_path
+    from train.data.corpus import load_corpus, read_text, resolve_data_path
+    from train.models.runs import load_for_sampling
 
     if checkpoint:
         params, config, tokenizer = load_for_sampling(checkpoint)
@@ -210,7 +210,7 @@ def markdown(record: dict) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", help="a run's out_dir (default: random init of the baby config)")
-    parser.add_argument("--data", help="Tiny Shakespeare (default: $JAXATTN_SHAKESPEARE or train.data's cache)")
+    parser.add_argument("--data", help="Tiny Shakespeare (default: $JAXATTN_SHAKESPEARE or train.data.corpus's cache)")
     parser.add_argument("--seed", type=int, default=0, help="of the random init")
     parser.add_argument("--loads", type=int, default=5)
     parser.add_argument("--page", help="also keep the 1024-token page at this path")

@@ -36,26 +36,26 @@ import optax
 from flax.traverse_util import flatten_dict
 from jax.experimental import checkify
 
-from jaxattn import head_loss, kernels as kernels_lib
+from jaxattn import head_loss
+from jaxattn import kernels as kernels_lib
 from jaxattn._validate import concrete_or_none
-from jaxattn.layers.kinds import attention_class
-from jaxattn.layers.attention_layer import WEIGHTS
 from jaxattn.axes import ACTIVATION_EMBED, ACTIVATION_VOCAB, BATCH, EMBED, KV_HEADS, LENGTH, VOCAB
 from jaxattn.cache.containers import DecodeCache, PagedBatch
 from jaxattn.config import ModelConfig
 from jaxattn.kernels import Kernels
-from jaxattn.scan_plan import SCANNED, plan_layers
+from jaxattn.layers.absolute_positions import absolute_positions
+from jaxattn.layers.attention_layer import WEIGHTS
+from jaxattn.layers.kinds import attention_class
+from jaxattn.layers.moe import mlp_for_layer
+from jaxattn.layers.primitives import check_config, logical, make_linear, make_norm
 from jaxattn.lora import is_lora
 from jaxattn.masks import check_segment_ids, segment_positions
-from jaxattn.layers.moe import mlp_for_layer
-from jaxattn.layers.absolute_positions import absolute_positions
-from jaxattn.layers.primitives import check_config, logical, make_linear, make_norm
 from jaxattn.quantization import TIED_HEAD, is_quantized
+from jaxattn.scan_plan import SCANNED, plan_layers
 from jaxattn.softmax import soft_cap
 
-
 # The logical axes of the residual stream `[B, T, D]`. Under `jaxattn.axes.activation_rules`
-# (as `train.steps` traces its programs) rows are split over the batch axes and D is kept whole,
+# (as `train.run.steps` traces its programs) rows are split over the batch axes and D is kept whole,
 # so each layer's weights are gathered to the rows rather than the rows resharded to the weights
 # (docs/theory.md §16); anywhere else the constraint is a no-op.
 RESIDUAL_AXES = (BATCH, LENGTH, ACTIVATION_EMBED)

@@ -14,14 +14,14 @@ jax.config.update("jax_num_cpu_devices", 8)
 import numpy as np  # noqa: E402
 
 from jaxattn import sharding  # noqa: E402
+from jaxattn.axes import MeshShape  # noqa: E402
 from jaxattn.config import LayerKind, MLAConfig, ModelConfig  # noqa: E402
 from jaxattn.config.moe import MoEConfig  # noqa: E402
 from jaxattn.decoding import generate  # noqa: E402
-from jaxattn.axes import MeshShape  # noqa: E402
-from train import runtime as runtime_lib  # noqa: E402
-from train.batches import RunBatches  # noqa: E402
 from train.config import ExperimentConfig, RuntimeConfig, TrainConfig  # noqa: E402
-from train.steps import build_programs  # noqa: E402
+from train.data.batches import RunBatches  # noqa: E402
+from train.run import runtime as runtime_lib  # noqa: E402
+from train.run.steps import build_programs  # noqa: E402
 
 STEPS = 5
 # Pure data parallelism replicates every parameter, whatever the attention: MHA alone covers it.

@@ -16,11 +16,11 @@ from jaxattn.axes import MeshShape
 from jaxattn.cache.build import init_cache
 from jaxattn.decoding import generate
 from jaxattn.layer_losses import COLLECTION, mean_over_layers
-from jaxattn.scan_plan import LayerPlan, plan_layers, stack_caches, stack_params, unstack_caches, unstack_params
 from jaxattn.model import DecoderLM, attention_weights
 from jaxattn.quantization import quantize
-from train import optim
+from jaxattn.scan_plan import LayerPlan, plan_layers, stack_caches, stack_params, unstack_caches, unstack_params
 from train.config import TrainConfig
+from train.run import optim
 
 LOCAL, GLOBAL = LayerKind(local=True), LayerKind()
 BASE = dict(vocab_size=61, d_model=32, num_heads=4, num_kv_heads=2, max_seq_len=32, positions="rope",

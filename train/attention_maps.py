@@ -16,7 +16,7 @@ RoPE, sinks).
 Sources: `--checkpoint` (a training run), `--hf` (a transformers directory; tokens are the
 tokenizer's decoded pieces) or `--random-init CONFIG` (a config of configs/ or a .toml
 file with fresh parameters from `--seed`; its char tokenizer is built from the corpus as
-training builds it: `--data`, the config's data_path, then train.data's defaults).
+training builds it: `--data`, the config's data_path, then train.data.corpus's defaults).
 
 A model loaded with `--allow-nonfinite` whose attention weights on the text are not finite is
 refused in one line (exit 1), naming the layers and heads and the first layer whose output is
@@ -36,12 +36,12 @@ import numpy as np
 
 from jaxattn.model import DecoderLM
 from train import outputs
-from train.checkpoint import CheckpointError
-from train.sampling_checkpoint import describe_nonfinite, list_weights, load_for_sampling
+from train.checkpoints.store import CheckpointError
 from train.cli import ArgumentParser, UsageError, guard
-from train.data_errors import DataError
-from train.pretrained import load_hf
-from train.plots import plot_attention_maps
+from train.data.errors import DataError
+from train.models.pretrained import load_hf
+from train.models.runs import describe_nonfinite, list_weights, load_for_sampling
+from train.run.plots import plot_attention_maps
 
 PROGRAM = "python -m train.attention_maps"
 DEFAULT_TEXT = "ROMEO:\nBut soft, what light"
@@ -62,9 +62,9 @@ def attention_weights(params, model_config, token_ids: np.ndarray) -> np.ndarray
 def random_init(args: argparse.Namespace):
     """(model config, tokenizer) of `--random-init`: the config's tokenizer as training builds it
     (a char tokenizer from the corpus, or bytes), the model's vocabulary set from it."""
-    from train import data
     from train.config import load_config
-    from train.tokenizer import build_tokenizer
+    from train.data import corpus as data
+    from train.data.tokenizer import build_tokenizer
     try:
         config = load_config(args.random_init)
     except FileNotFoundError as err:

@@ -26,12 +26,12 @@ from jaxattn.cache.build import cache_bytes_per_token
 from jaxattn.decoding import generate
 from jaxattn.model import active_params
 from train import outputs
-from train import runtime as runtime_lib
 from train.cli import ArgumentParser, Stopped, UsageError, guard
 from train.config import DEFAULT_CONFIG, ExperimentConfig, load_config
-from train.experiment import run_experiment
-from train.loop import Interrupted
-from train.plots import plot_comparison
+from train.run import runtime as runtime_lib
+from train.run.experiment import run_experiment
+from train.run.loop import Interrupted
+from train.run.plots import plot_comparison
 from train.tiny_lm import RUNTIME_ERRORS
 
 PROGRAM = "python -m train.compare"

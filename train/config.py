@@ -37,8 +37,21 @@ import tomllib
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal, Mapping, Self, Sequence
 
-from pydantic import (BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, PlainSerializer, PlainValidator,
-                      PositiveFloat, PositiveInt, ValidationError, ValidationInfo, field_validator, model_validator)
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PlainSerializer,
+    PlainValidator,
+    PositiveFloat,
+    PositiveInt,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from jaxattn import kernels, lora
@@ -103,12 +116,12 @@ class TrainConfig(_Table):
       schedule: "cosine" (nanoGPT's) or "wsd": warmup-stable-decay, flat at lr, then linear
         to min_lr over the last `decay_fraction` of lr_decay_iters (docs/theory.md §22).
       optimizer: "adamw", or "muon": Muon for the hidden matrices at `muon_lr` (same schedule),
-        AdamW at lr for embeddings, head, norms and biases (train.optim).
+        AdamW at lr for embeddings, head, norms and biases (train.run.optim).
       muon_momentum, muon_momentum_start, muon_momentum_warmup: Muon's Nesterov momentum,
         linear from start to muon_momentum over the first muon_momentum_warmup steps.
       beta1, beta2, weight_decay: AdamW (weight_decay also Muon's, decoupled).
       adam_states: AdamW's two moments in "float32", or "int8": one byte per value in blocks of 256
-        with a float32 scale each, on a dynamic code (bitsandbytes' 8-bit Adam; train.adam8bit), a
+        with a float32 scale each, on a dynamic code (bitsandbytes' 8-bit Adam; train.run.adam8bit), a
         quarter of the memory, for parameters of at least 4096 values.
       decay_embeddings: apply weight decay to embedding tables too (nanoGPT does).
       grad_clip: clip_by_global_norm threshold (0 = off).
@@ -124,7 +137,7 @@ class TrainConfig(_Table):
         would be the current directory).
       checkpoint: save latest and best-by-val-loss checkpoints at each eval.
       data_path: the corpus: a text file or a directory made by `python -m train.prepare`
-        (None: Tiny Shakespeare, see train.data).
+        (None: Tiny Shakespeare, see train.data.corpus).
       tokenizer: "char" or "byte" (built from a text file when the run starts), "bpe" or "hf"
         (a prepared directory's, which must be of this kind).
       val_fraction: the last fraction of a text file held out (a prepared directory keeps its split).
@@ -133,9 +146,9 @@ class TrainConfig(_Table):
       init_from: start from a trained checkpoint instead of random weights: "hf:DIR" (a transformers
         directory with its tokenizer.json) or "gguf:FILE" (`train.init_from`). Its model config replaces
         `[model]` and its tokenizer the corpus's (`train.tokenizer` is not used). A `data_path` ending in
-        .jsonl is then chat data, rendered with its chat template and packed (`train.data.open_chat_corpus`).
+        .jsonl is then chat data, rendered with its chat template and packed (`train.data.corpus.open_chat_corpus`).
       train_on: which predictions of chat data count toward the loss: "assistant" (the assistant's turns,
-        `train.finetune_data.render_conversation`) or "all".
+        `train.data.chats.render_conversation`) or "all".
     """
 
     _where = "TrainConfig"
@@ -214,9 +227,9 @@ class TrainConfig(_Table):
         """Settings a run would train with, but not as asked: refused when a config is made.
 
         * Muon's momentum rises from `muon_momentum_start` to `muon_momentum` over
-          `muon_momentum_warmup` steps (`train.optim.momentum_schedule`); a start above the end
+          `muon_momentum_warmup` steps (`train.run.optim.momentum_schedule`); a start above the end
           would make the warm-up lower it.
-        * WSD (`train.optim.lr_schedule`) warms up linearly to `lr` over `warmup_iters` steps, holds
+        * WSD (`train.run.optim.lr_schedule`) warms up linearly to `lr` over `warmup_iters` steps, holds
           it, then decays to `min_lr`. With `warmup_iters >= max_iters` the run ends inside the
           warmup, its rate still rising below `lr`: neither the stable part nor the decay, which
           is what a WSD run's final loss comes from, ever happens. That is refused rather than
@@ -257,7 +270,7 @@ class RuntimeConfig(_Table):
 
     Attributes:
       attention, decode, matmul, mla, moe, paged: `jaxattn.Kernels` implementation names, or "auto":
-        chosen for the platform when the run starts (`train.runtime`), printed with the
+        chosen for the platform when the run starts (`train.run.runtime`), printed with the
         reason and saved resolved.
       mesh: "auto" or the device mesh, a `MeshShape`, written "data:D,fsdp:F,tensor:T" (axes
         left out are 1; see `jaxattn.sharding`); its product must equal the device count.
@@ -359,7 +372,7 @@ class ExperimentConfig(_Table):
     @model_validator(mode="after")
     def _block_fits_the_model(self) -> Self:
         """A run from a checkpoint (`train.init_from`) is checked once its model is the checkpoint's
-        (`train.init_from.with_base_model`): the file's [model] is not the one it trains."""
+        (`train.checkpoints.init_from.with_base_model`): the file's [model] is not the one it trains."""
         if self.train.init_from is None and self.model.max_seq_len < self.train.block_size:
             raise ValueError(f"model.max_seq_len={self.model.max_seq_len} is shorter than "
                              f"train.block_size={self.train.block_size}")

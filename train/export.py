@@ -23,8 +23,8 @@ to float32) instead of a run: DIR gets its family's transformers architecture, t
 from the file's vocabulary, and its chat template as chat_template.jinja (with the file's named
 special tokens in tokenizer_config.json, which templates use).
 
-`train.pretrained.load_hf` is the reader of such a directory (or any transformers save with a
-tokenizer.json) for `train.sample` and `train.attention_maps`; `train.pretrained.load_gguf` the reader
+`train.models.pretrained.load_hf` is the reader of such a directory (or any transformers save with a
+tokenizer.json) for `train.sample` and `train.attention_maps`; `train.models.pretrained.load_gguf` the reader
 of a GGUF file for `train.sample` and `train.serve`.
 """
 
@@ -37,12 +37,13 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from train import init_from, sampling_checkpoint
-from train.checkpoint import CheckpointError
+from train.checkpoints import init_from
+from train.checkpoints.store import CheckpointError
 from train.cli import ArgumentParser, guard, one_line
+from train.data.tokenizer import to_hf_tokenizer
+from train.models import runs as sampling_checkpoint
+from train.models.pretrained import chat_of, hf_package, load_gguf_model, open_gguf
 from train.outputs import check_folder
-from train.pretrained import chat_of, hf_package, load_gguf_model, open_gguf
-from train.tokenizer import to_hf_tokenizer
 
 if TYPE_CHECKING:
     from jaxattn.hf import SaveReport

@@ -53,7 +53,7 @@ def check_file(path: str | Path, flag: str) -> Path:
 
 def check_image_file(path: str | Path, flag: str) -> Path:
     """`check_file` for a picture: ValueError (a usage error) unless matplotlib writes its extension."""
-    from train.plots import can_write, image_types
+    from train.run.plots import can_write, image_types
     if not can_write(path):
         from train.cli import UsageError
         raise UsageError(f"{flag} {path}: not an image type matplotlib writes ({', '.join(image_types())})")

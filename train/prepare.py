@@ -1,4 +1,4 @@
-"""Tokenize a corpus once into memory-mapped token shards (the format: `train.shards`).
+"""Tokenize a corpus once into memory-mapped token shards (the format: `train.data.shards`).
 
     python -m train.prepare --data corpus.txt --tokenizer char --out data/shakespeare_char
     python -m train.prepare --data texts/ --tokenizer bpe:8192 --out data/texts_bpe --shard-tokens 100000000
@@ -6,10 +6,10 @@
 
 --data is a UTF-8 text file, or a directory whose *.txt files (not its subdirectories) are read in
 sorted name order (a device, a named pipe or a socket is refused, named as what it is). Text is read
-as `train.data.read_text` reads it (UTF-8, universal newlines: CRLF and CR become LF), in chunks of
+as `train.data.corpus.read_text` reads it (UTF-8, universal newlines: CRLF and CR become LF), in chunks of
 at most 2 * CHUNK_CHARS characters, never whole, whatever its lines. --tokenizer:
 
-* char: the sorted set of the corpus's characters (train.tokenizer.CharTokenizer); needs a first
+* char: the sorted set of the corpus's characters (train.data.tokenizer.CharTokenizer); needs a first
   pass over the text to find them, so two passes.
 * byte: the UTF-8 bytes, vocabulary 256; one pass.
 * bpe:VOCAB: a byte-level BPE of VOCAB ids (> 256) trained on the corpus with the `tokenizers`
@@ -18,7 +18,7 @@ at most 2 * CHUNK_CHARS characters, never whole, whatever its lines. --tokenizer
 * hf:DIR: DIR/tokenizer.json as it is (encoded without special tokens); one pass.
 
 The split (deterministic): each file's token stream is split on its own, its first
-int(n * (1 - val_fraction)) tokens to train and the rest to val, exactly as `train.data.load_corpus`
+int(n * (1 - val_fraction)) tokens to train and the rest to val, exactly as `train.data.corpus.load_corpus`
 splits a single file; the train stream is the files' train parts in order, and the val stream
 their val parts. For one file and `char`, the prepared streams are load_corpus's train and val ids.
 A file is encoded in chunks cut where GPT-2's pre-tokenizer always splits (`_cut`: after a newline,
@@ -29,7 +29,7 @@ the cuts.
 
 A file's tokens are first spooled to a temporary file (its count is known only at its end), then
 cut into train and val shards, each hashed as it is written (sha256 of its body: prepared.json pins
-every shard's name, size and checksum, `train.shards`). Everything is written in a temporary folder
+every shard's name, size and checksum, `train.data.shards`). Everything is written in a temporary folder
 `--out/.prepare-XXXXXXXX` and moved into place at the end, so a failed or stopped run leaves --out
 as it was. A run killed outright (SIGKILL, a power cut) leaves that folder behind: the folder holds
 a marker file, locked while its run lives, and the next run into --out removes such a folder (and
@@ -56,9 +56,9 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from train import shards
 from train.cli import ArgumentParser, UsageError, guard
-from train.data_errors import DataError
+from train.data import shards
+from train.data.errors import DataError
 from train.outputs import check_folder
 
 try:
@@ -224,7 +224,7 @@ def _bpe(files: list[Path], vocab: int, desc: str):
 
 def build(kind: str, arg, files: list[Path]) -> tuple[str, Callable[[str], np.ndarray], int]:
     """(tokenizer.json text, encode: str -> ids, vocab size) of a --tokenizer; the passes it needs run here."""
-    from train.tokenizer import ByteTokenizer, CharTokenizer, to_json
+    from train.data.tokenizer import ByteTokenizer, CharTokenizer, to_json
     if kind in ("char", "byte"):
         if kind == "char":
             chars: set[str] = set()
@@ -341,7 +341,7 @@ def _split_file(spool: Path, n: int, dtype, val_fraction: float, writers: dict) 
 
     Read in chunks, not through a memory map, whose pages would count toward the process's resident
     memory up to the size of the file."""
-    n_train = int(n * (1.0 - val_fraction))  # train.data.load_corpus's rule
+    n_train = int(n * (1.0 - val_fraction))  # train.data.corpus.load_corpus's rule
     with open(spool, "rb") as f:
         for start in range(0, n, COPY_TOKENS):
             ids = np.fromfile(f, dtype=dtype, count=min(COPY_TOKENS, n - start))

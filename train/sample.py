@@ -43,27 +43,27 @@ import psutil
 from tqdm import tqdm
 
 from jaxattn import Kernels, axes, lora, prepare_weights, resolve_kernels, with_fused_qkv
-from jaxattn.cache.containers import KV_CACHES
 from jaxattn.cache.build import cache_bytes_per_token
+from jaxattn.cache.containers import KV_CACHES
 from jaxattn.config import ModelConfig
 from jaxattn.decoding import call_lengths
 from jaxattn.hf import peft as hf_peft
 from jaxattn.hf.errors import HFCheckpointError
-from jaxattn.scan_plan import relayout
-from jaxattn.windowed import NonFiniteLogits, window_programs, windows
 from jaxattn.model import DecoderLM
 from jaxattn.quantization import quantize
+from jaxattn.scan_plan import relayout
+from jaxattn.windowed import NonFiniteLogits, window_programs, windows
 from train import config as config_lib
-from train import data as data_lib
-from train import pretrained
-from train import runtime as runtime_lib
-from train import sampling_checkpoint, shards
-from train.checkpoint import CheckpointError
+from train.checkpoints.store import CheckpointError
+from train.cli import ArgumentParser, Stopped, StopSignals, UsageError, describe, guard
 from train.config import RuntimeConfig
-from train.data_errors import DataError
-from train.cli import ArgumentParser, StopSignals, Stopped, UsageError, describe, guard
-from train.tokenizer import CharTokenizer, Tokenizer
-
+from train.data import corpus as data_lib
+from train.data import shards
+from train.data.errors import DataError
+from train.data.tokenizer import CharTokenizer, Tokenizer
+from train.models import pretrained
+from train.models import runs as sampling_checkpoint
+from train.run import runtime as runtime_lib
 
 PROGRAM = "python -m train.sample"
 BIG_REQUEST = 1_000_000  # tokens (all samples together) from which the time is announced
@@ -95,7 +95,7 @@ def random_init(name: str, seed: int = 0, data: str | None = None) -> tuple[dict
 
     The tokenizer is that of `data` when it is a directory prepared by `python -m train.prepare`
     (any kind: char, byte, bpe, hf), else the characters of the text file `data` (default: Tiny
-    Shakespeare, found or downloaded as `train.data` does). UsageError for an unknown config or a
+    Shakespeare, found or downloaded as `train.data.corpus` does). UsageError for an unknown config or a
     vocab_size other than the tokenizer's; DataError for a missing or damaged `data`.
     """
     try:

@@ -40,11 +40,11 @@ from jaxattn.cache.containers import KV_CACHES
 from jaxattn.hf.chat_template import ChatTemplate, ChatTemplateError, find_chat_template, special_tokens
 from jaxattn.hf.tokenizer import HFTokenizer
 from jaxattn.serving import Engine, EngineConfig
-from train import pretrained
 from train import sample as sample_lib
-from train.checkpoint import CheckpointError
+from train.checkpoints.store import CheckpointError
 from train.cli import ArgumentParser, UsageError, guard
-from train.data_errors import DataError
+from train.data.errors import DataError
+from train.models import pretrained
 from train.server.app import Limits, ServedModel, create_app
 from train.server.metrics import ServerMetrics
 from train.server.runner import EngineRunner

@@ -9,11 +9,8 @@ with loss and tokens/s, the evaluations, and at the end the final val loss, spee
 memory and a sample; it writes config.json, metrics.jsonl, loss.png, result.json and
 checkpoints (latest and best) under train.out_dir.
 
-Where the work is done: train.experiment (the run end to end: corpus, runtime, run directory),
-train.loop (its steps, evaluations and checkpoints; train.resume and train.finish its start and
-end), train.steps (the jitted programs), train.runtime (devices and kernels), train.data and
-train.batches (the corpus and its batches), train.checkpoint (with train.checkpoint_meta),
-train.plots.
+Where the work is done: train.run (the run: experiment, loop, steps, runtime, resume, finish), train.data
+(the corpus and its batches), train.checkpoints (the checkpoint store and its meta).
 """
 
 from __future__ import annotations
@@ -21,16 +18,17 @@ from __future__ import annotations
 import argparse
 import json
 
-from train import distributed, init_from
-from train import runtime as runtime_lib
-from train.checkpoint import CheckpointError
+from train.checkpoints import init_from
+from train.checkpoints.store import CheckpointError
 from train.cli import ArgumentParser, Stopped, UsageError, guard
 from train.config import DEFAULT_CONFIG, load_config
-from train.data_errors import DataError
-from train.experiment import run_experiment
-from train.loop import Interrupted, TrainingDiverged
-from train.metrics import RunResult, describe_memory
-from train.rundir import RESUME_OR_OVERWRITE, RunDirectoryError
+from train.data.errors import DataError
+from train.run import distributed
+from train.run import runtime as runtime_lib
+from train.run.experiment import run_experiment
+from train.run.loop import Interrupted, TrainingDiverged
+from train.run.metrics import RunResult, describe_memory
+from train.run.rundir import RESUME_OR_OVERWRITE, RunDirectoryError
 
 PROGRAM = "python -m train.tiny_lm"
 RUNTIME_ERRORS = (DataError, CheckpointError, RunDirectoryError, TrainingDiverged, distributed.DistributedError)

@@ -17,12 +17,12 @@ import numpy as np  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 
 from jaxattn.config import ModelConfig  # noqa: E402
-from train import runtime as runtime_lib  # noqa: E402
-from train.batches import RunBatches, ShardStream  # noqa: E402
 from train.config import ExperimentConfig, RuntimeConfig, TrainConfig  # noqa: E402
-from train.data import open_corpus  # noqa: E402
-from train.shards import open_prepared  # noqa: E402
-from train.steps import build_programs  # noqa: E402
+from train.data.batches import RunBatches, ShardStream  # noqa: E402
+from train.data.corpus import open_corpus  # noqa: E402
+from train.data.shards import open_prepared  # noqa: E402
+from train.run import runtime as runtime_lib  # noqa: E402
+from train.run.steps import build_programs  # noqa: E402
 
 FIRST, LAST = 3, 6  # the chunk of training steps read
 

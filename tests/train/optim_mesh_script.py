@@ -18,13 +18,13 @@ jax.config.update("jax_num_cpu_devices", 4)
 import numpy as np  # noqa: E402
 
 from jaxattn import sharding  # noqa: E402
-from jaxattn.config import MLAConfig, ModelConfig  # noqa: E402
 from jaxattn.axes import MeshShape  # noqa: E402
-from train import runtime as runtime_lib  # noqa: E402
-from train.batches import RunBatches  # noqa: E402
+from jaxattn.config import MLAConfig, ModelConfig  # noqa: E402
 from train.config import ExperimentConfig, RuntimeConfig, TrainConfig  # noqa: E402
-from train.optim import ADAM, MUON  # noqa: E402
-from train.steps import build_programs  # noqa: E402
+from train.data.batches import RunBatches  # noqa: E402
+from train.run import runtime as runtime_lib  # noqa: E402
+from train.run.optim import ADAM, MUON  # noqa: E402
+from train.run.steps import build_programs  # noqa: E402
 
 STEPS = 5
 MESHES = {"mha": ("data:1", "fsdp:2,tensor:2", "data:2,fsdp:2"),

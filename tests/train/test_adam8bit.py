@@ -1,4 +1,4 @@
-"""AdamW with 8-bit moments (train.adam8bit, `train.adam_states = "int8"`): the dynamic code, block-wise
+"""AdamW with 8-bit moments (train.run.adam8bit, `train.adam_states = "int8"`): the dynamic code, block-wise
 rounding to its nearest value, optax's Adam where the moments stay float32, a trajectory close to
 float32 Adam's, a quarter of the bytes, the moments' layout on a mesh, and a run that resumes exactly;
 against bitsandbytes (the format's owner): its code tables bit for bit, and from its `AdamW8bit` state
@@ -15,10 +15,10 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from jaxattn import sharding
-from train import adam8bit, optim
-from train.config import TrainConfig
-from train.experiment import run_experiment
 from tests.train.test_train import _config, _metrics, text_file  # noqa: F401 (the fixture)
+from train.config import TrainConfig
+from train.run import adam8bit, optim
+from train.run.experiment import run_experiment
 
 
 def test_the_dynamic_codes_span_seven_decades_finer_the_larger():

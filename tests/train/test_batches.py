@@ -1,4 +1,4 @@
-"""train.batches: host batches equal the device draws they replaced, shards are read across their
+"""train.data.batches: host batches equal the device draws they replaced, shards are read across their
 boundaries, each process reads only its rows, and a prepared corpus trains like its text file."""
 
 import json
@@ -14,16 +14,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from train import tiny_lm
-from train.batches import RANDINT_SPAN, TRAIN, Feed, RunBatches, ShardStream, batch_key, draw_starts
 from train.config import TrainConfig, load_config
-from train.data import open_corpus
-from train.data_errors import DataError
-from train.experiment import run_experiment
+from train.data.batches import RANDINT_SPAN, TRAIN, Feed, RunBatches, ShardStream, batch_key, draw_starts
+from train.data.corpus import open_corpus
+from train.data.errors import DataError
+from train.data.shards import open_prepared, write_shard
 from train.prepare import prepare
-from train.shards import open_prepared, write_shard
+from train.run.experiment import run_experiment
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, "PYTHONPATH": str(ROOT)}
@@ -79,7 +80,7 @@ def test_host_windows_equal_the_device_gather_they_replaced():
     tc = TrainConfig(batch_size=4, block_size=16, seed=11)
 
     @jax.jit
-    def device_batch(data, step):  # the former train.data.get_batch
+    def device_batch(data, step):  # the former train.data.corpus.get_batch
         starts = jax.random.randint(batch_key(tc.seed, TRAIN, step), (tc.batch_size,), 0, data.shape[0] - 16)
         return jax.vmap(lambda s: jax.lax.dynamic_slice(data, (s,), (17,)))(starts)
 

@@ -13,12 +13,12 @@ import optax
 import pytest
 
 from jaxattn.model import DecoderLM
-from train import crash_points
-from train.checkpoint import CheckpointError, Checkpointer
-from train.checkpoint_meta import check_compatible, upgrade_format_1
-from train.sampling_checkpoint import load_for_sampling
+from train.checkpoints.meta import check_compatible, upgrade_format_1
+from train.checkpoints.store import Checkpointer, CheckpointError
 from train.config import load_config
-from train.tokenizer import CharTokenizer
+from train.data.tokenizer import CharTokenizer
+from train.models.runs import load_for_sampling
+from train.run import crash_points
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["model.vocab_size=5", "model.d_model=8", "model.num_layers=1", "model.num_heads=2", "model.max_seq_len=8",
@@ -126,8 +126,8 @@ KILLED_SAVE = textwrap.dedent("""
     import sys
     sys.path.insert(0, {root!r}); sys.path.insert(0, {tests!r})
     from test_checkpoint import _config, _state
-    from train.checkpoint import Checkpointer
-    from train.tokenizer import CharTokenizer
+    from train.checkpoints.store import Checkpointer
+    from train.data.tokenizer import CharTokenizer
     ckpt = Checkpointer({out!r})
     kw = dict(config=_config(), tokenizer=CharTokenizer("abcde"), val_loss=1.0, best_val_loss=1.0)
     ckpt.save("latest", 1, _state(0), **kw)

@@ -5,8 +5,8 @@ import threading
 
 import pytest
 
-from train import data
-from train.data_errors import DataError
+from train.data import corpus as data
+from train.data.errors import DataError
 
 
 @pytest.fixture

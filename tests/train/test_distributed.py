@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from train import distributed
-from train.distributed import Cluster, DistributedError
+from train.run import distributed
+from train.run.distributed import Cluster, DistributedError
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, "PYTHONPATH": str(ROOT)}

@@ -16,16 +16,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
+from programs import CHARS, call
 from safetensors.numpy import load_file, save_file
 
 from jaxattn.config import ModelConfig
 from jaxattn.model import DecoderLM
-from programs import CHARS, call
 from train import attention_maps, export, sample
-from train.checkpoint import Checkpointer
+from train.checkpoints.store import Checkpointer
 from train.config import ExperimentConfig, TrainConfig, load_config
-from train.tokenizer import ByteTokenizer, CharTokenizer, to_hf_tokenizer
+from train.data.tokenizer import ByteTokenizer, CharTokenizer, to_hf_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 TEXT = "ROMEO:\nBut soft, what light through yonder window breaks?\n\nJULIET:  Ay me! 'Tis 3 o'clock; -$&.\n"

@@ -1,6 +1,6 @@
 """Fine-tuning runs (`train.init_from`, `[lora]`, chat data): a tiny Llama saved as a transformers
 directory with its byte-level BPE tokenizer and a ChatML template, fine-tuned whole and with LoRA by
-`train.experiment.run_experiment`, resumed exactly, read back for sampling and export, refused in one
+`train.run.experiment.run_experiment`, resumed exactly, read back for sampling and export, refused in one
 line where the settings or the data are wrong."""
 
 import json
@@ -16,12 +16,13 @@ from jaxattn import hf, lora
 from jaxattn.config import ModelConfig
 from jaxattn.model import DecoderLM
 from tests.tiny_models import drawn_params
-from train import init_from, tiny_lm
-from train.checkpoint_meta import CheckpointError
+from train import tiny_lm
+from train.checkpoints import init_from
+from train.checkpoints.meta import CheckpointError
 from train.config import ExperimentConfig, load_config
-from train.data_errors import DataError
-from train.experiment import run_experiment
-from train.sampling_checkpoint import load_for_sampling
+from train.data.errors import DataError
+from train.models.runs import load_for_sampling
+from train.run.experiment import run_experiment
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -245,6 +246,7 @@ def test_a_lora_run_exports_as_a_peft_adapter_and_merged_both_as_transformers_co
     import peft
     import torch
     import transformers
+
     from train import export, sample
     base, _, _ = files
     out, _ = lora_run
@@ -311,7 +313,7 @@ def test_a_lora_run_on_a_two_device_mesh_gives_the_one_device_losses(files, lora
 
 
 def test_the_first_val_loss_of_packed_chats_is_the_bases_loss_on_each_conversation_alone(files, lora_run):
-    from train import finetune_data
+    from train.data import chats as finetune_data
     base, _, chats = files
     out, _ = lora_run
     initial = init_from.load(f"hf:{base}")

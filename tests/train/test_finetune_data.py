@@ -1,4 +1,4 @@
-"""`train.finetune_data`: chat JSONL, assistant-only weights as transformers masks them, packing.
+"""`train.data.chats`: chat JSONL, assistant-only weights as transformers masks them, packing.
 
 The chat templates below carry `{% generation %}` markers around what an assistant turn trains on,
 so transformers' `apply_chat_template(..., return_assistant_tokens_mask=True)` is the peer for the
@@ -14,10 +14,17 @@ import numpy as np
 import pytest
 
 from jaxattn.hf.chat_template import ChatTemplate
-from train.data_errors import DataError
-from train.finetune_data import (Conversation, chat_documents, load_chat_files, pack, read_chat_jsonl,
-                                 render_conversation, text_documents)
-from train.tokenizer import ByteTokenizer, JSONTokenizer
+from train.data.chats import (
+    Conversation,
+    chat_documents,
+    load_chat_files,
+    pack,
+    read_chat_jsonl,
+    render_conversation,
+    text_documents,
+)
+from train.data.errors import DataError
+from train.data.tokenizer import ByteTokenizer, JSONTokenizer
 
 tokenizers = pytest.importorskip("tokenizers")
 transformers = pytest.importorskip("transformers")

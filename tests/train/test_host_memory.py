@@ -1,4 +1,4 @@
-"""train.host_memory: the C heap's freed pages go back to the operating system."""
+"""train.run.host_memory: the C heap's freed pages go back to the operating system."""
 
 import os
 import platform
@@ -11,7 +11,7 @@ import pytest
 # followed by a live block that keeps it from merging into the heap's end, freed; then released.
 SCRIPT = """
 import ctypes, ctypes.util
-from train import host_memory
+from train.run import host_memory
 
 def resident_mb():
     with open("/proc/self/statm") as statm:

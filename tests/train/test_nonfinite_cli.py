@@ -8,14 +8,14 @@ import jax
 import numpy as np
 import pytest
 from flax.traverse_util import flatten_dict, unflatten_dict
+from programs import CHARS, call
+from tiny_models import drawn_params
 
 from jaxattn import generate, hf
 from jaxattn.config import ModelConfig
 from jaxattn.windowed import windows
-from tiny_models import drawn_params
-from programs import CHARS, call
 from train import attention_maps, sample
-from train.tokenizer import CharTokenizer, to_hf_tokenizer
+from train.data.tokenizer import CharTokenizer, to_hf_tokenizer
 
 CONFIG = ModelConfig(vocab_size=65, d_model=16, num_layers=2, num_heads=2, max_seq_len=16, positions="rope",
                      norm="rmsnorm", mlp="swiglu", use_bias=False, tie_embeddings=False)  # a Llama

@@ -1,4 +1,4 @@
-"""The optimizers of train.optim: Muon against a NumPy reference, its parameter groups, the
+"""The optimizers of train.run.optim: Muon against a NumPy reference, its parameter groups, the
 learning-rate and momentum schedules, and Muon on a device mesh (tests/train/optim_mesh_script.py)."""
 
 import json
@@ -16,8 +16,8 @@ import pytest
 
 from jaxattn import sharding
 from jaxattn.config import LayerKind, MLAConfig, ModelConfig
-from train import optim
 from train.config import TrainConfig, load_config
+from train.run import optim
 
 ROOT = Path(__file__).resolve().parents[2]
 NS_COEFFS = (3.4445, -4.7750, 2.0315)  # Jordan's quintic Newton-Schulz (optax.contrib.scale_by_muon's default)
@@ -139,7 +139,7 @@ def test_two_muon_steps_equal_the_numpy_reference(weight_decay):
 
 
 def test_adam_leaves_get_exactly_optax_adamw():
-    """The "adam" group is nanoGPT's AdamW itself (optax.adamw with train.optim's schedule and mask)."""
+    """The "adam" group is nanoGPT's AdamW itself (optax.adamw with train.run.optim's schedule and mask)."""
     tc = TrainConfig(optimizer="muon", grad_clip=0.0, warmup_iters=3)
     rng = np.random.default_rng(1)
     params = {"wte": {"embedding": jnp.asarray(rng.normal(size=(5, 8)), jnp.float32)},

@@ -1,4 +1,4 @@
-"""train.prepare and train.shards: prepared token shards round-trip, split as load_corpus does, fail in one line."""
+"""train.prepare and train.data.shards: prepared token shards round-trip, split as load_corpus does, fail in one line."""
 
 import json
 import random
@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 from train import prepare as prepare_lib
-from train import shards
-from train.data import load_corpus
-from train.data_errors import DataError
+from train.data import shards
+from train.data.corpus import load_corpus
+from train.data.errors import DataError
+from train.data.shards import open_prepared, open_shard, read_header, write_shard
 from train.prepare import main, prepare
-from train.shards import open_prepared, open_shard, read_header, write_shard
 
 ROOT = Path(__file__).resolve().parents[2]
 WORDS = ["the", "king", "queen", "ROMEO:", "Juliet", "o'er", "thou'rt", "42", "1.5", "--", "é", "naïve", "?!"]

@@ -2,7 +2,7 @@
 
 Training runs here are tiny (a 2-layer, d 32 model on a slice of the corpus) so that each
 takes seconds; the crash tests (marked slow) start real `python -m train.tiny_lm` processes
-and stop or kill them, at exact moments where `train.crash_points` can name one.
+and stop or kill them, at exact moments where `train.run.crash_points` can name one.
 """
 
 import json
@@ -18,14 +18,15 @@ import jax
 import numpy as np
 import pytest
 
-from train import checkpoint as checkpoint_lib
-from train import crash_points, tiny_lm
-from train.checkpoint import CheckpointError
-from train.sampling_checkpoint import load_for_sampling
+from train import tiny_lm
+from train.checkpoints import store as checkpoint_lib
+from train.checkpoints.store import CheckpointError
 from train.config import load_config
-from train.experiment import run_experiment
-from train.loop import TrainingDiverged
-from train.rundir import RunDirectoryError, RunLock, claim, repair_metrics
+from train.models.runs import load_for_sampling
+from train.run import crash_points
+from train.run.experiment import run_experiment
+from train.run.loop import TrainingDiverged
+from train.run.rundir import RunDirectoryError, RunLock, claim, repair_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["model.d_model=32", "model.num_layers=2", "model.num_heads=2", "model.max_seq_len=16",
@@ -36,7 +37,7 @@ TINY = ["model.d_model=32", "model.num_layers=2", "model.num_heads=2", "model.ma
 
 @pytest.fixture(scope="module")
 def text_file(tmp_path_factory):
-    from train.data import ENV_PATH
+    from train.data.corpus import ENV_PATH
     path = tmp_path_factory.mktemp("data") / "slice.txt"
     source = os.environ.get(ENV_PATH)
     text = Path(source).read_text(encoding="utf-8")[:20_000] if source and Path(source).is_file() else \
@@ -93,7 +94,7 @@ def test_a_second_run_into_a_locked_directory_fails_at_once(tmp_path):
 def test_a_process_that_dies_holding_the_lock_releases_it(tmp_path):
     """The OS closes its file."""
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time; sys.path.insert(0, sys.argv[1]);"
-                               "from train.rundir import RunLock; RunLock(__import__('pathlib').Path(sys.argv[2]));"
+                               "from train.run.rundir import RunLock; RunLock(__import__('pathlib').Path(sys.argv[2]));"
                                "print('locked', flush=True); time.sleep(600)", str(ROOT), str(tmp_path)],
                               stdout=subprocess.PIPE, text=True)
     try:
@@ -286,6 +287,7 @@ def test_attention_maps_and_compare_check_their_outputs_before_any_work(tmp_path
 
 def test_a_full_disk_gives_one_line(text_file, tmp_path, capsys, monkeypatch):
     import errno
+
     import orbax.checkpoint as ocp
 
     def no_space(*args, **kwargs):
@@ -371,7 +373,7 @@ def finished_steps(latest: Path) -> list[int]:
 @pytest.mark.parametrize("moment, newest_checkpoint", [("step:12", 10), ("eval:15", 10), ("save:20", 15)])
 def test_killed_at_a_planned_moment_then_resumed_ends_like_an_uninterrupted_run(
         text_file, tmp_path, moment, newest_checkpoint, uninterrupted, compile_cache):
-    """SIGKILL (train.crash_points) while the steps 10-15 run, after the checkpoint at step 10; in the
+    """SIGKILL (train.run.crash_points) while the steps 10-15 run, after the checkpoint at step 10; in the
     evaluation at step 15, its losses computed and the steps before it logged; in the save of step
     20, its files written and not committed. The newest valid checkpoint resumes, `metrics.jsonl`
     is repaired (each step once), and the run ends exactly as an uninterrupted one."""

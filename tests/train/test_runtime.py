@@ -1,20 +1,19 @@
-"""train.runtime: devices, XLA flags and kernels resolved once, with reasons, before a run starts."""
+"""train.run.runtime: devices, XLA flags and kernels resolved once, with reasons, before a run starts."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
-import re
-
 import jax
 import pytest
 
+from jaxattn.axes import MeshShape
 from jaxattn.config import ModelConfig
 from jaxattn.kernels import Kernels, Platform
-from jaxattn.axes import MeshShape
-from train import runtime
 from train.config import RuntimeConfig
+from train.run import runtime
 
 ROOT = Path(__file__).resolve().parents[2]
 AVX2 = Platform("cpu", frozenset({"avx2"}))
@@ -87,7 +86,7 @@ def test_preparing_jax_after_it_started_warns_instead_of_failing():
 def test_a_fresh_process_gets_its_devices_and_flags_and_importing_starts_nothing():
     """Importing the library and the programs must not start JAX, or the device count could not be set."""
     script = (
-        "import os, jax, jaxattn, train.loop, train.tiny_lm, train.sample, train.compare, train.attention_maps\n"
+        "import os, jax, jaxattn, train.run.loop, train.tiny_lm, train.sample, train.compare, train.attention_maps\n"
         "from train import runtime\n"
         "from train.config import RuntimeConfig\n"
         "r = runtime.start(RuntimeConfig(mesh='data:3', xla_flags='--xla_cpu_enable_fast_math=false'), 6)\n"

@@ -7,15 +7,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from programs import CHARS, TINY_TOML, run_sample, tiny_sampling_config
 
 from jaxattn import decoding
 from jaxattn.config import ModelConfig
 from jaxattn.model import DecoderLM
-from programs import CHARS, TINY_TOML, run_sample, tiny_sampling_config
-from train.checkpoint import Checkpointer
+from train.checkpoints.store import Checkpointer
 from train.config import ExperimentConfig, TrainConfig
-from train.tokenizer import CharTokenizer
-
+from train.data.tokenizer import CharTokenizer
 
 
 @pytest.fixture

@@ -10,15 +10,15 @@ import flax.linen as nn
 import jax
 import numpy as np
 import pytest
+from programs import run_sample, tiny_sampling_config
 
 from jaxattn import Kernels, decoding, generate_windowed
 from jaxattn.cache.build import cache_bytes_per_token
 from jaxattn.config import ModelConfig
 from jaxattn.model import abstract_params
-from programs import run_sample, tiny_sampling_config
 from train import sample
 from train.cli import UsageError
-from train.tokenizer import CharTokenizer
+from train.data.tokenizer import CharTokenizer
 
 GIB = 2 ** 30
 CONFIG = ModelConfig(vocab_size=65, d_model=16, num_layers=2, num_heads=2, max_seq_len=16, positions="rope")

@@ -15,9 +15,9 @@ import pytest
 
 from jaxattn.config import ModelConfig
 from jaxattn.rope import RopeScaling
-from train import runtime as runtime_lib
 from train import tiny_lm
 from train.config import ExperimentConfig, TrainConfig, load_config
+from train.run import runtime as runtime_lib
 
 HELP = "(see python -m train.tiny_lm --help)"
 TINY = ["model.d_model=32", "model.num_layers=2", "model.num_heads=2", "model.max_seq_len=16",

@@ -15,11 +15,12 @@ import numpy as np
 import pytest
 
 from train import prepare as prepare_lib
-from train import shards, tiny_lm
-from train.data import open_corpus
-from train.data_errors import DataError
+from train import tiny_lm
+from train.data import shards
+from train.data.corpus import open_corpus
+from train.data.errors import DataError
+from train.data.shards import HEADER_SIZE, open_prepared, write_shard
 from train.prepare import prepare
-from train.shards import HEADER_SIZE, open_prepared, write_shard
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["model.d_model=16", "model.num_layers=1", "model.num_heads=2", "model.max_seq_len=16",
@@ -203,7 +204,7 @@ def test_resuming_after_the_shards_were_reordered_in_place_is_refused(corpus, tm
 
 
 def test_a_run_verifies_in_full_when_it_starts_and_the_ends_of_each_shard_when_it_resumes(monkeypatch):
-    from train.data import ENV_VERIFY, verify_mode
+    from train.data.corpus import ENV_VERIFY, verify_mode
     monkeypatch.delenv(ENV_VERIFY, raising=False)
     assert (verify_mode(resume=False), verify_mode(resume=True)) == ("full", "quick")
     for value in ("full", "quick"):

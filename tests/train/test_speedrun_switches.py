@@ -12,14 +12,14 @@ import numpy as np
 import pytest
 
 from jaxattn.config import MLAConfig, ModelConfig
-from jaxattn.model import DecoderLM
 from jaxattn.layers.primitives import MLP
-from train import runtime as runtime_lib
-from train.batches import RunBatches, target_weights, whole_split_windows
+from jaxattn.model import DecoderLM
 from train.config import ExperimentConfig, RuntimeConfig, TrainConfig, load_config
-from train.experiment import run_experiment
-from train.metrics import RunResult, first_at_or_below
-from train.steps import build_programs
+from train.data.batches import RunBatches, target_weights, whole_split_windows
+from train.run import runtime as runtime_lib
+from train.run.experiment import run_experiment
+from train.run.metrics import RunResult, first_at_or_below
+from train.run.steps import build_programs
 from train.tiny_lm import final_line, target_part
 
 TINY = dict(vocab_size=65, d_model=32, num_layers=2, num_heads=4, max_seq_len=16)
@@ -435,7 +435,7 @@ def test_a_value_embedding_is_refused_with_a_context_a_wrong_shape_or_no_table()
 
 def test_value_embedding_tables_and_lambdas_go_to_adamw():
     from jaxattn.sharding import logical_names
-    from train.optim import param_groups
+    from train.run.optim import param_groups
     config = ModelConfig(**VALUES, value_embeddings=1)
     names, groups = logical_names(config), param_groups(logical_names(config))
     assert names["value_embed_0"]["embedding"] == (("vocab", "kv_heads"), (32, K * H))

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from train.tokenizer import ByteTokenizer, CharTokenizer, build_tokenizer, from_json, to_json
+from train.data.tokenizer import ByteTokenizer, CharTokenizer, build_tokenizer, from_json, to_json
 
 
 def test_char_vocab_is_sorted_set_and_round_trips():

@@ -1,4 +1,4 @@
-"""`train.tokenizer.JSONTokenizer`: a prepared corpus's BPE or Hugging Face tokenizer.json as a run's tokenizer.
+"""`train.data.tokenizer.JSONTokenizer`: a prepared corpus's BPE or Hugging Face tokenizer.json as a run's tokenizer.
 
 The tokenizers are made here: a byte-level BPE trained by `train.prepare` on a small text
 (`bpe:300`), and a word-level one without an unknown token (kind hf) that cannot encode every
@@ -16,15 +16,24 @@ import numpy as np
 import pytest
 
 from jaxattn.model import DecoderLM
-from train import export, pretrained, sample, shards
-from train.checkpoint import CheckpointError, Checkpointer
-from train.checkpoint_meta import check_tokenizer
-from train.sampling_checkpoint import load_for_sampling
+from train import export, sample
+from train.checkpoints.meta import check_tokenizer
+from train.checkpoints.store import Checkpointer, CheckpointError
 from train.cli import UsageError
 from train.config import load_config
+from train.data import shards
+from train.data.tokenizer import (
+    ByteTokenizer,
+    CharTokenizer,
+    JSONTokenizer,
+    from_dict,
+    from_json,
+    to_hf_tokenizer,
+    to_json,
+)
+from train.models import pretrained
+from train.models.runs import load_for_sampling
 from train.prepare import prepare
-from train.tokenizer import (ByteTokenizer, CharTokenizer, JSONTokenizer, from_dict, from_json, to_hf_tokenizer,
-                             to_json)
 
 pytest.importorskip("tokenizers")
 

@@ -9,10 +9,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from train import optim, tiny_lm
-from train.sampling_checkpoint import load_for_sampling
+from train import tiny_lm
 from train.config import load_config
-from train.experiment import run_experiment
+from train.models.runs import load_for_sampling
+from train.run import optim
+from train.run.experiment import run_experiment
 
 TINY_MODEL = ["model.d_model=32", "model.num_layers=2", "model.num_heads=2", "model.max_seq_len=16"]
 TINY_TRAIN = ["train.batch_size=4", "train.block_size=16", "train.eval_iters=8", "train.eval_interval=10",
@@ -23,8 +24,9 @@ TINY_TRAIN = ["train.batch_size=4", "train.block_size=16", "train.eval_iters=8",
 @pytest.fixture(scope="module")
 def text_file(tmp_path_factory):
     """The first 20k characters of Tiny Shakespeare when available, else a repetitive text."""
-    from train.data import ENV_PATH
     import os
+
+    from train.data.corpus import ENV_PATH
     path = tmp_path_factory.mktemp("data") / "slice.txt"
     source = os.environ.get(ENV_PATH)
     if source and Path(source).is_file():
@@ -194,7 +196,7 @@ def test_attention_maps_from_a_checkpoint(text_file, full_run, tmp_path):
 
 
 def test_the_final_line_names_the_peak_memory():
-    from train.metrics import describe_memory, peak_memory
+    from train.run.metrics import describe_memory, peak_memory
     assert describe_memory({"peak_rss_gib": 0.5, "device_peak_gib": None}) == "peak memory 0.50 GiB RSS"
     assert describe_memory({"peak_rss_gib": 1.25, "device_peak_gib": 3.0}).endswith("RSS, device 3.00 GiB")
     assert peak_memory()["peak_rss_gib"] > 0.05

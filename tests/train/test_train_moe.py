@@ -13,12 +13,12 @@ import pytest
 from jaxattn import layer_losses
 from jaxattn.config import ModelConfig
 from jaxattn.config.moe import MoEConfig
-from jaxattn.model import DecoderLM, active_params
 from jaxattn.layers.moe import LOSS_NAMES
-from train import runtime as runtime_lib
+from jaxattn.model import DecoderLM, active_params
 from train.config import ExperimentConfig, RuntimeConfig, TrainConfig, load_config
-from train.metrics import MetricsLog, describe_params
-from train.steps import build_programs, cross_entropy
+from train.run import runtime as runtime_lib
+from train.run.metrics import MetricsLog, describe_params
+from train.run.steps import build_programs, cross_entropy
 
 EXPERTS = MoEConfig(num_experts=4, experts_per_token=2, expert_hidden=16, aux_loss_coef=0.5, z_loss_coef=0.25)
 
@@ -114,7 +114,7 @@ def test_the_baby_moe_config_has_about_the_babys_active_parameters():
 
 
 def test_a_tiny_moe_run_logs_the_layer_losses(tmp_path):
-    from train.experiment import run_experiment
+    from train.run.experiment import run_experiment
     text = tmp_path / "text.txt"
     text.write_text("To be, or not to be, that is the question.\n" * 200)
     overrides = ["model.d_model=32", "model.num_layers=2", "model.num_heads=2", "model.max_seq_len=16",

@@ -276,9 +276,9 @@ def test_random_init_with_a_named_config_and_both_outputs(corpus, tmp_path, caps
 
 def save_checkpoint(run_dir: Path, corpus: Path):
     """A checkpoint of a tiny model with random weights, saved as training saves it (nothing trains)."""
-    from train.checkpoint import Checkpointer
+    from train.checkpoints.store import Checkpointer
     from train.config import load_config
-    from train.tokenizer import CharTokenizer
+    from train.data.tokenizer import CharTokenizer
     tokenizer = CharTokenizer.from_text(corpus.read_text())
     config = load_config(overrides=["model.d_model=16", "model.num_layers=2", "model.num_heads=2",
                                     "model.max_seq_len=16", "train.block_size=16",

@@ -11,11 +11,11 @@ Resolution of the text file, first match wins:
   3. the cache: $XDG_CACHE_HOME/jaxattn/tinyshakespeare.txt (default ~/.cache/jaxattn);
   4. a download of Tiny Shakespeare into the cache, checked against its sha256.
 
-Batches are drawn from the splits by `train.batches`; a corpus that cannot be found, fetched or
-read raises `train.data_errors.DataError`.
+Batches are drawn from the splits by `train.data.batches`; a corpus that cannot be found, fetched or
+read raises `train.data.errors.DataError`.
 
 A prepared directory's shards are verified against the checksums its manifest pins when a run opens
-it (`train.shards.verify_shards`): in full when a run starts, only the ends of each shard when it
+it (`train.data.shards.verify_shards`): in full when a run starts, only the ends of each shard when it
 resumes (`verify_mode`); JAXATTN_VERIFY_SHARDS=quick or full chooses for every run (quick for a
 corpus too large to read at every start). A manifest from before the checksums loads with a warning
 (`Corpus.warnings`): only the ids of the windows a run reads are checked.
@@ -34,12 +34,12 @@ from typing import Any
 
 import numpy as np
 
-from train import finetune_data
-from train.batches import ShardStream
 from train.cli import UsageError
-from train.data_errors import DataError
-from train.shards import VERIFY_MODES, open_prepared, verify_shards
-from train.tokenizer import Tokenizer, build_tokenizer
+from train.data import chats as finetune_data
+from train.data.batches import ShardStream
+from train.data.errors import DataError
+from train.data.shards import VERIFY_MODES, open_prepared, verify_shards
+from train.data.tokenizer import Tokenizer, build_tokenizer
 
 SHAKESPEARE_URL = (
     "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt")
@@ -142,13 +142,13 @@ class Corpus:
     """A tokenized corpus split into train and val.
 
     Attributes:
-      train, val: the splits: int32 id arrays (a text file) or `train.batches.ShardStream`s (a
+      train, val: the splits: int32 id arrays (a text file) or `train.data.batches.ShardStream`s (a
         prepared directory); `len()` of each is its token count.
       tokenizer: the tokenizer the ids are of.
       path: the text file or prepared directory.
-      prepared: a prepared directory's manifest (`train.shards`), else None.
+      prepared: a prepared directory's manifest (`train.data.shards`), else None.
       warnings: what a run says before it starts (an unverified prepared corpus), one line each.
-      packed: the splits are `train.finetune_data.Packed` rows of documents (a chat JSONL corpus,
+      packed: the splits are `train.data.chats.Packed` rows of documents (a chat JSONL corpus,
         `open_chat_corpus`), not token streams.
     """
 
@@ -197,7 +197,7 @@ def open_corpus(path: str | os.PathLike | None = None, *, tokenizer: str | Token
 
     A prepared directory fixes its tokenizer and split: DataError when its tokenizer kind is not
     `tokenizer` (the run's `train.tokenizer`), or the directory is not a whole prepared corpus, or a
-    shard is not the one its manifest pins (`verify`: "full" or "quick", `train.shards.verify_shards`).
+    shard is not the one its manifest pins (`verify`: "full" or "quick", `train.data.shards.verify_shards`).
     `tokenizer` may be a Tokenizer itself (a fine-tuning run's, its checkpoint's: `train.init_from`): a
     text file is encoded with it, and a prepared directory must have been prepared with it.
     """
@@ -246,7 +246,7 @@ def is_chat_file(path: str | os.PathLike | None) -> bool:
 
 def open_chat_corpus(path: str | os.PathLike, tokenizer: Tokenizer, template, *, block_size: int,
                      val_fraction: float, train_on: str, seed: int) -> Corpus:
-    """A chat JSONL file (`train.finetune_data.read_chat_jsonl`) as a packed corpus: each conversation
+    """A chat JSONL file (`train.data.chats.read_chat_jsonl`) as a packed corpus: each conversation
     rendered with `template` (the checkpoint's chat template) and weighted by `train_on` ("assistant": the
     assistant's turns alone, or "all"), the last `val_fraction` of the conversations (at least one) held
     out, each split packed into rows of `block_size` predictions.

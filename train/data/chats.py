@@ -55,8 +55,8 @@ from typing import Any
 import numpy as np
 
 from jaxattn.hf.chat_template import ChatTemplate, ChatTemplateError
-from train.data_errors import DataError
-from train.tokenizer import JSONTokenizer, Tokenizer
+from train.data.errors import DataError
+from train.data.tokenizer import JSONTokenizer, Tokenizer
 
 ROLES = ("system", "user", "assistant", "tool")
 TRAIN_ON = ("assistant", "all")

@@ -19,8 +19,8 @@ import jax.numpy as jnp
 import optax
 
 from jaxattn.axes import LAYERS
-from train.adam8bit import adamw_8bit
 from train.config import TrainConfig
+from train.run.adam8bit import adamw_8bit
 
 TABLE_AXES = frozenset({"vocab", "position", "length"})  # rows looked up by token or position
 MUON, ADAM = "muon", "adam"
@@ -145,7 +145,7 @@ def _muon(tc: TrainConfig, stacked: Any) -> optax.GradientTransformation:
 def make_optimizer(tc: TrainConfig, logical_names: Any = None) -> optax.GradientTransformation:
     """`tc.optimizer`: "adamw" (nanoGPT's: AdamW, decay on matrices only) or "muon" (Muon for the
     hidden matrices, that AdamW for the rest; needs the model's `logical_names`), after global-norm
-    clipping when `grad_clip > 0`; AdamW's moments as `tc.adam_states` says (train.adam8bit)."""
+    clipping when `grad_clip > 0`; AdamW's moments as `tc.adam_states` says (train.run.adam8bit)."""
     if tc.optimizer == "muon":
         if logical_names is None:
             raise ValueError("make_optimizer: optimizer 'muon' needs the model's logical_names "

@@ -1,13 +1,13 @@
 """An experiment end to end: `run_experiment(config)` prepares a run, trains it and finishes it.
 
 It reads the corpus, resolves the runtime (kernels, devices) and claims the run directory, then a
-`train.loop.Run` compiles the programs of `train.steps` ahead of time and runs its steps, evaluating
+`train.run.loop.Run` compiles the programs of `train.run.steps` ahead of time and runs its steps, evaluating
 (and checkpointing) every `eval_interval` steps. At the end it samples through the KV cache, plots
 the losses and writes `result.json` beside `metrics.jsonl`, `config.json` and `checkpoints/`
-(`train.finish`). `--resume` restores through `train.resume`.
+(`train.run.finish`). `--resume` restores through `train.run.resume`.
 
 Nothing is lost and nothing is silent: the outputs are checked and the run directory is claimed and
-locked before anything is written (`train.outputs`, `train.rundir`); a non-finite loss stops the run
+locked before anything is written (`train.outputs`, `train.run.rundir`); a non-finite loss stops the run
 before it is logged or saved (`TrainingDiverged`). From the claim to the end, SIGINT and SIGTERM only
 ask the run to stop, and it does so at the next safe point with what was done kept (`Interrupted`):
 after compiling (nothing trained, nothing written), at the next dispatch boundary (a checkpoint that
@@ -16,7 +16,7 @@ printed, the plot and `result.json` written). A resumed run whose checkpoint is 
 (stopped or killed during its final save or sample) is finished: evaluated, sampled, plotted and its
 `result.json` written.
 
-This module sits above `train.loop` (the run's steps, evaluations and saves) and `train.finish` (its
+This module sits above `train.run.loop` (the run's steps, evaluations and saves) and `train.run.finish` (its
 end, which reads a `Run`): it is the one that needs both.
 """
 
@@ -32,16 +32,18 @@ import jax
 
 from jaxattn import sharding
 from jaxattn.axes import MeshShape
-from train import data as data_lib
-from train import distributed, init_from, outputs
-from train import runtime as runtime_lib
+from train import outputs
+from train.checkpoints import init_from
 from train.cli import StopSignals
 from train.config import ExperimentConfig
-from train.finish import check_sample_prompt, finish
-from train.loop import Run
-from train.metrics import RunResult, describe_adapters, describe_params
-from train.rundir import claim_on_main
-from train.tokenizer import Tokenizer
+from train.data import corpus as data_lib
+from train.data.tokenizer import Tokenizer
+from train.run import distributed
+from train.run import runtime as runtime_lib
+from train.run.finish import check_sample_prompt, finish
+from train.run.loop import Run
+from train.run.metrics import RunResult, describe_adapters, describe_params
+from train.run.rundir import claim_on_main
 
 
 def with_vocabulary(config: ExperimentConfig, tokenizer: Tokenizer) -> ExperimentConfig:
@@ -55,7 +57,7 @@ def run_experiment(config: ExperimentConfig, *, runtime: runtime_lib.Runtime | N
     """Runs an experiment end to end and returns its figures.
 
     Args:
-      runtime: the resolved runtime (default: `train.runtime.start(config.runtime, ...)` now).
+      runtime: the resolved runtime (default: `train.run.runtime.start(config.runtime, ...)` now).
       resume: continue the run in `train.out_dir` from its newest valid checkpoint.
       overwrite: replace a run already in `train.out_dir` (else that is refused).
       loss_plot: where to write the loss curve (default `out_dir/loss.png`); checked first.

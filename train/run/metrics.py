@@ -20,7 +20,7 @@ class MetricsLog:
 
     A model whose layers sow losses of their own (`jaxattn.layer_losses`: a mixture of experts'
     `load_balancing_loss`, `router_z_loss` and `aux_loss`) logs, beside each interval's mean loss
-    (cross entropy + aux_loss), the interval's mean of each (`train.steps`: each step's mean over
+    (cross entropy + aux_loss), the interval's mean of each (`train.run.steps`: each step's mean over
     the layers that sowed it)."""
 
     def __init__(self, path: Path, log_interval: int, interval: list[float] = (), write: bool = True,

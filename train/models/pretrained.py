@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxattn.config import ModelConfig
-from train.checkpoint import CheckpointError
+from train.checkpoints.store import CheckpointError
 from train.cli import one_line
 
 

@@ -1,10 +1,10 @@
 """A training run's loop: one `Run` owns the state, the metrics file, the progress bar and the checkpoints.
 
-A `Run` is restored (when resumed, through `train.resume`), compiles the programs of `train.steps`
+A `Run` is restored (when resumed, through `train.run.resume`), compiles the programs of `train.run.steps`
 ahead of time, then (`Run.run_steps`) dispatches chunks of `steps_per_dispatch` optimizer steps,
 reading each chunk's losses while the next one runs, and evaluates (and checkpoints) every
 `eval_interval` steps. What is around a run is elsewhere: its setup (the corpus, the runtime, the
-run directory) in `train.experiment`, its end (the sample, the loss plot, result.json) in `train.finish`.
+run directory) in `train.run.experiment`, its end (the sample, the loss plot, result.json) in `train.run.finish`.
 
 Nothing is lost and nothing is silent: a non-finite loss stops the run before it is logged or saved
 (`TrainingDiverged`). A stop signal (`train.cli.StopSignals`) only asks the run to stop, and it does
@@ -25,21 +25,21 @@ from typing import Callable
 import jax
 import numpy as np
 
-from train import crash_points, init_from
-from train import data as data_lib
-from train import distributed
-from train.batches import Feed, RunBatches
-from train import runtime as runtime_lib
-from train.checkpoint import Checkpointer
-from train.init_from import Initial
-from train.packed_batches import PackedBatches
+from train.checkpoints import init_from
+from train.checkpoints.init_from import Initial
+from train.checkpoints.store import Checkpointer
 from train.cli import StopSignals
-from train.host_memory import release_freed_memory
 from train.config import ExperimentConfig, TrainConfig
-from train.metrics import MetricsLog, Throughput
-from train.resume import resume_from_checkpoint
-from train.rundir import repair_metrics
-from train.steps import build_programs
+from train.data import corpus as data_lib
+from train.data.batches import Feed, RunBatches
+from train.data.packed_batches import PackedBatches
+from train.run import crash_points, distributed
+from train.run import runtime as runtime_lib
+from train.run.host_memory import release_freed_memory
+from train.run.metrics import MetricsLog, Throughput
+from train.run.resume import resume_from_checkpoint
+from train.run.rundir import repair_metrics
+from train.run.steps import build_programs
 
 
 class TrainingDiverged(RuntimeError):

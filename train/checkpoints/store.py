@@ -2,7 +2,7 @@
 
 Layout under a run's out_dir:
   checkpoints/latest/<step>/   params, optimizer state, step, rng + meta (config, tokenizer,
-                               a sha256 of every array: `train.checkpoint_meta`); the two newest
+                               a sha256 of every array: `train.checkpoints.meta`); the two newest
                                steps are kept
   checkpoints/best/<step>/     the same, for the lowest val loss seen so far
 
@@ -13,7 +13,7 @@ tests/train/test_runs.py kill real saves). A restore recomputes every array's sh
 it with the one saved: a corrupted or truncated step gives a CheckpointError naming it and,
 where the caller allows, the previous valid step is used instead, with a warning
 (`restore_newest_valid`, the one fallback loop of both readers: a resumed run and
-`train.sampling_checkpoint`).
+`train.models.runs`).
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ import flax.linen as nn
 import orbax.checkpoint as ocp
 from orbax.checkpoint.checkpoint_managers import LatestN
 
-from train import crash_points
-from train.checkpoint_meta import CheckpointError, build_meta, current_format, verify_checksums
+from train.checkpoints.meta import CheckpointError, build_meta, current_format, verify_checksums
 from train.config import ExperimentConfig
-from train.tokenizer import Tokenizer
+from train.data.tokenizer import Tokenizer
+from train.run import crash_points
 
 KINDS = ("latest", "best")
 KEEP = {"latest": 2, "best": 1}  # latest keeps a previous step to fall back to

@@ -32,10 +32,10 @@ from jaxattn import lora
 from jaxattn.config import ModelConfig
 from jaxattn.hf.chat_template import ChatTemplate, ChatTemplateError
 from jaxattn.scan_plan import relayout
-from train import pretrained
-from train.checkpoint_meta import CheckpointError, path_name
+from train.checkpoints.meta import CheckpointError, path_name
 from train.config import ExperimentConfig, parse_override
-from train.tokenizer import JSONTokenizer
+from train.data.tokenizer import JSONTokenizer
+from train.models import pretrained
 
 KINDS = ("hf", "gguf")
 # How the model runs, not what it computes: the compute dtype of activations and matmuls, dropout, and whether

@@ -1,13 +1,13 @@
-"""Batches of packed documents (`train.finetune_data.pack`): a fine-tuning run's chats, read as rows.
+"""Batches of packed documents (`train.data.chats.pack`): a fine-tuning run's chats, read as rows.
 
 A packed split is R rows of T = block_size predictions, each row documents back to back, with the
 weight of each prediction (0 across documents and at padding; 0 outside the assistant's turns of a
 chat) and the segment ids and positions that keep attention to one document. A batch is B rows:
 `{"inputs", "targets", "weights", "segment_ids", "positions"}`, each `[n, B, T]` for a chunk of n
-steps. Rows are drawn as `train.batches` draws windows, from `batch_key(seed, split, step)`, so a
+steps. Rows are drawn as `train.data.batches` draws windows, from `batch_key(seed, split, step)`, so a
 batch is a pure function of (seed, split, step) and a resumed run replays an uninterrupted one.
 
-The loss of a batch is the weighted mean of its predictions (`train.steps`). Evaluation: the train
+The loss of a batch is the weighted mean of its predictions (`train.run.steps`). Evaluation: the train
 split on `eval_iters` fixed batches, the val split whole (every row once, in batches of `eval_rows`),
 each the weighted mean over what it read.
 """
@@ -20,7 +20,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from train.batches import EVAL_SPLITS, TRAIN, draw_starts, place_rows
+from train.data.batches import EVAL_SPLITS, TRAIN, draw_starts, place_rows
 
 FIELDS = ("inputs", "targets", "weights", "segment_ids", "positions")
 
@@ -31,7 +31,7 @@ def rows_of(packed, rows: np.ndarray) -> dict[str, np.ndarray]:
 
 
 class PackedBatches:
-    """`train.batches.RunBatches`' surface over packed splits (`train.finetune_data.Packed`).
+    """`train.data.batches.RunBatches`' surface over packed splits (`train.data.chats.Packed`).
 
     Args:
       train, val: the packed splits.
@@ -40,7 +40,7 @@ class PackedBatches:
       eval_rows: the rows of a val evaluation batch.
     """
 
-    packed = True  # its batches are `{field: [n, B, T]}` (`train.steps.Programs.inputs`)
+    packed = True  # its batches are `{field: [n, B, T]}` (`train.run.steps.Programs.inputs`)
 
     def __init__(self, train, val, tc, windows: Callable[[int], NamedSharding], eval_rows: int):
         self.splits = {"train": train, "val": val}

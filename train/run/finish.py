@@ -1,4 +1,4 @@
-"""The end of a trained run (a `train.loop.Run`): its sample through the KV cache (cut short by a stop
+"""The end of a trained run (a `train.run.loop.Run`): its sample through the KV cache (cut short by a stop
 signal, if one comes), the loss plot, and its figures (`RunResult`, written as result.json)."""
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ from jaxattn.axes import MeshShape
 from jaxattn.model import count_params
 from jaxattn.windowed import windows
 from train.config import ExperimentConfig
-from train.data_errors import DataError
-from train.loop import Run
-from train.metrics import RunResult, first_at_or_below, peak_memory, speeds
-from train.plots import plot_losses
-from train.tokenizer import Tokenizer
+from train.data.errors import DataError
+from train.data.tokenizer import Tokenizer
+from train.run.loop import Run
+from train.run.metrics import RunResult, first_at_or_below, peak_memory, speeds
+from train.run.plots import plot_losses
 
 
 def check_sample_prompt(config: ExperimentConfig, tokenizer: Tokenizer) -> None:

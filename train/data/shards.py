@@ -5,7 +5,7 @@ A prepared directory holds:
 * `train_00000.bin`, `train_00001.bin`, ... and `val_00000.bin`, ...: token shards. The
   concatenation of a split's shards, in name order, is that split's token stream.
 * `tokenizer.json`: the tokenizer. Its kind is named in the manifest: `char` and `byte` are this
-  project's own JSON (`train.tokenizer.to_json`), `bpe` (trained by `train.prepare`) and `hf`
+  project's own JSON (`train.data.tokenizer.to_json`), `bpe` (trained by `train.prepare`) and `hf`
   (copied from a directory) are a Hugging Face `tokenizers` tokenizer.json.
 * `prepared.json`: the manifest (format version, tokenizer kind, hash and vocabulary size, the
   dtype, the split rule and val fraction, the token count of each split and its shards, the source
@@ -28,7 +28,7 @@ A shard is a fixed 64-byte little-endian header, then `count` tokens of its dtyp
 uint16 when the vocabulary has at most 65536 ids, else uint32. The canonical JSON of a tokenizer
 is its JSON parsed and written again with sorted keys, no spaces and UTF-8 (`canonical_json`), so
 the hash does not depend on how a file was indented. Every failure to read a prepared directory is
-a `train.data_errors.DataError` with one line naming the file.
+a `train.data.errors.DataError` with one line naming the file.
 
 `open_prepared` checks what costs no reading: the headers against tokenizer.json and the manifest,
 the shards' names and sizes against the manifest. `verify_shards` reads: "full" hashes every body
@@ -51,8 +51,8 @@ from typing import Any
 
 import numpy as np
 
-from train.data_errors import DataError
-from train.tokenizer import JSONTokenizer, canonical_json, from_json  # canonical_json: what the hash is of
+from train.data.errors import DataError
+from train.data.tokenizer import JSONTokenizer, canonical_json, from_json  # canonical_json: what the hash is of
 
 MAGIC = b"JXATTOK1"
 VERSION = 1
@@ -279,8 +279,8 @@ class PreparedCorpus:
 
     Attributes:
       directory: the prepared directory.
-      tokenizer: a `train.tokenizer.CharTokenizer` or `ByteTokenizer` (kind char, byte) or a
-        `train.tokenizer.JSONTokenizer` of tokenizer.json (kind bpe, hf): what a run stores in its
+      tokenizer: a `train.data.tokenizer.CharTokenizer` or `ByteTokenizer` (kind char, byte) or a
+        `train.data.tokenizer.JSONTokenizer` of tokenizer.json (kind bpe, hf): what a run stores in its
         checkpoints.
       tokenizer_kind: "char", "byte", "bpe" or "hf".
       tokenizer_hash: the 16-byte hash every shard header carries.

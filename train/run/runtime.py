@@ -1,7 +1,7 @@
 """Starting JAX for a run and resolving its runtime: the one place a program looks at the machine.
 
 `start(config, batch_size)` runs before anything starts JAX's backends (the
-command-line programs call it first, after `train.distributed.join` where a run
+command-line programs call it first, after `train.run.distributed.join` where a run
 spans processes): it applies `runtime.xla_flags` and asks for the CPU host
 devices the mesh needs, through public JAX settings, then detects the platform
 and resolves every "auto" (kernels and the mesh) with a reason that the
@@ -17,9 +17,9 @@ import os
 import jax
 from jax.sharding import Mesh
 
+from jaxattn.axes import MeshShape, check_mesh, make_mesh
 from jaxattn.config import ModelConfig
 from jaxattn.kernels import Kernels, Platform, resolve_kernels
-from jaxattn.axes import MeshShape, check_mesh, make_mesh
 from train.config import RuntimeConfig
 
 

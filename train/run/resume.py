@@ -9,12 +9,12 @@ from typing import Any, Callable
 
 import jax
 
-from train import distributed
-from train.checkpoint import Checkpointer
-from train.checkpoint_meta import CheckpointError, check_compatible, check_tokenizer
+from train.checkpoints.init_from import Initial, check_same_base
+from train.checkpoints.meta import CheckpointError, check_compatible, check_tokenizer
+from train.checkpoints.store import Checkpointer
 from train.config import ExperimentConfig
-from train.data import Corpus
-from train.init_from import Initial, check_same_base
+from train.data.corpus import Corpus
+from train.run import distributed
 
 
 def resume_from_checkpoint(checkpoints: Checkpointer, abstract_state: Any, config: ExperimentConfig,
@@ -23,7 +23,7 @@ def resume_from_checkpoint(checkpoints: Checkpointer, abstract_state: Any, confi
     """(state laid out as `abstract_state`, meta) of the newest valid latest checkpoint.
 
     CheckpointError when there is none, when its model, tokenizer or base (`initial`: the checkpoint a
-    fine-tuning run starts from, `train.init_from.check_same_base`) is not this run's, or when it
+    fine-tuning run starts from, `train.checkpoints.init_from.check_same_base`) is not this run's, or when it
     is past train.max_iters; a damaged step skipped, and each setting that keeps the run from
     replaying exactly, is reported to `warn`. Writes nothing before the checkpoint is accepted.
     """

@@ -8,7 +8,7 @@ the global `[n, B, T + 1]` array of a chunk of n steps is assembled with
 of processes, and a resumed run replays exactly the batches of an uninterrupted one.
 
 A split is a token stream: in memory (`ArrayStream`: a text file tokenized when the run starts)
-or a prepared directory's shards (`ShardStream`, `train.shards`). Shards are read with positioned
+or a prepared directory's shards (`ShardStream`, `train.data.shards`). Shards are read with positioned
 reads (`os.pread`), not through a memory map: the pages of a map that a run touches count toward
 the process's resident memory, which on a long run over a large corpus would grow toward the
 file's size, while the page cache that `pread` fills is the kernel's to drop. A window may
@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
-from train.data_errors import DataError
+from train.data.errors import DataError
 
 TRAIN, VAL = 0, 1  # split ids folded into the batch rng
 RANDINT_SPAN = 2**31 - 1  # the largest span jax.random.randint's int32 draws cover
@@ -84,7 +84,7 @@ class ShardStream:
 
     @classmethod
     def of_maps(cls, maps: Iterable[np.memmap], vocab_size: int | None = None) -> "ShardStream":
-        """The stream of memory-mapped shards (`train.shards.PreparedCorpus.train`), read without the maps."""
+        """The stream of memory-mapped shards (`train.data.shards.PreparedCorpus.train`), read without the maps."""
         return cls([(m.filename, m.offset, len(m), m.dtype) for m in maps], vocab_size)
 
     def __len__(self) -> int:
@@ -237,7 +237,7 @@ class RunBatches:
     Args:
       train, val: the splits (streams, or arrays held in memory).
       tc: the run's `TrainConfig` (seed, batch_size B, block_size T, eval_iters, eval_whole_val).
-      windows: `rows -> NamedSharding` of `[n, rows, T + 1]` windows (`train.steps.StateLayout.windows`).
+      windows: `rows -> NamedSharding` of `[n, rows, T + 1]` windows (`train.run.steps.StateLayout.windows`).
       eval_rows: R of whole-split evaluation.
 
     Training batch `step` is `draw_starts(seed, TRAIN, [step], B, len(train) - T)`; the fixed
@@ -246,7 +246,7 @@ class RunBatches:
     in chunks of about EVAL_CHUNK_TOKENS tokens at each evaluation.
     """
 
-    packed = False  # its batches are windows `[n, B, T + 1]` (`train.packed_batches` is the other kind)
+    packed = False  # its batches are windows `[n, B, T + 1]` (`train.data.packed_batches` is the other kind)
 
     def __init__(self, train, val, tc, windows: Callable[[int], NamedSharding], eval_rows: int):
         self.streams = {"train": as_stream(train), "val": as_stream(val)}

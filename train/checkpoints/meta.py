@@ -17,8 +17,9 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from train.config import ExperimentConfig
-from train.shards import tokenizer_hash
-from train.tokenizer import JSON_KINDS, Tokenizer, from_dict as tokenizer_from_dict
+from train.data.shards import tokenizer_hash
+from train.data.tokenizer import JSON_KINDS, Tokenizer
+from train.data.tokenizer import from_dict as tokenizer_from_dict
 
 FORMAT_VERSION = 2
 _MLA_FIELDS = ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")

@@ -1,7 +1,7 @@
 """The jitted programs of a training run: init, `steps_per_dispatch` optimizer steps, evaluation.
 
 One call of `train_steps` runs n optimizer steps inside `lax.scan` over the n batches of
-the chunk, read on the host beforehand (`train.batches`): windows `[n, B, T + 1]` whose
+the chunk, read on the host beforehand (`train.data.batches`): windows `[n, B, T + 1]` whose
 first T tokens are the inputs and last T the targets. Evaluation takes windows the same
 way, with a weight per target, and returns the weighted sums of the losses.
 
@@ -29,15 +29,16 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxattn import axes, layer_losses, lora, sharding
-from jaxattn.scan_plan import relayout
 from jaxattn.model import DecoderLM
+from jaxattn.scan_plan import relayout
+from train.checkpoints.init_from import Initial, params_for
 from train.config import ExperimentConfig
-from train.init_from import Initial, params_for
-from train.optim import lr_schedule, make_optimizer
-from train.runtime import Runtime
+from train.run.optim import lr_schedule, make_optimizer
+from train.run.runtime import Runtime
 
 ADAPTER_SEED = 7  # folded into the run's seed for the adapters' initialisation
 
@@ -65,7 +66,7 @@ def mean_loss(losses: jax.Array, weights: jax.Array | None = None) -> jax.Array:
 def model_inputs(batch: Any) -> tuple[jax.Array, jax.Array, jax.Array | None, dict]:
     """(inputs `[B, T]`, targets `[B, T]`, weights `[B, T]` or None, what else the model takes) of a batch:
     a window `[B, T + 1]` (inputs its first T tokens, targets its last T), or packed documents
-    (`train.packed_batches`: their segment ids and positions keep attention within each document)."""
+    (`train.data.packed_batches`: their segment ids and positions keep attention within each document)."""
     if isinstance(batch, dict):
         where = {"segment_ids": batch["segment_ids"], "positions": batch["positions"]}
         return batch["inputs"], batch["targets"], batch.get("weights"), where
@@ -155,7 +156,7 @@ class Programs:
 
     def inputs(self, n: int, rows: int, packed: bool = False) -> tuple[Any, jax.ShapeDtypeStruct]:
         """What `evaluate` takes, abstract and laid out on the mesh (what it is compiled for ahead of
-        time): windows `[n, rows, T + 1]` (`packed`: batches of packed documents, `train.packed_batches`,
+        time): windows `[n, rows, T + 1]` (`packed`: batches of packed documents, `train.data.packed_batches`,
         `{inputs, targets, segment_ids, positions: [n, rows, T]}`) and the target weights `[n, rows, T]`."""
         sharded, T = self.layout.windows(rows), self.block_size
         ids = lambda width: jax.ShapeDtypeStruct((n, rows, width), jnp.int32, sharding=sharded)  # noqa: E731

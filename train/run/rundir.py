@@ -106,7 +106,7 @@ def repair_metrics(path: Path, step: int, *, evaluates_again: bool) -> None:
 
 def claim_on_main(out_dir: Path, *, resume: bool, overwrite: bool) -> "RunLock | None":
     """Process 0 claims and locks the run directory (None elsewhere); every process learns whether it could."""
-    from train import distributed
+    from train.run import distributed
     if not distributed.is_main():
         distributed.agree(True, "claim the run directory")
         return None

@@ -20,11 +20,12 @@ import orbax.checkpoint as ocp
 from jaxattn import lora
 from jaxattn.config import ModelConfig
 from jaxattn.model import DecoderLM, abstract_params
-from train import init_from
-from train.checkpoint import META_FILE, first_line, read_newest_valid
-from train.checkpoint_meta import CheckpointError, path_name
+from train.checkpoints import init_from
+from train.checkpoints.meta import CheckpointError, path_name
+from train.checkpoints.store import META_FILE, first_line, read_newest_valid
 from train.config import ExperimentConfig
-from train.tokenizer import Tokenizer, from_dict as tokenizer_from_dict
+from train.data.tokenizer import Tokenizer
+from train.data.tokenizer import from_dict as tokenizer_from_dict
 
 
 def _warn(message: str) -> None:
@@ -52,7 +53,7 @@ def load_for_sampling(directory: str | Path, *, on_skip: Callable[[str], None] =
 def load_adapted(directory: str | Path, *, on_skip: Callable[[str], None] = _warn
                  ) -> tuple[Any, ExperimentConfig, Tokenizer]:
     """(params with `jaxattn.lora.LoraWeight`s, the run's config, tokenizer) of a LoRA run's best checkpoint
-    (else its latest): its adapters on the base it was trained from (`train.init_from.adapted_params`).
+    (else its latest): its adapters on the base it was trained from (`train.checkpoints.init_from.adapted_params`).
     CheckpointError as `load_for_sampling` raises it, and for a run that is no LoRA run."""
     adapters, config, tokenizer, meta, found = _restore(directory, on_skip)
     if config.lora is None:
