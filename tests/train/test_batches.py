@@ -22,8 +22,9 @@ from train.config import TrainConfig, load_config
 from train.data.batches import RANDINT_SPAN, TRAIN, Feed, RunBatches, ShardStream, batch_key, draw_starts
 from train.data.corpus import open_corpus
 from train.data.errors import DataError
-from train.data.shards import open_prepared, write_shard
-from train.prepare import prepare
+from train.data.shard_format import write_shard
+from train.data.shards import open_prepared
+from train.data.tokenize_corpus import prepare
 from train.run.experiment import run_experiment
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,4 +1,5 @@
-"""`train.data.chats`: chat JSONL, assistant-only weights as transformers masks them, packing.
+"""`train.data.chats`, `documents` and `packing`: chat JSONL, assistant-only weights as transformers masks
+them, plain text, packing.
 
 The chat templates below carry `{% generation %}` markers around what an assistant turn trains on,
 so transformers' `apply_chat_template(..., return_assistant_tokens_mask=True)` is the peer for the
@@ -14,16 +15,10 @@ import numpy as np
 import pytest
 
 from jaxattn.hf.chat_template import ChatTemplate
-from train.data.chats import (
-    Conversation,
-    chat_documents,
-    load_chat_files,
-    pack,
-    read_chat_jsonl,
-    render_conversation,
-    text_documents,
-)
+from train.data.chats import Conversation, chat_documents, load_chat_files, read_chat_jsonl, render_conversation
+from train.data.documents import text_documents
 from train.data.errors import DataError
+from train.data.packing import pack
 from train.data.tokenizer import ByteTokenizer, JSONTokenizer
 
 tokenizers = pytest.importorskip("tokenizers")

@@ -1,4 +1,5 @@
-"""train.prepare and train.data.shards: prepared token shards round-trip, split as load_corpus does, fail in one line."""
+"""train.prepare and what it runs (train.data.tokenize_corpus, shards, shard_format): prepared token shards
+round-trip, split as load_corpus does, fail in one line."""
 
 import json
 import random
@@ -9,12 +10,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from train import prepare as prepare_lib
-from train.data import shards
+from train.data import shard_format, text_chunks
 from train.data.corpus import load_corpus
 from train.data.errors import DataError
-from train.data.shards import open_prepared, open_shard, read_header, write_shard
-from train.prepare import main, prepare
+from train.data.shard_format import open_shard, read_header, write_shard
+from train.data.shards import open_prepared
+from train.data.tokenize_corpus import prepare
+from train.prepare import main
 
 ROOT = Path(__file__).resolve().parents[2]
 WORDS = ["the", "king", "queen", "ROMEO:", "Juliet", "o'er", "thou'rt", "42", "1.5", "--", "é", "naïve", "?!"]
@@ -85,8 +87,8 @@ def test_byte_round_trip(tmp_path):
 
 
 def test_bpe_round_trip_and_chunks_equal_encoding_the_whole_file(tmp_path, monkeypatch):
-    monkeypatch.setattr(prepare_lib, "CHUNK_CHARS", 64)  # many chunk cuts in a small file
-    monkeypatch.setattr(prepare_lib, "READ_BYTES", 50)
+    monkeypatch.setattr(text_chunks, "CHUNK_CHARS", 64)  # many chunk cuts in a small file
+    monkeypatch.setattr(text_chunks, "READ_BYTES", 50)
     text = make_text(300)
     manifest = prepare(write(tmp_path / "c.txt", text), "bpe:300", tmp_path / "out")
     prepared = open_prepared(tmp_path / "out")
@@ -102,19 +104,19 @@ def test_bpe_round_trip_and_chunks_equal_encoding_the_whole_file(tmp_path, monke
 
 def test_chunks_are_cut_only_where_gpt2_pre_tokenization_splits(tmp_path, monkeypatch):
     from tokenizers import pre_tokenizers
-    monkeypatch.setattr(prepare_lib, "CHUNK_CHARS", 40)
-    monkeypatch.setattr(prepare_lib, "READ_BYTES", 30)
+    monkeypatch.setattr(text_chunks, "CHUNK_CHARS", 40)
+    monkeypatch.setattr(text_chunks, "READ_BYTES", 30)
     lines = make_text(300, seed=4).split("\n")  # every third line indented, every fifth with a trailing blank
     text = "\n".join(("  " if i % 3 == 1 else "") + line + (" " if i % 5 == 2 else "") for i, line in enumerate(lines))
-    chunks = list(prepare_lib.read_chunks(write(tmp_path / "c.txt", text)))
+    chunks = list(text_chunks.read_chunks(write(tmp_path / "c.txt", text)))
     assert len(chunks) > 20 and "".join(chunks) == text
     pieces = lambda t: [p for p, _ in pre_tokenizers.ByteLevel(add_prefix_space=False).pre_tokenize_str(t)]
     assert [p for c in chunks for p in pieces(c)] == pieces(text)
 
 
 def test_hf_tokenizer_is_copied_and_used(tmp_path, monkeypatch):
-    monkeypatch.setattr(prepare_lib, "CHUNK_CHARS", 100)
-    monkeypatch.setattr(prepare_lib, "READ_BYTES", 64)
+    monkeypatch.setattr(text_chunks, "CHUNK_CHARS", 100)
+    monkeypatch.setattr(text_chunks, "READ_BYTES", 64)
     text = make_text(200, seed=1)
     source = hf_tokenizer_dir(tmp_path / "tok", text)
     prepare(write(tmp_path / "c.txt", text), f"hf:{source}", tmp_path / "out")
@@ -123,7 +125,7 @@ def test_hf_tokenizer_is_copied_and_used(tmp_path, monkeypatch):
     assert prepared.tokenizer_kind == "hf" and prepared.vocab_size == 280
     ids = np.concatenate([prepared.stream("train"), prepared.stream("val")])
     np.testing.assert_array_equal(ids, prepared.tokenizer.encode(text))
-    assert prepared.tokenizer_hash == shards.tokenizer_hash((source / "tokenizer.json").read_text())
+    assert prepared.tokenizer_hash == shard_format.tokenizer_hash((source / "tokenizer.json").read_text())
 
 
 def test_an_hf_tokenizer_that_cannot_encode_the_corpus_is_one_line(tmp_path, capsys):
@@ -144,7 +146,7 @@ def test_uint16_while_the_vocabulary_fits(tmp_path, vocab, dtype):
     path = write_shard(tmp_path / "train_00000.bin", tokens, vocab, bytes(16))
     header = read_header(path)
     assert header.dtype == dtype and header.count == 3 and header.vocab_size == vocab
-    assert path.stat().st_size == shards.HEADER_SIZE + 3 * np.dtype(dtype).itemsize
+    assert path.stat().st_size == shard_format.HEADER_SIZE + 3 * np.dtype(dtype).itemsize
     np.testing.assert_array_equal(open_shard(path), tokens)
     with pytest.raises(ValueError, match="outside the vocabulary"):
         write_shard(tmp_path / "x.bin", [vocab], vocab, bytes(16))

@@ -16,11 +16,12 @@ import pytest
 
 from train import prepare as prepare_lib
 from train import tiny_lm
-from train.data import shards
+from train.data import shard_format, staging, text_chunks, tokenize_corpus
 from train.data.corpus import open_corpus
 from train.data.errors import DataError
-from train.data.shards import HEADER_SIZE, open_prepared, write_shard
-from train.prepare import prepare
+from train.data.shard_format import HEADER_SIZE, write_shard
+from train.data.shards import open_prepared
+from train.data.tokenize_corpus import prepare
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["model.d_model=16", "model.num_layers=1", "model.num_heads=2", "model.max_seq_len=16",
@@ -213,7 +214,7 @@ def test_a_run_verifies_in_full_when_it_starts_and_the_ends_of_each_shard_when_i
 
 
 def test_the_quick_check_finds_a_swap_but_not_a_bit_in_the_middle(corpus, monkeypatch):
-    monkeypatch.setattr(shards, "ENDS_BYTES", 64)  # the ends are 64 bytes: the middle of a shard is unread
+    monkeypatch.setattr(shard_format, "ENDS_BYTES", 64)  # the ends are 64 bytes: the middle of a shard is unread
     prepare(corpus.parent / "c.txt", "char", corpus, shard_tokens=2000, overwrite=True)
     shard = corpus / "train_00001.bin"
     ids = body(shard)
@@ -287,8 +288,8 @@ def _killed_prepare(data: Path, out: Path, monkeypatch) -> Path:
         raise KeyboardInterrupt  # with the clean-up below made a no-op: nothing runs after a SIGKILL
 
     with monkeypatch.context() as patch:
-        patch.setattr(prepare_lib, "_split_file", killed)
-        patch.setattr(prepare_lib.shutil, "rmtree", lambda *a, **k: None)
+        patch.setattr(tokenize_corpus, "_split_file", killed)
+        patch.setattr(tokenize_corpus.shutil, "rmtree", lambda *a, **k: None)
         with pytest.raises(KeyboardInterrupt):
             prepare(data, "char", out, overwrite=True)
     left = [p for p in out.iterdir() if p.name.startswith(".prepare-")]
@@ -344,22 +345,22 @@ def test_a_folder_prepare_did_not_make_is_never_removed(tmp_path, capsys, monkey
 def test_the_folder_of_a_prepare_still_running_is_not_a_leftover(tmp_path, monkeypatch):
     out = tmp_path / "out"
     out.mkdir()
-    folder, lock = prepare_lib._make_temp(out)  # as a running prepare holds it
+    folder, lock = staging.make_temp(out)  # as a running prepare holds it
     try:
-        assert prepare_lib._leftover(folder) is False
+        assert staging.leftover(folder) is False
     finally:
-        prepare_lib._release(lock)
-    held = prepare_lib._leftover(folder)
+        staging.release(lock)
+    held = staging.leftover(folder)
     assert held is not False
-    prepare_lib._release(held)
+    staging.release(held)
 
 
 @pytest.mark.slow
 def test_a_prepare_killed_by_sigkill_leaves_nothing_a_rerun_refuses(tmp_path):
     data, out = tmp_path / "c.txt", tmp_path / "out"
     data.write_text(lines(50))
-    kill = ("import os, signal, sys\nfrom train import prepare\n"
-            "prepare._split_file = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)\n"
+    kill = ("import os, signal, sys\nfrom train import prepare\nfrom train.data import tokenize_corpus\n"
+            "tokenize_corpus._split_file = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)\n"
             "prepare.main(sys.argv[1:])\n")
     argv = ["--data", str(data), "--tokenizer", "char", "--out", str(out)]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -376,12 +377,12 @@ def test_a_prepare_killed_by_sigkill_leaves_nothing_a_rerun_refuses(tmp_path):
 
 def test_text_without_newlines_is_encoded_in_chunks_with_the_ids_of_the_whole(tmp_path, monkeypatch):
     from tokenizers import pre_tokenizers
-    monkeypatch.setattr(prepare_lib, "CHUNK_CHARS", 64)
-    monkeypatch.setattr(prepare_lib, "READ_BYTES", 50)
+    monkeypatch.setattr(text_chunks, "CHUNK_CHARS", 64)
+    monkeypatch.setattr(text_chunks, "READ_BYTES", 50)
     text = lines(100, seed=5).replace("\n", " ").replace("king and", "king\tand").replace("of the", "of  the")
     file = tmp_path / "one_line.txt"
     file.write_text(text)
-    chunks = list(prepare_lib.read_chunks(file))
+    chunks = list(text_chunks.read_chunks(file))
     assert "".join(chunks) == text and len(chunks) > 40 and max(map(len, chunks)) <= 128
     pieces = lambda t: [p for p, _ in pre_tokenizers.ByteLevel(add_prefix_space=False).pre_tokenize_str(t)]
     assert [p for c in chunks for p in pieces(c)] == pieces(text)
@@ -392,11 +393,11 @@ def test_text_without_newlines_is_encoded_in_chunks_with_the_ids_of_the_whole(tm
 
 
 def test_text_without_any_whitespace_is_cut_where_a_chunk_is_full(tmp_path, monkeypatch):
-    monkeypatch.setattr(prepare_lib, "CHUNK_CHARS", 64)
-    monkeypatch.setattr(prepare_lib, "READ_BYTES", 50)
+    monkeypatch.setattr(text_chunks, "CHUNK_CHARS", 64)
+    monkeypatch.setattr(text_chunks, "READ_BYTES", 50)
     file = tmp_path / "word.txt"
     file.write_text("abcdefghij" * 300)
-    chunks = list(prepare_lib.read_chunks(file))
+    chunks = list(text_chunks.read_chunks(file))
     assert "".join(chunks) == "abcdefghij" * 300 and max(map(len, chunks)) == 128
 
 

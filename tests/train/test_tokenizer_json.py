@@ -21,7 +21,7 @@ from train.checkpoints.meta import check_tokenizer
 from train.checkpoints.store import Checkpointer, CheckpointError
 from train.cli import UsageError
 from train.config import load_config
-from train.data import shards
+from train.data import shard_format, shards
 from train.data.tokenizer import (
     ByteTokenizer,
     CharTokenizer,
@@ -33,7 +33,7 @@ from train.data.tokenizer import (
 )
 from train.models import pretrained
 from train.models.runs import load_for_sampling
-from train.prepare import prepare
+from train.data.tokenize_corpus import prepare
 
 pytest.importorskip("tokenizers")
 
@@ -136,7 +136,7 @@ def test_a_text_an_hf_tokenizer_cannot_encode_names_the_pieces(tmp_path):
 def test_check_tokenizer_refuses_another_bpe_naming_its_size_and_hash(bpe, other_bpe):
     meta = {"tokenizer": bpe.to_dict(), "config": {"train": {"data_path": "data/bpe"}}}
     check_tokenizer(meta, from_dict(bpe.to_dict()), "data/bpe")  # the same tokenizer: nothing raised
-    then, now = shards.tokenizer_hash(bpe.json).hex(), shards.tokenizer_hash(other_bpe.json).hex()
+    then, now = shard_format.tokenizer_hash(bpe.json).hex(), shard_format.tokenizer_hash(other_bpe.json).hex()
     assert then != now and len(then) == 32
     with pytest.raises(CheckpointError) as err:
         check_tokenizer(meta, other_bpe, "data/bpe280")

@@ -17,7 +17,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from train.config import ExperimentConfig
-from train.data.shards import tokenizer_hash
+from train.data.shard_format import tokenizer_hash
 from train.data.tokenizer import JSON_KINDS, Tokenizer
 from train.data.tokenizer import from_dict as tokenizer_from_dict
 

@@ -35,9 +35,10 @@ from typing import Any
 import numpy as np
 
 from train.cli import UsageError
-from train.data import chats as finetune_data
 from train.data.batches import ShardStream
+from train.data.chats import chat_documents
 from train.data.errors import DataError
+from train.data.packing import pack
 from train.data.shards import VERIFY_MODES, open_prepared, verify_shards
 from train.data.tokenizer import Tokenizer, build_tokenizer
 
@@ -148,7 +149,7 @@ class Corpus:
       path: the text file or prepared directory.
       prepared: a prepared directory's manifest (`train.data.shards`), else None.
       warnings: what a run says before it starts (an unverified prepared corpus), one line each.
-      packed: the splits are `train.data.chats.Packed` rows of documents (a chat JSONL corpus,
+      packed: the splits are `train.data.packing.Packed` rows of documents (a chat JSONL corpus,
         `open_chat_corpus`), not token streams.
     """
 
@@ -256,12 +257,12 @@ def open_chat_corpus(path: str | os.PathLike, tokenizer: Tokenizer, template, *,
     if template is None:
         raise DataError(f"{path}: chat data is rendered with the checkpoint's chat template, and train.init_from "
                         "has none (a chat_template.jinja, or tokenizer_config.json's chat_template)")
-    documents = finetune_data.chat_documents(path, template, tokenizer, train_on=train_on)
+    documents = chat_documents(path, template, tokenizer, train_on=train_on)
     if len(documents) < 2:
         raise DataError(f"{path}: {len(documents)} conversation(s): a run needs at least two, one to hold out")
     held_out = max(1, round(len(documents) * val_fraction))
-    train = finetune_data.pack(documents[:-held_out], block_size, seed=seed)
-    val = finetune_data.pack(documents[-held_out:], block_size, seed=seed)
+    train = pack(documents[:-held_out], block_size, seed=seed)
+    val = pack(documents[-held_out:], block_size, seed=seed)
     counted = float(np.sum(train.weights))
     if counted == 0:
         raise DataError(f"{path}: no training token counts toward the loss (train.train_on={train_on!r})")

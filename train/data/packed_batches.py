@@ -1,4 +1,4 @@
-"""Batches of packed documents (`train.data.chats.pack`): a fine-tuning run's chats, read as rows.
+"""Batches of packed documents (`train.data.packing.pack`): a fine-tuning run's chats, read as rows.
 
 A packed split is R rows of T = block_size predictions, each row documents back to back, with the
 weight of each prediction (0 across documents and at padding; 0 outside the assistant's turns of a
@@ -31,7 +31,7 @@ def rows_of(packed, rows: np.ndarray) -> dict[str, np.ndarray]:
 
 
 class PackedBatches:
-    """`train.data.batches.RunBatches`' surface over packed splits (`train.data.chats.Packed`).
+    """`train.data.batches.RunBatches`' surface over packed splits (`train.data.packing.Packed`).
 
     Args:
       train, val: the packed splits.

@@ -22,7 +22,7 @@ MAX_NAMED = 5  # unencodable pieces named in an error
 
 def canonical_json(value: str | dict[str, Any]) -> bytes:
     """A JSON text or object as sorted-key, space-free UTF-8 JSON: equal for equal JSON however it
-    was indented (what `JSONTokenizer` equality and `train.data.shards.tokenizer_hash` are of)."""
+    was indented (what `JSONTokenizer` equality and `train.data.shard_format.tokenizer_hash` are of)."""
     obj = json.loads(value) if isinstance(value, str) else value
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
 

@@ -178,9 +178,32 @@ def build_programs(config: ExperimentConfig, runtime: Runtime, initial: Initial 
     model, tc = DecoderLM(config.model, runtime.kernels), config.train
     adapters = config.lora is not None
     optimizer = make_optimizer(tc, None if adapters else sharding.logical_names(config.model))
-    schedule, dropout = lr_schedule(tc), config.model.dropout > 0 or (adapters and config.lora.dropout > 0)
     B, T = tc.batch_size, tc.block_size
-    eval_rows = B * max(1, 256 // B)
+    start_state, init_state = _state_makers(model, optimizer, T)
+    frozen, trained = {}, None
+    if initial is not None:
+        trained, frozen = start_params(config, initial)
+        layout = state_layout(config, runtime.mesh, lambda seed: start_state(trained, seed), adapters=adapters)
+    else:
+        layout = state_layout(config, runtime.mesh, init_state)
+    frozen_sharding = frozen_layout(frozen, layout)
+    frozen = jax.device_put(frozen, frozen_sharding)
+    forward_losses = _forward_losses(model, layout.mesh, adapters)
+    train_steps = _train_steps(config, optimizer, forward_losses, layout, frozen_sharding)
+    evaluate = _evaluate(forward_losses, layout, frozen_sharding)
+    if initial is None:
+        init = jax.jit(init_state, static_argnums=(0,), out_shardings=layout.state)
+    else:
+        # each call places the host params anew, so the placed copy can become the state's (donated)
+        start = jax.jit(start_state, static_argnums=(1,), donate_argnums=(0,), out_shardings=layout.state)
+        init = lambda seed: start(jax.device_put(trained, layout.state["params"]), seed)  # noqa: E731
+    return Programs(init=init, train_steps=train_steps, evaluate=evaluate, eval_rows=B * max(1, 256 // B),
+                    layout=layout, block_size=T, frozen=frozen)
+
+
+def _state_makers(model: DecoderLM, optimizer: optax.GradientTransformation, T: int) -> tuple[Callable, Callable]:
+    """(start_state(params, seed), init_state(seed)): the whole train state from trained params, and
+    from params drawn at random (one key of the seed for the params, the other for dropout)."""
 
     def start_state(params, seed):  # the trained params -> the whole state
         _, dropout_key = jax.random.split(jax.random.PRNGKey(seed))
@@ -190,23 +213,30 @@ def build_programs(config: ExperimentConfig, runtime: Runtime, initial: Initial 
         params_key, _ = jax.random.split(jax.random.PRNGKey(seed))
         return start_state(nn.unbox(model.init(params_key, jnp.zeros((1, T), jnp.int32))["params"]), seed)
 
-    frozen, trained = {}, None
-    if initial is not None:
-        trained, frozen = start_params(config, initial)
-        layout = state_layout(config, runtime.mesh, lambda seed: start_state(trained, seed), adapters=adapters)
-    else:
-        layout = state_layout(config, runtime.mesh, init_state)
-    params_sharding, replicated = layout.state["params"], layout.replicated
-    frozen_sharding = frozen_layout(frozen, layout)
-    frozen = jax.device_put(frozen, frozen_sharding)
+    return start_state, init_state
 
-    def forward_losses(params, frozen, x, y, **kwargs):  # -> per-token losses [B*T] (and what apply returns)
+
+def _forward_losses(model: DecoderLM, mesh: Mesh, adapters: bool) -> Callable:
+    """forward_losses(params, frozen, x, y, **kwargs) -> per-token losses [B*T] (and what apply returns);
+    with `adapters`, params are a LoRA run's adapters, combined with the frozen base first."""
+
+    def forward_losses(params, frozen, x, y, **kwargs):
         whole = lora.combine_lora(frozen, params) if adapters else params
-        with axes.activation_rules(layout.mesh):  # rows split through every layer
+        with axes.activation_rules(mesh):  # rows split through every layer
             # The head fused with the cross entropy where it is frozen (a LoRA run): no [B, T, V] logits
             # kept, and no more products than the logits' pair. A trained head's gradient would cost
             # one more, so a full run keeps the logits (`DecoderLM.token_losses`).
             return model.apply({"params": whole}, x, y, fused=adapters, method=DecoderLM.token_losses, **kwargs)
+
+    return forward_losses
+
+
+def _train_steps(config: ExperimentConfig, optimizer: optax.GradientTransformation, forward_losses: Callable,
+                 layout: StateLayout, frozen_sharding: Any) -> Callable:
+    """The jitted `Programs.train_steps`: one optimizer step per batch of the chunk, inside `lax.scan`."""
+    schedule = lr_schedule(config.train)
+    dropout = config.model.dropout > 0 or (config.lora is not None and config.lora.dropout > 0)
+    params_sharding = layout.state["params"]
 
     def loss_fn(params, frozen, batch, dropout_key):  # -> (cross entropy + the sown objective, the layers' mean losses)
         x, y, weights, where = model_inputs(batch)
@@ -227,28 +257,30 @@ def build_programs(config: ExperimentConfig, runtime: Runtime, initial: Initial 
         state = {**state, "params": params, "opt_state": opt_state, "step": step + 1}
         return state, (loss, schedule(step), sown_means)
 
-    @partial(jax.jit, donate_argnums=(0,), in_shardings=(layout.state, layout.windows(B), frozen_sharding),
-             out_shardings=(layout.state, replicated))
+    chunk_sharding = layout.windows(config.train.batch_size)
+
+    @partial(jax.jit, donate_argnums=(0,), in_shardings=(layout.state, chunk_sharding, frozen_sharding),
+             out_shardings=(layout.state, layout.replicated))
     def train_steps(state, windows, frozen):
         return jax.lax.scan(partial(one_step, frozen), state, windows)
+
+    return train_steps
+
+
+def _evaluate(forward_losses: Callable, layout: StateLayout, frozen_sharding: Any) -> Callable:
+    """The jitted `Programs.evaluate`: the weighted sum of each batch's next-token losses."""
 
     def batch_loss(params, frozen, batch, weight):  # [R, T + 1] (or packed), [R, T] -> the weighted sum of R * T losses
         x, y, _, where = model_inputs(batch)
         losses = forward_losses(params, frozen, x, y, **where)
         return jnp.sum(losses * weight.reshape(-1))
 
-    @partial(jax.jit, in_shardings=(params_sharding, None, None, frozen_sharding), out_shardings=replicated)
+    @partial(jax.jit, in_shardings=(layout.state["params"], None, None, frozen_sharding),
+             out_shardings=layout.replicated)
     def evaluate(params, windows, weights, frozen):
         return jax.lax.map(lambda batch: batch_loss(params, frozen, *batch), (windows, weights))
 
-    if initial is None:
-        init = jax.jit(init_state, static_argnums=(0,), out_shardings=layout.state)
-    else:
-        # each call places the host params anew, so the placed copy can become the state's (donated)
-        start = jax.jit(start_state, static_argnums=(1,), donate_argnums=(0,), out_shardings=layout.state)
-        init = lambda seed: start(jax.device_put(trained, params_sharding), seed)  # noqa: E731
-    return Programs(init=init, train_steps=train_steps, evaluate=evaluate, eval_rows=eval_rows, layout=layout,
-                    block_size=T, frozen=frozen)
+    return evaluate
 
 
 def start_params(config: ExperimentConfig, initial: Initial) -> tuple[Any, Any]:
