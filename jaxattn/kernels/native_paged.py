@@ -8,9 +8,10 @@ bandwidth (docs/performance.md §14). `native/paged_attention.cc` reads each key
 once per row and kv head, for the G query heads that share it, a page at a time with an online
 softmax in float32, its rows split over the CPU's cores.
 
-Which rows go native (`takes_native`): one key part (not MLA's two), everything float32, and at most
-`NATIVE_UP_TO` queries per row and kv head (C * G): decoding. A prompt chunk's many queries are
-matmuls, which `ragged_paged_attention`'s blockwise loop does well, so it goes there.
+What the loop takes (`refusal` says what it does not): one key part (not MLA's two), everything
+float32, and, to be worth it, at most `NATIVE_UP_TO` queries per row and kv head (C * G): decoding. A
+prompt chunk's many queries are matmuls, which `ragged_paged_attention`'s blockwise loop does well.
+Whether a call goes native is decided in `jaxattn.kernels.paged_select` ("ragged_cpu"), from `refusal`.
 
 The library is built and cached by `jaxattn.kernels.native_build` (the host's C++ compiler, on first use).
 """
@@ -53,13 +54,16 @@ def _registered() -> bool:
     return True
 
 
-def takes_native(queries, key_pages, value_pages) -> bool:
-    """Whether a call goes native: one key part, float32 throughout, C * G <= NATIVE_UP_TO."""
-    if len(queries) != 1:
-        return False
-    R, C, N = queries[0].shape[:3]
-    float32 = all(x.dtype == jnp.float32 for x in (*queries, *key_pages, value_pages))
-    return float32 and C * (N // value_pages.shape[2]) <= NATIVE_UP_TO
+def refusal(call: paged.PagedCall) -> str | None:
+    """Why the native loop should not take a call (`paged.PagedCall`), or None where it should."""
+    if call.parts != 1:
+        return f"{call.parts} key parts (MLA's latent and rotary key): the loop reads one"
+    if not call.float32:
+        return "pages or queries not float32 (int8 pages, 16-bit floats): the loop reads float32 only"
+    if call.queries_per_kv_head > NATIVE_UP_TO:
+        return (f"{call.queries_per_kv_head} queries per row and kv head > {NATIVE_UP_TO}: matmuls, which the "
+                "blockwise loop does well")
+    return None
 
 
 def native_paged_attention(queries, key_pages, value_pages, block_table, query_positions, *, scale,
@@ -80,11 +84,3 @@ def native_paged_attention(queries, key_pages, value_pages, block_table, query_p
                 sink_logits, scale=np.float32(scale), window=np.int32(window or 0),
                 cap=np.float32(logits_soft_cap or 0.0), has_sinks=np.int32(sinks is not None),
                 threads=np.int32(native_build.threads()))
-
-
-def ragged_cpu_paged_attention(queries, key_pages, value_pages, block_table, query_positions, *, scale,
-                               window=None, logits_soft_cap=None, sinks=None, pages_per_block=4):
-    """`native_paged_attention` where `takes_native`, else `paged.ragged_paged_attention`."""
-    attend = native_paged_attention if takes_native(queries, key_pages, value_pages) else paged.ragged_paged_attention
-    return attend(queries, key_pages, value_pages, block_table, query_positions, scale=scale, window=window,
-                  logits_soft_cap=logits_soft_cap, sinks=sinks, pages_per_block=pages_per_block)

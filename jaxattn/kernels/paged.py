@@ -34,9 +34,14 @@ the first block any query of the call can see to the one holding the highest pos
 only that block's pages per row and folding them into the online softmax of §15 (running max,
 sum and rescaled accumulator, float32): the cost follows the tokens held, not the pages reserved.
 Equal to the reference to float32 summation order.
+
+Which one runs for a call (and the native loop of `jaxattn.kernels.native_paged`) is decided in one
+place, `jaxattn.kernels.paged_select`, from the call's `PagedCall`.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -47,6 +52,36 @@ from jaxattn.kernels.blocked_decode import block_range, online_softmax_step
 from jaxattn.masks import visible_cache_slots
 from jaxattn.cache.int8 import as_float, is_quantized, leading
 from jaxattn.softmax import grouped_sinks, masked_softmax, soft_cap, softmax_dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedCall:
+    """What the per-call rule (`jaxattn.kernels.paged_select`) looks at: a call's static shapes and dtypes.
+
+    Attributes:
+      parts: key parts (1: MHA/GQA/MQA; 2: MLA absorbed, the latent and the rotary key).
+      columns: C, query columns per row.
+      query_heads, kv_heads: N and K.
+      float32: queries, key parts and values are all float32 arrays (no int8 pages, no 16-bit floats).
+    """
+
+    parts: int
+    columns: int
+    query_heads: int
+    kv_heads: int
+    float32: bool
+
+    @classmethod
+    def of(cls, queries, key_pages, value_pages) -> "PagedCall":
+        """The facts of a call with this module's arguments (shapes are static under `jit`)."""
+        R, C, N = queries[0].shape[:3]
+        float32 = all(x.dtype == jnp.float32 for x in (*queries, *key_pages, value_pages))
+        return cls(parts=len(queries), columns=C, query_heads=N, kv_heads=value_pages.shape[2], float32=float32)
+
+    @property
+    def queries_per_kv_head(self) -> int:
+        """C * G: the queries of a row that read one kv head's keys."""
+        return self.columns * (self.query_heads // self.kv_heads)
 
 
 def _shapes(queries, key_pages, value_pages, block_table, query_positions) -> str:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-from jaxattn.kernels import auto, bf16_matmul, blocked_decode, moe, native_paged, paged, quant_matmul, xla, xla_cpu
+from jaxattn.kernels import auto, bf16_matmul, blocked_decode, moe, paged_select, quant_matmul, xla, xla_cpu
 
 AUTO = "auto"
 
@@ -25,8 +25,8 @@ IMPLEMENTATIONS: dict[str, dict[str, object]] = {
                "auto_cpu": (auto.cpu_cached_attention, xla_cpu.write_rows)},  # blocked or xla_cpu per call
     "matmul": {"xla": xla.matmul, "bfloat16": bf16_matmul.matmul, "bfloat16_cpu": bf16_matmul.matmul_cpu},
     "mla": {"naive": None, "absorb": None},
-    "paged": {"gather": None, "ragged": paged.ragged_paged_attention,  # "gather": the layer's own cached attention
-              "ragged_cpu": native_paged.ragged_cpu_paged_attention},
+    # "gather": the layer's own cached attention; which kernel runs a call: paged_select.choose.
+    "paged": dict(paged_select.IMPLEMENTATIONS),
     "moe": dict(moe.IMPLEMENTATIONS),
     "quantized": {"xla": quant_matmul.matmul, "native_cpu": quant_matmul.matmul_cpu,
                   "native_cpu_q8act": quant_matmul.matmul_cpu_q8act},
@@ -69,7 +69,8 @@ class Kernels:
         gathered into the dense layout, then the layer's cached attention and the `decode` field's
         kernel), "ragged" (`jaxattn.kernels.paged`: reads only the pages that hold visible tokens,
         online softmax in float32; forward only) or "ragged_cpu" (`jaxattn.kernels.native_paged`:
-        ragged, its decoding rows in a native loop built with the host's C++ compiler; CPU only).
+        ragged, its decoding rows in a native loop built with the host's C++ compiler; CPU only). Which
+        of these runs a call, and why, is `jaxattn.kernels.paged_select`'s one rule.
       moe: a mixture-of-experts layer's routed experts: "dense" (reference: every expert on every
         token, weighted by the sparse gates), "grouped" (tokens sorted by expert, `jax.lax.ragged_dot`),
         "grouped_cpu" (the same grouping in tiles of rows, batched matmuls), "gathered" (each

@@ -10,7 +10,8 @@ rules follow side-by-side measurements on x86 CPUs with and without AVX-512
 and AMX-BF16 (docs/performance.md; `bench/kernel_choices.py` and
 `bench/attention.py` repeat them on any machine). Attention resolves to its
 platform's per-call rule (`jaxattn.kernels.auto`: dense or blockwise by length
-on a CPU, cuDNN on a GPU, splash on a TPU, where each takes the call). For the
+on a CPU, cuDNN on a GPU, splash on a TPU, where each takes the call); paged attention's
+rules, for a platform and for each call, are `jaxattn.kernels.paged_select`'s. For the
 other fields on a GPU or TPU, where no side-by-side comparison backs a rule,
 "auto" is the reference except for bfloat16 matmul operands, the usual practice
 there (torch.autocast).
@@ -24,7 +25,7 @@ from typing import Callable
 
 import jax
 
-from jaxattn.kernels import auto, moe, native_paged
+from jaxattn.kernels import auto, moe, native_paged, paged_select
 from jaxattn.kernels.host import read_cpu_flags
 from jaxattn.kernels.registry import AUTO, IMPLEMENTATIONS, Kernels
 
@@ -106,14 +107,6 @@ def _mla(platform: Platform) -> tuple[str, str]:
     return "naive", "one decompression matmul per layer suits full sequences; decoding always absorbs"
 
 
-def _paged(platform: Platform) -> tuple[str, str]:
-    if platform.is_cpu and platform.cxx:
-        return "ragged_cpu", "decoding rows in a native loop: XLA:CPU runs them as many tiny batched dots"
-    if platform.is_cpu:
-        return "ragged", "no C++ compiler for the native loop; gathering would copy every page a row may hold"
-    return "gather", f"{platform.backend}: one gather beats a loop whose every trip checks its bound on the host"
-
-
 def _quantized(platform: Platform) -> tuple[str, str]:
     if platform.is_cpu and platform.cxx and "avx512_vnni" in platform.cpu_flags:
         return "native_cpu_q8act", ("up to 32 rows in a native loop, the activations rounded to int8 in groups of "
@@ -127,7 +120,7 @@ def _quantized(platform: Platform) -> tuple[str, str]:
 
 RULES: dict[str, Callable[[Platform], tuple[str, str]]] = {
     "attention": _attention, "decode": _decode, "matmul": _matmul, "mla": _mla, "moe": moe.rule,
-    "paged": _paged, "quantized": _quantized}
+    "paged": paged_select.platform_rule, "quantized": _quantized}
 assert set(RULES) == set(IMPLEMENTATIONS)
 
 

@@ -33,11 +33,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jaxattn import kernels as kernels_lib
 from jaxattn.attention import scaled_dot_product_attention
 from jaxattn.cache.containers import CacheField, PagedBatch, RowGroup, gather_pages, write_pages, write_rows
 from jaxattn.config import AttentionSpec, ModelConfig
-from jaxattn.kernels import Kernels
+from jaxattn.kernels import Kernels, paged_select
 from jaxattn.masks import check_segment_ids
 from jaxattn.layers.primitives import logical
 from jaxattn.rope import rope_attention_factor, rope_frequencies
@@ -125,16 +124,25 @@ class AttentionLayer(nn.Module):
 
     def attend_pages(self, q, pool, rows: RowGroup):
         """Attention of one group's queries (`[R, C, ...]`, at `rows.positions`) to their rows' pages
-        -> `[R, C, N, Hv]`. `kernels.paged` chooses: "gather" (the reference) gathers each row's pages
-        into the dense layout and calls `attend_cached`; "ragged" (`attend_pages_ragged`) reads only the
-        pages that hold visible tokens."""
-        if kernels_lib.check_paged(self.kernels.paged) == "gather":
+        -> `[R, C, N, Hv]`, by the kernel `jaxattn.kernels.paged_select.choose` picks for `kernels.paged`
+        and the call: "gather" (the reference) gathers each row's pages into the dense layout and calls
+        `attend_cached`; the others take `paged_operands` and give `paged_output` its result."""
+        queries, key_pages, value_pages = self.paged_operands(q, pool)
+        kernel, _ = paged_select.choose(self.kernels.paged, queries, key_pages, value_pages)
+        if kernel == paged_select.GATHER:
             return self.attend_cached(q, self.gather_cache(pool, rows.block_table), rows.positions)
-        return self.attend_pages_ragged(q, pool, rows)
+        out = paged_select.KERNELS[kernel](queries, key_pages, value_pages, rows.block_table, rows.positions,
+                                           scale=self.scale, window=self.spec.window, **self.cap_and_sinks())
+        return self.paged_output(out)
 
-    def attend_pages_ragged(self, q, pool, rows: RowGroup):
-        """`attend_pages` through `jaxattn.kernels.paged.ragged_paged_attention`."""
+    def paged_operands(self, q, pool):
+        """`(queries, key_pages, value_pages)` of `jaxattn.kernels.paged`'s contract for q against the pool
+        (not read on the "gather" path: under `jit` they cost nothing there)."""
         raise NotImplementedError
+
+    def paged_output(self, out):
+        """A paged kernel's `[R, C, N, Hv']` result -> this layer's `[R, C, N, Hv]`; identity by default."""
+        return out
 
     def project_out(self, out, *, deterministic=True):
         """`[B, T, N, Hv] -> [B, T, D]`."""

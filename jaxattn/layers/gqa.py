@@ -15,8 +15,7 @@ import jax.numpy as jnp
 
 from jaxattn.attention import cached_attention
 from jaxattn.layers.attention_layer import AttentionLayer
-from jaxattn.cache.containers import CacheField, KVCache, RowGroup
-from jaxattn.kernels import paged_attention_kernel
+from jaxattn.cache.containers import CacheField, KVCache
 from jaxattn.layers.primitives import check_config, logical, make_linear, make_rms_norm
 from jaxattn.cache.int8 import as_float
 from jaxattn.rope import apply_rope, rotary_dims
@@ -157,12 +156,10 @@ class Attention(AttentionLayer):
         return cached_attention(q, k, v, positions, scale=self.scale, window=self.spec.window,
                                 implementation=self.kernels.decode, **self.cap_and_sinks())
 
-    def attend_pages_ragged(self, q, pool: KVCache, rows: RowGroup):
-        """`ragged_paged_attention` of q `[R, C, N, H]` against the `[P, ps, K, H]` pools (int8 pools are
-        dequantized by the kernel, a block of gathered pages at a time)."""
-        attend = paged_attention_kernel(self.kernels.paged)
-        return attend((q,), (pool.k,), pool.v, rows.block_table, rows.positions, scale=self.scale,
-                      window=self.spec.window, **self.cap_and_sinks())
+    def paged_operands(self, q, pool: KVCache):
+        """q `[R, C, N, H]` against the `[P, ps, K, H]` key and value pools: one key part (int8 pools stay
+        int8: the kernel dequantizes the pages it gathers)."""
+        return (q,), (pool.k,), pool.v
 
     def project_out(self, out, *, deterministic=True):
         """Merges heads `[B, T, N, H] -> [B, T, N*H]` (a free reshape) and applies W_O -> `[B, T, D]`."""

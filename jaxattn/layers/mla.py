@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 from jaxattn import kernels as kernels_lib
 from jaxattn.layers.attention_layer import AttentionLayer
-from jaxattn.cache.containers import CacheField, LatentCache, RowGroup
+from jaxattn.cache.containers import CacheField, LatentCache
 from jaxattn.lora import float_param  # a quantized or LoRA weight read as float
 from jaxattn.masks import causal_mask, combine_masks, segment_mask, sliding_window_mask, visible_cache_slots
 from jaxattn.layers.primitives import check_config, logical, make_linear, make_rms_norm
@@ -211,10 +211,10 @@ class MultiHeadLatentAttention(AttentionLayer):
         dtype = q[0].dtype
         return self.attend_absorbed(q, (as_float(cache.c_kv, dtype), as_float(cache.k_rope, dtype)), mask=mask)[0]
 
-    def attend_pages_ragged(self, q, pool: LatentCache, rows: RowGroup):
-        """Absorbed attention against the latent pages, as MQA (one kv head) over two parts: the latent
-        `[P, ps, R]` (keys and values at once) and the rotary key `[P, ps, E]` (int8 pools stay int8:
-        the kernel dequantizes what it gathers)."""
+    def paged_operands(self, q, pool: LatentCache):
+        """Absorbed attention against the latent pages, as MQA (one kv head) over two parts: W_UK folded
+        into the query, the latent `[P, ps, R]` (keys and values at once) and the rotary key `[P, ps, E]`
+        (int8 pools stay int8: the kernel dequantizes what it gathers)."""
         (q_nope, q_rope), P = q, self.config.mla.qk_nope_head_dim
         q_latent = jnp.einsum("BTNP,RNP->BTNR", q_nope, self.wkv_b[..., :P].astype(q_nope.dtype))
 
@@ -222,10 +222,12 @@ class MultiHeadLatentAttention(AttentionLayer):
             pages = leading(lambda a: a[:, :, None], pages)
             return pages if is_quantized(pages) else pages.astype(q_nope.dtype)
         latent = one_head(pool.c_kv)
-        attend = kernels_lib.paged_attention_kernel(self.kernels.paged)
-        o_latent = attend((q_latent, q_rope), (latent, one_head(pool.k_rope)), latent, rows.block_table,
-                          rows.positions, scale=self.scale, window=self.spec.window, **self.cap_and_sinks())
-        return jnp.einsum("BTNR,RNV->BTNV", o_latent, self.wkv_b[..., P:].astype(q_nope.dtype))
+        return (q_latent, q_rope), (latent, one_head(pool.k_rope)), latent
+
+    def paged_output(self, out):
+        """The latent result `[R, C, N, R_kv]` through W_UV -> `[R, C, N, V]`."""
+        P = self.config.mla.qk_nope_head_dim
+        return jnp.einsum("BTNR,RNV->BTNV", out, self.wkv_b[..., P:].astype(out.dtype))
 
     def project_out(self, out, *, deterministic=True):
         """`[B, T, N, V] -> [B, T, D]` through W_O, then residual dropout."""

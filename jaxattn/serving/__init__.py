@@ -1,17 +1,35 @@
 """Serving many requests at once: a paged KV cache and continuous batching (docs/serving.md).
 
-* `Engine`, `EngineConfig` (`jaxattn.serving.engine`): the scheduler and the step loop;
-* `SamplingParams`, `Request` (`jaxattn.serving.requests`): what a caller asks and gets;
-* `PageAllocator` (`jaxattn.serving.pages`): pages, refcounts, the prefix cache;
+The engine, in parts that each do one job (vLLM V1's split):
+
+* `Engine` (`jaxattn.serving.engine`): the facade callers use: add, step, cancel, run;
+* `EngineConfig` (`jaxattn.serving.engine_config`): its shape and memory;
+* `jaxattn.serving.validation`: every check of a request (`RequestError`, a ValueError with the OpenAI
+  parameter and code);
+* `Scheduler` (`jaxattn.serving.scheduler`): admission, the queue's limit (`QueueFull`), the token
+  budget, preemption; each step as a `SchedulerOutput`;
+* `KVCacheManager` (`jaxattn.serving.kv_cache_manager`): each request's pages;
+* `PageAllocator` (`jaxattn.serving.pages`): the pool's pages, refcounts, the prefix cache;
+* `ModelRunner` (`jaxattn.serving.model_runner`): placed parameters and pools, a step's arrays, the run;
 * `jaxattn.serving.step`: the compiled step programs, one per shape bucket;
+* `SamplingParams`, `Request` (`jaxattn.serving.requests`): what a caller asks and gets;
 * `TextStream` (`jaxattn.serving.text`): streamed text in whole characters, stop strings.
+
+Beside the engine, `jaxattn.serving.api` is its OpenAI-compatible HTTP server (FastAPI), which
+`python -m train.serve` runs; it is not imported here, so the engine needs no web framework.
 """
 
-from jaxattn.serving.engine import Engine, EngineConfig
+from jaxattn.serving.engine import Engine
+from jaxattn.serving.engine_config import EngineConfig
+from jaxattn.serving.kv_cache_manager import KVCacheManager
+from jaxattn.serving.model_runner import ModelRunner
 from jaxattn.serving.pages import PageAllocator, page_keys
 from jaxattn.serving.requests import Request, SamplingParams, Status
+from jaxattn.serving.scheduler import QueueFull, Scheduler, SchedulerOutput
 from jaxattn.serving.step import StepShape
 from jaxattn.serving.text import TextStream
+from jaxattn.serving.validation import RequestError, RequestLimits
 
-__all__ = ["Engine", "EngineConfig", "PageAllocator", "Request", "SamplingParams", "Status", "StepShape",
+__all__ = ["Engine", "EngineConfig", "KVCacheManager", "ModelRunner", "PageAllocator", "QueueFull", "Request",
+           "RequestError", "RequestLimits", "SamplingParams", "Scheduler", "SchedulerOutput", "Status", "StepShape",
            "TextStream", "page_keys"]

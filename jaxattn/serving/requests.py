@@ -5,11 +5,11 @@ from __future__ import annotations
 import dataclasses
 import enum
 import itertools
-import math
 import time
 from typing import Callable
 
 from jaxattn.serving.text import TextStream
+from jaxattn.serving.validation import check_sampling
 
 _ids = itertools.count()
 
@@ -24,7 +24,8 @@ class SamplingParams:
       top_p: keep the smallest most likely set of mass >= top_p, in (0, 1]; 1 = off.
       seed: the draws' seed: a seeded request's tokens depend on its seed and positions only,
         never on what else runs. None: drawn from the engine's own generator.
-      max_tokens: the most new tokens (>= 1).
+      max_tokens: the most new tokens (>= 1); None: up to the context (`max_model_len` less the prompt,
+        resolved by the engine when the request is added).
       stop_token_ids: tokens that end the request (in `output_ids`, never in the streamed text).
       stop: strings that end the request (needs the engine's detokenizer); the text stops
         before the first one.
@@ -34,26 +35,14 @@ class SamplingParams:
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
-    max_tokens: int = 16
+    max_tokens: int | None = 16
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
 
     def __post_init__(self):
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
-        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
-                and self.temperature >= 0):
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
-            raise ValueError(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
-        if not (isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise ValueError(f"stop must hold non-empty strings, got {self.stop!r}")
+        check_sampling(self)  # each field in its range (a RequestError, a ValueError, naming the field)
 
 
 class Status(enum.Enum):
@@ -84,8 +73,10 @@ class Request:
         self.num_preemptions = 0
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache (last admission)
         self._taken = 0
-        # The engine's bookkeeping: pages held (block table; -1 for pages given back past a window),
-        # tokens whose keys and values are in them, the hash-chain keys of its full computed pages.
+        # The KV-cache manager's bookkeeping (`jaxattn.serving.kv_cache_manager`, its only writer): pages
+        # held (block table; -1 for pages given back past a window), tokens whose keys and values are in
+        # them, the hash-chain keys of its full computed pages. Kept here, not in a table by request id,
+        # so a step reads them without a lookup.
         self.pages: list[int] = []
         self.num_computed = 0
         self.page_keys: list[bytes] = []

@@ -1,6 +1,6 @@
 """Paged attention (`jaxattn.kernels.paged`, `jaxattn.kernels.native_paged`): the ragged kernel and the
 native one equal the gathered reference, the dense cached attention and JAX's own ragged paged
-attention reference.
+attention reference; `jaxattn.kernels.paged_select` says which runs a call, and why.
 
 One pool of P = 12 pages of ps = 4 slots, a block table of Pr = 5 columns and blocks of 2 pages
 (2 does not divide 5: the last block's columns are clipped). Four rows of C = 3 query columns:
@@ -18,7 +18,9 @@ import pytest
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ref_ragged_paged_attention
 
 from jaxattn.attention import cached_attention
-from jaxattn.kernels import native_paged, paged
+from jaxattn.kernels import native_paged, paged, paged_select
+from jaxattn.kernels.select import Platform, resolve_kernels
+from jaxattn.kernels.registry import Kernels
 
 P, PS, H, SCALE, PAGES_PER_BLOCK = 12, 4, 8, 0.3, 2
 BLOCK_TABLE = np.array([[7, 2, 11, 4, 0],  # 14 tokens
@@ -40,7 +42,7 @@ STATIC = ("scale", "window", "logits_soft_cap", "pages_per_block")
 _ragged = jax.jit(paged.ragged_paged_attention, static_argnames=STATIC)
 _gathered = jax.jit(paged.gathered_paged_attention, static_argnames=STATIC)
 _native = jax.jit(native_paged.native_paged_attention, static_argnames=STATIC)
-_ragged_cpu = jax.jit(native_paged.ragged_cpu_paged_attention, static_argnames=STATIC)
+_ragged_cpu = jax.jit(paged_select.ragged_cpu_paged_attention, static_argnames=STATIC)
 ONE_PART = [case for case in CASES if len(CASES[case][2]) == 1]
 _cached = jax.jit(cached_attention, static_argnames=("scale", "window", "logits_soft_cap", "implementation"))
 
@@ -198,17 +200,59 @@ def test_ragged_cpu_equals_gathered_going_native_only_where_it_should(case):
     args, kwargs = inputs(case)
     queries, key_pages, value_pages = args[:3]
     G = CASES[case][0] // CASES[case][1]
-    assert native_paged.takes_native(queries, key_pages, value_pages) == (len(queries) == 1 and 3 * G <= 8)
+    assert takes_native(queries, key_pages, value_pages) == (len(queries) == 1 and 3 * G <= 8)
     close(_ragged_cpu(*args, **kwargs), gathered(args, kwargs))
+
+
+def takes_native(queries, key_pages, value_pages) -> bool:
+    """Whether "ragged_cpu" runs the native loop for a call (`paged_select.choose`)."""
+    return paged_select.choose("ragged_cpu", queries, key_pages, value_pages)[0] == paged_select.NATIVE
 
 
 def test_native_takes_decode_rows_only():
     q = lambda C, N, dtype=jnp.float32: jnp.zeros((2, C, N, H), dtype)  # noqa: E731
     pages = lambda K, dtype=jnp.float32: jnp.zeros((P, PS, K, H), dtype)  # noqa: E731
-    assert native_paged.takes_native((q(1, 8),), (pages(1),), pages(1))  # one row per head group of 8
-    assert not native_paged.takes_native((q(2, 8),), (pages(1),), pages(1))  # 16 queries per kv head
-    assert not native_paged.takes_native((q(1, 4), q(1, 4)), (pages(1), pages(1)), pages(1))  # MLA's parts
-    assert not native_paged.takes_native((q(1, 4, jnp.bfloat16),), (pages(2, jnp.bfloat16),), pages(2, jnp.bfloat16))
+    assert takes_native((q(1, 8),), (pages(1),), pages(1))  # one row per head group of 8
+    assert not takes_native((q(2, 8),), (pages(1),), pages(1))  # 16 queries per kv head
+    assert not takes_native((q(1, 4), q(1, 4)), (pages(1), pages(1)), pages(1))  # MLA's parts
+    assert not takes_native((q(1, 4, jnp.bfloat16),), (pages(2, jnp.bfloat16),), pages(2, jnp.bfloat16))
+
+
+# -- the one rule: which kernel runs a call, and why ----------------------------------------------------
+
+def test_the_call_rule_names_the_kernel_and_its_reason():
+    """`paged_select.choose` for each name: "gather" and "ragged" whatever the call; "ragged_cpu" native for
+    decoding rows and ragged, saying why, for a prompt chunk, MLA's two parts and int8 or 16-bit pages."""
+    q = lambda C, N, dtype=jnp.float32: jnp.zeros((2, C, N, H), dtype)  # noqa: E731
+    pages = lambda K, dtype=jnp.float32: jnp.zeros((P, PS, K, H), dtype)  # noqa: E731
+    decoding, chunk = ((q(1, 8),), (pages(2),), pages(2)), ((q(4, 8),), (pages(2),), pages(2))
+    assert paged_select.choose("gather", *decoding)[0] == "gather"
+    assert paged_select.choose("ragged", *decoding)[0] == "ragged"
+    kernel, reason = paged_select.choose("ragged_cpu", *decoding)
+    assert kernel == "native" and "4 queries per row and kv head <= 8" in reason
+    kernel, reason = paged_select.choose("ragged_cpu", *chunk)
+    assert kernel == "ragged" and "16 queries per row and kv head > 8" in reason
+    kernel, reason = paged_select.choose("ragged_cpu", (q(1, 4), q(1, 4)), (pages(1), pages(1)), pages(1))
+    assert kernel == "ragged" and "2 key parts" in reason
+    kernel, reason = paged_select.choose("ragged_cpu", (q(1, 4, jnp.bfloat16),), (pages(2, jnp.bfloat16),),
+                                         pages(2, jnp.bfloat16))
+    assert kernel == "ragged" and "float32" in reason
+
+
+def test_the_call_rule_refuses_auto_and_unknown_names():
+    args = inputs("gqa")[0][:3]
+    with pytest.raises(ValueError, match='Kernels.paged is "auto": resolve it for a platform first'):
+        paged_select.choose("auto", *args)
+    with pytest.raises(ValueError, match="paged implementation must be one of"):
+        paged_select.choose("splash", *args)
+
+
+@pytest.mark.parametrize("platform, expected", [(Platform("cpu", cxx=True), "ragged_cpu"),
+                                                (Platform("cpu"), "ragged"), (Platform("gpu"), "gather"),
+                                                (Platform("tpu"), "gather")])
+def test_auto_resolves_by_the_platform_rule_of_the_same_module(platform, expected):
+    kernels, reasons = resolve_kernels(Kernels(paged="auto"), platform)
+    assert kernels.paged == expected and reasons["paged"] == paged_select.platform_rule(platform)[1]
 
 
 def test_native_reads_only_the_slots_each_query_sees():

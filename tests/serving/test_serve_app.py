@@ -1,6 +1,7 @@
 """The server's failure paths in-process, over a stand-in engine (no model to compile): an internal
 error is a 500 and the server goes on, chat without a template is a 400, a drain cancels what has
-not finished in time, and `python -m train.serve`'s start-up errors are one line and exit 1 or 2."""
+not finished in time (`jaxattn.serving.api`), and `python -m train.serve`'s start-up errors are one line
+and exit 1 or 2."""
 
 import collections
 import socket
@@ -12,11 +13,13 @@ import openai
 import uvicorn
 import pytest
 
+from jaxattn.hf.chat_template import ChatTemplate
 from jaxattn.serving import Request, SamplingParams, Status
+from jaxattn.serving.api.app import Limits, ServedModel, create_app
+from jaxattn.serving.api.metrics import ServerMetrics
+from jaxattn.serving.api.runner import EngineRunner
+from jaxattn.serving.api.server import DrainingServer, listen_socket
 from train import serve
-from train.server.app import Limits, ServedModel, create_app
-from train.server.metrics import ServerMetrics
-from train.server.runner import EngineRunner
 
 MODEL = "stand-in"
 
@@ -27,7 +30,6 @@ class StandInEngine:
 
     def __init__(self, *, fail=False, stall=False):
         self.fail, self.stall = fail, stall
-        self.engine_config = types.SimpleNamespace(max_seqs=4)
         self.allocator = types.SimpleNamespace(in_use=0, num_pages=8, cached=0, hits=0, queries=0)
         self.stats = collections.Counter()
         self.waiting, self.running, self._cancelled = collections.deque(), [], []
@@ -74,21 +76,21 @@ class StandInEngine:
 
 
 def served(**changes) -> ServedModel:
-    return ServedModel(**{**dict(name=MODEL, encode=lambda text, special: [1] * len(text), vocab_size=8,
-                                 max_model_len=64), **changes})
+    return ServedModel(**{**dict(name=MODEL, encode=lambda text, special: [1] * len(text), max_model_len=64),
+                          **changes})
 
 
 class InProcessServer:
-    """The app over a stand-in engine, served by `serve.DrainingServer` on a thread (port 0)."""
+    """The app over a stand-in engine, served by `DrainingServer` on a thread (port 0)."""
 
     def __init__(self, engine, model: ServedModel, drain_seconds=30.0):
-        self.runner = EngineRunner(engine, max_waiting=4)
+        self.runner = EngineRunner(engine)
         metrics = ServerMetrics(engine)
         app = create_app(self.runner, model, metrics, Limits())
-        self.sock = serve.listen_socket("127.0.0.1", 0)
+        self.sock = listen_socket("127.0.0.1", 0)
         self.url = "http://127.0.0.1:%d" % self.sock.getsockname()[1]
         config = uvicorn.Config(app, log_level="critical", lifespan="off", timeout_graceful_shutdown=2)
-        self.server = serve.DrainingServer(config, self.runner, drain_seconds, lambda: "ready")
+        self.server = DrainingServer(config, self.runner, drain_seconds, lambda: "ready")
         self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=30)
 
     def __enter__(self):
@@ -207,3 +209,24 @@ def test_a_model_that_does_not_load_is_one_error_line_and_exit_1(capsys, tmp_pat
 def test_bad_flags_are_one_error_line_and_exit_2(capsys, tmp_path, argv, message):
     code, line = run_main(capsys, "--checkpoint", str(tmp_path), *argv)
     assert code == 2 and line.startswith("error: ") and message in line
+
+
+# -- the request's checks: the engine's one place, answered as 400s naming the endpoint's field ----------
+
+def test_out_of_range_fields_are_400s_naming_the_endpoint_s_field():
+    """SamplingParams' refusals (jaxattn.serving.validation) name the engine's parameter; the server answers
+    with its endpoint's: a chat's max_completion_tokens, a completion's top_k and stop. top_k -1 means off."""
+    template = ChatTemplate("{% for m in messages %}{{ m['content'] }}{% endfor %}", {})
+    with InProcessServer(StandInEngine(), served(chat_template=template)) as server:
+        for call, param in [
+            (lambda: server.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "a"}],
+                                                           max_completion_tokens=0), "max_completion_tokens"),
+            (lambda: server.client.completions.create(model=MODEL, prompt="a", extra_body={"top_k": -2}), "top_k"),
+            (lambda: server.client.completions.create(model=MODEL, prompt="a", stop=[""]), "stop"),
+            (lambda: server.client.completions.create(model=MODEL, prompt=""), "prompt"),
+        ]:
+            with pytest.raises(openai.BadRequestError) as caught:
+                call()
+            assert caught.value.body["param"] == param, caught.value.body
+        answer = server.client.completions.create(model=MODEL, prompt="a", max_tokens=2, extra_body={"top_k": -1})
+        assert answer.choices[0].text == "xx"

@@ -1,4 +1,4 @@
-"""The chat page of `python -m train.serve` (train/server/chat.html) in headless Chromium, against a real server.
+"""The chat page of `python -m train.serve` (jaxattn/serving/api/chat.html) in headless Chromium, against a real server.
 
 One tiny randomly initialised server (tests/serving/server_process.py) serves the module. Each test opens its
 page in a `LoopbackPage` (tests/browser.py): the requests to the server's origin go through, any other is
@@ -30,7 +30,7 @@ from server_process import MODEL, ServerProcess, tiny_server_args
 # A server process and a Chromium; one worker runs them all (`make test` spreads groups), so each starts once.
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("serve_browser")]
 
-PAGE_FILE = Path(__file__).resolve().parents[2] / "train" / "server" / "chat.html"
+PAGE_FILE = Path(__file__).resolve().parents[2] / "jaxattn" / "serving" / "api" / "chat.html"
 SLICE_S = 0.004  # how long a held server runs at a time
 PAUSE_S = 0.05  # then the browser's time to read and show what came
 REPLY = "Array.from(document.querySelectorAll('#messages .assistant')).pop() ?? null"

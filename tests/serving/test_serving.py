@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 import jaxattn as ja
-from jaxattn.serving import Engine, EngineConfig, PageAllocator, SamplingParams, TextStream, page_keys
+from jaxattn.serving import Engine, EngineConfig, PageAllocator, RequestError, SamplingParams, TextStream, page_keys
 from tiny_models import drawn_params, tiny_config
 from tests.layers.test_moe_model import EXPERTS
 
@@ -230,6 +230,17 @@ def test_cancelling_a_waiting_and_a_running_request_frees_everything():
 def test_add_request_refuses_bad_input_in_one_line(prompt, sampling, message):
     with pytest.raises(ValueError, match=message):
         engine_for("mha").add_request(prompt, sampling)
+
+
+def test_add_request_refusals_carry_the_parameter_and_code_the_server_answers_with():
+    engine = engine_for("mha")
+    with pytest.raises(RequestError) as caught:
+        engine.add_request([1] * 60, SamplingParams(max_tokens=10))
+    assert (caught.value.param, caught.value.code) == ("max_tokens", "context_length_exceeded")
+    with pytest.raises(RequestError) as caught:  # the rest of the context: 64 tokens, more than 14 pages of 4
+        engine.add_request([1] * 10, SamplingParams(max_tokens=None))
+    assert caught.value.param == "max_tokens" and "pool" in str(caught.value)
+    assert not engine.has_unfinished()
 
 
 @pytest.mark.parametrize("changes, message", [

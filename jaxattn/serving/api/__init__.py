@@ -1,3 +1,17 @@
-"""`python -m train.serve`'s parts: the OpenAI API's shapes (`protocol`), the engine on its own thread
-(`runner`), the FastAPI application (`app`), the Prometheus metrics (`metrics`) and the chat page
-(`chat.html`)."""
+"""The engine's OpenAI-compatible HTTP server (FastAPI and uvicorn), which `python -m train.serve` runs.
+
+It lives beside the engine, as vLLM keeps `vllm/entrypoints/openai` beside its engine: it is the
+engine's own front door, reads the engine's parts by name (the runner owns an `Engine`, the metrics
+read its scheduler's queues and pool, errors come from `jaxattn.serving.validation` and the
+scheduler), and a program that serves a model only loads the model and starts it. `jaxattn.serving`
+does not import it, so the engine alone needs no web framework.
+
+* `protocol`: the OpenAI API's shapes: request bodies parsed into types, answers, chunks, errors;
+* `runner`: the engine on a thread of its own, and what crosses to the event loop (`Ticket`, `Update`);
+* `state`: what the routes read (`ApiState`: the runner, the `ServedModel`, the metrics, the `Limits`);
+* `handlers`: the routes, plain functions over that state;
+* `app`: `create_app`, the routes with their error answers and middleware;
+* `metrics`: `GET /metrics` in Prometheus text;
+* `server`: the listening socket and uvicorn draining on a signal;
+* `chat.html`: the chat page at `/`.
+"""

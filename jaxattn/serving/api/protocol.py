@@ -1,10 +1,12 @@
 """The OpenAI API's shapes: request bodies in, answers, stream chunks and errors out.
 
 Requests are parsed by pydantic models that take the fields `/v1/completions` and
-`/v1/chat/completions` define, ignore fields that change nothing here (`user`, `metadata`,
-`store`, ...), and refuse with a 400 naming the parameter what would change the answer and is
-not supported (`n` > 1, `logprobs`, `best_of`, penalties, `tools`, `response_format` other than
-text). `top_k` (0 or -1 = off) and `ignore_eos` are extensions, as in vLLM.
+`/v1/chat/completions` define, into their types only, ignore fields that change nothing here
+(`user`, `metadata`, `store`, ...), and refuse with a 400 naming the parameter what would change the
+answer and is not supported (`n` > 1, `logprobs`, `best_of`, penalties, `tools`, `response_format`
+other than text). `top_k` (0 or -1 = off) and `ignore_eos` are extensions, as in vLLM. Whether the
+values are in range, and fit the model, is `jaxattn.serving.validation`'s to say (its `RequestError`
+names the engine's parameter; `openai_param` names the endpoint's).
 
 Errors are `APIError`s, answered as OpenAI answers them, `{"error": {"message", "type", "param",
 "code"}}` with the HTTP status the `openai` client maps to its exception classes.
@@ -55,10 +57,10 @@ class _Sampled(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=False)
 
     model: str
-    max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=-1)
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool = False
@@ -81,19 +83,22 @@ class _Sampled(BaseModel):
                 raise bad_request(f"{name} is not supported (0 only)", name)
         if self.logit_bias:
             raise bad_request("logit_bias is not supported", "logit_bias")
-        stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
-        if any(not s for s in stops):
-            raise bad_request("stop strings must not be empty", "stop")
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed with stream: true", "stream_options")
 
-    def sampling(self, max_tokens: int, stop_token_ids: tuple[int, ...]) -> SamplingParams:
-        """The engine's settings: OpenAI's defaults (temperature 1, top_p 1) where a field is absent."""
+    def sampling(self, max_tokens: int | None, stop_token_ids: tuple[int, ...]) -> SamplingParams:
+        """The engine's settings (`RequestError` for a value out of range): OpenAI's defaults (temperature
+        1, top_p 1) where a field is absent, top_k -1 as 0 (off), `max_tokens` None up to the context."""
         return SamplingParams(
-            temperature=1.0 if self.temperature is None else float(self.temperature),
-            top_p=1.0 if self.top_p is None else float(self.top_p),
-            top_k=max(self.top_k or 0, 0), seed=self.seed, max_tokens=max_tokens,
-            stop_token_ids=() if self.ignore_eos else stop_token_ids, stop=tuple([self.stop] if isinstance(self.stop, str) else self.stop or ()))
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=0 if self.top_k in (None, -1) else self.top_k, seed=self.seed, max_tokens=max_tokens,
+            stop_token_ids=() if self.ignore_eos else stop_token_ids,
+            stop=tuple([self.stop] if isinstance(self.stop, str) else self.stop or ()))
+
+    def openai_param(self, param: str | None) -> str | None:
+        """The field of this endpoint that an engine's parameter (`RequestError.param`) came from."""
+        return param
 
     @property
     def include_usage(self) -> bool:
@@ -118,15 +123,18 @@ class CompletionRequest(_Sampled):
             raise bad_request("suffix is not supported", "suffix")
 
     def single_prompt(self) -> str | list[int]:
-        """The one prompt: text or ids; a 400 for an empty prompt or several."""
+        """The one prompt: text or ids (a list of one taken); a 400 for several."""
         prompt = self.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             if len(prompt) != 1:
                 raise bad_request(f"one prompt per request, got a list of {len(prompt)}", "prompt")
             prompt = prompt[0]
-        if len(prompt) == 0:
-            raise bad_request("prompt is empty", "prompt")
         return prompt
+
+    @property
+    def asked_tokens(self) -> int:
+        """max_tokens, 16 where absent (OpenAI's default for completions)."""
+        return 16 if self.max_tokens is None else self.max_tokens
 
 
 class ChatMessage(BaseModel):
@@ -139,7 +147,7 @@ class ChatRequest(_Sampled):
     """`POST /v1/chat/completions`: messages rendered with the model's chat template."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = None
     tools: list | None = None
     response_format: dict | None = None
 
@@ -152,7 +160,16 @@ class ChatRequest(_Sampled):
 
     @property
     def asked_tokens(self) -> int | None:
+        """max_completion_tokens, else max_tokens; None (both absent): up to the context."""
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def openai_param(self, param: str | None) -> str | None:
+        """The engine's prompt is this endpoint's messages; its max_tokens the field that was given."""
+        if param == "prompt":
+            return "messages"
+        if param == "max_tokens" and self.max_completion_tokens is not None:
+            return "max_completion_tokens"
+        return param
 
     def plain_messages(self) -> list[dict]:
         return [{k: v for k, v in m.model_dump().items() if v is not None} for m in self.messages]

@@ -6,8 +6,9 @@ from a queue between steps, steps while anything is unfinished, and hands each r
 tokens and text to that request's `Ticket` on the event loop (`loop.call_soon_threadsafe`). The
 HTTP handlers only ever touch tickets.
 
-* `submit(...)` -> a `Ticket`; `await ticket.admitted()` raises the engine's ValueError (a 400)
-  or `QueueFull` (a 429, more than `max_waiting` requests waiting).
+* `submit(...)` -> a `Ticket`; `await ticket.admitted()` raises what `Engine.add_request` raised: a
+  `jaxattn.serving.validation.RequestError` (a 400) or `jaxattn.serving.scheduler.QueueFull` (a 429,
+  more than `EngineConfig.max_waiting` requests waiting): the engine decides both.
 * `cancel(ticket)`: the request ends at the next step (a client that went away).
 * `drain()`: refuse new requests (`Draining`, a 503); `cancel_all()` ends what is left.
 * A step that raises is logged with the ids of the requests it held; those requests end with an
@@ -27,11 +28,7 @@ from typing import Callable
 
 from jaxattn.serving import Engine, Request, SamplingParams
 
-log = logging.getLogger("train.serve")
-
-
-class QueueFull(Exception):
-    """More requests are waiting than `max_waiting` allows."""
+log = logging.getLogger("jaxattn.serving.api")
 
 
 class Draining(Exception):
@@ -77,16 +74,15 @@ class EngineRunner:
     """The thread that owns `engine` (see the module docstring).
 
     Args:
-      engine: a compiled `Engine`.
-      max_waiting: the most requests waiting for a row; one more is refused with `QueueFull`.
+      engine: a compiled `Engine` (its `EngineConfig.max_waiting` bounds the queue).
       on_step: called on the engine's thread after each step with `(engine, requests that ended)`.
       on_tokens: called on the engine's thread with `(request, index of its first new token)` when
         a step gave it tokens (their times are `request.token_times`).
     """
 
-    def __init__(self, engine: Engine, *, max_waiting: int, on_step: Callable | None = None,
+    def __init__(self, engine: Engine, *, on_step: Callable | None = None,
                  on_tokens: Callable[[Request, int], None] | None = None):
-        self.engine, self.max_waiting = engine, max_waiting
+        self.engine = engine
         self.on_step, self.on_tokens = on_step, on_tokens
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._tickets: dict[int, Ticket] = {}  # by engine request id
@@ -164,16 +160,9 @@ class EngineRunner:
         if self.draining:
             ticket._admitted.set_exception(Draining("the server is shutting down"))
             return
-        free_rows = self.engine.engine_config.max_seqs - len(self.engine.running)
-        queued = len(self.engine.waiting) - max(free_rows, 0)  # those the next step cannot admit
-        if queued >= self.max_waiting:
-            ticket._admitted.set_exception(QueueFull(
-                f"{queued} requests are waiting for a row, the most this server queues (--max-waiting "
-                f"{self.max_waiting})"))
-            return
         try:
             ticket.request = self.engine.add_request(ticket.prompt_ids, ticket.sampling)
-        except Exception as err:  # noqa: BLE001: a ValueError is the caller's (a 400), anything else a 500
+        except Exception as err:  # noqa: BLE001: RequestError a 400, QueueFull a 429, anything else a 500
             ticket._admitted.set_exception(err)
             return
         self._tickets[ticket.request.id] = ticket

@@ -1,0 +1,251 @@
+"""The routes: plain functions over the `ApiState` the application holds (`app.state.api`).
+
+A completion or a chat is parsed (`protocol`), its text encoded, and handed to the engine's runner as
+ids and `SamplingParams`; whether the request is acceptable is decided once, by
+`jaxattn.serving.validation` (a `RequestError`, here a 400 with its parameter and code) and the
+engine's scheduler (`QueueFull`, here a 429), before a stream starts. Then the answer is streamed or
+collected. A client that goes away, while its request waits or while it streams, has its request
+cancelled: its row and pages are free at the engine's next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import AsyncIterator, Callable
+
+from fastapi import Request
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+
+from jaxattn.hf.chat_template import ChatTemplateError
+from jaxattn.serving import validation
+from jaxattn.serving.api import protocol
+from jaxattn.serving.api.metrics import CONTENT_TYPE
+from jaxattn.serving.api.protocol import Answer, APIError, bad_request
+from jaxattn.serving.api.runner import Draining, Ticket, Update
+from jaxattn.serving.api.state import ApiState
+from jaxattn.serving.scheduler import QueueFull
+
+CHAT_PAGE = Path(__file__).with_name("chat.html")
+
+
+def state_of(request: Request) -> ApiState:
+    return request.app.state.api
+
+
+def error_response(err: APIError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status)
+
+
+def internal_error(tag: str) -> JSONResponse:
+    """The 500 of a request that failed in the server (its traceback in the log, not the answer)."""
+    return error_response(APIError(500, f"internal error (request {tag}); the server logged it"))
+
+
+# -- the small routes ---------------------------------------------------------------------------
+
+async def health(request: Request) -> Response:
+    if state_of(request).runner.draining:
+        return error_response(APIError(503, "the server is shutting down", code="draining"))
+    return JSONResponse({"status": "ok"})
+
+
+async def metrics(request: Request) -> Response:
+    return Response(state_of(request).metrics.text(), media_type=CONTENT_TYPE)
+
+
+async def chat_page(request: Request) -> Response:
+    return HTMLResponse(CHAT_PAGE.read_text(encoding="utf-8"))
+
+
+async def models(request: Request) -> Response:
+    served = state_of(request).served
+    card = {"id": served.name, "object": "model", "created": 0, "owned_by": "jaxattn",
+            "max_model_len": served.max_model_len, "chat": served.chat_template is not None}
+    return JSONResponse({"object": "list", "data": [card]})
+
+
+# -- completions and chat -----------------------------------------------------------------------
+
+async def completions(request: Request) -> Response:
+    state = state_of(request)
+    body = protocol.parse(protocol.CompletionRequest, await read_json(request, state.limits.max_body_bytes))
+    check_model(state, body.model)
+    prompt = body.single_prompt()
+    if isinstance(prompt, str):
+        validation.check_text(prompt, "prompt")
+        prompt = encode(state, prompt, special=True, param="prompt")
+    return await answer(request, Answer("completion", state.served.name), body, prompt, body.asked_tokens)
+
+
+async def chat(request: Request) -> Response:
+    state = state_of(request)
+    served = state.served
+    body = protocol.parse(protocol.ChatRequest, await read_json(request, state.limits.max_body_bytes))
+    check_model(state, body.model)
+    if served.chat_template is None:
+        raise bad_request(f"the model {served.name!r} has no chat template (chat_template.jinja, or "
+                          "tokenizer_config.json's chat_template; --chat-template FILE gives one): use "
+                          "/v1/completions", "messages", code="no_chat_template")
+    try:
+        text = served.chat_template.render(body.plain_messages(), add_generation_prompt=True)
+    except ChatTemplateError as err:
+        raise bad_request(str(err), "messages") from None
+    ids = encode(state, text, special=False, param="messages")
+    return await answer(request, Answer("chat", served.name), body, ids, body.asked_tokens)
+
+
+ROUTES: tuple[tuple[str, str, Callable], ...] = (
+    ("GET", "/health", health), ("GET", "/metrics", metrics), ("GET", "/", chat_page),
+    ("GET", "/v1/models", models), ("POST", "/v1/completions", completions), ("POST", "/v1/chat/completions", chat))
+
+
+def check_model(state: ApiState, name: str) -> None:
+    if name != state.served.name:
+        raise APIError(404, f"the model {name!r} does not exist; this server serves {state.served.name!r}",
+                       param="model", code="model_not_found")
+
+
+def encode(state: ApiState, text: str, *, special: bool, param: str) -> list[int]:
+    """The text's ids; a 400 where the tokenizer cannot encode it (the ids are checked by the engine)."""
+    try:
+        return list(state.served.encode(text, special))
+    except ValueError as err:
+        raise bad_request(f"{param} cannot be encoded: {err}", param) from None
+
+
+async def admitted(request: Request, body, ids: list[int], asked: int | None) -> Ticket:
+    """The request in the engine, or the error it was refused with: RequestError a 400 naming the
+    endpoint's field, QueueFull a 429, a drain a 503."""
+    state = state_of(request)
+    try:
+        sampling = body.sampling(asked, state.served.stop_token_ids)
+        ticket = state.runner.submit(request.state.tag, ids, sampling)
+        await ticket.admitted()
+    except validation.RequestError as err:
+        raise bad_request(str(err), body.openai_param(err.param), err.code) from None
+    except QueueFull as err:
+        raise APIError(429, str(err), code="queue_full") from None
+    except Draining as err:
+        raise APIError(503, str(err), code="draining") from None
+    return ticket
+
+
+async def answer(request: Request, shape: Answer, body, ids: list[int], asked: int | None) -> Response:
+    """Admits the request, then streams its answer or collects it whole."""
+    ticket = await admitted(request, body, ids, asked)
+    if body.stream:
+        runner = state_of(request).runner
+        return CancellingStream(stream(runner, ticket, shape, len(ids), body.include_usage),
+                                lambda: runner.cancel(ticket),
+                                media_type="text/event-stream",
+                                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return await whole(request, ticket, shape, len(ids))
+
+
+async def whole(request: Request, ticket: Ticket, shape: Answer, prompt_tokens: int) -> Response:
+    runner = state_of(request).runner
+    text, count = [], 0
+    gone = asyncio.ensure_future(client_gone(request))  # a client that hangs up is seen at once
+    try:
+        while True:
+            next_update = asyncio.ensure_future(ticket.next())
+            await asyncio.wait({next_update, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not next_update.done():  # the client went away first
+                next_update.cancel()
+                runner.cancel(ticket)
+                return Response(status_code=499)  # nobody reads it
+            update = next_update.result()
+            text.append(update.text)
+            count += len(update.tokens)
+            if update.finish_reason is not None:
+                break
+    except asyncio.CancelledError:
+        runner.cancel(ticket)
+        raise
+    finally:
+        gone.cancel()
+    ended(update, ticket)
+    return JSONResponse(shape.whole("".join(text), update.finish_reason, protocol.usage(prompt_tokens, count)))
+
+
+def ended(update: Update, ticket: Ticket) -> None:
+    """A 500 or 503 for a request that did not finish ("error", or "cancelled" by a drain)."""
+    if update.finish_reason == "error":
+        raise APIError(500, update.error or f"request {ticket.tag}: the model's logits were not finite")
+    if update.finish_reason == "cancelled":
+        raise APIError(503, "the server shut down before this request finished", code="draining")
+
+
+async def stream(runner, ticket: Ticket, shape: Answer, prompt_tokens: int,
+                 include_usage: bool) -> AsyncIterator[str]:
+    """The answer as server-sent events; an error after it began is an error event, then [DONE]."""
+    count = 0
+    try:
+        if shape.kind == "chat":
+            yield sse(shape.chunk(None, role=True))
+        while True:
+            update = await ticket.next()
+            count += len(update.tokens)
+            if update.text:
+                yield sse(shape.chunk(update.text))
+            if update.finish_reason is not None:
+                break
+        try:
+            ended(update, ticket)
+        except APIError as err:
+            yield sse(err.body())
+            yield "data: [DONE]\n\n"
+            return
+        yield sse(shape.chunk(None, update.finish_reason))
+        if include_usage:
+            yield sse(shape.usage_chunk(protocol.usage(prompt_tokens, count)))
+        yield "data: [DONE]\n\n"
+    finally:  # the client went away (the task is cancelled), or the stream ended
+        runner.cancel(ticket)
+
+
+class CancellingStream(StreamingResponse):
+    """A stream that cancels its request however the response ends (the client went away, the stream
+    ended): a client gone before the first chunk leaves a generator that never started, whose own
+    `finally` would never run, so the cancel is here."""
+
+    def __init__(self, content, on_close: Callable[[], None], **kwargs):
+        super().__init__(content, **kwargs)
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+
+
+# -- reading a request --------------------------------------------------------------------------
+
+async def read_json(request: Request, limit: int):
+    """The body as JSON; 413 past `limit` bytes (counted as it arrives), 400 when it is not JSON."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"the body is {int(declared):,} bytes, more than the {limit:,} this server takes")
+    body = bytearray()
+    async for piece in request.stream():
+        body += piece
+        if len(body) > limit:
+            raise APIError(413, f"the body is more than the {limit:,} bytes this server takes")
+    try:
+        return json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise bad_request(f"the body is not valid JSON: {err}") from None
+
+
+async def client_gone(request: Request) -> None:
+    """Returns when the client has hung up (ASGI's "http.disconnect", which the server sends when the
+    connection closes); the request's body must have been read."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"

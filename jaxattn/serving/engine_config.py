@@ -1,0 +1,97 @@
+"""The engine's shape and memory: one frozen value, checked when it is built.
+
+`EngineConfig` is read by every part of the engine: the scheduler (`max_seqs`, `max_waiting`, `chunk`,
+`prefill_rows`, `token_budget`), the KV-cache manager (`page_size`, the pool, `prefix_caching`) and the
+model runner (the compiled shapes: `buckets()`, `prefill_shapes()`; `kv_cache`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxattn.cache.containers import KV_CACHES
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """The engine's shape and memory.
+
+    Attributes:
+      max_seqs: the most requests running at once (decode rows per step).
+      max_waiting: the most requests waiting beyond the rows the next step can fill; one more is
+        refused (`jaxattn.serving.scheduler.QueueFull`; None: no limit).
+      page_size: slots per page.
+      num_pages: pages in the pool (None: enough for every running sequence to reach the
+        context, `max_seqs * ceil(max_seq_len / page_size)`; or from `kv_memory_gib`).
+      kv_memory_gib: the pool's size in GiB instead of `num_pages`.
+      chunk: prompt tokens per prefill row per step.
+      prefill_rows: prompt chunks per step.
+      token_budget: tokens per step, decoding first (None: max_seqs + prefill_rows * chunk).
+      decode_buckets: the decode-row counts compiled (None: 1, 4, 16, ... up to max_seqs); a
+        step runs the smallest that holds its decoding sequences.
+      short_chunk: a second prefill shape, one row of this many tokens (None: chunk // 8, at least
+        page_size; 0: none), for a step whose prompt work is one short piece (a prompt's tail, a
+        short prompt, the few tokens after a prefix-cache hit): it costs its tokens, not a full chunk.
+      prefix_caching: share full prompt pages between requests.
+      max_model_len: the longest sequence (prompt + output; None: the model's max_seq_len).
+      kv_cache: the pages' storage: "auto" (the compute dtype) or "int8" (int8 values and a float32
+        scale per token and head: about a quarter of float32's bytes, so `kv_memory_gib` holds about
+        four times the pages; `jaxattn.cache.build.cache_bytes_per_token`).
+    """
+
+    max_seqs: int = 8
+    page_size: int = 16
+    num_pages: int | None = None
+    kv_memory_gib: float | None = None
+    chunk: int = 128
+    prefill_rows: int = 2
+    token_budget: int | None = None
+    decode_buckets: tuple[int, ...] | None = None
+    prefix_caching: bool = True
+    max_model_len: int | None = None
+    short_chunk: int | None = None
+    kv_cache: str = "auto"
+    max_waiting: int | None = None
+
+    def __post_init__(self):
+        if self.kv_cache not in KV_CACHES:
+            raise ValueError(f"EngineConfig.kv_cache must be one of {KV_CACHES}, got {self.kv_cache!r}")
+        for name in ("max_seqs", "page_size", "chunk", "prefill_rows"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"EngineConfig.{name} must be a positive int, got {value!r}")
+        for name in ("num_pages", "token_budget", "max_model_len", "max_waiting"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"EngineConfig.{name} must be a positive int or None, got {value!r}")
+        if self.num_pages is not None and self.kv_memory_gib is not None:
+            raise ValueError("EngineConfig: give num_pages or kv_memory_gib, not both")
+        if self.kv_memory_gib is not None and not self.kv_memory_gib > 0:
+            raise ValueError(f"EngineConfig.kv_memory_gib must be > 0, got {self.kv_memory_gib!r}")
+        if self.short_chunk is not None and (not isinstance(self.short_chunk, int) or self.short_chunk < 0):
+            raise ValueError(f"EngineConfig.short_chunk must be an int >= 0 or None, got {self.short_chunk!r}")
+        if self.decode_buckets is not None and (not self.decode_buckets or any(
+                not isinstance(b, int) or b < 1 or b > self.max_seqs for b in self.decode_buckets)):
+            raise ValueError(f"EngineConfig.decode_buckets must be ints in [1, max_seqs={self.max_seqs}], "
+                             f"got {self.decode_buckets!r}")
+
+    @property
+    def budget(self) -> int:
+        """Tokens per step: `token_budget`, or room for every decode row and every prefill row."""
+        return self.token_budget or self.max_seqs + self.prefill_rows * self.chunk
+
+    def prefill_shapes(self) -> tuple[tuple[int, int], ...]:
+        """The (rows, chunk) prefill shapes compiled: the full one and, unless 0, one short row."""
+        short = max(self.page_size, self.chunk // 8) if self.short_chunk is None else self.short_chunk
+        full = (self.prefill_rows, self.chunk)
+        return (full,) if short == 0 or short >= self.chunk else ((1, short), full)
+
+    def buckets(self) -> tuple[int, ...]:
+        """The decode-row counts compiled, always ending at max_seqs."""
+        if self.decode_buckets is not None:
+            return tuple(sorted(set(self.decode_buckets) | {self.max_seqs}))
+        sizes, size = {self.max_seqs}, 1
+        while size < self.max_seqs:
+            sizes.add(size)
+            size *= 4
+        return tuple(sorted(sizes))

@@ -1,0 +1,240 @@
+"""Who runs in a step, and what happens to each request after it: admission, the queue, the budget.
+
+`Scheduler.schedule()` returns a `SchedulerOutput`, plain data the model runner turns into a step's
+arrays; `Scheduler.update(...)` takes the tokens the step drew and moves each request on.
+
+* First come, first served: a waiting request is admitted, in arrival order, once a row is free (at
+  most `max_seqs` running) and the KV-cache manager can have the pages its tokens need; a request
+  that cannot be admitted holds back the ones behind it.
+* The queue's limit: more than `max_waiting` requests waiting beyond the rows the next step can fill
+  and `check_room` raises `QueueFull` (the HTTP server's 429).
+* A token budget per step: every running sequence that has computed its prompt decodes one token,
+  and the rest of the budget goes to prompt chunks (at most `prefill_rows` rows of `chunk` tokens, one
+  prompt taking several rows if it is alone): a long prompt is computed over several steps, mixed with
+  the others' decoding, and never stalls them.
+* Preemption by recompute: when a decoding sequence needs a page and none can be had, the newest
+  running request gives its pages back and waits at the head of the queue; readmitted, it computes its
+  prompt and what it had drawn as one longer prompt, and goes on. Greedy tokens stay those of
+  `jaxattn.generate` on the prompt alone: the cache is exact (docs/theory.md §9, §25).
+
+vLLM V1's Scheduler is the model (read for its shape). What lands here next: several decode steps per
+program call (`schedule` asks for the pages of k tokens per decoding row; `update` takes k tokens a row,
+cut at the first that ends the request); a grammar's state per request, advanced in `update` by each
+token drawn (its logit mask is the model runner's); and at most so many LoRA adapters per step
+(`schedule` admits by the adapters already in the step).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from typing import NamedTuple
+
+from jaxattn.serving.engine_config import EngineConfig
+from jaxattn.serving.kv_cache_manager import KVCacheManager
+from jaxattn.serving.requests import Request, Status
+
+
+class QueueFull(Exception):
+    """More requests are waiting than `EngineConfig.max_waiting` allows."""
+
+
+class PromptChunk(NamedTuple):
+    """A piece of a prompt in a step: `count` tokens of `request` from position `start`."""
+
+    request: Request
+    start: int
+    count: int
+
+
+@dataclasses.dataclass
+class SchedulerOutput:
+    """One step, as the model runner takes it.
+
+    Attributes:
+      decode: requests decoding one token each (their last), in row order.
+      prefill: prompt chunks in row order (one request may have several, consecutive).
+      ended: requests cancelled since the last step (nothing to compute; they ended here).
+    """
+
+    decode: list[Request]
+    prefill: list[PromptChunk]
+    ended: list[Request]
+
+    @property
+    def empty(self) -> bool:
+        """Nothing to compute."""
+        return not self.decode and not self.prefill
+
+
+class Scheduler:
+    """The queue, the running requests and the step's budget (see the module docstring).
+
+    Args:
+      config: rows, budget, chunks and the queue's limit.
+      kv: the pages of every request.
+      max_model_len: a request that reaches it ends ("length").
+      stats: the engine's counters (steps, tokens, preemptions are counted here).
+    """
+
+    def __init__(self, config: EngineConfig, kv: KVCacheManager, max_model_len: int, stats: collections.Counter):
+        self.max_seqs, self.max_waiting = config.max_seqs, config.max_waiting
+        self.chunk, self.prefill_rows, self.token_budget = config.chunk, config.prefill_rows, config.budget
+        self.kv, self.max_model_len, self.stats = kv, max_model_len, stats
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []
+        self._cancelled: list[Request] = []
+
+    # -- the queue ----------------------------------------------------------------------------
+
+    def check_room(self) -> None:
+        """QueueFull when `max_waiting` requests already wait beyond the rows the next step can fill."""
+        if self.max_waiting is None:
+            return
+        free_rows = self.max_seqs - len(self.running)
+        queued = len(self.waiting) - max(free_rows, 0)  # those the next step cannot admit
+        if queued >= self.max_waiting:
+            raise QueueFull(f"{queued} requests are waiting for a row, the most this engine queues "
+                            f"(max_waiting={self.max_waiting})")
+
+    def add(self, request: Request) -> None:
+        """Queues a checked request behind the others."""
+        self.waiting.append(request)
+
+    def cancel(self, request: Request) -> None:
+        """Ends a request at the next `schedule()`: dropped from the queue, or its pages given back."""
+        if not request.finished:
+            self._cancelled.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- one step -----------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """This step's rows: the decoding requests (1 token each, first) and the prompt chunks in arrival
+        order, within the token budget; the requests cancelled since the last step have ended."""
+        ended = self._drop_cancelled()
+        decode = [r for r in self.running if r.num_tokens - r.num_computed == 1]
+        for request in list(decode):
+            if request in decode:  # not preempted for an earlier one's page
+                self._page_for_next(request, decode)
+        self._admit()
+        return SchedulerOutput(decode, self._chunks(decode), ended)
+
+    def _chunks(self, decode: list[Request]) -> list[PromptChunk]:
+        """The prompt chunks that fit the budget beside `decode` (which gains the requests admitted with
+        one token left to compute: their pages were taken on admission)."""
+        budget, prefill = self.token_budget - len(decode), []
+        for request in list(self.running):
+            left = request.num_tokens - request.num_computed
+            if request in decode:
+                continue
+            if left == 1:
+                decode.append(request)
+                continue
+            # A prompt may take several rows of one step: every row's keys are written before any row
+            # attends, so a row sees the rows before it as it sees earlier steps.
+            start = request.num_computed
+            while left > 0 and len(prefill) < self.prefill_rows and budget > 0:
+                count = min(left, self.chunk, budget)
+                prefill.append(PromptChunk(request, start, count))
+                start, left, budget = start + count, left - count, budget - count
+        return prefill
+
+    def _admit(self) -> None:
+        """Admits waiting requests in order while a row is free and their pages can be had."""
+        while self.waiting and len(self.running) < self.max_seqs:
+            request = self.waiting[0]
+            if not self.kv.allocate_prompt(request):
+                return
+            self.waiting.popleft()
+            request.status = Status.RUNNING
+            self.running.append(request)
+
+    def _page_for_next(self, request: Request, decode: list[Request]) -> bool:
+        """Makes sure slot `num_computed` of a decoding request has a page, preempting the newest
+        running requests while none can be had. False if the request itself was preempted."""
+        if not self.kv.needs_page(request):
+            return True
+        while self.kv.available == 0:
+            victim = max(self.running, key=lambda r: (r.arrival_time, r.id))
+            self._preempt(victim)
+            if victim in decode:
+                decode.remove(victim)
+            if victim is request:
+                return False
+        self.kv.append_page(request)
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        """Gives back every page of a running request; it waits at the head of the queue, to be recomputed."""
+        self.kv.free(request)
+        self.running.remove(request)
+        request.status = Status.WAITING
+        request.num_preemptions += 1
+        self.stats["preemptions"] += 1
+        self.waiting.appendleft(request)
+
+    def _drop_cancelled(self) -> list[Request]:
+        dropped = []
+        for request in self._cancelled:
+            if request.finished:
+                continue
+            if request in self.waiting:
+                self.waiting.remove(request)
+            elif request in self.running:
+                self.kv.free(request)
+                self.running.remove(request)
+            _finish(request, "cancelled")
+            dropped.append(request)
+        self._cancelled = []
+        return dropped
+
+    # -- after a step -------------------------------------------------------------------------
+
+    def update(self, output: SchedulerOutput, tokens: list[int], finite: list[bool]) -> list[Request]:
+        """Hands the step's draws to their requests: `tokens` and `finite` hold one entry per decode
+        row, then one per prompt chunk. Returns the requests that got a token or ended (the cancelled
+        ones included)."""
+        now = time.perf_counter()
+        decode, touched = output.decode, list(output.ended)
+        self.stats["steps"] += 1
+        self.stats["decode_tokens"] += len(decode)
+        self.stats["prefill_tokens"] += sum(chunk.count for chunk in output.prefill)
+        for row, request in enumerate(decode):
+            self.kv.computed(request, 1)
+            self._append(request, tokens[row], finite[row], now)
+            touched.append(request)
+        for row, (request, _, count) in enumerate(output.prefill, start=len(decode)):
+            self.kv.computed(request, count)
+            if request.num_computed == request.num_tokens:  # the chunk reached the end: draw
+                self._append(request, tokens[row], finite[row], now)
+                touched.append(request)
+        return touched
+
+    def _append(self, request: Request, token: int, finite: bool, now: float) -> None:
+        request.output_ids.append(token)
+        request.token_times.append(now)
+        self.stats["generated_tokens"] += 1
+        sampling = request.sampling
+        if token in sampling.stop_token_ids:  # its text (an end-of-sequence marker) is not the output's
+            self._end(request, "stop")
+        elif request.text is not None and request.text.add(token):
+            self._end(request, "stop")
+        elif len(request.output_ids) >= sampling.max_tokens or request.num_tokens >= self.max_model_len:
+            self._end(request, "length")
+        elif not finite:
+            self._end(request, "error")
+
+    def _end(self, request: Request, reason: str) -> None:
+        self.kv.free(request)
+        self.running.remove(request)
+        _finish(request, reason)
+
+
+def _finish(request: Request, reason: str) -> None:
+    request.status, request.finish_reason = Status.FINISHED, reason
+    if request.text is not None:
+        request.text.finish()

@@ -1,0 +1,135 @@
+"""Every check of a request, in one place: what a caller may ask and what this engine can hold.
+
+Two callers run them, and nothing else checks a request:
+
+* `SamplingParams` (`jaxattn.serving.requests`) runs `check_sampling` when it is built: each field in
+  its own range, whatever engine it will meet;
+* `Engine.add_request` runs `check_request`: the prompt and the sampling against the engine's
+  `RequestLimits` (the vocabulary, the context, the pool, the detokenizer).
+
+The HTTP layer (`jaxattn.serving.api`) only parses JSON into types and refuses the OpenAI fields it does not
+support; a `RequestError` from here becomes its 400, with the error's `param` (named as the engine names
+it, e.g. "prompt", "max_tokens"; the API renames them to its endpoint's fields) and `code`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from jaxattn._validate import is_int
+
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # OpenAI's code for a prompt and output past the context
+
+
+class RequestError(ValueError):
+    """A request refused: a ValueError carrying the OpenAI parameter it is about and an OpenAI code.
+
+    Attributes:
+      param: the parameter at fault, as `SamplingParams` and `add_request` name it ("prompt",
+        "max_tokens", "temperature", ...), or None.
+      code: a machine-readable reason where OpenAI has one (`CONTEXT_LENGTH_EXCEEDED`), else None.
+    """
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.param, self.code = param, code
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestLimits:
+    """What one engine can take: a request is checked against these.
+
+    Attributes:
+      vocab_size: prompt and stop token ids lie in `[0, vocab_size)`.
+      max_model_len: the longest prompt + output.
+      num_pages, page_size: the pool; one sequence must fit in it whole.
+      detokenizer: the engine turns ids into text (stop strings need it).
+    """
+
+    vocab_size: int
+    max_model_len: int
+    num_pages: int
+    page_size: int
+    detokenizer: bool
+
+
+# -- the sampling fields, alone --------------------------------------------------------------
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_sampling(sampling) -> None:
+    """RequestError naming the first `SamplingParams` field out of its range (`param` = the field)."""
+    if not (_number(sampling.temperature) and math.isfinite(sampling.temperature) and sampling.temperature >= 0):
+        raise RequestError(f"temperature must be a finite number >= 0, got {sampling.temperature!r}",
+                           param="temperature")
+    if not is_int(sampling.top_k, numpy=False) or sampling.top_k < 0:
+        raise RequestError(f"top_k must be an int >= 0 (0 = off), got {sampling.top_k!r}", param="top_k")
+    if not (_number(sampling.top_p) and 0.0 < sampling.top_p <= 1.0):
+        raise RequestError(f"top_p must be in (0, 1], got {sampling.top_p!r}", param="top_p")
+    if sampling.max_tokens is not None and (not is_int(sampling.max_tokens, numpy=False) or sampling.max_tokens < 1):
+        raise RequestError(f"max_tokens must be an int >= 1 (or None: up to the context), got {sampling.max_tokens!r}",
+                           param="max_tokens")
+    if sampling.seed is not None and not is_int(sampling.seed, numpy=False):
+        raise RequestError(f"seed must be an int or None, got {sampling.seed!r}", param="seed")
+    if any(not isinstance(s, str) or not s for s in sampling.stop):
+        raise RequestError(f"stop must hold non-empty strings, got {sampling.stop!r}", param="stop")
+    if any(not is_int(t) for t in sampling.stop_token_ids):
+        raise RequestError(f"stop_token_ids must be ints, got {sampling.stop_token_ids!r}", param="stop_token_ids")
+
+
+# -- a request against an engine --------------------------------------------------------------
+
+def check_text(text: str, param: str = "prompt") -> None:
+    """RequestError for an empty text prompt (a tokenizer that adds a BOS would make it one token)."""
+    if not text:
+        raise RequestError(f"{param} is empty", param=param)
+
+
+def _prompt_ids(prompt_ids, vocab_size: int) -> tuple[int, ...]:
+    ids = np.asarray(prompt_ids)
+    if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
+        raise RequestError(f"prompt_ids must be a non-empty sequence of ints, got {ids.dtype} {ids.shape}",
+                           param="prompt")
+    if ids.min() < 0 or ids.max() >= vocab_size:
+        bad = ids[(ids < 0) | (ids >= vocab_size)][:5].tolist()
+        raise RequestError(f"prompt_ids must be in [0, vocab_size={vocab_size}), got {bad} (range "
+                           f"[{ids.min()}, {ids.max()}])", param="prompt")
+    return tuple(ids.tolist())
+
+
+def _max_tokens(prompt: int, asked: int | None, limits: RequestLimits) -> int:
+    """`asked`, or for None the rest of the context; RequestError where prompt + output cannot fit."""
+    context = limits.max_model_len
+    if asked is None:
+        if prompt >= context:
+            raise RequestError(f"the prompt is {prompt} tokens; the context is max_model_len={context}: no room "
+                               "for an answer", param="prompt", code=CONTEXT_LENGTH_EXCEEDED)
+        asked = context - prompt
+    elif prompt + asked > context:
+        raise RequestError(f"the prompt ({prompt} tokens) plus max_tokens ({asked}) is more than the context, "
+                           f"max_model_len={context}", param="max_tokens", code=CONTEXT_LENGTH_EXCEEDED)
+    if -(-(prompt + asked) // limits.page_size) > limits.num_pages:
+        raise RequestError(f"the prompt ({prompt}) plus max_tokens ({asked}) needs more pages than the pool holds "
+                           f"({limits.num_pages} of {limits.page_size} tokens)", param="max_tokens")
+    return asked
+
+
+def check_request(prompt_ids, sampling, limits: RequestLimits) -> tuple[tuple[int, ...], int]:
+    """A request against an engine: `(prompt ids as a tuple of ints, max_tokens)`, max_tokens resolved
+    (None: the rest of the context). RequestError for an empty prompt, ids outside the vocabulary, a
+    prompt plus max_tokens past `max_model_len` or the pool, stop strings without a detokenizer, or
+    stop token ids outside the vocabulary. `sampling` was checked when it was built (`check_sampling`)."""
+    ids = _prompt_ids(prompt_ids, limits.vocab_size)
+    max_tokens = _max_tokens(len(ids), sampling.max_tokens, limits)
+    if sampling.stop and not limits.detokenizer:
+        raise RequestError("stop strings need the engine's detokenizer (Engine(..., detokenize=...))", param="stop")
+    bad = [t for t in sampling.stop_token_ids if not 0 <= t < limits.vocab_size]
+    if bad:
+        raise RequestError(f"stop_token_ids must be in [0, vocab_size={limits.vocab_size}), got {bad}",
+                           param="stop_token_ids")
+    return ids, max_tokens
