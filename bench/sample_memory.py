@@ -5,8 +5,9 @@
 Each case (CONFIG:NUM_SAMPLES:MAX_NEW_TOKENS, a config of configs/ with fresh parameters) samples
 in a fresh process, so that its peak resident memory (`os.wait4`, from the kernel) is its own.
 The process runs `train.sample.main` with the stdout thrown away and records the `MemoryEstimate`
-it printed on its "memory:" line, with each part; the vocabulary is Tiny Shakespeare's 65
-characters (written to a temp file, nothing is downloaded). Writes bench/results/sample_memory.{json,md}.
+(`train.decode.memory`) it printed on its "memory:" line, with each part; the vocabulary is Tiny
+Shakespeare's 65 characters (written to a temp file, nothing is downloaded). Writes
+bench/results/sample_memory.{json,md}.
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ def markdown(record: dict) -> str:
         "# train.sample: estimated against measured peak memory", "",
         f"Machine: {machine_line(record['machine'])}. Command: `{record['command']}`", "",
         "Each case in a fresh process; the estimate is the one `python -m train.sample` prints on its `memory:` "
-        "line before compiling (`train.sample.MemoryEstimate`), the peak RSS the kernel's for the whole process "
+        "line before compiling (`train.decode.memory.MemoryEstimate`), the peak RSS the kernel's for the whole process "
         "(`os.wait4`). Sizes in GiB; rows x calls: samples per call, calls per window.", "",
         "| config | samples x new tokens | rows x calls | process | KV cache | logits | activations | compiling | "
         "token ids | between windows | estimate | peak RSS | estimate / peak | wall s |",

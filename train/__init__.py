@@ -3,7 +3,7 @@
 Programs (thin command-line interfaces):
   tiny_lm: train, `python -m train.tiny_lm`.
   sample: generate text from a run's checkpoint, a transformers directory (--hf) or a random init.
-  export: write a run as a transformers directory with its tokenizer (and load_hf, its reader).
+  export: write a run (or a GGUF file) as a transformers directory with its tokenizer.
   compare: attention kinds x position schemes side by side.
   attention_maps: heatmaps of a trained model's attention weights (a run or --hf).
 
@@ -20,4 +20,6 @@ Modules:
   finish: the end of a run: the sample, the loss plot and result.json.
   checkpoint: orbax checkpoints (latest and best) and the one loader for sampling.
   plots: loss curves, the comparison chart, attention maps.
+  models: the one loader of a model for every program (load_model) and the model-source flags.
+  decode: many samples drawn call by call and window by window, and the memory they take (train.sample).
 """

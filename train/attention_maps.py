@@ -16,7 +16,8 @@ RoPE, sinks).
 Sources: `--checkpoint` (a training run), `--hf` (a transformers directory; tokens are the
 tokenizer's decoded pieces) or `--random-init CONFIG` (a config of configs/ or a .toml
 file with fresh parameters from `--seed`; its char tokenizer is built from the corpus as
-training builds it: `--data`, the config's data_path, then train.data.corpus's defaults).
+training builds it: `--data`, the config's data_path, then train.data.corpus's defaults),
+loaded by `train.models.load.load_model` with the weights as they were saved.
 
 A model loaded with `--allow-nonfinite` whose attention weights on the text are not finite is
 refused in one line (exit 1), naming the layers and heads and the first layer whose output is
@@ -30,20 +31,21 @@ import argparse
 import sys
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
-from jaxattn.model import DecoderLM
 from train import outputs
 from train.checkpoints.store import CheckpointError
 from train.cli import ArgumentParser, UsageError, guard
 from train.data.errors import DataError
-from train.models.pretrained import load_hf
-from train.models.runs import describe_nonfinite, list_weights, load_for_sampling
+from train.models.fresh import fresh_params
+from train.models.load import load_model
+from train.models.nonfinite import describe_nonfinite, list_weights
+from train.models.source import SourceFlags
 from train.run.plots import plot_attention_maps
 
 PROGRAM = "python -m train.attention_maps"
+# No GGUF file; a fresh model takes the tokenizer its config trains with; the weights as saved, named so.
+FLAGS = SourceFlags(sources=("checkpoint", "hf", "random_init"), init_seed=True, as_saved=True, fit_vocab=True)
 DEFAULT_TEXT = "ROMEO:\nBut soft, what light"
 HTML_SUFFIXES = (".html", ".htm")
 
@@ -57,39 +59,6 @@ def attention_weights(params, model_config, token_ids: np.ndarray) -> np.ndarray
     the viewer's `model_weights`, jitted once per config, so the PNG and the page share it."""
     from jaxattn.viewer.page import model_weights
     return model_weights(model_config, params, token_ids)
-
-
-def random_init(args: argparse.Namespace):
-    """(model config, tokenizer) of `--random-init`: the config's tokenizer as training builds it
-    (a char tokenizer from the corpus, or bytes), the model's vocabulary set from it."""
-    from train.config import load_config
-    from train.data import corpus as data
-    from train.data.tokenizer import build_tokenizer
-    try:
-        config = load_config(args.random_init)
-    except FileNotFoundError as err:
-        raise UsageError(f"--random-init: {err}") from None
-    except (TypeError, ValueError) as err:
-        raise UsageError(f"--random-init {args.random_init}: {err}") from None
-    kind = config.train.tokenizer
-    corpus = "" if kind == "byte" else data.read_text(data.resolve_data_path(args.data or config.train.data_path))
-    tokenizer = build_tokenizer(kind, corpus)
-    model_config = config.model.replace(vocab_size=tokenizer.vocab_size)
-    return model_config, tokenizer
-
-
-def fresh_params(model_config, seed: int):
-    """Parameters of `DecoderLM(model_config)` initialised from `seed`."""
-    import flax.linen as nn
-    variables = DecoderLM(model_config).init(jax.random.PRNGKey(seed), jnp.zeros((1, 1), jnp.int32))
-    return nn.unbox(variables["params"])
-
-
-def load(args: argparse.Namespace):
-    """(params, model config, tokenizer) of `--hf` or `--checkpoint`; CheckpointError (one line) if unreadable."""
-    if args.hf is not None:
-        return load_hf(args.hf, allow_nonfinite=args.allow_nonfinite)
-    return load_for_sampling(args.checkpoint)
 
 
 def read_text(args: argparse.Namespace) -> tuple[str, str]:
@@ -119,16 +88,7 @@ def token_ids(tokenizer, text: str, max_seq_len: int | None, flag: str = "--text
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = ArgumentParser(prog=PROGRAM, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--checkpoint", help="a run's out_dir (or its checkpoints/best)")
-    source.add_argument("--hf", metavar="DIR", help="a transformers directory with a tokenizer.json")
-    source.add_argument("--random-init", metavar="CONFIG",
-                        help="fresh parameters of a config (a name in configs/ or a .toml path)")
-    parser.add_argument("--allow-nonfinite", action="store_true",
-                        help="with --hf: load weights holding NaN or infinity (refused otherwise)")
-    parser.add_argument("--seed", type=int, default=None, help="with --random-init: the parameters' seed (0)")
-    parser.add_argument("--data", metavar="PATH",
-                        help="with --random-init: the corpus its char tokenizer is built from (as training does)")
+    FLAGS.add_to(parser)
     text = parser.add_mutually_exclusive_group()
     text.add_argument("--text", default=DEFAULT_TEXT, help="the characters to look at")
     text.add_argument("--text-file", metavar="PATH", help="read the text from a UTF-8 file (long inputs)")
@@ -136,13 +96,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", default=None, help="the PNG grid (default maps.png; none with --html alone)")
     parser.add_argument("--html", metavar="PATH", help="write the interactive page (jaxattn.viewer) here")
     args = parser.parse_args(argv)
-    if args.allow_nonfinite and args.hf is None:
-        parser.error("--allow-nonfinite goes with --hf")
-    for flag, value in (("--seed", args.seed), ("--data", args.data)):
-        if value is not None and args.random_init is None:
-            parser.error(f"{flag} goes with --random-init")
-    if args.seed is not None and not 0 <= args.seed < 2 ** 32:
-        parser.error(f"--seed must be in [0, 2**32), got {args.seed}")
+    args.model_source = FLAGS.read(parser, args)
     if args.max_tokens is not None and args.max_tokens <= 0:
         parser.error(f"--max-tokens must be positive, got {args.max_tokens}")
     if args.html is not None and not args.html.lower().endswith(HTML_SUFFIXES):
@@ -153,9 +107,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def source_name(args: argparse.Namespace) -> str:
-    if args.random_init is not None:
-        return f"{args.random_init} (random init, seed {args.seed or 0})"
-    return args.checkpoint if args.hf is None else args.hf
+    """The model's source for the title: the directory as given, or the config and its seed."""
+    source = args.model_source
+    return f"{source.random_init} (random init, seed {source.seed})" if source.kind == "random_init" else source.path
 
 
 def check_html_length(ids, flag: str) -> None:
@@ -167,23 +121,21 @@ def check_html_length(ids, flag: str) -> None:
 
 
 def model_and_ids(args: argparse.Namespace):
-    """(params, model config, tokenizer, ids) with the text cut to --max-tokens and the model's context."""
+    """(params, model config, tokenizer, ids) with the text cut to --max-tokens and, for a trained model, its
+    context; a fresh model's context is made the text's length instead (its parameters drawn again)."""
     text, flag = read_text(args)
-    if args.random_init is None:
-        params, model_config, tokenizer = load(args)
-        cut = args.max_tokens is not None and args.max_tokens < model_config.max_seq_len
-        limit, why = (args.max_tokens, "--max-tokens") if cut else (model_config.max_seq_len, "max_seq_len")
-        ids = token_ids(tokenizer, text, limit, flag, why)
-        if args.html is not None:
-            check_html_length(ids, flag)
-        return params, model_config, tokenizer, ids
-    model_config, tokenizer = random_init(args)
-    ids = token_ids(tokenizer, text, args.max_tokens, flag, "--max-tokens")
+    loaded = load_model(args.model_source)
+    params, model_config, tokenizer = loaded.params, loaded.config, loaded.tokenizer
+    fresh = args.model_source.kind == "random_init"
+    cut = fresh or (args.max_tokens is not None and args.max_tokens < model_config.max_seq_len)
+    limit, why = (args.max_tokens, "--max-tokens") if cut else (model_config.max_seq_len, "max_seq_len")
+    ids = token_ids(tokenizer, text, limit, flag, why)
     if args.html is not None:
         check_html_length(ids, flag)
     if len(ids) > model_config.max_seq_len:  # fresh parameters: the context is the text's length
         model_config = model_config.replace(max_seq_len=len(ids))
-    return fresh_params(model_config, args.seed or 0), model_config, tokenizer, ids
+        params = fresh_params(model_config, args.model_source.seed)
+    return params, model_config, tokenizer, ids
 
 
 def check_finite(weights: np.ndarray, params, model_config, ids, allow_nonfinite: bool) -> None:

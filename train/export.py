@@ -23,9 +23,9 @@ to float32) instead of a run: DIR gets its family's transformers architecture, t
 from the file's vocabulary, and its chat template as chat_template.jinja (with the file's named
 special tokens in tokenizer_config.json, which templates use).
 
-`train.models.pretrained.load_hf` is the reader of such a directory (or any transformers save with a
-tokenizer.json) for `train.sample` and `train.attention_maps`; `train.models.pretrained.load_gguf` the reader
-of a GGUF file for `train.sample` and `train.serve`.
+The model is read by the programs' one loader, `train.models.load.load_model`, its weights as the
+run or the file saved them; the same loader reads the directory written (`--hf DIR`, or any
+transformers save with a tokenizer.json) for `train.sample`, `train.serve` and `train.attention_maps`.
 """
 
 from __future__ import annotations
@@ -35,20 +35,21 @@ import dataclasses
 import json
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from jaxattn import hf
+from jaxattn.hf import SaveReport
 from train.checkpoints import init_from
 from train.checkpoints.store import CheckpointError
 from train.cli import ArgumentParser, guard, one_line
 from train.data.tokenizer import to_hf_tokenizer
-from train.models import runs as sampling_checkpoint
-from train.models.pretrained import chat_of, hf_package, load_gguf_model, open_gguf
+from train.models import runs
+from train.models.load import load_model
+from train.models.source import ModelSource, SourceFlags
 from train.outputs import check_folder
 
-if TYPE_CHECKING:
-    from jaxattn.hf import SaveReport
-
 PROGRAM = "python -m train.export"
+# A run or a GGUF file, read as saved: its own weights' names and layout, float (nothing fused or kept int8).
+FLAGS = SourceFlags(sources=("checkpoint", "gguf"), data=False, allow_nonfinite=False, as_saved=True)
 
 
 def _check_out(out: Path, checkpoint: Path, overwrite: bool) -> None:
@@ -81,11 +82,10 @@ def export(checkpoint: str | Path, out: str | Path, *, overwrite: bool = False) 
     """
     out, checkpoint = Path(out), Path(checkpoint)
     _check_out(out, checkpoint, overwrite)
-    params, config, tokenizer = sampling_checkpoint.load_for_sampling(checkpoint)
-    hf = hf_package()
+    loaded = load_model(ModelSource(checkpoint=str(checkpoint), as_saved=True))
     try:
-        hf_tokenizer = to_hf_tokenizer(tokenizer)
-        return hf.save_pretrained(out, config, params, tokenizer=hf_tokenizer, overwrite=overwrite)
+        hf_tokenizer = to_hf_tokenizer(loaded.tokenizer)
+        return hf.save_pretrained(out, loaded.config, loaded.params, tokenizer=hf_tokenizer, overwrite=overwrite)
     except ImportError as err:
         raise CheckpointError(f"exporting a tokenizer needs the tokenizers package ({err})") from err
     except (ValueError, FileExistsError) as err:  # hf.UnsupportedCheckpoint among them: the message names the field
@@ -103,9 +103,8 @@ def export_adapter(checkpoint: str | Path, out: str | Path, *, overwrite: bool =
     """
     out, checkpoint = Path(out), Path(checkpoint)
     _check_out(out, checkpoint, overwrite=True)  # other files in `out` stay; an adapter there needs --overwrite
-    params, config, _ = sampling_checkpoint.load_adapted(checkpoint)
+    params, config, _ = runs.load_adapted(checkpoint)
     _, base = init_from.parse_source(config.train.init_from)
-    hf = hf_package()
     try:
         hf.peft.save_adapter(out, config.model, params, config.lora.settings(), base_model_name_or_path=str(base),
                              overwrite=overwrite)
@@ -126,12 +125,10 @@ def export_gguf(gguf_file: str | Path, out: str | Path, *, overwrite: bool = Fal
     """
     out, gguf_file = Path(out), Path(gguf_file)
     _check_out(out, gguf_file, overwrite)
-    model = open_gguf(gguf_file)
-    template, specials = chat_of(model)
-    params, config, tokenizer = load_gguf_model(model, allow_nonfinite=False)
-    hf = hf_package()
+    loaded = load_model(ModelSource(gguf=str(gguf_file), as_saved=True))
+    template, specials = loaded.read_chat()
     try:
-        saved = hf.save_pretrained(out, config, params, tokenizer=tokenizer, overwrite=overwrite)
+        saved = hf.save_pretrained(out, loaded.config, loaded.params, tokenizer=loaded.tokenizer, overwrite=overwrite)
     except (ValueError, FileExistsError) as err:  # hf.UnsupportedCheckpoint among them: the message names the field
         raise CheckpointError(f"cannot export {gguf_file}: {one_line(err)}") from err
     settings = json.loads((out / "tokenizer_config.json").read_text())
@@ -159,9 +156,7 @@ def report(saved: SaveReport) -> str:
 def run(argv: list[str] | None = None) -> int:
     """Parses `argv`, exports, prints the report; raises UsageError, CheckpointError or OSError."""
     parser = ArgumentParser(prog=PROGRAM, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--checkpoint", metavar="RUN", help="a run directory (or its checkpoints/...)")
-    source.add_argument("--gguf", metavar="FILE", help="a llama.cpp GGUF file (its weights dequantized)")
+    FLAGS.add_to(parser)
     parser.add_argument("--out", required=True, metavar="DIR", help="the transformers directory to write")
     parser.add_argument("--overwrite", action="store_true", help="replace an earlier export in DIR (its files "
                         "only: other files in DIR stay)")
@@ -170,21 +165,22 @@ def run(argv: list[str] | None = None) -> int:
     parser.add_argument("--merge", action="store_true", help="a LoRA run: its adapters merged into the base, a "
                         "whole transformers directory (without it: a PEFT adapter directory)")
     args = parser.parse_args(argv)
+    source = FLAGS.read(parser, args)
     if args.quant is not None:
         parser.error(f"--quant {args.quant}: quantized weights are not exported; export the float weights and "
                      "pass --quant to python -m train.sample or train.serve")
-    if args.gguf is not None:
+    if source.kind == "gguf":
         if args.merge:
             parser.error("--merge merges a LoRA run's adapters; a GGUF file has none")
-        print(report(export_gguf(args.gguf, args.out, overwrite=args.overwrite)))
-    elif sampling_checkpoint.is_lora_run(args.checkpoint) and not args.merge:
-        written = export_adapter(args.checkpoint, args.out, overwrite=args.overwrite)
+        print(report(export_gguf(source.gguf, args.out, overwrite=args.overwrite)))
+    elif runs.is_lora_run(source.checkpoint) and not args.merge:
+        written = export_adapter(source.checkpoint, args.out, overwrite=args.overwrite)
         print(adapter_report(written, json.loads((written[0]).read_text())["base_model_name_or_path"]))
     else:
-        if args.merge and not sampling_checkpoint.is_lora_run(args.checkpoint):
-            parser.error(f"--merge merges a LoRA run's adapters; {args.checkpoint} trained every weight: export it "
+        if args.merge and not runs.is_lora_run(source.checkpoint):
+            parser.error(f"--merge merges a LoRA run's adapters; {source.checkpoint} trained every weight: export it "
                          "without --merge")
-        print(report(export(args.checkpoint, args.out, overwrite=args.overwrite)))
+        print(report(export(source.checkpoint, args.out, overwrite=args.overwrite)))
     return 0
 
 

@@ -23,10 +23,7 @@ machine's, or a model that does not load: one `error:` line and exit 1.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import errno
 import logging
-import socket
 import sys
 import time
 from pathlib import Path
@@ -37,42 +34,33 @@ from tqdm import tqdm
 
 from jaxattn import Kernels, axes, prepare_weights, resolve_kernels
 from jaxattn.cache.containers import KV_CACHES
-from jaxattn.hf.chat_template import ChatTemplate, ChatTemplateError, find_chat_template, special_tokens
+from jaxattn.hf.chat_template import ChatTemplate, ChatTemplateError
 from jaxattn.hf.tokenizer import HFTokenizer
 from jaxattn.serving import Engine, EngineConfig
-from train import sample as sample_lib
+from jaxattn.serving.api.app import Limits, ServedModel, create_app
+from jaxattn.serving.api.metrics import ServerMetrics
+from jaxattn.serving.api.runner import EngineRunner
+from jaxattn.serving.api.server import DrainingServer, listen_socket  # a ListenError is an OSError: exit 1
 from train.checkpoints.store import CheckpointError
 from train.cli import ArgumentParser, UsageError, guard
 from train.data.errors import DataError
-from train.models import pretrained
-from train.server.app import Limits, ServedModel, create_app
-from train.server.metrics import ServerMetrics
-from train.server.runner import EngineRunner
+from train.models.load import device_mesh, load_model, quant_line, read_chat
+from train.models.source import SourceFlags
 
 PROGRAM = "python -m train.serve"
+FLAGS = SourceFlags(quant=True, adapter=True)  # every model source; its --seed is its own
 log = logging.getLogger("train.serve")
 
 
 class ServeError(RuntimeError):
-    """The server cannot start: the address, the chat template (exit 1)."""
+    """The server cannot start: the chat template (exit 1; an address it cannot listen on is a `ListenError`)."""
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = ArgumentParser(prog=PROGRAM, description=__doc__.split("\n\n")[0])
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--checkpoint", metavar="DIR", help="a training run directory (or its checkpoints/...)")
-    source.add_argument("--hf", metavar="DIR", help="a transformers directory with a tokenizer.json (its chat "
-                        "template from chat_template.jinja or tokenizer_config.json)")
-    source.add_argument("--gguf", metavar="FILE", help="a llama.cpp GGUF file (weights dequantized, all-Q8_0 "
-                        "ones kept as int8; the tokenizer and chat template from its metadata)")
-    source.add_argument("--random-init", metavar="CONFIG", help="a config name from configs/ (or a .toml), "
-                        "randomly initialised")
-    parser.add_argument("--data", metavar="FILE_OR_DIR", help="with --random-init: the text whose characters are "
-                        "the vocabulary (default: Tiny Shakespeare), or a corpus prepared by python -m train.prepare")
+    FLAGS.add_to(parser)
     parser.add_argument("--seed", type=int, default=0, help="with --random-init: the weights' seed; and the seeds "
                         "of requests that give none")
-    parser.add_argument("--allow-nonfinite", action="store_true", help="with --hf or --gguf: load weights holding "
-                        "NaN or infinity")
     parser.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template (instead of the model's)")
     parser.add_argument("--host", default="127.0.0.1", help="the address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="the port (0: a free one; default 8000)")
@@ -99,14 +87,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--mesh", help="serve on a device mesh, e.g. tensor:2 (product = device count)")
     parser.add_argument("--cpu-devices", type=int, metavar="N", help="make N host devices on a CPU for --mesh")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
-    sample_lib.add_quant_flag(parser)
-    sample_lib.add_adapter_flag(parser)
     args = parser.parse_args(argv)
-    sample_lib.check_quant(parser, args)
-    if args.data is not None and args.random_init is None:
-        parser.error("--data goes with --random-init (a checkpoint carries its own tokenizer)")
-    if args.allow_nonfinite and args.hf is None and args.gguf is None:
-        parser.error("--allow-nonfinite goes with --hf or --gguf")
+    args.model_source = FLAGS.read(parser, args)  # the model-source flags' usage errors, then the server's
     for name in ("max_seqs", "page_size", "max_waiting", "max_body"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -119,51 +101,27 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def listen_socket(host: str, port: int) -> socket.socket:
-    """A bound TCP socket for `host:port`, before the model loads: a port in use or an address that is
-    not this machine's fails in one line at once, not after minutes of compiling."""
-    try:
-        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-    except socket.gaierror as err:
-        raise ServeError(f"cannot listen on {host}:{port}: {err.strerror}") from None
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-        sock.listen(2048)  # claimed now: callers queue in the backlog until the engine is compiled
-    except OSError as err:
-        sock.close()
-        why = {errno.EADDRINUSE: "the port is in use", errno.EADDRNOTAVAIL: "the address is not this machine's"}
-        raise ServeError(f"cannot listen on {host}:{port}: {why.get(err.errno, err.strerror)}") from None
-    return sock
-
-
 def model_name(args) -> str:
-    if args.served_model_name:
-        return args.served_model_name
-    if getattr(args, "gguf", None):
-        return Path(args.gguf).stem
-    source = args.hf or args.checkpoint or args.random_init
-    return Path(source).stem if args.random_init else Path(source).resolve().name
+    """--served-model-name, else the model's own name (`train.models.source.ModelSource.name`)."""
+    return args.served_model_name or args.model_source.name
 
 
 def chat_template(args, tokenizer) -> ChatTemplate | None:
-    """--chat-template, else the --hf directory's or the --gguf file's, else None (chat answers 400)."""
+    """--chat-template, else the --hf directory's or the --gguf file's, else None (chat answers 400); the
+    model's special tokens either way (`train.models.load.read_chat`)."""
     try:
-        gguf_source, tokens = pretrained.gguf_chat(args.gguf) if getattr(args, "gguf", None) else (None, {})
-        tokens = special_tokens(args.hf) if args.hf else tokens
+        source, tokens = read_chat(args.model_source, template=not args.chat_template)
         if args.chat_template:
             path = Path(args.chat_template)
             if not path.is_file():
                 raise ServeError(f"--chat-template {args.chat_template}: no such file")
             return ChatTemplate(path.read_text(encoding="utf-8"), tokens)
-        source = find_chat_template(args.hf) if args.hf else gguf_source
         return ChatTemplate(source, tokens) if source is not None else None
     except ChatTemplateError as err:
         raise ServeError(f"the chat template: {err}") from None
 
 
-def served_model(args, config, tokenizer, max_model_len: int) -> ServedModel:
+def served_model(args, tokenizer, max_model_len: int) -> ServedModel:
     if isinstance(tokenizer, HFTokenizer):  # a BOS where the tokenizer adds one, for a completion's prompt
         def encode(text, special):
             return tokenizer.encode(text, add_special_tokens=special)
@@ -171,8 +129,8 @@ def served_model(args, config, tokenizer, max_model_len: int) -> ServedModel:
         def encode(text, special):
             return [int(t) for t in tokenizer.encode(text)]
     eos = getattr(tokenizer, "eos_token_id", None)
-    return ServedModel(name=model_name(args), encode=encode, vocab_size=config.vocab_size,
-                       max_model_len=max_model_len, stop_token_ids=() if eos is None else (int(eos),),
+    return ServedModel(name=model_name(args), encode=encode, max_model_len=max_model_len,
+                       stop_token_ids=() if eos is None else (int(eos),),
                        chat_template=chat_template(args, tokenizer))
 
 
@@ -180,7 +138,7 @@ def build_engine(args, params, config, tokenizer, kernels, mesh) -> tuple[Engine
     """The engine with every step program compiled (a progress bar on stderr); its compile seconds."""
     engine_config = EngineConfig(max_seqs=args.max_seqs, page_size=args.page_size, num_pages=args.num_pages,
                                  kv_memory_gib=args.kv_memory, token_budget=args.token_budget,
-                                 kv_cache=args.kv_cache)
+                                 kv_cache=args.kv_cache, max_waiting=args.max_waiting)
     bar = tqdm(total=0, desc="compiling the step programs", unit="program", file=sys.stderr, leave=False,
                disable=None)
 
@@ -202,45 +160,6 @@ def build_engine(args, params, config, tokenizer, kernels, mesh) -> tuple[Engine
     return engine, time.perf_counter() - started
 
 
-class DrainingServer(uvicorn.Server):
-    """uvicorn, with SIGTERM and SIGINT draining the engine first (see the module docstring), and the
-    ready line printed once it listens."""
-
-    def __init__(self, config: uvicorn.Config, runner: EngineRunner, drain_seconds: float, ready_line):
-        super().__init__(config)
-        self.runner, self.drain_seconds, self.ready_line = runner, drain_seconds, ready_line
-        self.signalled = None
-
-    async def startup(self, sockets=None) -> None:
-        self._loop = asyncio.get_running_loop()
-        await super().startup(sockets=sockets)
-        if self.started:
-            print(self.ready_line(), flush=True)
-
-    def handle_exit(self, sig, frame) -> None:
-        # Not uvicorn's: it would re-raise the signal after shutting down (exit -15, not 0).
-        if self.signalled is not None:  # a second signal: at once
-            self.should_exit = self.force_exit = True
-            return
-        self.signalled = sig
-        self.runner.drain()
-        self._loop.call_soon_threadsafe(lambda: self._loop.create_task(self._drain()))
-
-    async def _drain(self) -> None:
-        log.info("draining: new requests get 503; running ones have %.0f s to finish", self.drain_seconds)
-        deadline = time.monotonic() + self.drain_seconds
-        while self.runner.busy and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        if self.runner.busy:
-            log.info("cancelling the requests still running")
-            self.runner.cancel_all()
-            until = time.monotonic() + 10
-            while self.runner.busy and time.monotonic() < until:
-                await asyncio.sleep(0.05)
-        await asyncio.sleep(0.2)  # the streams' last chunks go out
-        self.should_exit = True
-
-
 def run(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -249,19 +168,20 @@ def run(argv=None) -> int:
         jax.config.update("jax_num_cpu_devices", args.cpu_devices)
     sock = listen_socket(args.host, args.port)
     try:
-        params, config, tokenizer = sample_lib.load(args)
-        mesh = sample_lib.device_mesh(args, config)
+        loaded = load_model(args.model_source)
+        loaded.print_notes()
+        params, config, tokenizer = loaded.params, loaded.config, loaded.tokenizer
+        mesh = device_mesh(args.mesh, config)
         kernels, reasons = resolve_kernels(Kernels.auto())
         print(f"kernels: paged {kernels.paged!r} ({reasons['paged']}), matmul {kernels.matmul!r} "
               f"({reasons['matmul']})" + (f"; mesh {axes.MeshShape.of(mesh)}" if mesh is not None else "")
-              + sample_lib.quant_line(args, kernels, reasons), file=sys.stderr)
+              + quant_line(loaded.quant, kernels, reasons), file=sys.stderr)
         params = prepare_weights(params, kernels)  # e.g. quantized weights in the native kernel's panels
         started = time.perf_counter()
         engine, compile_seconds = build_engine(args, params, config, tokenizer, kernels, mesh)
-        served = served_model(args, config, tokenizer, engine.max_model_len)
+        served = served_model(args, tokenizer, engine.max_model_len)
         metrics = ServerMetrics(engine)
-        runner = EngineRunner(engine, max_waiting=args.max_waiting, on_step=metrics.on_step,
-                              on_tokens=metrics.on_tokens)
+        runner = EngineRunner(engine, on_step=metrics.on_step, on_tokens=metrics.on_tokens)
         app = create_app(runner, served, metrics, Limits(api_key=args.api_key, max_body_bytes=args.max_body))
         host, port = sock.getsockname()[:2]
         url = f"http://{f'[{host}]' if ':' in host else host}:{port}"

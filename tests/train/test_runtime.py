@@ -87,7 +87,7 @@ def test_a_fresh_process_gets_its_devices_and_flags_and_importing_starts_nothing
     """Importing the library and the programs must not start JAX, or the device count could not be set."""
     script = (
         "import os, jax, jaxattn, train.run.loop, train.tiny_lm, train.sample, train.compare, train.attention_maps\n"
-        "from train import runtime\n"
+        "from train.run import runtime\n"
         "from train.config import RuntimeConfig\n"
         "r = runtime.start(RuntimeConfig(mesh='data:3', xla_flags='--xla_cpu_enable_fast_math=false'), 6)\n"
         "assert r.warnings == (), r.warnings\n"

@@ -1,6 +1,7 @@
-"""`python -m train.sample`'s memory: the estimate's arithmetic, its refusal and warning lines, and the
-samples drawn a few rows per call. The estimate against measured peak memory is a benchmark
-(bench/sample_memory.py, docs/performance.md "Sampling memory"), not a test."""
+"""`python -m train.sample`'s memory: the estimate's arithmetic (`train.decode.memory`), its refusal and
+warning lines, and the samples drawn a few rows per call (`train.decode.calls`). The estimate against
+measured peak memory is a benchmark (bench/sample_memory.py, docs/performance.md "Sampling memory"),
+not a test."""
 
 import re
 from collections import namedtuple
@@ -12,13 +13,14 @@ import numpy as np
 import pytest
 from programs import run_sample, tiny_sampling_config
 
-from jaxattn import Kernels, decoding, generate_windowed
+from jaxattn import Kernels, decoding, generate_windowed, resolve_kernels
 from jaxattn.cache.build import cache_bytes_per_token
 from jaxattn.config import ModelConfig
 from jaxattn.model import abstract_params
-from train import sample
 from train.cli import UsageError
 from train.data.tokenizer import CharTokenizer
+from train.decode import calls, memory
+from train.models import fresh
 
 GIB = 2 ** 30
 CONFIG = ModelConfig(vocab_size=65, d_model=16, num_layers=2, num_heads=2, max_seq_len=16, positions="rope")
@@ -36,25 +38,25 @@ run = run_sample
 def test_the_estimate_adds_up_what_is_held():
     # Prompt of 6 tokens in a 16-token context, 20 new ones: a first window (bucket 8, 10 new, cache 16)
     # and the later windows (history 8, bucket 8, 8 new, cache 16).
-    assert sample._windows_shapes(CONFIG, 6, 20) == [(8, 16, 10), (8, 16, 8)]
-    assert sample._windows_shapes(CONFIG, 6, 5) == [(8, 13, 5)]
-    assert sample.warmup_tokens(CONFIG, 6, 20) == 11 and sample.warmup_tokens(CONFIG, 6, 5) == 5  # both programs
+    assert memory.windows_shapes(CONFIG, 6, 20) == [(8, 16, 10), (8, 16, 8)]
+    assert memory.windows_shapes(CONFIG, 6, 5) == [(8, 13, 5)]
+    assert calls.warmup_tokens(CONFIG, 6, 20) == 11 and calls.warmup_tokens(CONFIG, 6, 5) == 5  # both programs
     rows = 4
-    cache, logits, activations = sample.call_bytes(CONFIG, rows, 6, 20)
+    cache, logits, activations = memory.call_bytes(CONFIG, rows, 6, 20)
     assert cache == rows * 16 * cache_bytes_per_token(CONFIG)["bytes"] == rows * 16 * 2 * 2 * 2 * 8 * 4
     assert logits == 4 * rows * 8 * 65  # the prefill's [rows, 8, V] float32 logits
     per_position = (2 * 16 + 64 + 6 * 8) * 4 + 4 * 2 * 16  # activations, float32 attention scores
     assert activations == rows * 8 * per_position + 2 * 4 * rows * 10
-    plan = sample.estimate_memory(CONFIG, prompt_len=6, num_samples=10, max_new_tokens=20, rows=rows,
+    plan = memory.estimate_memory(CONFIG, prompt_len=6, num_samples=10, max_new_tokens=20, rows=rows,
                                   process=GIB, kernels=Kernels())  # "xla": the cache written at once
     assert (plan.rows, plan.calls, plan.ids) == (4, 3, 4 * 10 * 20)
-    assert plan.compile == int(sample.COMPILE_BYTES * (1 + sample.SECOND_PROGRAM))  # two programs
-    history = 4 * rows * (8 + 8) + sample.STREAM_BYTES  # between windows: 8 tokens of history, 8 of the last window
+    assert plan.compile == int(memory.COMPILE_BYTES * (1 + memory.SECOND_PROGRAM))  # two programs
+    history = 4 * rows * (8 + 8) + memory.STREAM_BYTES  # between windows: 8 tokens of history, 8 of the last window
     assert plan.streams == 3 * history
     assert plan.total == GIB + cache + logits + activations + plan.compile + plan.ids + plan.streams
-    unrolled = sample.estimate_memory(CONFIG, prompt_len=6, num_samples=10, max_new_tokens=5, rows=rows,
+    unrolled = memory.estimate_memory(CONFIG, prompt_len=6, num_samples=10, max_new_tokens=5, rows=rows,
                                       process=GIB, kernels=Kernels(decode="xla_cpu"))
-    assert unrolled.compile == sample.COMPILE_BYTES + sample.COMPILE_BYTES_PER_ROW_LAYER * rows * 2
+    assert unrolled.compile == memory.COMPILE_BYTES + memory.COMPILE_BYTES_PER_ROW_LAYER * rows * 2
 
 
 @pytest.mark.parametrize("config", [CONFIG, CONFIG.replace(num_kv_heads=1, vocab_size=512, max_seq_len=64)])
@@ -63,7 +65,7 @@ def test_a_calls_estimate_is_near_what_xla_allocates(config):
     params = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), nn.unbox(abstract_params(config)))
     rows, prompt_len, new = 8, 6, 2 * config.max_seq_len
     allocated = 0
-    for index, (bucket, length, num_new) in enumerate(sample._windows_shapes(config, prompt_len, new)):
+    for index, (bucket, length, num_new) in enumerate(memory.windows_shapes(config, prompt_len, new)):
         history = prompt_len if index == 0 else config.max_seq_len // 2
         prompt, lengths, knobs, cache_len = decoding._prepare(config, Kernels(), np.ones((rows, history), np.int32),
                                                               np.full(rows, history), num_new, 0.8, 20, 0.9, None, 0)
@@ -73,12 +75,12 @@ def test_a_calls_estimate_is_near_what_xla_allocates(config):
                                                    cache_len=cache_len, return_logits=False).compile()
         stats = compiled.memory_analysis()
         allocated = max(allocated, stats.temp_size_in_bytes + stats.output_size_in_bytes)
-    assert 0.7 <= sum(sample.call_bytes(config, rows, prompt_len, new)) / allocated <= 1.5
+    assert 0.7 <= sum(memory.call_bytes(config, rows, prompt_len, new)) / allocated <= 1.5
 
 
 def test_fewer_rows_per_call_when_a_call_would_take_half_of_what_is_free():
     big = CONFIG.replace(max_seq_len=4096, d_model=512, num_heads=8)
-    plan, warnings = sample.plan_memory(big, prompt_len=6, num_samples=64, max_new_tokens=5000, rows=16,
+    plan, warnings = memory.plan_memory(big, prompt_len=6, num_samples=64, max_new_tokens=5000, rows=16,
                                         process=GIB, available=2 * GIB, physical=8 * GIB, kernels=Kernels())
     assert plan.rows < 16 and plan.per_call + plan.compile <= GIB and warnings == []
     assert plan.calls == -(-64 // plan.rows)
@@ -88,32 +90,32 @@ def test_a_request_beyond_physical_memory_is_refused_naming_the_figure_and_a_num
     kwargs = dict(prompt_len=6, max_new_tokens=1000, rows=16, process=GIB // 4, available=GIB // 2, physical=GIB,
                   kernels=Kernels())
     with pytest.raises(UsageError) as refused:
-        sample.plan_memory(CONFIG, num_samples=10 ** 6, **kwargs)
+        memory.plan_memory(CONFIG, num_samples=10 ** 6, **kwargs)
     message = str(refused.value)
     assert message.startswith("sampling 1000000 x 1000 tokens takes about 5.13 GiB at its peak (this process now 0.25")
     assert "token ids 3.73 GiB, between windows 1.01 GiB); 16 sample(s) per call, 62,500 call(s) a window" in message
     named = re.fullmatch(r".*more than this machine's 1\.00 GiB of memory: --num-samples ([\d,]+) fits in the "
                          r"memory free with --max-new-tokens 1000", message)
     fits = int(named.group(1).replace(",", ""))
-    plan, warnings = sample.plan_memory(CONFIG, num_samples=fits, **kwargs)  # what it names fits, unwarned
+    plan, warnings = memory.plan_memory(CONFIG, num_samples=fits, **kwargs)  # what it names fits, unwarned
     assert warnings == [] and plan.total <= GIB
-    _, warnings = sample.plan_memory(CONFIG, num_samples=int(fits * 1.01) + 16, **kwargs)
+    _, warnings = memory.plan_memory(CONFIG, num_samples=int(fits * 1.01) + 16, **kwargs)
     assert warnings and warnings[0].startswith(f"sampling {int(fits * 1.01) + 16} x 1000 tokens takes about")
     with pytest.raises(UsageError, match="even one sample of one token does not fit"):
-        sample.plan_memory(CONFIG, num_samples=1, **{**kwargs, "process": 2 * GIB})
+        memory.plan_memory(CONFIG, num_samples=1, **{**kwargs, "process": 2 * GIB})
     with pytest.raises(UsageError, match=r"--max-new-tokens ([\d,]+) fits in this machine's memory with "
                                          r"--num-samples 1$") as refused:
-        sample.plan_memory(CONFIG, num_samples=1, **{**kwargs, "max_new_tokens": 3 * 10 ** 8})
+        memory.plan_memory(CONFIG, num_samples=1, **{**kwargs, "max_new_tokens": 3 * 10 ** 8})
     named = int(re.search(r"--max-new-tokens ([\d,]+)", str(refused.value)).group(1).replace(",", ""))
-    sample.plan_memory(CONFIG, num_samples=1, **{**kwargs, "max_new_tokens": named})
+    memory.plan_memory(CONFIG, num_samples=1, **{**kwargs, "max_new_tokens": named})
 
 
 def test_the_command_refuses_before_compiling_and_warns_above_most_of_the_free_memory(tiny, capsys, monkeypatch):
     # A machine of 2 GiB where this process already holds 1.7 GiB: the token ids of 10,000,000 x 20 tokens
     # (0.75 GiB) fit in the machine alone, but not beside the process, a call and, between the windows
     # of the 16-token context, what each of the 625,000 calls of 16 samples keeps (10.13 GiB).
-    monkeypatch.setattr(sample.psutil, "virtual_memory", lambda: VirtualMemory(total=2 * GIB, available=GIB))
-    monkeypatch.setattr(sample.psutil, "Process", lambda: namedtuple("P", "memory_info")(
+    monkeypatch.setattr(memory.psutil, "virtual_memory", lambda: VirtualMemory(total=2 * GIB, available=GIB))
+    monkeypatch.setattr(memory.psutil, "Process", lambda: namedtuple("P", "memory_info")(
         lambda: namedtuple("M", "rss")(int(1.7 * GIB))))
     code, out, err = run(capsys, "--random-init", tiny, "--prompt", "ROMEO:", "--num-samples", "10000000",
                          "--max-new-tokens", "20")
@@ -127,7 +129,7 @@ def test_the_command_refuses_before_compiling_and_warns_above_most_of_the_free_m
 
     monkeypatch.setenv("JAXATTN_SHAKESPEARE", str(Path(tiny).parent / "corpus.txt"))
     free = 0.02 * GIB  # the rest fits in the machine, but not in what is free
-    monkeypatch.setattr(sample.psutil, "virtual_memory", lambda: VirtualMemory(total=64 * GIB, available=free))
+    monkeypatch.setattr(memory.psutil, "virtual_memory", lambda: VirtualMemory(total=64 * GIB, available=free))
     code, out, err = run(capsys, "--random-init", tiny, "--prompt", "ROMEO:", "--num-samples", "3",
                          "--max-new-tokens", "4")
     assert code == 0 and out.count("ROMEO:") == 3
@@ -136,12 +138,12 @@ def test_the_command_refuses_before_compiling_and_warns_above_most_of_the_free_m
 
 
 def test_the_memory_is_reported_and_many_samples_are_drawn_a_few_per_call(tiny, capsys, monkeypatch):
-    monkeypatch.setitem(sample.ROWS_PER_CALL, "cpu", 2)
+    monkeypatch.setitem(memory.ROWS_PER_CALL, "cpu", 2)
     code, out, err = run(capsys, "--random-init", tiny, "--prompt", "ROMEO:", "--num-samples", "5",
                          "--max-new-tokens", "30")  # two windows of the 16-token context
     assert code == 0, err
-    memory = [line for line in err.splitlines() if line.startswith("memory: about ")]
-    assert len(memory) == 1 and memory[0].endswith("; 2 sample(s) per call, 3 call(s) a window")
+    lines = [line for line in err.splitlines() if line.startswith("memory: about ")]
+    assert len(lines) == 1 and lines[0].endswith("; 2 sample(s) per call, 3 call(s) a window")
     texts = out.rstrip("\n").split("\n---------------\n")
     assert len(texts) == 5 and all(t.startswith("ROMEO:") and len(t) == 6 + 30 for t in texts)
     assert len(set(texts)) == 5  # each call its own key
@@ -153,9 +155,9 @@ def test_samples_of_one_call_are_those_of_generate_windowed(tiny, capsys):
     code, out, err = run(capsys, "--random-init", tiny, "--prompt", "ROMEO:", "--num-samples", "3",
                          "--max-new-tokens", "20", "--seed", "7")
     assert code == 0, err
-    params, config, tokenizer = sample.random_init(tiny, seed=7)  # --seed also seeds the parameters
+    params, config, tokenizer = fresh.random_init(tiny, seed=7)  # --seed also seeds the parameters
     prompt = tokenizer.encode("ROMEO:")
-    kernels = sample.resolve_kernels(Kernels.auto())[0]
+    kernels = resolve_kernels(Kernels.auto())[0]
     ids = generate_windowed(params, config, prompt, max_new_tokens=20, rng=jax.random.PRNGKey(7), num_samples=3,
                             temperature=0.8, top_k=200, kernels=kernels)
     assert out == "\n---------------\n".join("ROMEO:" + tokenizer.decode(row) for row in ids) + "\n"

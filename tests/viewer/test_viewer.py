@@ -23,6 +23,8 @@ from jaxattn import viewer
 from jaxattn.config import LayerKind, MLAConfig, ModelConfig
 from jaxattn.model import DecoderLM, attention_weights
 from train import attention_maps
+from train.models.fresh import fresh_params
+from train.models.load import load_model
 
 VOCAB = 11
 TOKENS = ["a", " ", "<c>", "\n", "&", "\t", "'", '"', "</script>", "<!--", "b", "c"]  # HTML's specials as text
@@ -255,9 +257,10 @@ def test_random_init_writes_the_page_of_its_fresh_parameters(corpus, tiny_toml, 
     assert (data["L"], data["N"], data["T"]) == (2, 4, 24) and data["tokens"] == list(text)
     assert [layer["window"] for layer in data["layers"]] == [4, None] and data["layers"][0]["kind"] == "GQA"
     assert "random init, seed 3" in data["title"] and data["sink_weights"] is not None
-    model_config, tokenizer = attention_maps.random_init(attention_maps.parse_args(argv))
+    loaded = load_model(attention_maps.parse_args(argv).model_source)  # the program's loader, as it loads
+    model_config, tokenizer = loaded.config, loaded.tokenizer
     assert model_config.vocab_size == len(set(corpus.read_text())) and tokenizer.decode(tokenizer.encode("ab")) == "ab"
-    params = attention_maps.fresh_params(model_config.replace(max_seq_len=24), 3)
+    params = fresh_params(model_config.replace(max_seq_len=24), 3)
     reference = attention_maps.attention_weights(params, model_config.replace(max_seq_len=24), tokenizer.encode(text))
     assert np.abs(decoded(data) - reference).max() <= TOL
 

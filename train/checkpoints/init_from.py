@@ -37,7 +37,7 @@ from train.config import ExperimentConfig, parse_override
 from train.data.tokenizer import JSONTokenizer
 from train.models import pretrained
 
-KINDS = ("hf", "gguf")
+KINDS = pretrained.KINDS  # "hf:DIR", "gguf:FILE"
 # How the model runs, not what it computes: the compute dtype of activations and matmuls, dropout, and whether
 # the repeated layers run under one scan (the same maths; the weights stacked, `params_for`).
 RUN_SETTINGS = ("dtype", "dropout", "scan_layers")
@@ -78,8 +78,7 @@ def parse_source(spec: str) -> tuple[str, Path]:
 def model_config(spec: str) -> ModelConfig:
     """The model config of the checkpoint `spec` names, without reading a tensor; CheckpointError when
     it cannot be read."""
-    kind, path = parse_source(spec)
-    return pretrained.gguf_config(path) if kind == "gguf" else pretrained.hf_config(path)
+    return pretrained.read_config(*parse_source(spec))
 
 
 def model_settings(overrides: Sequence[str]) -> dict[str, Any]:
@@ -127,10 +126,11 @@ def with_checkpoint_model(config: ExperimentConfig, overrides: Sequence[str] = (
 
 
 def load(spec: str) -> Initial:
-    """The checkpoint `spec` names, read whole; CheckpointError (one line naming the file) when it
-    cannot be."""
+    """The checkpoint `spec` names, read whole by the programs' reader of such checkpoints
+    (`train.models.pretrained`, as `train.sample --hf`/`--gguf` reads them); CheckpointError (one line
+    naming the file) when it cannot be."""
     kind, path = parse_source(spec)
-    params, config, tokenizer = pretrained.load_gguf(path) if kind == "gguf" else pretrained.load_hf(path)
+    params, config, tokenizer = pretrained.read(kind, path)
     params = jax.tree.map(lambda leaf: np.asarray(leaf, np.float32), params)
     run_tokenizer = JSONTokenizer("hf", tokenizer.tokenizer.to_str())
     return Initial(source=spec, config=config, params=params, tokenizer=run_tokenizer, digest=digest(params),
@@ -139,11 +139,10 @@ def load(spec: str) -> Initial:
 
 def _chat_template(kind: str, path: Path) -> ChatTemplate | None:
     """The checkpoint's chat template (a directory's chat_template.jinja or tokenizer_config.json, a GGUF
-    file's metadata); CheckpointError when it is there and does not parse."""
+    file's metadata) with its special tokens (`train.models.pretrained.read_chat`); CheckpointError when it
+    is there and does not parse."""
     try:
-        if kind == "hf":
-            return ChatTemplate.from_directory(path)
-        source, special = pretrained.gguf_chat(path)
+        source, special = pretrained.read_chat(kind, path)
         return None if source is None else ChatTemplate(source, special)
     except ChatTemplateError as err:
         raise CheckpointError(f"cannot load {path}'s chat template: {err}") from None

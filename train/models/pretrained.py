@@ -1,9 +1,14 @@
-"""Reading checkpoints made elsewhere: transformers directories and llama.cpp GGUF files, with their
-tokenizers, for the programs that start from one (`train.sample`, `train.serve`, `train.export`,
-`train.attention_maps`, a fine-tuning run's `train.init_from`).
+"""Checkpoints made elsewhere: transformers directories (`jaxattn.hf`) and llama.cpp GGUF files
+(`jaxattn.gguf`), with their tokenizers and chat templates.
+
+The one reader of both kinds, for `train.models.load.load_model` (`--hf DIR`, `--gguf FILE`) and a
+fine-tuning run's start (`train.checkpoints.init_from`, `train.init_from = "hf:DIR"` or
+`"gguf:FILE"`): `read(kind, path)` gives (params, model config, tokenizer), `read_config` the config
+alone, `read_chat` the chat template and the named special tokens, `gguf_kept_quantization` how a GGUF
+file's int8 weights are kept as the file stores them.
 
 Every failure is a `CheckpointError` of one line naming the file and the key, tensor, architecture
-or tensor type; the packages these need (safetensors, tokenizers, gguf) are imported on first use.
+or tensor type.
 """
 
 from __future__ import annotations
@@ -11,46 +16,57 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from jaxattn import gguf, hf
 from jaxattn.config import ModelConfig
-from train.checkpoints.store import CheckpointError
+from jaxattn.hf.chat_template import find_chat_template, special_tokens
+from train.checkpoints.meta import CheckpointError
 from train.cli import one_line
 
-
-def hf_package():
-    """`jaxattn.hf`, imported on first use (it needs safetensors); ImportError as a CheckpointError."""
-    try:
-        from jaxattn import hf
-    except ImportError as err:
-        raise CheckpointError(f"Hugging Face interop needs {err.name or 'a missing package'}: "
-                              "pip install safetensors tokenizers") from err
-    return hf
+KINDS = ("hf", "gguf")  # a transformers directory, a llama.cpp file
+NONFINITE_HINT = "--allow-nonfinite loads them anyway"  # in place of jaxattn.hf's own hint: the programs' flag
+NOT_A_DIRECTORY = "is not a directory (expected a transformers save: config.json, *.safetensors, tokenizer.json)"
 
 
-def gguf_package():
-    """`jaxattn.gguf`, imported on first use (it needs the gguf package); ImportError as a CheckpointError."""
-    try:
-        from jaxattn import gguf
-    except ImportError as err:
-        raise CheckpointError(f"reading GGUF files needs {err.name or 'a missing package'}: pip install gguf") from err
-    return gguf
+def read(kind: str, path: str | Path, *, allow_nonfinite: bool = False) -> tuple[Any, ModelConfig, Any]:
+    """(params, model config, tokenizer) of the checkpoint of `kind` ("hf" or "gguf") at `path`:
+    `load_hf` or `load_gguf`."""
+    return (load_gguf if kind == "gguf" else load_hf)(path, allow_nonfinite=allow_nonfinite)
 
 
-def open_gguf(path: str | Path):
+def read_config(kind: str, path: str | Path) -> ModelConfig:
+    """The model config of the checkpoint of `kind` at `path`, without reading a tensor: `hf_config`
+    or `gguf_config`."""
+    return gguf_config(path) if kind == "gguf" else hf_config(path)
+
+
+def read_chat(kind: str, path: str | Path, *, template: bool = True) -> tuple[str | None, dict[str, str]]:
+    """(the chat template's source or None, the named special tokens) of the checkpoint of `kind` at
+    `path`: a directory's chat_template.jinja or tokenizer_config.json (`jaxattn.hf.chat_template`), a
+    GGUF file's metadata. With `template` False the template is not read (None): a caller that brings
+    its own is not refused for the checkpoint's. `jaxattn.hf.chat_template.ChatTemplateError` for a
+    directory's template or tokenizer_config.json that cannot be read; CheckpointError for a GGUF file's."""
+    if kind == "gguf":
+        source, tokens = chat_of(open_gguf(path))
+        return (source if template else None), tokens
+    return (find_chat_template(path) if template else None), special_tokens(path)
+
+
+def open_gguf(path: str | Path) -> gguf.GGUFModel:
     """The `jaxattn.gguf.GGUFModel` of `path`; CheckpointError (one line, naming the file) when it cannot be read."""
-    gguf, hf = gguf_package(), hf_package()
     try:
         return gguf.GGUFModel.open(path)
     except hf.HFCheckpointError as err:
         raise CheckpointError(f"cannot load {one_line(err)}") from err
 
 
-def load_gguf_model(model, allow_nonfinite: bool) -> tuple[Any, ModelConfig, Any]:
-    hf = hf_package()
+def load_gguf_model(model: gguf.GGUFModel, allow_nonfinite: bool) -> tuple[Any, ModelConfig, Any]:
+    """(params, model config, tokenizer) of an open GGUF file, the weights dequantized to float32;
+    the tokenizer is built (and checked) before any tensor is read."""
     try:
         tokenizer = model.tokenizer()
         config, params = model.load("float32", allow_nonfinite=allow_nonfinite)
     except hf.HFCheckpointError as err:
-        message = one_line(err).replace(hf.checkpoint.NONFINITE_HINT, "--allow-nonfinite loads them anyway")
+        message = one_line(err).replace(hf.checkpoint.NONFINITE_HINT, NONFINITE_HINT)
         raise CheckpointError(f"cannot load {message}") from err
     return params, config, tokenizer
 
@@ -76,17 +92,12 @@ def gguf_kept_quantization(path: str | Path) -> str | None:
     return open_gguf(path).kept_quantization()
 
 
-def chat_of(model) -> tuple[str | None, dict[str, str]]:
-    hf = hf_package()
+def chat_of(model: gguf.GGUFModel) -> tuple[str | None, dict[str, str]]:
+    """(the chat template or None, the named special tokens) of an open GGUF file."""
     try:
         return model.chat_template, model.special_tokens
     except hf.HFCheckpointError as err:
         raise CheckpointError(f"cannot load {one_line(err)}") from err
-
-
-def gguf_chat(path: str | Path) -> tuple[str | None, dict[str, str]]:
-    """(the chat template or None, the named special tokens) of a GGUF file, for `train.serve`."""
-    return chat_of(open_gguf(path))
 
 
 def hf_config(directory: str | Path) -> ModelConfig:
@@ -94,9 +105,7 @@ def hf_config(directory: str | Path) -> ModelConfig:
     CheckpointError (one line naming the file and the key) when it cannot be read or is unsupported."""
     path = Path(directory)
     if not path.is_dir():
-        raise CheckpointError(f"{str(path)!r} is not a directory (expected a transformers save: "
-                              "config.json, *.safetensors, tokenizer.json)")
-    hf = hf_package()
+        raise CheckpointError(f"{str(path)!r} {NOT_A_DIRECTORY}")
     try:
         return hf.architectures.config_from_hf(hf.checkpoint.read_config_json(path))[1]
     except hf.HFCheckpointError as err:
@@ -106,7 +115,7 @@ def hf_config(directory: str | Path) -> ModelConfig:
 
 def gguf_config(path: str | Path) -> ModelConfig:
     """The model config of a GGUF file, from its metadata alone; CheckpointError as `load_gguf` raises it."""
-    model, hf = open_gguf(path), hf_package()
+    model = open_gguf(path)
     try:
         return hf.architectures.config_from_hf(model.hf_config())[1]
     except hf.HFCheckpointError as err:
@@ -125,17 +134,15 @@ def load_hf(directory: str | Path, *, allow_nonfinite: bool = False) -> tuple[An
     """
     path = Path(directory)
     if not path.is_dir():
-        raise CheckpointError(f"{str(path)!r} is not a directory (expected a transformers save: "
-                              "config.json, *.safetensors, tokenizer.json)")
+        raise CheckpointError(f"{str(path)!r} {NOT_A_DIRECTORY}")
     if not (path / "tokenizer.json").is_file():
         raise CheckpointError(f"{path} has no tokenizer.json: the text cannot be encoded (python -m "
                               "train.export writes one; for a transformers model, save its fast tokenizer there)")
-    hf = hf_package()
     try:
         tokenizer = hf.load_tokenizer(path)
         config, params = hf.load_pretrained(path, dtype="float32", allow_nonfinite=allow_nonfinite)
     except hf.HFCheckpointError as err:
-        message = one_line(err).replace(hf.checkpoint.NONFINITE_HINT, "--allow-nonfinite loads them anyway")
+        message = one_line(err).replace(hf.checkpoint.NONFINITE_HINT, NONFINITE_HINT)
         where = "" if isinstance(err, hf.InvalidCheckpoint) else f"{path}: "  # an InvalidCheckpoint names its file
         raise CheckpointError(f"cannot load {where}{message}") from err
     except OSError as err:
