@@ -49,8 +49,7 @@ from train.data.errors import DataError
 from train.data.tokenizer import Tokenizer
 from train.decode import calls, memory
 from train.decode.calls import NonFiniteError
-from train.models.fresh import random_init  # noqa: F401  (still reachable as train.sample.random_init)
-from train.models.load import device_mesh, load_model, quant_line, with_adapter  # noqa: F401  (and with_adapter)
+from train.models.load import device_mesh, load_model, quant_line
 from train.models.nonfinite import list_weights
 from train.models.source import SourceFlags
 from train.run import runtime as runtime_lib
@@ -80,16 +79,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.model_source = FLAGS.read(parser, args)
     return args
-
-
-def load(args: argparse.Namespace) -> tuple[dict, ModelConfig, Tokenizer]:
-    """(params, model config, tokenizer) of `args.model_source` (`train.models.load.load_model`), its notes
-    on stderr; `args.quant` becomes the mode its weights are quantized with (a GGUF file's Q8_0 weights
-    kept as int8: "int8:32"). `train.serve`'s parsed flags load alike."""
-    loaded = load_model(args.model_source)
-    loaded.print_notes()
-    args.quant = loaded.quant
-    return loaded.params, loaded.config, loaded.tokenizer
 
 
 def until_eos(ids: np.ndarray, eos_token_id: int | None) -> np.ndarray:
@@ -191,7 +180,9 @@ def run(argv=None) -> int:
     if args.cpu_devices is not None:
         jax.config.update("jax_num_cpu_devices", args.cpu_devices)  # before anything starts JAX
     prompt = read_prompt(args.prompt)
-    params, config, tokenizer = load(args)
+    loaded = load_model(args.model_source)
+    loaded.print_notes()
+    params, config, tokenizer = loaded.params, loaded.config, loaded.tokenizer
     listed = list_weights(params) if args.allow_nonfinite else ""  # a damaged model is sampled until it fails
     if listed:
         print(f"warning: the weights holding NaN or infinity: {listed}; sampling stops at the first token whose "
@@ -201,7 +192,7 @@ def run(argv=None) -> int:
     kernels, reasons = resolve_kernels(Kernels.auto())
     print(f"kernels: decode {kernels.decode!r} ({reasons['decode']}), matmul {kernels.matmul!r} "
           f"({reasons['matmul']})" + (f"; mesh {axes.MeshShape.of(mesh)}" if mesh is not None else "")
-          + quant_line(args.quant, kernels, reasons), file=sys.stderr)
+          + quant_line(loaded.quant, kernels, reasons), file=sys.stderr)
     plan = plan_sampling(args, config, len(prompt_ids), kernels, mesh)
     params = prepare_weights(params, kernels)  # e.g. quantized weights in the native kernel's panels
     draw = calls.Draw(num_samples=args.num_samples, max_new_tokens=args.max_new_tokens, seed=args.seed,

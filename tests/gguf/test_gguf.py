@@ -34,6 +34,7 @@ from jaxattn.gguf.architectures import ARCHITECTURES  # noqa: E402
 from jaxattn.gguf.reader import TENSOR_TYPES, reverse_permute  # noqa: E402
 from programs import call  # noqa: E402
 from train import sample  # noqa: E402
+from train.models.load import load_model  # noqa: E402
 
 # The f16 scales inside each K-quant block (byte offsets), set small so that random blocks are weights.
 K_SCALES = {Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
@@ -701,9 +702,8 @@ def test_a_file_not_all_q8_0_is_not_kept(tmp_path, qtype, output):
         write_gguf(path, spec, qtype, tensors=tensors, extra=lambda w: w.add_tensor("output.weight", head))
     model = GGUFModel.open(path)
     assert model.kept_quantization() is None
-    args = sample.parse_args(["--gguf", str(path), "--prompt", "A"])
-    params, _, _ = sample.load(args)
-    assert args.quant is None and params["lm_head"]["kernel"].dtype == np.float32
+    loaded = load_model(sample.parse_args(["--gguf", str(path), "--prompt", "A"]).model_source)
+    assert loaded.quant is None and loaded.params["lm_head"]["kernel"].dtype == np.float32
 
 
 def test_the_embedding_of_a_q8_0_file_may_be_any_type_unless_it_is_the_head(tmp_path):
@@ -737,14 +737,16 @@ def test_sample_keeps_a_q8_0_file_as_int8_unless_quant_says_otherwise(tmp_path, 
                         kernels=resolve_kernels(Kernels.auto())[0])
     assert out == " the cat" + tokenizer.decode(sample.until_eos(np.asarray(expected.tokens[0]),
                                                                  tokenizer.eos_token_id)) + "\n"
-    args = sample.parse_args(["--gguf", str(path), "--prompt", "A"])
-    kept = sample.load(args)[0]["blocks_0"]["attn"]["qkv"]["kernel"]  # q, k and v fused on loading
-    assert args.quant == "int8:32" and isinstance(kept, QuantizedWeight) and (kept.bits, kept.group) == (8, 32)
-    args = sample.parse_args(["--gguf", str(path), "--prompt", "A", "--quant", "int8"])
-    asked = sample.load(args)[0]["blocks_0"]["attn"]["qkv"]["kernel"]
-    assert args.quant == "int8" and asked.group == 256  # per channel, as asked
-    args = sample.parse_args(["--gguf", str(path), "--prompt", "A", "--mesh", "data:1"])  # no quantized weights
-    assert not isinstance(sample.load(args)[0]["lm_head"]["kernel"], QuantizedWeight) and args.quant is None
+    def loaded(parse, *argv):  # what the program's flags load, through the one loader
+        return load_model(parse(["--gguf", str(path), *argv]).model_source)
+
+    kept = loaded(sample.parse_args, "--prompt", "A")
+    qkv = kept.params["blocks_0"]["attn"]["qkv"]["kernel"]  # q, k and v fused on loading
+    assert kept.quant == "int8:32" and isinstance(qkv, QuantizedWeight) and (qkv.bits, qkv.group) == (8, 32)
+    asked = loaded(sample.parse_args, "--prompt", "A", "--quant", "int8")
+    assert asked.quant == "int8" and asked.params["blocks_0"]["attn"]["qkv"]["kernel"].group == 256  # per channel
+    meshed = loaded(sample.parse_args, "--prompt", "A", "--mesh", "data:1")  # no quantized weights on a mesh
+    assert not isinstance(meshed.params["lm_head"]["kernel"], QuantizedWeight) and meshed.quant is None
     from train import serve
-    args = serve.parse_args(["--gguf", str(path)])  # train.serve loads through the same `sample.load`
-    assert isinstance(sample.load(args)[0]["lm_head"]["kernel"], QuantizedWeight) and args.quant == "int8:32"
+    served = loaded(serve.parse_args)  # train.serve loads through the same loader
+    assert isinstance(served.params["lm_head"]["kernel"], QuantizedWeight) and served.quant == "int8:32"

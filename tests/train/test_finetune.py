@@ -21,6 +21,7 @@ from train.checkpoints import init_from
 from train.checkpoints.meta import CheckpointError
 from train.config import ExperimentConfig, load_config
 from train.data.errors import DataError
+from train.models.load import with_adapter
 from train.models.runs import load_for_sampling
 from train.run.experiment import run_experiment
 
@@ -263,7 +264,7 @@ def test_a_lora_run_exports_as_a_peft_adapter_and_merged_both_as_transformers_co
             logits = theirs(torch.tensor(ids)).logits.numpy()
             assert np.max(np.abs(logits - ours)) < 1e-4
     # the adapter read back here, merged into the base, is the run's model
-    adapted = sample.with_adapter(str(tmp_path / "adapter"), config, hf.load_pretrained(base)[1])
+    adapted = with_adapter(str(tmp_path / "adapter"), config, hf.load_pretrained(base)[1])
     for a, b in zip(jax.tree.leaves(adapted), jax.tree.leaves(merged)):
         np.testing.assert_allclose(np.asarray(a), b, atol=1e-6)
     # and train.sample draws the same greedy text from the base plus the adapter as from the merged export
@@ -370,7 +371,7 @@ def test_a_run_with_its_layers_scanned_replays_the_unrolled_run_and_exports_the_
     from flax.traverse_util import flatten_dict
 
     from jaxattn.scan_plan import unstack_params
-    from train import export, sample
+    from train import export
     base, text, chats = files
     lora_settings = ("lora.rank=4", "lora.alpha=8", "train.lr=1e-2")
     for name, (unrolled, _), data, extra in (("full", full_run, text, ()), ("lora", lora_run, chats, lora_settings)):
@@ -396,7 +397,7 @@ def test_a_run_with_its_layers_scanned_replays_the_unrolled_run_and_exports_the_
     # the scanned LoRA run's PEFT adapter, read back onto the base, is the same model
     assert export.main(["--checkpoint", str(tmp_path / "lora"), "--out", str(tmp_path / "adapter")]) == 0
     merged, model, _ = load_for_sampling(lora_run[0])
-    adapted = sample.with_adapter(str(tmp_path / "adapter"), model, hf.load_pretrained(base)[1])
+    adapted = with_adapter(str(tmp_path / "adapter"), model, hf.load_pretrained(base)[1])
     for a, b in zip(jax.tree.leaves(adapted), jax.tree.leaves(merged)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
 

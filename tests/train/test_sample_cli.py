@@ -246,10 +246,10 @@ def test_quant_that_cannot_work_is_a_usage_error(tiny, capsys, argv, message):
 
 def test_serve_takes_quant_as_sample_does(tiny):
     from jaxattn.quantization import QuantizedWeight
-    from train import sample, serve
+    from train import serve
     from train.cli import UsageError
-    args = serve.parse_args(["--random-init", tiny, "--quant", "int8"])
-    params, _, _ = sample.load(args)
+    from train.models.load import load_model
+    params = load_model(serve.parse_args(["--random-init", tiny, "--quant", "int8"]).model_source).params
     assert all(isinstance(layer["kernel"], QuantizedWeight) for layer in params["blocks_0"]["attn"].values())
     assert isinstance(params["tied_head"], QuantizedWeight)
     with pytest.raises(UsageError, match="--quant does not go with --mesh"):

@@ -32,6 +32,7 @@ from train.data.tokenizer import (
     to_json,
 )
 from train.models import pretrained
+from train.models.fresh import random_init
 from train.models.runs import load_for_sampling
 from train.data.tokenize_corpus import prepare
 
@@ -213,7 +214,7 @@ def test_random_init_takes_the_tokenizer_of_a_prepared_directory(bpe_dir, bpe, t
     config = tmp_path / "tiny.toml"
     config.write_text(f"[model]\nvocab_size = {bpe.vocab_size}\nd_model = 16\nnum_layers = 1\nnum_heads = 2\n"
                       "max_seq_len = 16\n\n[train]\nblock_size = 16\n")
-    params, model, tokenizer = sample.random_init(str(config), seed=1, data=str(bpe_dir))
+    params, model, tokenizer = random_init(str(config), seed=1, data=str(bpe_dir))
     assert isinstance(tokenizer, JSONTokenizer) and tokenizer == bpe
     assert model.vocab_size == bpe.vocab_size and nn.unbox(params)["wte"]["embedding"].shape == (bpe.vocab_size, 16)
     code = sample.main(["--random-init", str(config), "--data", str(bpe_dir), "--prompt", "JULIET:",
@@ -223,4 +224,4 @@ def test_random_init_takes_the_tokenizer_of_a_prepared_directory(bpe_dir, bpe, t
     config.write_text(config.read_text().replace(f"vocab_size = {bpe.vocab_size}", "vocab_size = 65"))
     with pytest.raises(UsageError, match=rf"has vocab_size 65, but the tokenizer of the prepared corpus --data "
                                          rf"{bpe_dir} has {bpe.vocab_size} ids"):
-        sample.random_init(str(config), data=str(bpe_dir))
+        random_init(str(config), data=str(bpe_dir))
