@@ -1,4 +1,8 @@
-"""Every test runs with implicit rank promotion an error, as JAX's own test base does; programs compile
+"""The fixtures every folder shares live here (the browser's, from tests/browser.py); a folder's own in its
+conftest.py (tests/train/run/conftest.py); helpers tests import by name beside them (tests/tiny_models.py,
+tests/programs.py, tests/serving/server_process.py, tests/train/run/tiny_runs.py).
+
+Every test runs with implicit rank promotion an error, as JAX's own test base does; programs compile
 at XLA's backend optimisation level 0, and a program compiled twice in one test process is compiled once.
 
 The library promises to be rank-promotion clean (no array silently broadcast against one of
@@ -7,7 +11,7 @@ time: level 0 leaves XLA's graph optimisations as they are and skips only LLVM's
 compiles faster and computes the same operations (float32 results may differ in the last bit, far
 inside every tolerance here). XLA's older loop emitters (`--xla_cpu_use_fusion_emitters=false`)
 would compile faster still, but at level 0 they round some fused programs far worse (Muon's update
-drifts from its float64 reference beyond tests/train/test_optim.py's tolerance), so the tests keep the
+drifts from its float64 reference beyond tests/train/run/test_optim.py's tolerance), so the tests keep the
 emitters users get. An XLA_FLAGS that already sets the level keeps its own. The
 environment variables carry both settings into the programs tests start.
 
@@ -41,6 +45,8 @@ from pathlib import Path
 
 import jax
 import pytest
+
+from browser import chromium, offline_page  # noqa: F401  (the browser tests' fixtures, shared: tests/browser.py)
 
 OPTIMISATION_LEVEL = "--xla_backend_optimization_level"
 

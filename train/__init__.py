@@ -1,25 +1,25 @@
-"""The programs of jaxattn's tiny character-level LM (Tiny Shakespeare) and the modules behind them.
+"""jaxattn's programs and its training machinery: the library (`jaxattn`) is what they run.
 
-Programs (thin command-line interfaces):
-  tiny_lm: train, `python -m train.tiny_lm`.
-  sample: generate text from a run's checkpoint, a transformers directory (--hf) or a random init.
-  export: write a run (or a GGUF file) as a transformers directory with its tokenizer.
-  compare: attention kinds x position schemes side by side.
-  attention_maps: heatmaps of a trained model's attention weights (a run or --hf).
+Programs, each `python -m train.NAME` and each thin (flags, one loader, library calls, what it prints):
+  tiny_lm: train a config (or fine-tune a checkpoint, whole or with LoRA) into a run directory.
+  prepare: tokenize a corpus once into token shards.
+  sample: generate text from a run, a transformers directory, a GGUF file or a random config.
+  export: write a run as a transformers directory (a LoRA run as a PEFT adapter), or a GGUF file as one.
+  serve: the OpenAI-compatible server (`jaxattn.serving.api`) over the continuous-batching engine.
+  compare: attention kinds x position schemes trained side by side.
+  attention_maps: a model's attention as a PNG or an interactive page.
 
-Modules:
-  config: ExperimentConfig = [model] (the maths) + [train] + [runtime]; TOML files and --set overrides.
-  runtime: devices, XLA flags and kernels, resolved once before JAX starts, with reasons.
-  data: find, download and split the corpus (a text file or a prepared directory).
-  batches: deterministic batches, a pure function of (seed, split, step), read on the host.
-  tokenizer: character- and byte-level tokenizers, saved with checkpoints; as `tokenizers` ones.
-  optim: nanoGPT's AdamW, schedule and weight-decay mask.
-  steps: the jitted programs (init, train steps, evaluation) and data parallelism.
-  experiment: a run end to end (run_experiment): corpus, runtime, run directory, then loop and finish.
-  loop: a run's steps (Run): metrics, progress bar, evaluations, checkpoints.
-  finish: the end of a run: the sample, the loss plot and result.json.
-  checkpoint: orbax checkpoints (latest and best) and the one loader for sampling.
-  plots: loss curves, the comparison chart, attention maps.
-  models: the one loader of a model for every program (load_model) and the model-source flags.
-  decode: many samples drawn call by call and window by window, and the memory they take (train.sample).
+What the programs share:
+  cli: how every program ends (one `error:` line and an exit code, never a traceback).
+  outputs: every path a program will write, checked before any work starts.
+  models: the one loader of a model from any source (`load_model`) and the model-source flags.
+  decode: many samples drawn call by call and window by window, and the memory they take.
+
+The training machinery, in rooms:
+  config: the experiment's config: [model] (a `jaxattn.config.ModelConfig`), [train], [runtime], [lora].
+  data: the corpus, its tokenizer, prepared shards, batches, fine-tuning chats.
+  run: a run end to end: runtime, jitted steps, optimizers, the loop, resume, the finish.
+  checkpoints: the checkpoint store, its meta, and where a fine-tuning run starts (`init_from`).
+
+docs/architecture.md draws the packages and the path of a training step through them.
 """

@@ -41,7 +41,7 @@ KINDS = {
     "GQA": ["model.num_kv_heads=2"],
     "MQA": ["model.num_kv_heads=1"],
     "MLA": ["model.mla={kv_lora_rank = 32, qk_nope_head_dim = 32, qk_rope_head_dim = 16, v_head_dim = 32}"],
-    # configs/shakespeare_char_baby_moe.toml's model (tests/train/test_train_moe.py checks they agree)
+    # configs/shakespeare_char_baby_moe.toml's model (tests/train/run/test_train_moe.py checks they agree)
     "MoE": ["model.dense_layers=[0]", "model.moe={num_experts = 8, experts_per_token = 2, expert_hidden = 168, "
             "aux_loss_coef = 0.01, z_loss_coef = 0.001, norm_topk_prob = true}"],
 }

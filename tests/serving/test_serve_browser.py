@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from browser import LoopbackPage, chromium  # noqa: F401  (a fixture used by name)
+from browser import LoopbackPage
 from server_process import MODEL, ServerProcess, tiny_server_args
 
 # A server process and a Chromium; one worker runs them all (`make test` spreads groups), so each starts once.

@@ -22,7 +22,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from browser import chromium, offline_page  # noqa: F401  (fixtures used by name)
 from jaxattn.config import LayerKind, MLAConfig, ModelConfig
 from jaxattn.model import DecoderLM, attention_weights
 

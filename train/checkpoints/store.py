@@ -8,8 +8,8 @@ Layout under a run's out_dir:
 
 Orbax writes a step into `<step>.orbax-checkpoint-tmp-*` and renames it to `<step>` only
 once every file is on disk; readers only see renamed steps, so a process killed mid-save
-leaves the previous checkpoint as the latest valid one (tests/train/test_checkpoint.py and
-tests/train/test_runs.py kill real saves). A restore recomputes every array's sha256 and compares
+leaves the previous checkpoint as the latest valid one (tests/train/checkpoints/test_checkpoint.py and
+tests/train/run/test_runs.py kill real saves). A restore recomputes every array's sha256 and compares
 it with the one saved: a corrupted or truncated step gives a CheckpointError naming it and,
 where the caller allows, the previous valid step is used instead, with a warning
 (`restore_newest_valid`, the one fallback loop of both readers: a resumed run and

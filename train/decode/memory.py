@@ -121,7 +121,7 @@ def call_bytes(config: ModelConfig, rows: int, prompt_len: int, max_new_tokens: 
     """(KV cache, logits, activations) in bytes that one call of `rows` samples holds at its peak: the
     largest of the programs `windows` compiles, each the cache plus the larger of its two phases, the
     prefill (logits `[rows, bucket, V]`) and the decoding loop (a few `[rows, V]` sampling buffers).
-    tests/train/test_sample_memory.py holds it against `memory_analysis()` of the compiled programs."""
+    tests/train/decode/test_sample_memory.py holds it against `memory_analysis()` of the compiled programs."""
     act, V, N = np.dtype(config.dtype).itemsize, config.vocab_size, config.num_heads
     hidden = 2 * config.d_model + config.mlp_hidden + (N + 2 * config.num_kv_heads) * config.head_dim
     per_token = cache_bytes_per_token(config)["bytes"]

@@ -8,7 +8,7 @@ magnitudes from 1e-7 to 1, with fewer fraction steps the smaller the decade). Th
 the signed code, the second the unsigned one. A step dequantizes both, updates them in float32,
 computes the update from the float32 moments, then rounds them again: the step's own arithmetic is
 float32's. The code tables equal bitsandbytes' bit for bit, and a step from a state of
-`bitsandbytes.optim.AdamW8bit` gives its parameters (tests/train/test_adam8bit.py).
+`bitsandbytes.optim.AdamW8bit` gives its parameters (tests/train/run/test_adam8bit.py).
 
 Why not simpler formats: the second moment of one block spans orders of magnitude, which a linear
 int8 code (steps of absmax / 127) rounds to zero, and a zero there divides the first moment by eps.

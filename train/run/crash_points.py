@@ -1,6 +1,6 @@
 """Fault injection, a testing aid: with `JAXATTN_CRASH_AT=EVENT:STEP` in its environment a training
 process kills itself with SIGKILL at one exact moment, so that a test can check what `--resume`
-makes of a run killed there (tests/train/test_runs.py). Unset, nothing changes.
+makes of a run killed there (tests/train/run/test_runs.py). Unset, nothing changes.
 
   step:N   right after the chunk of steps that reaches step N is dispatched: its steps are
            running, none of them recorded

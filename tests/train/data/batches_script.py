@@ -1,8 +1,8 @@
-"""Run by tests/train/test_batches.py as process PROCESS_ID of 2, each with 2 host devices, joined at
+"""Run by tests/train/data/test_batches.py as process PROCESS_ID of 2, each with 2 host devices, joined at
 COORDINATOR: reads a chunk of training batches of a prepared corpus DIR on a data:4 mesh and prints,
 as one JSON object, which windows this process read and the assembled global array.
 
-    python tests/train/batches_script.py COORDINATOR PROCESS_ID DIR
+    python tests/train/data/batches_script.py COORDINATOR PROCESS_ID DIR
 """
 
 import json

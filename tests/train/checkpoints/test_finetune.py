@@ -299,7 +299,7 @@ def test_a_lora_run_on_a_two_device_mesh_gives_the_one_device_losses(files, lora
     import sys
     base, _, chats = files
     out, _ = lora_run
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     env = {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, "PYTHONPATH": str(root)}
     mesh_out = tmp_path / "mesh"
     overrides = [o for o in RUN if not o.startswith("runtime.mesh")] + [

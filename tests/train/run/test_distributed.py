@@ -20,7 +20,7 @@ import pytest
 from train.run import distributed
 from train.run.distributed import Cluster, DistributedError
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 ENV = {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, "PYTHONPATH": str(ROOT)}
 SAME = "start every process with the same flags"
 

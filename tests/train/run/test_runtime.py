@@ -15,7 +15,7 @@ from jaxattn.kernels import Kernels, Platform
 from train.config import RuntimeConfig
 from train.run import runtime
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 AVX2 = Platform("cpu", frozenset({"avx2"}))
 
 

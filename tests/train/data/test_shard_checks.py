@@ -23,7 +23,7 @@ from train.data.shard_format import HEADER_SIZE, write_shard
 from train.data.shards import open_prepared
 from train.data.tokenize_corpus import prepare
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 TINY = ["model.d_model=16", "model.num_layers=1", "model.num_heads=2", "model.max_seq_len=16",
         "train.batch_size=4", "train.block_size=16", "train.eval_iters=2", "train.eval_interval=2",
         "train.log_interval=1", "train.warmup_iters=1", "train.lr_decay_iters=4", "train.sample_tokens=0",

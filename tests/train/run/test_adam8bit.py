@@ -15,10 +15,11 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from jaxattn import sharding
-from tests.train.test_train import _config, _metrics, text_file  # noqa: F401 (the fixture)
 from train.config import TrainConfig
 from train.run import adam8bit, optim
 from train.run.experiment import run_experiment
+
+from tiny_runs import run_metrics, tiny_run_config
 
 
 def test_the_dynamic_codes_span_seven_decades_finer_the_larger():
@@ -121,18 +122,18 @@ def test_on_a_mesh_the_codes_are_split_as_their_parameter_and_the_scales_kept_wh
     assert laid[0].nu["mlp"]["kernel"].codes == P("fsdp", "tensor") and laid[0].mu["mlp"]["bias"] == P("tensor")
 
 
-def test_a_run_with_8bit_moments_trains_saves_them_and_resumes_exactly(text_file, tmp_path):  # noqa: F811
+def test_a_run_with_8bit_moments_trains_saves_them_and_resumes_exactly(text_file, tmp_path):
     run = ["train.adam_states='int8'", "train.steps_per_dispatch=5", "train.sample_tokens=4", "train.plot=false",
            "train.eval_interval=5", "train.eval_iters=2"]
     whole, cut = tmp_path / "whole", tmp_path / "cut"
-    run_experiment(_config(text_file, whole, *run, "train.max_iters=10"), quiet=True, sample=False)
-    run_experiment(_config(text_file, cut, *run, "train.max_iters=5"), quiet=True, sample=False)
-    run_experiment(_config(text_file, cut, *run, "train.max_iters=10"), resume=True, quiet=True, sample=False)
-    losses = [{r["step"]: r["loss"] for r in _metrics(out) if "loss" in r} for out in (whole, cut)]
+    run_experiment(tiny_run_config(text_file, whole, *run, "train.max_iters=10"), quiet=True, sample=False)
+    run_experiment(tiny_run_config(text_file, cut, *run, "train.max_iters=5"), quiet=True, sample=False)
+    run_experiment(tiny_run_config(text_file, cut, *run, "train.max_iters=10"), resume=True, quiet=True, sample=False)
+    losses = [{r["step"]: r["loss"] for r in run_metrics(out) if "loss" in r} for out in (whole, cut)]
     assert sorted(losses[0]) == sorted(losses[1]) and max(losses[0]) == 10
     np.testing.assert_allclose([losses[1][s] for s in sorted(losses[0])], [losses[0][s] for s in sorted(losses[0])],
                                rtol=1e-6)
-    evals = [r["val_loss"] for r in _metrics(whole) if "val_loss" in r]
+    evals = [r["val_loss"] for r in run_metrics(whole) if "val_loss" in r]
     assert evals[-1] < evals[0]
     meta = json.loads((Path(whole) / "checkpoints" / "latest" / "10" / "meta" / "metadata").read_text())
     assert any(name.startswith("opt_state/") and name.endswith("/codes") for name in meta["checksums"])

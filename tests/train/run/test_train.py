@@ -15,40 +15,13 @@ from train.models.runs import load_for_sampling
 from train.run import optim
 from train.run.experiment import run_experiment
 
-TINY_MODEL = ["model.d_model=32", "model.num_layers=2", "model.num_heads=2", "model.max_seq_len=16"]
-TINY_TRAIN = ["train.batch_size=4", "train.block_size=16", "train.eval_iters=8", "train.eval_interval=10",
-              "train.log_interval=5", "train.warmup_iters=5", "train.lr=3e-3", "train.sample_tokens=20",
-              "train.lr_decay_iters=40", "runtime.mesh=data:1"]
-
-
-@pytest.fixture(scope="module")
-def text_file(tmp_path_factory):
-    """The first 20k characters of Tiny Shakespeare when available, else a repetitive text."""
-    import os
-
-    from train.data.corpus import ENV_PATH
-    path = tmp_path_factory.mktemp("data") / "slice.txt"
-    source = os.environ.get(ENV_PATH)
-    if source and Path(source).is_file():
-        path.write_text(Path(source).read_text(encoding="utf-8")[:20_000], encoding="utf-8")
-    else:
-        path.write_text("To be, or not to be, that is the question.\n" * 500)
-    return path
-
-
-def _config(text_file, out_dir, *extra):
-    return load_config(overrides=TINY_MODEL + TINY_TRAIN + [f"train.data_path='{text_file}'",
-                                                            f"train.out_dir='{out_dir}'", *extra])
-
-
-def _metrics(out_dir):
-    return [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
+from tiny_runs import TINY_MODEL, TINY_TRAIN, run_metrics, tiny_run_config
 
 
 @pytest.fixture(scope="module")
 def full_run(text_file, tmp_path_factory):
     out = tmp_path_factory.mktemp("full")
-    config = _config(text_file, out, "train.max_iters=30", "train.steps_per_dispatch=5")
+    config = tiny_run_config(text_file, out, "train.max_iters=30", "train.steps_per_dispatch=5")
     hooked = []
     result = run_experiment(config, quiet=True, after_eval=hooked.append)
     return out, result, hooked
@@ -56,7 +29,7 @@ def full_run(text_file, tmp_path_factory):
 
 def test_loss_decreases_and_artifacts_are_written(full_run):
     out, result, hooked = full_run
-    evals = [r for r in _metrics(out) if "val_loss" in r]
+    evals = [r for r in run_metrics(out) if "val_loss" in r]
     assert [r["step"] for r in evals] == [0, 10, 20, 30]
     assert hooked == [0, 10, 20, 30]  # after_eval runs once per evaluation (bench/train.py's turns)
     assert evals[0]["train_loss"] == pytest.approx(math.log(result_vocab(out)), abs=0.3)  # uniform start
@@ -87,12 +60,12 @@ def test_the_runtime_is_resolved_in_the_saved_config(full_run):
 
 def test_resume_equals_uninterrupted(full_run, text_file, tmp_path):
     full_out, _, _ = full_run
-    first = run_experiment(_config(text_file, tmp_path, "train.max_iters=20", "train.steps_per_dispatch=5"),
+    first = run_experiment(tiny_run_config(text_file, tmp_path, "train.max_iters=20", "train.steps_per_dispatch=5"),
                            quiet=True, sample=False)
     assert first.steps == 20
-    run_experiment(_config(text_file, tmp_path, "train.max_iters=30", "train.steps_per_dispatch=5"),
+    run_experiment(tiny_run_config(text_file, tmp_path, "train.max_iters=30", "train.steps_per_dispatch=5"),
                    resume=True, quiet=True, sample=False)
-    full, resumed = _metrics(full_out), _metrics(tmp_path)
+    full, resumed = run_metrics(full_out), run_metrics(tmp_path)
     full_losses = {r["step"]: r["loss"] for r in full if "loss" in r}
     resumed_losses = {r["step"]: r["loss"] for r in resumed if "loss" in r}
     assert sorted(resumed_losses) == sorted(full_losses) and max(full_losses) == 30
@@ -106,10 +79,10 @@ def test_resume_equals_uninterrupted(full_run, text_file, tmp_path):
 
 def test_steps_per_dispatch_does_not_change_the_maths(full_run, text_file, tmp_path):
     full_out, _, _ = full_run
-    run_experiment(_config(text_file, tmp_path, "train.max_iters=10", "train.steps_per_dispatch=1",
+    run_experiment(tiny_run_config(text_file, tmp_path, "train.max_iters=10", "train.steps_per_dispatch=1",
                            "train.checkpoint=false", "train.plot=false"), quiet=True, sample=False)
-    one = [r["loss"] for r in _metrics(tmp_path) if "loss" in r]
-    five = [r["loss"] for r in _metrics(full_out) if "loss" in r][:len(one)]
+    one = [r["loss"] for r in run_metrics(tmp_path) if "loss" in r]
+    five = [r["loss"] for r in run_metrics(full_out) if "loss" in r][:len(one)]
     np.testing.assert_allclose(one, five, rtol=1e-5)
 
 

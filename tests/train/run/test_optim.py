@@ -1,5 +1,5 @@
 """The optimizers of train.run.optim: Muon against a NumPy reference, its parameter groups, the
-learning-rate and momentum schedules, and Muon on a device mesh (tests/train/optim_mesh_script.py)."""
+learning-rate and momentum schedules, and Muon on a device mesh (tests/train/run/optim_mesh_script.py)."""
 
 import json
 import math
@@ -19,7 +19,7 @@ from jaxattn.config import LayerKind, MLAConfig, ModelConfig
 from train.config import TrainConfig, load_config
 from train.run import optim
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 NS_COEFFS = (3.4445, -4.7750, 2.0315)  # Jordan's quintic Newton-Schulz (optax.contrib.scale_by_muon's default)
 NS_STEPS = 5
 EPS = 1e-8  # optax's Muon (Frobenius normalisation) and AdamW eps

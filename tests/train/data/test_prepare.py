@@ -18,7 +18,7 @@ from train.data.shards import open_prepared
 from train.data.tokenize_corpus import prepare
 from train.prepare import main
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 WORDS = ["the", "king", "queen", "ROMEO:", "Juliet", "o'er", "thou'rt", "42", "1.5", "--", "é", "naïve", "?!"]
 
 

@@ -20,7 +20,7 @@ from train.data.tokenizer import CharTokenizer
 from train.models.runs import load_for_sampling
 from train.run import crash_points
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 TINY = ["model.vocab_size=5", "model.d_model=8", "model.num_layers=1", "model.num_heads=2", "model.max_seq_len=8",
         "train.block_size=8"]  # vocabulary: CharTokenizer("abcde")
 

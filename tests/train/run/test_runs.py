@@ -28,7 +28,7 @@ from train.run.experiment import run_experiment
 from train.run.loop import TrainingDiverged
 from train.run.rundir import RunDirectoryError, RunLock, claim, repair_metrics
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 TINY = ["model.d_model=32", "model.num_layers=2", "model.num_heads=2", "model.max_seq_len=16",
         "train.batch_size=4", "train.block_size=16", "train.eval_iters=4", "train.eval_interval=10",
         "train.log_interval=5", "train.warmup_iters=5", "train.lr=3e-3", "train.lr_decay_iters=40",

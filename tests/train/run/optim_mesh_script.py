@@ -1,4 +1,4 @@
-"""Run by tests/train/test_optim.py in a fresh process with 4 host devices (the count is fixed when JAX
+"""Run by tests/train/run/test_optim.py in a fresh process with 4 host devices (the count is fixed when JAX
 starts): trains a tiny model with Muon and the WSD schedule for 5 steps on one device and on 2x2
 meshes, and prints the losses and where Muon's momentum lies as one JSON object.
 

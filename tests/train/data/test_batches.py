@@ -27,7 +27,7 @@ from train.data.shards import open_prepared
 from train.data.tokenize_corpus import prepare
 from train.run.experiment import run_experiment
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 ENV = {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, "PYTHONPATH": str(ROOT)}
 TINY = ["model.d_model=32", "model.num_layers=1", "model.num_heads=2", "model.max_seq_len=16",
         "train.batch_size=4", "train.block_size=16", "train.eval_iters=3", "train.eval_interval=5",
