@@ -3,6 +3,7 @@
 The functional core (pure, jit-able; docs/theory.md derives each formula):
 
 * `scaled_dot_product_attention`, `cached_attention` (against a cache), `reference_attention`, `repeat_kv`
+  (`jaxattn.attention`; their argument checks: `jaxattn.attention_checks`)
 * `masked_softmax` (the one softmax every attention uses)
 * masks: `causal_mask`, `padding_mask`, `sliding_window_mask`,
   `combine_masks`, `mask_to_bias`; packed rows: `segment_mask`, `segment_positions`
@@ -19,7 +20,8 @@ an optional `Kernels`, which implementations run it):
 * per-layer attention: `LayerKind` (`ModelConfig.layer_pattern`), `AttentionSpec`
 * mixture-of-experts MLPs: `MoE`, `MoEConfig` (`ModelConfig.moe`, `dense_layers`; `jaxattn.layers.moe`:
   the router, the router losses; the routed experts' implementations behind `Kernels.moe`)
-* `Block`, `DecoderLM`, `abstract_params`, `count_params`, `active_params`, `attention_weights`
+* `Block` (`jaxattn.layers.block`), `DecoderLM`, `abstract_params`, `count_params`, `active_params`,
+  `attention_weights` (`jaxattn.model`; its input checks in `jaxattn.model_checks`)
 * caches: `KVCache`, `LatentCache`, `DecodeCache` (each attention kind declares what it keeps per
   token, `jaxattn.cache.containers`), `init_cache`, `cache_bytes_per_token` (`jaxattn.cache.build`: the dense cache
   and the paged pools built from that declaration)
@@ -42,6 +44,15 @@ them live in `jaxattn.kernels`, the one seam between maths and machine.
 Device meshes: `jaxattn.axes` (the mesh's and the logical axis names, their rules, `MeshShape`,
 `make_mesh`) and `jaxattn.sharding` (`param_layout`: where each parameter lives by its logical
 axis names); `generate(..., mesh=mesh)` samples on one.
+
+The modules, one job each. The maths: `attention` (its checks `attention_checks`), `softmax`,
+`masks`, `rope`, `positions` (sinusoidal), `additive` (Bahdanau). The model: `config` (the configs),
+`layers` (the Flax modules), `model` (its checks `model_checks`), `scan_plan` (which layers one scan
+runs), `head_loss` (next-token losses without `[M, V]` logits), `layer_losses` (the losses layers
+sow). Decoding: `cache`, `decoding`, `windowed` (past the context), `sampling`, `serving`. Weights:
+`lora` (LoRA adapters), `quantization`; implementations: `kernels`; meshes: `axes`, `sharding`.
+Checkpoints in and out: `hf` (Hugging Face), `gguf` (llama.cpp's files). `viewer`: the interactive
+attention viewer.
 """
 
 from jaxattn.additive import additive_attention
@@ -72,7 +83,8 @@ from jaxattn.masks import (
 )
 from jaxattn.layers.mla import MultiHeadLatentAttention, latent_attention
 from jaxattn.layers.moe import MoE
-from jaxattn.model import Block, DecoderLM, abstract_params, active_params, attention_weights, count_params
+from jaxattn.layers.block import Block
+from jaxattn.model import DecoderLM, abstract_params, active_params, attention_weights, count_params
 from jaxattn.positions import sinusoidal_positions
 from jaxattn.quantization import QuantizedWeight, dequantize, quantize
 from jaxattn.rope import RopeScaling, apply_rope, rope_attention_factor, rope_frequencies

@@ -96,7 +96,7 @@ def _spec_entry(axes) -> str | tuple[str, ...] | None:
 @contextlib.contextmanager
 def activation_rules(mesh: Mesh):
     """While tracing a model on `mesh`: its constrained activations lie as `RULES` says (the
-    residual stream, `jaxattn.model.RESIDUAL_AXES`, split by rows and whole along its width)."""
+    residual stream, `jaxattn.layers.block.RESIDUAL_AXES`, split by rows and whole along its width)."""
     rules = tuple((name, _spec_entry(axes)) for name, axes in RULES.items())
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), nn.logical_axis_rules(rules):
         yield

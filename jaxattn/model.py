@@ -1,8 +1,8 @@
 """A decoder-only language model from one `ModelConfig` (GPT-2 / Llama / Gemma / DeepSeek shapes).
 
 tokens `[B, T]` -> embeddings (times `embed_multiplier`, + learned or sinusoidal
-positions) `[B, T, D]` -> `num_layers` blocks, each with its own attention
-(`ModelConfig.layer_attention`) and value embedding (`ModelConfig.value_embeddings`:
+positions) `[B, T, D]` -> `num_layers` blocks (`jaxattn.layers.block.Block`), each with its own
+attention (`ModelConfig.layer_attention`) and value embedding (`ModelConfig.value_embeddings`:
 `embed_values`) -> final norm -> lm_head -> float32 logits
 `[B, T, V]` (soft-capped when `final_logits_soft_cap`).
 
@@ -22,6 +22,7 @@ chosen once from the config (`jaxattn.layers.absolute_positions`); positions are
 per call, and passed down to every layer. Packed rows (`segment_ids`, docs/theory.md §27) go down
 to every attention layer too, and their positions restart at each document
 (`jaxattn.masks.segment_positions`), so a packed row gives each document what it gives alone.
+The inputs' checks are `jaxattn.model_checks` (values where they are known, i.e. outside `jit`).
 """
 
 from __future__ import annotations
@@ -34,166 +35,23 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax.traverse_util import flatten_dict
-from jax.experimental import checkify
 
 from jaxattn import head_loss
 from jaxattn import kernels as kernels_lib
-from jaxattn._validate import concrete_or_none
-from jaxattn.axes import ACTIVATION_EMBED, ACTIVATION_VOCAB, BATCH, EMBED, KV_HEADS, LENGTH, VOCAB
+from jaxattn.axes import ACTIVATION_EMBED, ACTIVATION_VOCAB, EMBED, KV_HEADS, VOCAB
 from jaxattn.cache.containers import DecodeCache, PagedBatch
 from jaxattn.config import ModelConfig
 from jaxattn.kernels import Kernels
 from jaxattn.layers.absolute_positions import absolute_positions
 from jaxattn.layers.attention_layer import WEIGHTS
-from jaxattn.layers.kinds import attention_class
-from jaxattn.layers.moe import mlp_for_layer
+from jaxattn.layers.block import RESIDUAL_AXES, Block, scanned_layers
 from jaxattn.layers.primitives import check_config, logical, make_linear, make_norm
-from jaxattn.lora import is_lora
+from jaxattn.lora.weight import is_lora
 from jaxattn.masks import check_segment_ids, segment_positions
+from jaxattn.model_checks import check_cache, check_capacity, check_length, check_paged, check_token_range, check_tokens
 from jaxattn.quantization import TIED_HEAD, is_quantized
 from jaxattn.scan_plan import SCANNED, plan_layers
 from jaxattn.softmax import soft_cap
-
-# The logical axes of the residual stream `[B, T, D]`. Under `jaxattn.axes.activation_rules`
-# (as `train.run.steps` traces its programs) rows are split over the batch axes and D is kept whole,
-# so each layer's weights are gathered to the rows rather than the rows resharded to the weights
-# (docs/theory.md §16); anywhere else the constraint is a no-op.
-RESIDUAL_AXES = (BATCH, LENGTH, ACTIVATION_EMBED)
-
-
-class Block(nn.Module):
-    """Transformer block `layer` of a model: attention and MLP branches on the residual stream.
-
-    `config.norm_placement` (docs/theory.md §20): "pre" `x + f(attn_norm(x))`;
-    "sandwich" `x + post_attn_norm(f(attn_norm(x)))` (Gemma 2/3); "post"
-    `x + post_attn_norm(f(x))` (OLMo 2), likewise for the MLP with `mlp_norm`,
-    `post_mlp_norm`. `config.residual`: "sequential" feeds the MLP branch the
-    stream after attention; "parallel" feeds both branches the same x,
-    `x + attn_branch(x) + mlp_branch(x)` (GPT-NeoX). Residual dropout is inside
-    the attention layer and the MLP. The MLP is dense or a mixture of experts, called alike
-    (`x, *, padding_mask, deterministic -> y`).
-    """
-
-    config: ModelConfig
-    kernels: Kernels = Kernels()
-    layer: int = 0
-
-    def setup(self):
-        c, k = self.config, self.kernels
-        if c.norm_placement != "post":
-            self.attn_norm = make_norm(c)
-        self.attn = attention_class(c)(c, k, layer=self.layer)
-        if c.norm_placement != "post":
-            self.mlp_norm = make_norm(c)
-        self.mlp = mlp_for_layer(c, k, self.layer)  # dense or a mixture of experts, called alike
-        if c.norm_placement != "pre":
-            self.post_attn_norm = make_norm(c)
-            self.post_mlp_norm = make_norm(c)
-
-    def __call__(self, x, *, positions, padding_mask=None, deterministic=True, value_embedding=None,
-                 segment_ids=None):
-        """`[B, T, D] -> [B, T, D]`, causal, the tokens at `positions` (`[B, T]` or `[T]`).
-
-        `padding_mask [B, T]` (True = a real token) hides padding keys from attention and keeps
-        padding out of an MLP's losses; `value_embedding` `[B, T, K, H]` goes to the values (or None);
-        `segment_ids [B, T]` (packed rows, 0 = padding) keep each token within its document, and
-        without a `padding_mask` their padding is kept out of the MLP's losses. They stay structural
-        (no dense mask), so a kernel that takes segment ids gets them as such.
-        """
-        mask = None if padding_mask is None else padding_mask[:, None, None, :]  # [B, 1, 1, S]
-        attend = lambda h: self.attn(h, positions=positions, mask=mask, is_causal=True,  # noqa: E731
-                                     deterministic=deterministic, value_embedding=value_embedding,
-                                     segment_ids=segment_ids)
-        if padding_mask is None and segment_ids is not None:
-            padding_mask = segment_ids != 0  # [B, T]: for the MLP only
-        return self.residuals(x, attend, deterministic, padding_mask)
-
-    def extend(self, x, cache, positions, *, value_embedding=None):
-        """`[B, T, D]` new tokens at absolute `positions [B, T]` (row b's from its cache length on)
-        -> (`[B, T, D]`, new layer cache)."""
-        return self._with_cache(x, lambda h: self.attn.extend(h, cache, positions, value_embedding=value_embedding))
-
-    def extend_paged(self, x, pool, batch: PagedBatch, *, value_embedding=None):
-        """`[1, Tf, D]` flat new tokens of many sequences (`PagedBatch`) -> (`[1, Tf, D]`, new layer pool)."""
-        return self._with_cache(x, lambda h: self.attn.extend_paged(h, pool, batch, value_embedding=value_embedding))
-
-    def _with_cache(self, x, attend_and_update):
-        """The residual branches around an attention call that also returns its updated cache."""
-        updated = []
-
-        def attend(h):
-            out, cache = attend_and_update(h)
-            updated.append(cache)
-            return out
-
-        return self.residuals(x, attend, True), updated[0]
-
-    def residuals(self, x, attend, deterministic, padding_mask=None):
-        """The two branches around `attend` (`[B, T, D] -> [B, T, D]`) and the MLP, per the config."""
-        c = self.config
-        pre = c.norm_placement != "post"
-        post = c.norm_placement != "pre"
-
-        def branch(h, f, pre_norm, post_norm):
-            y = f(pre_norm(h) if pre else h)
-            return post_norm(y) if post else y
-
-        mlp = lambda h: self.mlp(h, padding_mask=padding_mask, deterministic=deterministic)  # noqa: E731
-        attn_out = branch(x, attend, lambda h: self.attn_norm(h), lambda h: self.post_attn_norm(h))
-        if c.residual == "parallel":
-            return x + attn_out + branch(x, mlp, lambda h: self.mlp_norm(h), lambda h: self.post_mlp_norm(h))
-        x = x + attn_out
-        return x + branch(x, mlp, lambda h: self.mlp_norm(h), lambda h: self.post_mlp_norm(h))
-
-
-class LayerPeriod(nn.Module):
-    """One scan step: the P blocks of a period, layers `first .. first + P - 1` for their programs
-    (`jaxattn.scan_plan`); `DecoderLM` scans it over the period's repeats, so its parameters and
-    caches carry a leading `[R]` outside the scan and none inside."""
-
-    config: ModelConfig
-    kernels: Kernels = Kernels()
-    first: int = 0
-    period: int = 1
-
-    def setup(self):
-        self.blocks = [Block(self.config, self.kernels, layer=self.first + j) for j in range(self.period)]
-
-    def __call__(self, x, shared, value_embeddings):
-        """x `[B, T, D]`; shared `(positions, padding_mask, deterministic, segment_ids)`; value_embeddings
-        per block (or None) -> (x, None)."""
-        positions, padding_mask, deterministic, segment_ids = shared
-        for block, value_embedding in zip(self.blocks, value_embeddings):
-            x = block(x, positions=positions, padding_mask=padding_mask, deterministic=deterministic,
-                      value_embedding=value_embedding, segment_ids=segment_ids)
-            x = nn.with_logical_constraint(x, RESIDUAL_AXES)
-        return x, None
-
-    def extend(self, x, positions, per_step):
-        """x `[B, T, D]` at `positions [B, T]`; per_step `(caches, value_embeddings)` per block ->
-        (x, the blocks' new caches)."""
-        caches, value_embeddings = per_step
-        updated = []
-        for block, cache, value_embedding in zip(self.blocks, caches, value_embeddings):
-            x, cache = block.extend(x, cache, positions, value_embedding=value_embedding)
-            updated.append(cache)
-        return x, tuple(updated)
-
-
-@functools.lru_cache(maxsize=None)
-def scanned_layers(repeats: int):
-    """`LayerPeriod` scanned over `repeats` steps. Every collection (parameters, sown weights and
-    losses) gets the leading `[R]` axis, named "layers" for meshes; each repeat draws its own
-    initialisation and dropout; the first argument is broadcast to every step, the second scanned."""
-    return nn.scan(LayerPeriod, variable_axes={True: 0}, split_rngs={True: True}, in_axes=(nn.broadcast, 0),
-                   length=repeats, methods=["__call__", "extend"], metadata_params={nn.PARTITION_NAME: SCANNED})
-
-
-def _check_tokens(tokens) -> None:
-    if not hasattr(tokens, "ndim") or tokens.ndim != 2:
-        raise ValueError(f"tokens must be [B, T], got shape {getattr(tokens, 'shape', type(tokens))}")
-    if not jnp.issubdtype(tokens.dtype, jnp.integer):
-        raise TypeError(f"tokens must be integer ids, got dtype {tokens.dtype}")
 
 
 class DecoderLM(nn.Module):
@@ -331,14 +189,14 @@ class DecoderLM(nn.Module):
     def hidden(self, tokens, *, positions=None, padding_mask=None, deterministic=True, check=False,
                segment_ids=None):
         """`__call__` up to the final norm: `[B, T] -> [B, T, D]` (the layers' last residual stream)."""
-        _check_tokens(tokens)
-        self._check_token_range(tokens, check)
+        check_tokens(tokens)
+        check_token_range(tokens, self.config.vocab_size, check)
         B, T = tokens.shape
         if segment_ids is not None:
             segment_ids = check_segment_ids("segment_ids", segment_ids, (B, T), "[B, T]", f"tokens {tokens.shape}")
         if positions is None:
             # A packed row fits the table as a whole, as under `jit` its documents' lengths are unknown.
-            self._check_length(T)
+            check_length(T, self.wpe.max_positions, self.config)
             positions = jnp.arange(T) if segment_ids is None else segment_positions(segment_ids)  # [T] or [B, T]
         if padding_mask is not None and (padding_mask.shape != (B, T) or padding_mask.dtype != jnp.bool_):
             raise ValueError(f"padding_mask must be bool [B, T] = {(B, T)}, got "
@@ -389,14 +247,14 @@ class DecoderLM(nn.Module):
         `check=True` inside `jax.experimental.checkify.checkify` (as
         `jaxattn.decoding.checked_extend` does) to have them checked on the device.
         """
-        _check_tokens(tokens)
-        self._check_cache(tokens, cache)
-        self._check_token_range(tokens, check)
+        check_tokens(tokens)
+        check_cache(tokens, cache, self.config)
+        check_token_range(tokens, self.config.vocab_size, check)
         B, T = tokens.shape
         num_new = jnp.full((B,), T, jnp.int32) if num_new is None else jnp.asarray(num_new, jnp.int32)
         if num_new.shape != (B,):
             raise ValueError(f"num_new must be [B] = {(B,)}, got {num_new.shape}")
-        self._check_capacity(T, cache, num_new, check)
+        check_capacity(T, cache, num_new, check)
         starts = cache.lengths
         positions = starts[:, None] + jnp.arange(T)[None, :]  # [B, T] absolute
         x = self.embed(tokens, positions)
@@ -424,13 +282,7 @@ class DecoderLM(nn.Module):
           `(logits [M, V] float32 at batch.logit_tokens, new pools)`: the head runs only where a token
           is drawn. Deterministic; token ids are not checked (the engine checks them on admission).
         """
-        if plan_layers(self.config).repeats:
-            raise ValueError("a paged step runs its layers unrolled: give the engine a config without scan_layers "
-                             "and jaxattn.scan_plan.unstack_params(params, config)")
-        if not hasattr(tokens, "ndim") or tokens.ndim != 1 or tokens.shape != batch.positions.shape:
-            raise ValueError(f"tokens must be [Tf] = {batch.positions.shape}, got {getattr(tokens, 'shape', None)}")
-        if len(pools) != self.config.num_layers:
-            raise ValueError(f"pools must hold {self.config.num_layers} layers, got {len(pools)}")
+        check_paged(tokens, pools, batch, self.config)
         tokens = tokens[None, :]  # [1, Tf]: one row of flat tokens; only attention looks at rows
         x = self.embed(tokens, batch.positions[None, :])
         new_pools = []
@@ -438,50 +290,6 @@ class DecoderLM(nn.Module):
             x, pool = block.extend_paged(x, pool, batch, value_embedding=value_embedding)
             new_pools.append(pool)
         return self.logits(x[:, batch.logit_tokens])[0], tuple(new_pools)
-
-    def _check_token_range(self, tokens, check: bool) -> None:
-        V = self.config.vocab_size
-        values = concrete_or_none(tokens)
-        if values is not None and values.size and (values.min() < 0 or values.max() >= V):
-            raise ValueError(f"token ids must be in [0, vocab_size={V}), got range [{values.min()}, {values.max()}]")
-        if check:
-            checkify.check(jnp.all((tokens >= 0) & (tokens < V)),
-                           f"token ids must be in [0, vocab_size={V}), got range [{{}}, {{}}]", tokens.min(), tokens.max())
-
-    def _check_capacity(self, T: int, cache: DecodeCache, num_new, check: bool) -> None:
-        lengths, new = concrete_or_none(cache.lengths), concrete_or_none(num_new)
-        if lengths is not None and (lengths + T > cache.max_len).any():
-            raise ValueError(f"the cache holds max_len={cache.max_len} tokens per row; rows of lengths "
-                             f"{lengths.tolist()} cannot take {T} more")
-        if new is not None and ((new < 0) | (new > T)).any():
-            raise ValueError(f"num_new must be in [0, T={T}], got {new.tolist()}")
-        if check:
-            checkify.check(jnp.all(cache.lengths + T <= cache.max_len),
-                           f"the cache holds max_len={cache.max_len} tokens per row; a row of length {{}} "
-                           f"cannot take {T} more", cache.lengths.max())
-            checkify.check(jnp.all((num_new >= 0) & (num_new <= T)), f"num_new must be in [0, T={T}], got {{}}",
-                           num_new)
-
-    def _check_length(self, T: int) -> None:
-        table = self.wpe.max_positions
-        if table is not None and T > table:
-            raise ValueError(f"sequence length {T} exceeds max_seq_len={table} "
-                             f"of the {self.config.positions} position table")
-
-    def _check_cache(self, tokens, cache) -> None:
-        if not isinstance(cache, DecodeCache):
-            raise TypeError(f"cache must be a DecodeCache (see init_cache), got {type(cache).__name__}")
-        c = self.config
-        expected, units = attention_class(c).cache_type, len(plan_layers(c).units)
-        if len(cache.layers) != units or not all(isinstance(l, expected) for l in cache.layers):
-            raise ValueError(f"cache must hold {units} {expected.__name__} layers for "
-                             f"attention={c.attention!r}{' with scan_layers' if c.scan_layers else ''}, got "
-                             f"{[type(l).__name__ for l in cache.layers]}")
-        if cache.lengths.shape != (tokens.shape[0],):
-            raise ValueError(f"cache.lengths {cache.lengths.shape} does not match the batch of "
-                             f"tokens {tokens.shape}")
-        if tokens.shape[1] > cache.max_len:
-            raise ValueError(f"{tokens.shape[1]} tokens do not fit a cache of max_len={cache.max_len}")
 
 
 @functools.lru_cache(maxsize=64)

@@ -174,25 +174,8 @@ def apply_rope(x, positions, *, theta: float = 10000.0, interleaved: bool,
     """
     require_rank("x", x, 4, "[B, T, N, H]")
     B, T, N, H = x.shape
-    positions = jnp.asarray(positions)
-    require_integer("positions", positions)
-    if positions.shape not in ((B, T), (T,)):
-        raise ValueError(
-            f"positions must be [B, T] = {(B, T)} or [T] = {(T,)} for x {x.shape}, "
-            f"got {positions.shape}"
-        )
-    if inv_freq is None:
-        R = H if rotary_dim is None else rotary_dim
-        if rotary_dim is None:
-            _check_head_dim(H)
-        elif not is_int(R) or not 0 < R <= H or R % 2:
-            raise ValueError(f"rotary_dim must be an even integer in [2, H={H}], got {rotary_dim!r}")
-        inv_freq = rope_frequencies(R, theta=theta, scaling=scaling)
-    elif len(jnp.shape(inv_freq)) != 1 or not 0 < 2 * jnp.shape(inv_freq)[0] <= H:
-        raise ValueError(
-            f"inv_freq must be [R/2] with 2 <= R <= H = {H} (R = H: every dim rotated) for x {x.shape}, "
-            f"got {jnp.shape(inv_freq)}"
-        )
+    positions = _checked_positions(positions, x.shape)
+    inv_freq = _frequencies(x.shape, theta, scaling, inv_freq, rotary_dim)
     R = 2 * jnp.shape(inv_freq)[0]
     positions = positions.reshape((-1, T)).astype(jnp.float32)  # [B or 1, T]
     angles = positions[:, :, None] * inv_freq[None, None, :]  # [B or 1, T, R/2]
@@ -200,24 +183,61 @@ def apply_rope(x, positions, *, theta: float = 10000.0, interleaved: bool,
     sin = jnp.sin(angles)[..., None, :]
     xf = x.astype(jnp.float32)
     rotary = xf if R == H else xf[..., :R]  # [B, T, N, R]
-    if interleaved:
-        x1, x2 = rotary[..., 0::2], rotary[..., 1::2]
-        out = jnp.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
-        out = out.reshape(rotary.shape)
-    else:
-        # The halves as an axis of 2: [x1 cos - x2 sin, x2 cos + x1 sin] = halves * cos + flipped * [-sin, sin],
-        # the same numbers as concatenating the two, as one elementwise loop (a concatenation of two
-        # computed halves ran about twice as slowly on XLA:CPU, forward and backward).
-        # The cosines stacked twice like the sines: XLA:CPU computes a stacked table once, where it fused a
-        # lone broadcast cos into the loop, one cosine per element of x (a training step's rotation of q:
-        # 3.6 against 1.3 ms a layer).
-        halves = rotary.reshape(B, T, N, 2, R // 2)
-        cosines = jnp.stack([cos, cos], axis=-2)  # [B or 1, T, 1, 2, R/2]
-        signed_sin = jnp.stack([-sin, sin], axis=-2)
-        out = (halves * cosines + jnp.flip(halves, axis=-2) * signed_sin).reshape(rotary.shape)
+    out = _rotate(rotary, cos, sin, interleaved)
     if R < H:  # partial rotary: the other dims pass through
         out = jnp.concatenate([out, xf[..., R:]], axis=-1)
     return out.astype(x.dtype)
+
+
+def _checked_positions(positions, x_shape: tuple[int, ...]):
+    """`positions` as an array once it is known to be integers `[B, T]` or `[T]` for x `[B, T, N, H]`."""
+    B, T = x_shape[:2]
+    positions = jnp.asarray(positions)
+    require_integer("positions", positions)
+    if positions.shape not in ((B, T), (T,)):
+        raise ValueError(
+            f"positions must be [B, T] = {(B, T)} or [T] = {(T,)} for x {x_shape}, "
+            f"got {positions.shape}"
+        )
+    return positions
+
+
+def _frequencies(x_shape: tuple[int, ...], theta: float, scaling: RopeScaling | None, inv_freq, rotary_dim):
+    """`[R/2]` frequencies for x `[B, T, N, H]`: `inv_freq` once it is known to fit the head (2 <= R <= H), or
+    `rope_frequencies(R)` of `rotary_dim` (default H; even, 2 <= R <= H), theta and scaling."""
+    H = x_shape[3]
+    if inv_freq is None:
+        R = H if rotary_dim is None else rotary_dim
+        if rotary_dim is None:
+            _check_head_dim(H)
+        elif not is_int(R) or not 0 < R <= H or R % 2:
+            raise ValueError(f"rotary_dim must be an even integer in [2, H={H}], got {rotary_dim!r}")
+        return rope_frequencies(R, theta=theta, scaling=scaling)
+    if len(jnp.shape(inv_freq)) != 1 or not 0 < 2 * jnp.shape(inv_freq)[0] <= H:
+        raise ValueError(
+            f"inv_freq must be [R/2] with 2 <= R <= H = {H} (R = H: every dim rotated) for x {x_shape}, "
+            f"got {jnp.shape(inv_freq)}"
+        )
+    return inv_freq
+
+
+def _rotate(rotary, cos, sin, interleaved: bool):
+    """`rotary [B, T, N, R]` (float32) rotated by the angles' `cos`, `sin` `[B or 1, T, 1, R/2]`, in either pairing."""
+    if interleaved:
+        x1, x2 = rotary[..., 0::2], rotary[..., 1::2]
+        out = jnp.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
+        return out.reshape(rotary.shape)
+    # The halves as an axis of 2: [x1 cos - x2 sin, x2 cos + x1 sin] = halves * cos + flipped * [-sin, sin],
+    # the same numbers as concatenating the two, as one elementwise loop (a concatenation of two
+    # computed halves ran about twice as slowly on XLA:CPU, forward and backward).
+    # The cosines stacked twice like the sines: XLA:CPU computes a stacked table once, where it fused a
+    # lone broadcast cos into the loop, one cosine per element of x (a training step's rotation of q:
+    # 3.6 against 1.3 ms a layer).
+    B, T, N, R = rotary.shape
+    halves = rotary.reshape(B, T, N, 2, R // 2)
+    cosines = jnp.stack([cos, cos], axis=-2)  # [B or 1, T, 1, 2, R/2]
+    signed_sin = jnp.stack([-sin, sin], axis=-2)
+    return (halves * cosines + jnp.flip(halves, axis=-2) * signed_sin).reshape(rotary.shape)
 
 
 def yarn_softmax_mscale(scaling: RopeScaling | None) -> float:

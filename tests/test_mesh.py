@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxattn import axes, sharding
 from jaxattn.config import ModelConfig
-from jaxattn.model import RESIDUAL_AXES
+from jaxattn.layers.block import RESIDUAL_AXES
 from jaxattn.axes import MeshShape
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -19,7 +19,7 @@ import pytest
 from jaxattn import kernels
 from jaxattn.attention import reference_attention, scaled_dot_product_attention
 from jaxattn.config import LayerKind
-from jaxattn.kernels import Kernels, KernelFallbackWarning, auto, chunked, custom_vjp
+from jaxattn.kernels import Kernels, KernelFallbackWarning, auto, chunked, chunked_blocks, custom_vjp
 from jaxattn.kernels._call import AttentionCall
 from jaxattn.scan_plan import stack_params
 from jaxattn.masks import causal_mask, combine_masks, segment_mask, segment_positions
@@ -143,8 +143,8 @@ ATTENTION_IDS = jnp.asarray([[1] * 6 + [2] * 9 + [3] * 7 + [0] * 2, [1] * 6 + [2
 
 def test_chunked_skips_the_blocks_of_other_documents_and_equals_the_reference():
     # Which block pairs run: the causal band, less the pairs of different documents.
-    computed = chunked.blocks_computed(24, 24, 4, 3, True, None, ATTENTION_IDS)
-    causal = chunked.visible_blocks(24, 24, 4, 3, True, None)
+    computed = chunked_blocks.blocks_computed(24, 24, 4, 3, True, None, ATTENTION_IDS)
+    causal = chunked_blocks.visible_blocks(24, 24, 4, 3, True, None)
     np.testing.assert_array_equal(computed[2:, 0], False)  # query blocks from position 8 on: documents 2, 3
     assert computed.sum() < causal.sum() and not (computed & ~causal).any()
     # The proof that they are never visited: NaN keys and values in key block 0 (document 1) reach
@@ -176,7 +176,7 @@ def test_chunked_skips_the_blocks_of_other_documents_and_equals_the_reference():
 
 def test_segment_blocks_is_exact_for_ids_in_any_order():
     ids = jnp.asarray([[2, 2, 1, 1, 2, 2, 0, 3, 3]], jnp.int32)  # document 2 in two runs, out of order
-    meet = chunked.blocks_computed(9, 9, 4, 3, False, None, ids)  # segment_blocks alone: no causal band
+    meet = chunked_blocks.blocks_computed(9, 9, 4, 3, False, None, ids)  # segment_blocks alone: no causal band
     exact = np.asarray(segment_mask(ids, ids))[0, 0]  # [T, T]
     for i in range(3):
         for j in range(4):

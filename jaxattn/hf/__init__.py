@@ -92,11 +92,22 @@ Contracts:
   the same layouts; see that module for what is refused.
 * `load_tokenizer(path)` wraps the directory's tokenizer.json (see `jaxattn.hf.tokenizer`);
   failures are `InvalidCheckpoint`.
+
+The modules, one job each: `jaxattn.hf.checkpoint` (loading) and `jaxattn.hf.save` (writing);
+`jaxattn.hf.architectures` (config.json -> `ModelConfig`) and `jaxattn.hf.export` (`ModelConfig` ->
+architecture and config.json), with `jaxattn.hf.rope_params` (the RoPE settings); `jaxattn.hf.family`
+and `jaxattn.hf.families` (one record per family); `jaxattn.hf.weights` and `jaxattn.hf.layouts`
+(which tensors hold which parameter), `jaxattn.hf.mxfp4` (GPT-OSS's MXFP4 experts to floats);
+`jaxattn.hf.fields` (typed reads of the JSON files), `jaxattn.hf.safetensors_io` (safetensors without
+torch); `jaxattn.hf.tokenizer` and `jaxattn.hf.chat_template` (the tokenizer and the chat template);
+`jaxattn.hf.errors` (the errors); `jaxattn.hf.peft` and `jaxattn.hf.peft_modules` (PEFT's adapter
+files, and which Hugging Face module holds which part of a weight).
 """
 
 from jaxattn.hf.architectures import ARCHITECTURES
-from jaxattn.hf.checkpoint import SaveReport, load_pretrained, load_state_dict, save_pretrained
+from jaxattn.hf.checkpoint import load_pretrained, load_state_dict
 from jaxattn.hf.errors import HFCheckpointError, InvalidCheckpoint, UnsupportedCheckpoint
+from jaxattn.hf.save import SaveReport, save_pretrained
 from jaxattn.hf.tokenizer import HFTokenizer, load_tokenizer
 from jaxattn.hf import peft  # PEFT's LoRA adapter files (`peft.save_adapter`, `peft.load_adapter`)
 

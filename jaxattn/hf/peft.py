@@ -6,10 +6,10 @@ peft.save_adapter(out_dir, config, params_with_lora, lora_config)   # peft.PeftM
 params_with_lora, lora_config = peft.load_adapter(adapter_dir, config, params)
 ```
 
-The mapping is read off the family's layout (`jaxattn.hf.weights.Entry`: path, names, codec), not
-written per family: an Entry whose path is a weight `jaxattn.lora.roles_of` names holds one Hugging
-Face module per tensor name (the name minus ".weight", e.g. `model.layers.0.self_attn.q_proj`). Its
-adapter is stored as PEFT stores a LoRA `nn.Linear`'s:
+The mapping (`jaxattn.hf.peft_modules`) is read off the family's layout (`jaxattn.hf.weights.Entry`:
+path, names, codec), not written per family: an Entry whose path is a weight `jaxattn.lora.roles_of`
+names holds one Hugging Face module per tensor name (the name minus ".weight", e.g.
+`model.layers.0.self_attn.q_proj`). Its adapter is stored as PEFT stores a LoRA `nn.Linear`'s:
 `base_model.model.<module>.lora_A.weight [r, in]` (our `a [in, r]` transposed) and `.lora_B.weight
 [out, r]` (our `b [r, width]` with its columns in Hugging Face's order, transposed). That order is the
 codec's: the codec's `to_hf` is applied once to a probe array holding each column's index (and once
@@ -37,7 +37,6 @@ naming the tensor (and both shapes).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
@@ -56,19 +55,18 @@ from safetensors import safe_open
 from jaxattn.config import ModelConfig
 from jaxattn.hf.checkpoint import flat_abstract_params
 from jaxattn.hf.errors import InvalidCheckpoint, UnsupportedCheckpoint
-from jaxattn.hf.export import export_family
 from jaxattn.hf.family import Family
 from jaxattn.hf.layouts import layout
+from jaxattn.hf.peft_modules import Module, every_module, family_config, locate, modules, target_modules
 from jaxattn.hf.safetensors_io import read_header, write_safetensors
-from jaxattn.hf.weights import Entry
 from jaxattn.scan_plan import relayout
-from jaxattn.lora import TARGETS, LoraConfig, LoraWeight, add_lora, is_lora, part_widths, role_targets, roles_of
+from jaxattn.config.lora import TARGETS, LoraConfig
+from jaxattn.lora.params import add_lora, roles_of
+from jaxattn.lora.weight import LoraWeight, is_lora
 
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 PREFIX = "base_model.model."  # PeftModelForCausalLM's name for the wrapped model, in every key
-QKV = ("query", "key", "value")
-EXPERTS_WHY = ("routed experts: PEFT 0.21 adapts them as per-expert modules or fused parameters "
-               "(target_parameters), which jaxattn does not read or write")
+
 # adapter_config.json keys whose non-neutral values change what PEFT computes in ways a LoraWeight
 # does not hold: key -> (is it neutral?, why).
 REFUSED_KEYS = {
@@ -88,127 +86,10 @@ REFUSED_KEYS = {
 }
 
 
-@dataclasses.dataclass(frozen=True)
-class Module:
-    """One Hugging Face linear module of a family's layout that a LoRA target names.
-
-    Attributes:
-      name: its name in the transformers model, e.g. "model.layers.0.self_attn.q_proj".
-      path: the layout's parameter path (unrolled, in the family's q/k/v form).
-      part: which part of that weight it holds (None: several, or none to speak of; see `why`).
-      columns: per Hugging Face output row, its column within the part (Hugging Face's order).
-      conv1d: stored `[in, out]` (GPT-2's Conv1D) rather than `[out, in]`.
-      targets: the `jaxattn.lora.TARGETS` that adapt it.
-      why: why it cannot hold a PEFT adapter here (None: it can).
-    """
-
-    name: str
-    path: tuple[str, ...]
-    part: int | None
-    columns: np.ndarray | None
-    conv1d: bool
-    targets: tuple[str, ...]
-    why: str | None = None
-
-
-def _module_name(tensor: str) -> str:
-    return tensor[:-len(".weight")] if tensor.endswith(".weight") else tensor
-
-
-def _probe(entry: Entry, shape: tuple[int, ...]) -> list[tuple[np.ndarray, bool] | None]:
-    """Per tensor of `entry`: (our column of each Hugging Face output row, stored [in, out]?), or None
-    where the codec moves rows and columns together (no per-row column to speak of)."""
-    d_in, outs = shape[0], shape[1:]
-    columns = np.broadcast_to(np.arange(math.prod(outs), dtype=np.int64).reshape(outs), shape).copy()
-    rows = np.broadcast_to(np.arange(d_in, dtype=np.int64).reshape((d_in,) + (1,) * len(outs)), shape).copy()
-    found = []
-    for c, r in zip(entry.codec.to_hf(columns), entry.codec.to_hf(rows), strict=True):
-        c, r = np.asarray(c), np.asarray(r)
-        if c.ndim == 2 and r.shape[1] == d_in and (r == np.arange(d_in)[None, :]).all() and (c == c[:, :1]).all():
-            found.append((c[:, 0], False))
-        elif c.ndim == 2 and r.shape[0] == d_in and (r == np.arange(d_in)[:, None]).all() and (c == c[:1]).all():
-            found.append((c[0], True))
-        else:
-            found.append(None)
-    return found
-
-
-def modules(family: Family, config: ModelConfig) -> dict[str, Module]:
-    """`{module name: Module}` for every module of `family`'s layout of `config` (unrolled, in the
-    family's q/k/v form) that a LoRA target names. One probe per kind of module: the layers' codecs
-    are built alike, so a probe is shared by the same tensor names in every layer."""
-    shapes = flat_abstract_params(config)
-    probes: dict[tuple, list] = {}
-    found: dict[str, Module] = {}
-    for entry in layout(family, config):
-        roles = roles_of(entry.path)
-        if roles is None:
-            continue
-        names = [_module_name(name) for name in entry.names]
-        if "experts" in roles:
-            found.update((name, Module(name, entry.path, None, None, False, ("experts",), EXPERTS_WHY))
-                         for name in names)
-            continue
-        shape = tuple(shapes[entry.path].shape)
-        widths = part_widths(entry.path, math.prod(shape[1:]), config)
-        offsets = np.cumsum((0,) + widths)
-        kind = (tuple(re.sub(r"\.\d+\.", ".#.", name) for name in entry.names), shape)
-        if kind not in probes:
-            probes[kind] = _probe(entry, shape)
-        for name, probe in zip(names, probes[kind]):
-            if probe is None:
-                found[name] = Module(name, entry.path, None, None, False, (),
-                                     "its tensor mixes the weight's rows and columns")
-                continue
-            cols, conv1d = probe
-            part = int(np.searchsorted(offsets, cols.min(), side="right") - 1)
-            within = cols - offsets[part]
-            if len(cols) != widths[part] or not np.array_equal(np.sort(within), np.arange(widths[part])):
-                parts = sorted({roles[int(np.searchsorted(offsets, c, side="right") - 1)] for c in cols})
-                found[name] = Module(name, entry.path, None, None, conv1d, (),
-                                     f"one tensor holds the parts {parts} of {'/'.join(entry.path[-2:])}: PEFT gives "
-                                     "it one lora_A, jaxattn one per part")
-                continue
-            found[name] = Module(name, entry.path, part, within, conv1d, role_targets(roles[part]))
-    return found
-
-
-def _family_config(config: ModelConfig) -> tuple[Family, ModelConfig]:
-    """The export family of `config` (unrolled) and `config` in that family's q/k/v form."""
-    family = export_family(config)
-    return family, (config if config.mla is not None else config.replace(fused_qkv=family.fused_qkv))
-
-
-def _locate(path: tuple[str, ...], part: int, config: ModelConfig) -> tuple[tuple[str, ...], int]:
-    """Where the layout's (path, part) is in params of `config`'s q/k/v form: a separate projection is a
-    part of a fused `qkv` and the reverse."""
-    if config.mla is None and path[-1] == "kernel":
-        if path[-2] in QKV and config.fused_qkv:
-            return path[:-2] + ("qkv", "kernel"), QKV.index(path[-2])
-        if path[-2] == "qkv" and not config.fused_qkv:
-            return path[:-2] + (QKV[part], "kernel"), 0
-    return path, part
-
-
 def _unwrap(params: Any) -> dict:
+    """The params dict, from `{'params': ...}` too, with `init`'s logical-axis boxes removed."""
     params = dict(nn.unbox(params))
     return dict(params["params"]) if set(params) == {"params"} else params
-
-
-def _target_modules(written: list[str], every: set[str]) -> list[str]:
-    """PEFT's `target_modules` for the `written` modules: each short name (the last component) when PEFT's
-    suffix match on it picks exactly written modules out of `every` module, else the full names."""
-    out = []
-    for short in sorted({name.rsplit(".", 1)[-1] for name in written}):
-        hits = {name for name in every if name == short or name.endswith("." + short)}
-        mine = {name for name in written if name.rsplit(".", 1)[-1] == short}
-        out.extend([short] if hits == mine else sorted(mine))
-    return out
-
-
-def _every_module(entries: list[Entry]) -> set[str]:
-    return {name.rsplit(".", 1)[0] for entry in entries for name in entry.names}
-
 
 def save_adapter(directory, config: ModelConfig, params, lora_config: LoraConfig, *,
                  base_model_name_or_path: str | None = None, overwrite: bool = False) -> Path:
@@ -236,6 +117,20 @@ def save_adapter(directory, config: ModelConfig, params, lora_config: LoraConfig
     if existing and not overwrite:
         raise FileExistsError(f"{existing[0]} exists; pass overwrite=True to replace the adapter")
     unrolled, config = relayout(_unwrap(params), config, scan_layers=False)  # PEFT's modules are per layer
+    loras = _adapted_weights(unrolled, lora_config)
+    family, in_family = family_config(config)
+    tensors, written, conv1d = _adapter_tensors(family, modules(family, in_family), loras, config)
+    adapter_config = _adapter_config(lora_config, target_modules(written, every_module(layout(family, in_family))),
+                                     conv1d, base_model_name_or_path)
+    _write(directory, {WEIGHTS_FILE: lambda path: write_safetensors(path, tensors),
+                       CONFIG_FILE: lambda path: path.write_text(json.dumps(adapter_config, indent=2, sort_keys=True)
+                                                                 + "\n")})
+    return directory
+
+
+def _adapted_weights(unrolled: dict, lora_config: LoraConfig) -> dict[tuple, LoraWeight]:
+    """`{path: LoraWeight}` of unrolled params; ValueError for none, or one whose rank, scale or dropout
+    differ from `lora_config`'s."""
     loras = {path: w for path, w in flatten_dict(unrolled).items() if is_lora(w)}
     if not loras:
         raise ValueError("params hold no LoraWeight (jaxattn.lora.add_lora makes them)")
@@ -245,12 +140,18 @@ def save_adapter(directory, config: ModelConfig, params, lora_config: LoraConfig
         if ranks != {c.rank} or not math.isclose(w.scale, c.scale) or w.dropout != c.dropout:
             raise ValueError(f"{'/'.join(path)}: rank {sorted(ranks)}, scale {w.scale}, dropout {w.dropout} differ "
                              f"from lora_config's rank {c.rank}, scale {c.scale}, dropout {c.dropout}")
-    family, family_config = _family_config(config)
-    table = modules(family, family_config)
+    return loras
+
+
+def _adapter_tensors(family: Family, table: dict[str, Module], loras: dict[tuple, LoraWeight],
+                     config: ModelConfig) -> tuple[dict[str, np.ndarray], list[str], set[bool]]:
+    """`(tensors by PEFT key, the modules written, their Conv1D flags)`: each adapted part's `lora_A [r, in]`
+    and `lora_B [out, r]` under its Hugging Face module; UnsupportedCheckpoint for a part no module holds
+    alone, or for Linear and Conv1D modules mixed."""
     tensors, written, used, conv1d = {}, [], set(), set()
     for name, module in table.items():
         candidates = range(len(roles_of(module.path))) if module.part is None else (module.part,)
-        located = [_locate(module.path, part, config) for part in candidates]
+        located = [locate(module.path, part, config) for part in candidates]
         adapted = [(path, part) for path, part in located if path in loras and loras[path].a[part] is not None]
         if not adapted:
             continue
@@ -271,18 +172,20 @@ def save_adapter(directory, config: ModelConfig, params, lora_config: LoraConfig
     if len(conv1d) > 1:
         raise UnsupportedCheckpoint(f"{family.architecture}: the adapted modules mix Linear and Conv1D, which "
                                     "one fan_in_fan_out cannot describe")
-    adapter_config = dict(
+    return tensors, written, conv1d
+
+
+def _adapter_config(lora_config: LoraConfig, targets: list[str], conv1d: set[bool],
+                    base_model_name_or_path: str | None) -> dict[str, Any]:
+    """adapter_config.json as PEFT writes it for these adapters (`targets`: its `target_modules`)."""
+    return dict(
         peft_type="LORA", task_type="CAUSAL_LM", r=lora_config.rank,
         lora_alpha=int(lora_config.alpha) if lora_config.alpha.is_integer() else lora_config.alpha,  # as PEFT writes it
         lora_dropout=lora_config.dropout, use_rslora=lora_config.rslora,
-        target_modules=_target_modules(written, _every_module(layout(family, family_config))),
+        target_modules=targets,
         bias="none", fan_in_fan_out=conv1d == {True}, base_model_name_or_path=base_model_name_or_path,
         modules_to_save=None, rank_pattern={}, alpha_pattern={}, use_dora=False, lora_bias=False,
         init_lora_weights=True, layers_to_transform=None, layers_pattern=None, inference_mode=True, revision=None)
-    _write(directory, {WEIGHTS_FILE: lambda path: write_safetensors(path, tensors),
-                       CONFIG_FILE: lambda path: path.write_text(json.dumps(adapter_config, indent=2, sort_keys=True)
-                                                                 + "\n")})
-    return directory
 
 
 def _write(directory: Path, contents: dict) -> None:
@@ -346,6 +249,7 @@ def _matched(path: Path, hf: dict, every: set[str], architecture: str) -> set[st
     return found
 
 
+
 def load_adapter(directory, config: ModelConfig, params, *, dtype: str | None = None) -> tuple[dict, LoraConfig]:
     """A PEFT LoRA adapter directory onto `params`: `(params with LoraWeights, its LoraConfig)`.
 
@@ -361,9 +265,23 @@ def load_adapter(directory, config: ModelConfig, params, *, dtype: str | None = 
     config_path, weights_path = directory / CONFIG_FILE, directory / WEIGHTS_FILE
     hf = _read_config(config_path)
     dtype = jnp.dtype(dtype or config.param_dtype)
-    family, family_config = _family_config(config.replace(scan_layers=False))
-    table, entries = modules(family, family_config), layout(family, family_config)
-    matched = _matched(config_path, hf, _every_module(entries), family.architecture)
+    family, in_family = family_config(config.replace(scan_layers=False))
+    table, entries = modules(family, in_family), layout(family, in_family)
+    matched = _matched(config_path, hf, every_module(entries), family.architecture)
+    targets = _matched_targets(config_path, matched, table)
+    lora = _lora_config(config_path, hf, tuple(t for t in TARGETS if t in targets))
+    arrays = _read_adapters(weights_path, {name: table[name] for name in matched}, lora, in_family)
+    with_lora = add_lora(_unwrap(params), config, lora, jax.random.PRNGKey(0))  # every a and b is set below
+    unrolled, unrolled_config = relayout(with_lora, config, scan_layers=False)
+    filled = _filled(flatten_dict(unrolled), {name: table[name] for name in matched}, arrays, unrolled_config,
+                     lora.rank, dtype)
+    params, _ = relayout(unflatten_dict(filled), unrolled_config, config.scan_layers)
+    return params, lora
+
+
+def _matched_targets(config_path: Path, matched: set[str], table: dict[str, Module]) -> set[str]:
+    """The targets the `matched` modules adapt; UnsupportedCheckpoint for a module that is no LoRA target
+    here or cannot hold an adapter, or for a target adapted in some layers and not others."""
     for name in sorted(matched):
         if name not in table:
             raise UnsupportedCheckpoint(f"{config_path}: target module {name} is not a LoRA target jaxattn represents "
@@ -375,14 +293,19 @@ def load_adapter(directory, config: ModelConfig, params, *, dtype: str | None = 
         if module.why is None and set(module.targets) & targets and name not in matched:
             raise UnsupportedCheckpoint(f"{config_path}: the adapter adapts {sorted(set(module.targets) & targets)} "
                                         f"but not module {name}: jaxattn adapts a target in every layer")
-    lora = _lora_config(config_path, hf, tuple(t for t in TARGETS if t in targets))
+    return targets
+
+
+def _read_adapters(weights_path: Path, matched: dict[str, Module], lora: LoraConfig,
+                   config: ModelConfig) -> dict[str, np.ndarray]:
+    """The `lora_A`, `lora_B` tensors of the `matched` modules as float32, by PEFT key, once the file's
+    header holds exactly those, of their shapes (InvalidCheckpoint naming a tensor otherwise)."""
     if not weights_path.is_file():
         raise InvalidCheckpoint(weights_path, None, "is missing")
     header = read_header(weights_path)
-    shapes = flat_abstract_params(family_config)
+    shapes = flat_abstract_params(config)
     expected = {}
-    for name in matched:
-        module = table[name]
+    for name, module in matched.items():
         expected[f"{PREFIX}{name}.lora_A.weight"] = (lora.rank, shapes[module.path].shape[0])
         expected[f"{PREFIX}{name}.lora_B.weight"] = (len(module.columns), lora.rank)
     for key in sorted(header):
@@ -395,15 +318,17 @@ def load_adapter(directory, config: ModelConfig, params, *, dtype: str | None = 
         if tuple(header[key].shape) != shape:
             raise InvalidCheckpoint(weights_path, key, f"expected shape {shape}, found {tuple(header[key].shape)}")
     with safe_open(weights_path, framework="numpy") as file:
-        arrays = {key: np.asarray(file.get_tensor(key), np.float32) for key in expected}
-    with_lora = add_lora(_unwrap(params), config, lora, jax.random.PRNGKey(0))  # every a and b is set below
-    unrolled, unrolled_config = relayout(with_lora, config, scan_layers=False)
-    flat = flatten_dict(unrolled)
+        return {key: np.asarray(file.get_tensor(key), np.float32) for key in expected}
+
+
+def _filled(flat: dict, matched: dict[str, Module], arrays: dict[str, np.ndarray], config: ModelConfig, rank: int,
+            dtype) -> dict:
+    """Flat unrolled params of `config` with each adapted part's `a [in, r]` and `b [r, width]` (its
+    columns in our order) from the file's `arrays` (rank `rank`), in `dtype`."""
     filled: dict[tuple, dict[int, tuple]] = {}
-    for name in matched:
-        module = table[name]
-        path, part = _locate(module.path, module.part, unrolled_config)
-        b = np.zeros((lora.rank, flat[path].widths[part]), np.float32)
+    for name, module in matched.items():
+        path, part = locate(module.path, module.part, config)
+        b = np.zeros((rank, flat[path].widths[part]), np.float32)
         b[:, module.columns] = arrays[f"{PREFIX}{name}.lora_B.weight"].T
         filled.setdefault(path, {})[part] = (arrays[f"{PREFIX}{name}.lora_A.weight"].T, b)
     for path, parts in filled.items():
@@ -413,5 +338,4 @@ def load_adapter(directory, config: ModelConfig, params, *, dtype: str | None = 
         a = tuple(None if a is None else jnp.asarray(parts[j][0], dtype) for j, a in enumerate(w.a))
         flat[path] = w.replace(a=a, b=tuple(None if b is None else jnp.asarray(parts[j][1], dtype)
                                             for j, b in enumerate(w.b)))
-    params, _ = relayout(unflatten_dict(flat), unrolled_config, config.scan_layers)
-    return params, lora
+    return flat

@@ -29,6 +29,8 @@ reference with a one-line `KernelFallbackWarning`:
 | "cudnn" | no | no | left only (or causal), T == S | yes | no | no |
 | "splash" | yes | no | yes | no | yes | no |
 
+("chunked" is `jaxattn.kernels.chunked`, the block pairs it computes `jaxattn.kernels.chunked_blocks`.)
+
 The choice is made once, when a program resolves a run for its platform
 (`resolve_kernels`, which also says why); building or applying a model never
 looks at the hardware, and a field left at "auto" raises until resolved. An

@@ -9,13 +9,13 @@ Queries are cut into blocks of `block_q` rows and keys into blocks of
 each query block a scan step runs the online softmax (Rabe & Staats 2021,
 FlashAttention) over the key blocks that can be visible to it: which block
 pairs the causal / window rule (one- or two-sided) hides entirely is known from the static
-T, S and window (`visible_blocks`), so those blocks are never computed, and key
-blocks past every row's `key_value_seq_lengths` are skipped at run time. The
+T, S and window (`jaxattn.kernels.chunked_blocks`, the schedule), so those blocks are never computed,
+and key blocks past every row's `key_value_seq_lengths` are skipped at run time. The
 inner loop's bounds are per query block, so compile time does not grow with T.
 
 Packed rows (`segment_ids`, docs/theory.md §27) skip the block pairs of different documents at run
 time: a pair is computed only if, in some batch row, the range of the query block's nonzero ids
-`[min, max]` overlaps the key block's (`segment_blocks`; padding, id 0, is left out of both). Two
+`[min, max]` overlaps the key block's (`chunked_blocks.segment_blocks`; padding, id 0, is left out of both). Two
 blocks whose ranges do not overlap share no document, so skipping them is exact for any ids; it
 skips all of another document's blocks when each document is one contiguous run and the ids rise
 along the row (documents packed one after another, padding anywhere), which is how packed rows are
@@ -38,17 +38,18 @@ returned as the residual on request (`return_residual`).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxattn.kernels._call import reference_unless, weights_or_dropout
 from jaxattn.kernels._grouping import group_heads, heads_major, heads_minor
+from jaxattn.kernels.chunked_blocks import (Plan, key_block_ranges, pad, query_block_ranges, segment_blocks,
+                                            when_meets)
 from jaxattn.masks import key_offsets
 from jaxattn.softmax import softmax_dtype
+
 
 # Rows per query block and keys per key block: 512 x 256 ran fastest of 128-1024 x 128-512 on a CPU,
 # forward and forward+backward, at 1024 and 4096 tokens (docs/performance.md, "Long sequences").
@@ -72,14 +73,14 @@ def attention(query, key, value, *, mask, bias, is_causal, scale, dropout_rate, 
     soft_cap = None if logits_soft_cap is None else float(logits_soft_cap)
     plan = Plan(T, S, min(block_q, T), min(block_k, S), is_causal, window, scale, soft_cap)
     q, k, v = heads_major(query, key, value)  # [B,K,G,T,H], [B,K,S,H], [B,K,S,Hv]
-    q, k, v = _pad(q, 3, plan.Tp), _pad(k, 2, plan.Sp), _pad(v, 2, plan.Sp)  # padded to whole blocks
+    q, k, v = pad(q, 3, plan.Tp), pad(k, 2, plan.Sp), pad(v, 2, plan.Sp)  # padded to whole blocks
     mask = None if mask is None else _pad_grouped(plan, group_heads(mask, K), False)
     bias = None if bias is None else _pad_grouped(plan, group_heads(bias, K), 0)
     if sinks is not None:  # [N] -> [K, G]: query head n = k * G + g
         sinks = jnp.reshape(jnp.asarray(sinks), (K, N // K)).astype(softmax_dtype(query.dtype))
     segments = None
     if segment_ids is not None:  # the padding to whole blocks is id 0: never attended, attends to nothing
-        segments = (_pad(segment_ids, 1, plan.Tp), _pad(segment_ids, 1, plan.Sp))  # [B, Tp], [B, Sp]
+        segments = (pad(segment_ids, 1, plan.Tp), pad(segment_ids, 1, plan.Sp))  # [B, Tp], [B, Sp]
     out, lse = _attention(plan, q, k, v, bias, mask, key_value_seq_lengths, sinks, segments)
     out = heads_minor(out[:, :, :, :T], query.dtype)  # [B,K,G,Tp,Hv] -> [B,T,N,Hv]
     if not return_residual:
@@ -89,148 +90,11 @@ def attention(query, key, value, *, mask, bias, is_causal, scale, dropout_rate, 
     return out, None, lse
 
 
-@dataclasses.dataclass(frozen=True)
-class Plan:
-    """The static shape of one call: lengths, block sizes, the structural mask, the scale and soft cap."""
-
-    T: int
-    S: int
-    bq: int
-    bk: int
-    is_causal: bool
-    window: tuple[int, int] | None  # (left, right): jax.nn's local_window_size
-    scale: float
-    soft_cap: float | None = None
-
-    @property
-    def Tp(self) -> int:  # T padded to whole query blocks
-        return -(-self.T // self.bq) * self.bq
-
-    @property
-    def Sp(self) -> int:
-        return -(-self.S // self.bk) * self.bk
-
-
-def visible_blocks(T: int, S: int, bq: int, bk: int, is_causal: bool,
-                   window: tuple[int, int] | None) -> np.ndarray:
-    """`[nq, nk]` bool: True where block pair (i, j) holds a (query, key) the causal/window rule allows.
-
-    Positions are end-aligned (query t sits at p = t + S - T); the rule bounds j - p to an interval
-    (`jaxattn.masks.key_offsets`), so each row and each column of True is one interval (a band).
-    """
-    nq, nk = -(-T // bq), -(-S // bk)
-    lo, hi = key_offsets(is_causal, window)
-    q_first = np.arange(nq) * bq + (S - T)  # absolute positions of each block's first and last query
-    q_last = np.minimum(np.arange(1, nq + 1) * bq, T) - 1 + (S - T)
-    k_first, k_last = np.arange(nk) * bk, np.minimum(np.arange(1, nk + 1) * bk, S) - 1
-    visible = np.ones((nq, nk), bool)  # the pair's offsets j - p span [k_first - q_last, k_last - q_first]
-    if hi is not None:
-        visible &= k_first[None, :] - q_last[:, None] <= hi
-    if lo is not None:
-        visible &= k_last[None, :] - q_first[:, None] >= lo
-    return visible
-
-
-def _intervals(visible: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """`[n, m]` bool with one interval of True per row -> `(start, stop)` per row (stop == start: none)."""
-    any_ = visible.any(axis=1)
-    start = np.where(any_, visible.argmax(axis=1), 0)
-    stop = np.where(any_, visible.shape[1] - visible[:, ::-1].argmax(axis=1), 0)
-    assert all(visible[i, a:b].all() and visible[i].sum() == b - a for i, (a, b) in enumerate(zip(start, stop)))
-    return start.astype(np.int32), stop.astype(np.int32)
-
-
-def segment_blocks(q_segments, kv_segments, bq: int, bk: int) -> jax.Array:
-    """`[nq, nk]` bool: False where query block i and key block j share no document in any batch row,
-    so that the pair is skipped (docs/theory.md §27).
-
-    Per block, the minimum and maximum of its nonzero ids (padding, id 0, attends to nothing and is
-    never attended): blocks whose ranges do not overlap hold no common id. Exact for any ids; for
-    packed rows (documents one after another, ids rising) it is False for every pair of blocks of
-    different documents.
-
-    Args:
-      q_segments: `[B, T]` integer ids of the queries, T a multiple of `bq` (pad with 0).
-      kv_segments: `[B, S]` integer ids of the keys, S a multiple of `bk`.
-    """
-    def ranges(ids, block):  # [B, L] -> per block, the min and max nonzero id [B, n] (max < min: none)
-        B, L = ids.shape
-        ids = ids.reshape(B, L // block, block)
-        big = jnp.iinfo(ids.dtype).max
-        return jnp.where(ids == 0, big, ids).min(axis=-1), jnp.where(ids == 0, 0, ids).max(axis=-1)
-    q_min, q_max = ranges(q_segments, bq)  # [B, nq]
-    k_min, k_max = ranges(kv_segments, bk)  # [B, nk]
-    meet = (k_min[:, None, :] <= q_max[:, :, None]) & (k_max[:, None, :] >= q_min[:, :, None])  # [B, nq, nk]
-    return meet.any(axis=0)
-
-
-def blocks_computed(T: int, S: int, bq: int, bk: int, is_causal: bool, window: tuple[int, int] | None = None,
-                    segment_ids=None) -> np.ndarray:
-    """`[nq, nk]` bool: the block pairs the forward pass computes for these shapes and, with packed rows,
-    `segment_ids` `[B, T]` (T == S): `visible_blocks` and `segment_blocks` together, what the loop's
-    bounds and its `lax.cond` let through (`key_value_seq_lengths` may skip more). For tests and
-    readers: `attention` computes the same pairs without this array."""
-    computed = visible_blocks(T, S, bq, bk, is_causal, window)
-    if segment_ids is not None:
-        Tp, Sp = -(-T // bq) * bq, -(-S // bk) * bk
-        ids = jnp.asarray(segment_ids, jnp.int32)
-        computed = computed & np.asarray(segment_blocks(_pad(ids, 1, Tp), _pad(ids, 1, Sp), bq, bk))
-    return computed
-
-
-def _narrowed(start, stop, meet):
-    """`[start, stop)` per row of `meet [n, m]` cut to its first and last True (stop == start: none)."""
-    m = meet.shape[1]
-    any_ = meet.any(axis=1)
-    first = jnp.argmax(meet, axis=1).astype(jnp.int32)
-    last = (m - jnp.argmax(meet[:, ::-1], axis=1)).astype(jnp.int32)
-    start = jnp.maximum(start, first)
-    stop = jnp.where(any_, jnp.minimum(stop, last), start)
-    return start, jnp.maximum(stop, start)
-
-
-def _key_block_ranges(plan: Plan, lengths, meet=None):
-    """Per query block, the key blocks `[start, stop)` to compute (int32 `[nq]` each); `meet` is
-    `segment_blocks` (or None)."""
-    start, stop = _intervals(visible_blocks(plan.T, plan.S, plan.bq, plan.bk, plan.is_causal, plan.window))
-    start, stop = jnp.asarray(start), jnp.asarray(stop)
-    if lengths is not None:  # key blocks past every row's length hold no visible key
-        stop = jnp.minimum(stop, -(-jnp.max(lengths) // plan.bk)).astype(jnp.int32)
-    if meet is not None:  # the first and last key blocks that share a document with the query block
-        start, stop = _narrowed(start, stop, meet)
-    return start, stop
-
-
-def _query_block_ranges(plan: Plan, lengths, meet=None):
-    """Per key block, the query blocks `[start, stop)` that see it (int32 `[nk]` each)."""
-    start, stop = _intervals(visible_blocks(plan.T, plan.S, plan.bq, plan.bk, plan.is_causal, plan.window).T)
-    start, stop = jnp.asarray(start), jnp.asarray(stop)
-    if lengths is not None:
-        past = jnp.arange(len(start)) * plan.bk >= jnp.max(lengths)
-        stop = jnp.where(past, start, stop)
-    if meet is not None:
-        start, stop = _narrowed(start, stop, meet.T)
-    return start, stop
-
-
-def _when(meets, step):
-    """`step(index, carry)` where `meets[index]` is True, the carry unchanged elsewhere (a block pair of
-    different documents, between the first and last that meet); `step` itself without `meets`."""
-    if meets is None:
-        return step
-    return lambda index, carry: jax.lax.cond(meets[index], step, lambda _, c: c, index, carry)
-
-
-def _pad(x, axis: int, size: int, value=0):
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, size - x.shape[axis])
-    return jnp.pad(x, widths, constant_values=value)
-
 
 def _pad_grouped(plan: Plan, x, value):
     """A grouped mask or bias `[b, k, g, t, s]` padded along T and S where it is not broadcast."""
-    x = _pad(x, 3, plan.Tp, value) if x.shape[3] > 1 else x
-    return _pad(x, 4, plan.Sp, value) if x.shape[4] > 1 else x
+    x = pad(x, 3, plan.Tp, value) if x.shape[3] > 1 else x
+    return pad(x, 4, plan.Sp, value) if x.shape[4] > 1 else x
 
 
 def _block_index(plan: Plan, x, i, j):
@@ -310,7 +174,7 @@ def _forward_blocks(plan: Plan, q, k, v, bias, mask, lengths, sinks, segments):
     B, K, G, _, _ = q.shape
     f32 = softmax_dtype(q.dtype)
     meet = None if segments is None else segment_blocks(*segments, plan.bq, plan.bk)  # [nq, nk]
-    start, stop = _key_block_ranges(plan, lengths, meet)
+    start, stop = key_block_ranges(plan, lengths, meet)
 
     def one_query_block(_, i):
         q_i = _rows(q, i * plan.bq, plan.bq, 3)
@@ -321,7 +185,7 @@ def _forward_blocks(plan: Plan, q, k, v, bias, mask, lengths, sinks, segments):
             m, l = stats + sinks.reshape(1, K, G, 1).astype(f32), stats + 1.0
         init = (m, l, jnp.zeros((B, K, G, plan.bq, v.shape[-1]), f32))
         step = functools.partial(_online_step, plan, q_i, k, v, bias, mask, lengths, segments, i)
-        m, l, acc = jax.lax.fori_loop(start[i], stop[i], _when(None if meet is None else meet[i], step), init)
+        m, l, acc = jax.lax.fori_loop(start[i], stop[i], when_meets(None if meet is None else meet[i], step), init)
         # A row with no visible key (and no sink) has l = 0 and acc = 0: zeros, and lse = -inf (its P is
         # zeroed by `allowed` in the backward). (l == 0, not l > 0: a NaN input stays NaN, as in the reference.)
         empty = l == 0
@@ -381,7 +245,7 @@ def _backward(plan, res, cotangents):
     d_out = d_out.astype(f32)
     delta = jnp.einsum("BKGTH,BKGTH->BKGT", d_out, out)  # rowsum(dO * O) = rowsum(dP * P), §15
     meet = None if segments is None else segment_blocks(*segments, plan.bq, plan.bk)  # [nq, nk]
-    start, stop = _query_block_ranges(plan, lengths, meet)
+    start, stop = query_block_ranges(plan, lengths, meet)
     B, K, _, _ = k.shape
 
     def one_key_block(carry, j):
@@ -389,8 +253,8 @@ def _backward(plan, res, cotangents):
         init = (jnp.zeros((B, K, plan.bk, k.shape[-1]), f32), jnp.zeros((B, K, plan.bk, v.shape[-1]), f32),
                 d_q, d_bias)
         step = functools.partial(_backward_step, plan, res, d_out, delta, j)
-        d_k, d_v, d_q, d_bias = jax.lax.fori_loop(start[j], stop[j], _when(None if meet is None else meet[:, j], step),
-                                                  init)
+        step = when_meets(None if meet is None else meet[:, j], step)  # pairs of different documents skipped
+        d_k, d_v, d_q, d_bias = jax.lax.fori_loop(start[j], stop[j], step, init)
         return (d_q, d_bias), (d_k, d_v)
 
     d_bias = None if bias is None else jnp.zeros(bias.shape, f32)

@@ -124,27 +124,8 @@ def _script_json(data: dict) -> str:
     return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
 
 
-def render(data: dict) -> str:
-    """The page of `page_data`'s dict."""
-    title = data["title"] or "attention weights"
-    summary = (f"{data['L']} layer{'s' * (data['L'] != 1)} \u00d7 {data['N']} head{'s' * (data['N'] != 1)}, "
-               f"{data['T']} tokens; weights stored as bytes (\u00b10.5/255)")
-    return f"""<!DOCTYPE html>
-<html lang="en">
-<head>
-<meta charset="utf-8">
-<meta name="viewport" content="width=device-width, initial-scale=1">
-<title>{html.escape(title)} \u2014 jaxattn viewer</title>
-<style>
-{_asset("viewer.css")}
-</style>
-</head>
-<body>
-<header>
-<h1 id="title">{html.escape(title)}</h1>
-<p id="summary">{html.escape(summary)}</p>
-</header>
-<nav class="tabs" role="tablist">
+# The three views, their controls and the error line: the static body that viewer.js fills in.
+_VIEWS = """<nav class="tabs" role="tablist">
 <button type="button" id="tab-head" role="tab" aria-selected="true" aria-controls="view-head">Head view</button>
 <button type="button" id="tab-model" role="tab" aria-selected="false" aria-controls="view-model">Model view</button>
 <button type="button" id="tab-matrix" role="tab" aria-selected="false" aria-controls="view-matrix">Matrix view</button>
@@ -179,7 +160,30 @@ def render(data: dict) -> str:
 <div class="matrix-wrap"><canvas id="matrix-canvas"></canvas></div>
 </section>
 <div id="error" class="error" hidden></div>
-<script type="application/json" id="{DATA_ID}">{_script_json(data)}</script>
+"""
+
+
+def render(data: dict) -> str:
+    """The page of `page_data`'s dict."""
+    title = data["title"] or "attention weights"
+    summary = (f"{data['L']} layer{'s' * (data['L'] != 1)} \u00d7 {data['N']} head{'s' * (data['N'] != 1)}, "
+               f"{data['T']} tokens; weights stored as bytes (\u00b10.5/255)")
+    return f"""<!DOCTYPE html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<title>{html.escape(title)} \u2014 jaxattn viewer</title>
+<style>
+{_asset("viewer.css")}
+</style>
+</head>
+<body>
+<header>
+<h1 id="title">{html.escape(title)}</h1>
+<p id="summary">{html.escape(summary)}</p>
+</header>
+{_VIEWS}<script type="application/json" id="{DATA_ID}">{_script_json(data)}</script>
 <script>
 {_asset("viewer.js")}
 </script>

@@ -811,13 +811,13 @@ def test_overwriting_replaces_only_the_files_of_a_save(tiny, tmp_path):
 
 
 def test_a_failed_save_leaves_the_older_checkpoint_in_place(tiny, monkeypatch):
-    from jaxattn.hf import checkpoint as checkpoint_module
+    from jaxattn.hf import save as save_module
     before = {p.name: p.read_bytes() for p in tiny.iterdir()}
 
     def disk_full(path, tensors):
         path.write_bytes(b"half a file")
         raise OSError(28, "No space left on device")
-    monkeypatch.setattr(checkpoint_module, "write_safetensors", disk_full)
+    monkeypatch.setattr(save_module, "write_safetensors", disk_full)
     with pytest.raises(OSError, match="No space left"):
         hf.save_pretrained(tiny, TINY, random_params(TINY, seed=1), overwrite=True)
     assert {p.name: p.read_bytes() for p in tiny.iterdir()} == before  # no temporary file left either

@@ -16,7 +16,7 @@ import pytest
 
 from jaxattn import kernels
 from jaxattn.attention import reference_attention, scaled_dot_product_attention
-from jaxattn.kernels import Kernels, choices, chunked
+from jaxattn.kernels import Kernels, choices, chunked, chunked_blocks
 from jaxattn.masks import padding_mask, sliding_window_mask
 
 SMALL = "chunked_4x3"  # the test-only name: query blocks of 4, key blocks of 3
@@ -126,16 +126,16 @@ def test_bfloat16_inputs_softmax_in_float32():
 def test_causal_and_window_blocks_are_skipped():
     """Causal T = S = 8 blocks computes the 36 block pairs on or below the diagonal, not 64; a window
     of one block computes at most 2 key blocks per query block; T < S adds the earlier keys' blocks."""
-    plan = chunked.Plan(32, 32, 4, 4, True, None, 1.0)
-    start, stop = chunked._key_block_ranges(plan, None)
-    assert int((stop - start).sum()) == 36 == chunked.visible_blocks(32, 32, 4, 4, True, None).sum()
-    start, stop = chunked._query_block_ranges(plan, None)  # the backward walks the same pairs
+    plan = chunked_blocks.Plan(32, 32, 4, 4, True, None, 1.0)
+    start, stop = chunked_blocks.key_block_ranges(plan, None)
+    assert int((stop - start).sum()) == 36 == chunked_blocks.visible_blocks(32, 32, 4, 4, True, None).sum()
+    start, stop = chunked_blocks.query_block_ranges(plan, None)  # the backward walks the same pairs
     assert int((stop - start).sum()) == 36
-    window = chunked.visible_blocks(32, 32, 4, 4, True, (3, 0))  # the query and 3 keys back
+    window = chunked_blocks.visible_blocks(32, 32, 4, 4, True, (3, 0))  # the query and 3 keys back
     assert window.sum(axis=1).max() == 2 and window.sum() == 15
-    assert chunked.visible_blocks(8, 32, 4, 4, True, None).sum() == 7 + 8
-    assert chunked.visible_blocks(32, 32, 4, 4, False, None).sum() == 64
-    lengths_stop = chunked._key_block_ranges(chunked.Plan(32, 32, 4, 4, False, None, 1.0), jnp.array([5, 9]))[1]
+    assert chunked_blocks.visible_blocks(8, 32, 4, 4, True, None).sum() == 7 + 8
+    assert chunked_blocks.visible_blocks(32, 32, 4, 4, False, None).sum() == 64
+    lengths_stop = chunked_blocks.key_block_ranges(chunked_blocks.Plan(32, 32, 4, 4, False, None, 1.0), jnp.array([5, 9]))[1]
     np.testing.assert_array_equal(lengths_stop, 3)  # keys past the longest row (9): blocks 3.. skipped
 
 

@@ -17,7 +17,7 @@ import pytest
 from test_chunked import _bias
 
 from jaxattn.attention import scaled_dot_product_attention
-from jaxattn.kernels import chunked, xla
+from jaxattn.kernels import chunked, chunked_blocks, xla
 
 
 @pytest.fixture(autouse=True)
@@ -189,19 +189,19 @@ def test_visible_blocks_are_exactly_those_holding_a_visible_pair(T, S):
     (query, key), and each row of computed blocks is one interval (`_intervals` asserts it)."""
     for is_causal in (False, True):
         for window in (None, (0, 0), (1, 0), (0, 2), (2, 1), (5, 3), (3, 9), (30, 30)):
-            visible = chunked.visible_blocks(T, S, 4, 3, is_causal, window)
+            visible = chunked_blocks.visible_blocks(T, S, 4, 3, is_causal, window)
             np.testing.assert_array_equal(visible, _visible_by_brute_force(T, S, 4, 3, is_causal, window),
                                           err_msg=f"{is_causal=} {window=}")
-            chunked._intervals(visible)
-            chunked._intervals(visible.T)
+            chunked_blocks.intervals(visible)
+            chunked_blocks.intervals(visible.T)
 
 
 def test_two_sided_windows_skip_blocks_on_both_sides():
     """T = S = 32 in blocks of 4, non-causal window (1, 1): at most 3 key blocks per query block, 22 in all."""
-    visible = chunked.visible_blocks(32, 32, 4, 4, False, (1, 1))
+    visible = chunked_blocks.visible_blocks(32, 32, 4, 4, False, (1, 1))
     assert visible.sum(axis=1).max() == 3 and visible.sum() == 8 + 2 * 7
-    plan = chunked.Plan(32, 32, 4, 4, False, (1, 1), 1.0)
-    start, stop = chunked._query_block_ranges(plan, None)  # the backward walks the same pairs
+    plan = chunked_blocks.Plan(32, 32, 4, 4, False, (1, 1), 1.0)
+    start, stop = chunked_blocks.query_block_ranges(plan, None)  # the backward walks the same pairs
     assert int((stop - start).sum()) == 22
 
 

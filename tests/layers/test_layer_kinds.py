@@ -25,7 +25,8 @@ from jaxattn.config import AttentionSpec, LayerKind, MLAConfig, ModelConfig
 from jaxattn.layers.gqa import Attention
 from jaxattn.kernels import Kernels
 from jaxattn.layers.mla import MultiHeadLatentAttention
-from jaxattn.model import Block, DecoderLM, attention_weights
+from jaxattn.layers.block import Block
+from jaxattn.model import DecoderLM, attention_weights
 from jaxattn.layers.primitives import RMSNorm
 from jaxattn.rope import RopeScaling, apply_rope, rope_frequencies, rotary_dims
 from tiny_models import drawn_params

@@ -6,7 +6,9 @@ Each module `jaxattn.hf.families.<name>` defines `FAMILY`, a
 `refusal` is empty, so a family that computes a superset of an earlier one's
 configs (Mistral's window, Qwen2's biases, SmolLM3's NoPE layers, Phi-3's
 partial rotary over Llama) comes after it, and the plainest match wins.
-Adding a family: write its module, add its name here.
+Adding a family: write its module, add its name here. What several families share lives beside
+them: `common` (config.json readers and writers, per-layer attention, Llama-style tensors), `gemma`
+(Gemma 2 and 3), `mla` (DeepSeek-V2/V3's MLA and experts), `moe` (mixture-of-experts MLPs).
 """
 
 from __future__ import annotations
