@@ -37,6 +37,17 @@ looks at the hardware, and a field left at "auto" raises until resolved. An
 implementation that reads weights fastest in a layout of its own gets them so
 from `prepare_weights(params, kernels)`, called once after loading.
 
+The modules, one formulation or one rule each:
+
+* the table and the rules: `registry` (`IMPLEMENTATIONS`, `Kernels`), `select` (what "auto" means on a
+  platform, and `host`, the one reader of the CPU's flags), `auto` (attention's per-call rules),
+  `paged_select` (which paged attention runs a call, and why);
+* attention: `xla` (the reference), `xla_cpu`, `custom_vjp`, `chunked` (with its block schedule,
+  `chunked_blocks`), `cudnn`, `splash`, `pallas_flash` (the teaching kernel), `blocked_decode`;
+* against pages: `paged` (the reference and the ragged loop), `native_paged` (the native decode loop);
+* matmuls: `bf16_matmul`, `quant_matmul` (quantized weights); the mixture of experts: `moe`;
+* the native kernels' C++ (`native/`), built on first use by `native_build`.
+
 Adding an implementation is a new module in this package and one entry in
 `IMPLEMENTATIONS` (`jaxattn.kernels.registry`; plus, if it should be picked
 automatically, a rule in `jaxattn.kernels.select`).
