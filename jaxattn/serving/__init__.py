@@ -12,6 +12,7 @@ The engine, in parts that each do one job (vLLM V1's split):
 * `PageAllocator` (`jaxattn.serving.pages`): the pool's pages, refcounts, the prefix cache;
 * `ModelRunner` (`jaxattn.serving.model_runner`): placed parameters and pools, a step's arrays, the run;
 * `jaxattn.serving.step`: the compiled step programs, one per shape bucket;
+* `Guide` (`jaxattn.serving.guides`): what a request's output must match (a schema, a regex, a grammar);
 * `SamplingParams`, `Request` (`jaxattn.serving.requests`): what a caller asks and gets;
 * `TextStream` (`jaxattn.serving.text`): streamed text in whole characters, stop strings.
 
@@ -21,6 +22,7 @@ Beside the engine, `jaxattn.serving.api` is its OpenAI-compatible HTTP server (F
 
 from jaxattn.serving.engine import Engine
 from jaxattn.serving.engine_config import EngineConfig
+from jaxattn.serving.guides import Guide
 from jaxattn.serving.kv_cache_manager import KVCacheManager
 from jaxattn.serving.model_runner import ModelRunner
 from jaxattn.serving.pages import PageAllocator, page_keys
@@ -30,6 +32,6 @@ from jaxattn.serving.step import StepShape
 from jaxattn.serving.text import TextStream
 from jaxattn.serving.validation import RequestError, RequestLimits
 
-__all__ = ["Engine", "EngineConfig", "KVCacheManager", "ModelRunner", "PageAllocator", "QueueFull", "Request",
+__all__ = ["Engine", "EngineConfig", "Guide", "KVCacheManager", "ModelRunner", "PageAllocator", "QueueFull", "Request",
            "RequestError", "RequestLimits", "SamplingParams", "Scheduler", "SchedulerOutput", "Status", "StepShape",
            "TextStream", "page_keys"]

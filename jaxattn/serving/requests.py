@@ -8,6 +8,7 @@ import itertools
 import time
 from typing import Callable
 
+from jaxattn.serving.guides import Guide
 from jaxattn.serving.text import TextStream
 from jaxattn.serving.validation import check_sampling
 
@@ -29,6 +30,8 @@ class SamplingParams:
       stop_token_ids: tokens that end the request (in `output_ids`, never in the streamed text).
       stop: strings that end the request (needs the engine's detokenizer); the text stops
         before the first one.
+      guide: what the output must match (`jaxattn.serving.guides.Guide`: a JSON schema, a regex, a
+        choice, a grammar); None: anything.
     """
 
     temperature: float = 1.0
@@ -38,10 +41,13 @@ class SamplingParams:
     max_tokens: int | None = 16
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
+    guide: Guide | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
+        if self.guide is not None and not isinstance(self.guide, Guide):
+            raise TypeError(f"guide must be a jaxattn.serving.guides.Guide or None, got {type(self.guide).__name__}")
         check_sampling(self)  # each field in its range (a RequestError, a ValueError, naming the field)
 
 

@@ -128,6 +128,8 @@ def check_request(prompt_ids, sampling, limits: RequestLimits) -> tuple[tuple[in
     max_tokens = _max_tokens(len(ids), sampling.max_tokens, limits)
     if sampling.stop and not limits.detokenizer:
         raise RequestError("stop strings need the engine's detokenizer (Engine(..., detokenize=...))", param="stop")
+    if sampling.guide is not None:  # until the engine compiles guides (jaxattn.serving.structured)
+        raise RequestError("this engine does not constrain outputs yet (guide)", param="guide")
     bad = [t for t in sampling.stop_token_ids if not 0 <= t < limits.vocab_size]
     if bad:
         raise RequestError(f"stop_token_ids must be in [0, vocab_size={limits.vocab_size}), got {bad}",
