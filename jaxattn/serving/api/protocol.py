@@ -3,8 +3,10 @@
 Requests are parsed by pydantic models that take the fields `/v1/completions` and
 `/v1/chat/completions` define, into their types only, ignore fields that change nothing here
 (`user`, `metadata`, `store`, ...), and refuse with a 400 naming the parameter what would change the
-answer and is not supported (`n` > 1, `logprobs`, `best_of`, penalties, `tools`, `response_format`
-other than text). `top_k` (0 or -1 = off) and `ignore_eos` are extensions, as in vLLM. Whether the
+answer and is not supported (`n` > 1, `logprobs`, `best_of`, penalties, `response_format` other
+than text). `tools` are read by `jaxattn.serving.api.tools`; an answer whose tool calls are parsed
+(`Answer(..., tools=FORMAT)`) carries them as `message.tool_calls`, or streams them as
+`delta.tool_calls`, in OpenAI's shapes. `top_k` (0 or -1 = off) and `ignore_eos` are extensions, as in vLLM. Whether the
 values are in range, and fit the model, is `jaxattn.serving.validation`'s to say (its `RequestError`
 names the engine's parameter; `openai_param` names the endpoint's).
 
@@ -22,6 +24,8 @@ import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 
 from jaxattn.serving import SamplingParams
+from jaxattn.serving.api import tool_calls
+from jaxattn.serving.api.tool_calls import ToolCallFormat, ToolCallParser
 
 
 class APIError(Exception):
@@ -149,12 +153,12 @@ class ChatRequest(_Sampled):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     tools: list | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
     response_format: dict | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.tools:
-            raise bad_request("tools are not supported", "tools")
         if self.response_format and self.response_format.get("type", "text") != "text":
             raise bad_request("response_format must be text", "response_format")
 
@@ -204,12 +208,15 @@ Kind = Literal["completion", "chat"]
 
 
 class Answer:
-    """The answer to one request, whole or as stream chunks, in its endpoint's shapes."""
+    """The answer to one request, whole or as stream chunks, in its endpoint's shapes; with `tools` (a chat
+    whose tool calls are parsed, in that format) its calls as `tool_calls` and finish reason "tool_calls"."""
 
-    def __init__(self, kind: Kind, model: str):
-        self.kind, self.model = kind, model
+    def __init__(self, kind: Kind, model: str, tools: ToolCallFormat | None = None):
+        self.kind, self.model, self.tools = kind, model, tools
         self.id = new_id("cmpl" if kind == "completion" else "chatcmpl")
         self.created = int(time.time())
+        self._parser = None if tools is None else ToolCallParser(tools)
+        self._call_ids: list[str] = []
 
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
@@ -218,8 +225,15 @@ class Answer:
         if self.kind == "completion":
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
             return {**self._head("text_completion"), "choices": [choice], "usage": use}
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                  "finish_reason": finish_reason}
+        message = {"role": "assistant", "content": text}
+        if self.tools is not None:
+            content, calls = tool_calls.parse_whole(self.tools, text)
+            message["content"] = content or None
+            if calls:
+                message["tool_calls"] = [{"id": new_call_id(), "type": "function",
+                                          "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
+                finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
         return {**self._head("chat.completion"), "choices": [choice], "usage": use}
 
     def chunk(self, text: str | None, finish_reason: str | None = None, *, role: bool = False) -> dict:
@@ -228,9 +242,40 @@ class Answer:
             choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
             return {**self._head("text_completion"), "choices": [choice]}
         delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
+        return self._delta(delta, finish_reason)
+
+    def _delta(self, delta: dict, finish_reason: str | None = None) -> dict:
         choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
         return {**self._head("chat.completion.chunk"), "choices": [choice]}
+
+    def text_chunks(self, text: str) -> list[dict]:
+        """The chunks of a piece of streamed text: itself, or with tools the content and call deltas in it."""
+        if self._parser is None:
+            return [self.chunk(text)] if text else []
+        return [self._event_chunk(e) for e in self._parser.feed(text)]
+
+    def last_chunks(self, finish_reason: str) -> list[dict]:
+        """The chunks that end a stream: what the tool-call parser held back, then the finish reason."""
+        chunks = [] if self._parser is None else [self._event_chunk(e) for e in self._parser.finish()]
+        if self._parser is not None and self._parser.calls and finish_reason == "stop":
+            finish_reason = "tool_calls"
+        return chunks + [self.chunk(None, finish_reason)]
+
+    def _event_chunk(self, event: tool_calls.Event) -> dict:
+        if isinstance(event, tool_calls.Content):
+            return self._delta({"content": event.text})
+        if isinstance(event, tool_calls.CallStart):
+            self._call_ids.append(new_call_id())
+            call = {"index": event.index, "id": self._call_ids[-1], "type": "function",
+                    "function": {"name": event.name, "arguments": ""}}
+        else:
+            call = {"index": event.index, "function": {"arguments": event.text}}
+        return self._delta({"tool_calls": [call]})
 
     def usage_chunk(self, use: dict) -> dict:
         obj = "text_completion" if self.kind == "completion" else "chat.completion.chunk"
         return {**self._head(obj), "choices": [], "usage": use}
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
