@@ -8,7 +8,8 @@
          -d '{"model": "baby", "prompt": "ROMEO:", "max_tokens": 64, "temperature": 0.8}'
 
 Endpoints: `POST /v1/completions` and `/v1/chat/completions` (streamed as server-sent events with
-`"stream": true`), `GET /v1/models`, `GET /health` (200 once ready, 503 while draining),
+`"stream": true`; chat takes `tools`), `POST /tokenize` and `/detokenize`
+(vLLM's), `GET /v1/models`, `GET /health` (200 once ready, 503 while draining),
 `GET /metrics` (Prometheus text) and `GET /`, a chat page. docs/serving.md has the knobs, the
 metrics and the memory arithmetic.
 
@@ -121,17 +122,23 @@ def chat_template(args, tokenizer) -> ChatTemplate | None:
         raise ServeError(f"the chat template: {err}") from None
 
 
-def served_model(args, tokenizer, max_model_len: int) -> ServedModel:
+def served_model(args, tokenizer, max_model_len: int, vocab_size: int) -> ServedModel:
     if isinstance(tokenizer, HFTokenizer):  # a BOS where the tokenizer adds one, for a completion's prompt
         def encode(text, special):
             return tokenizer.encode(text, add_special_tokens=special)
+
+        def decode(ids):  # special tokens kept, as vLLM's /detokenize keeps them
+            return tokenizer.decode(ids, skip_special_tokens=False)
     else:
         def encode(text, special):
             return [int(t) for t in tokenizer.encode(text)]
+
+        def decode(ids):
+            return tokenizer.decode(ids)
     eos = getattr(tokenizer, "eos_token_id", None)
     return ServedModel(name=model_name(args), encode=encode, max_model_len=max_model_len,
                        stop_token_ids=() if eos is None else (int(eos),),
-                       chat_template=chat_template(args, tokenizer))
+                       chat_template=chat_template(args, tokenizer), decode=decode, vocab_size=vocab_size)
 
 
 def build_engine(args, params, config, tokenizer, kernels, mesh) -> tuple[Engine, float]:
@@ -179,7 +186,7 @@ def run(argv=None) -> int:
         params = prepare_weights(params, kernels)  # e.g. quantized weights in the native kernel's panels
         started = time.perf_counter()
         engine, compile_seconds = build_engine(args, params, config, tokenizer, kernels, mesh)
-        served = served_model(args, tokenizer, engine.max_model_len)
+        served = served_model(args, tokenizer, engine.max_model_len, config.vocab_size)
         metrics = ServerMetrics(engine)
         runner = EngineRunner(engine, on_step=metrics.on_step, on_tokens=metrics.on_tokens)
         app = create_app(runner, served, metrics, Limits(api_key=args.api_key, max_body_bytes=args.max_body))

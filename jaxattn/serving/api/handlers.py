@@ -83,21 +83,29 @@ async def completions(request: Request) -> Response:
 
 async def chat(request: Request) -> Response:
     state = state_of(request)
-    served = state.served
     body = protocol.parse(protocol.ChatRequest, await read_json(request, state.limits.max_body_bytes))
     check_model(state, body.model)
+    text, tool_plan = render_chat(state, body)
+    ids = encode(state, text, special=False, param="messages")
+    return await answer(request, Answer("chat", state.served.name, tool_plan.parse), body, ids, body.asked_tokens,
+                        guide=tool_plan.guide)
+
+
+def render_chat(state: ApiState, body, *, add_generation_prompt: bool = True) -> tuple[str, tools.ToolPlan]:
+    """The messages (and tools) rendered by the model's chat template, and what the tools ask; a 400 where
+    the model has no template, or the template or the tools refuse the request."""
+    served = state.served
     if served.chat_template is None:
         raise bad_request(f"the model {served.name!r} has no chat template (chat_template.jinja, or "
                           "tokenizer_config.json's chat_template; --chat-template FILE gives one): use "
                           "/v1/completions", "messages", code="no_chat_template")
     tool_plan = tools.plan(body, served.chat_template)
     try:
-        text = served.chat_template.render(tools.messages(body), add_generation_prompt=True, **tool_plan.render)
+        text = served.chat_template.render(tools.messages(body), add_generation_prompt=add_generation_prompt,
+                                           **tool_plan.render)
     except ChatTemplateError as err:
         raise bad_request(str(err), "messages") from None
-    ids = encode(state, text, special=False, param="messages")
-    return await answer(request, Answer("chat", served.name, tool_plan.parse), body, ids, body.asked_tokens,
-                        guide=tool_plan.guide)
+    return text, tool_plan
 
 
 ROUTES: tuple[tuple[str, str, Callable], ...] = (

@@ -22,6 +22,9 @@ class ServedModel:
       max_model_len: the longest prompt + output (the model card's; the engine checks it).
       stop_token_ids: the end-of-sequence ids that end every request.
       chat_template: None: chat is refused with a 400 (completions still work).
+      decode: ids -> text, special tokens kept (`/detokenize`; ValueError for ids it cannot decode);
+        None: `/detokenize` answers 404.
+      vocab_size: the model's vocabulary (ids at or past it are refused); None: unchecked here.
     """
 
     name: str
@@ -29,6 +32,8 @@ class ServedModel:
     max_model_len: int
     stop_token_ids: tuple[int, ...] = ()
     chat_template: ChatTemplate | None = None
+    decode: Callable[[list[int]], str] | None = None
+    vocab_size: int | None = None
 
 
 @dataclasses.dataclass
