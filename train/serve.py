@@ -8,7 +8,7 @@
          -d '{"model": "baby", "prompt": "ROMEO:", "max_tokens": 64, "temperature": 0.8}'
 
 Endpoints: `POST /v1/completions` and `/v1/chat/completions` (streamed as server-sent events with
-`"stream": true`; chat takes `tools`), `POST /tokenize` and `/detokenize`
+`"stream": true`; chat takes `tools`), `POST /v1/embeddings`, `POST /tokenize` and `/detokenize`
 (vLLM's), `GET /v1/models`, `GET /health` (200 once ready, 503 while draining),
 `GET /metrics` (Prometheus text) and `GET /`, a chat page. docs/serving.md has the knobs, the
 metrics and the memory arithmetic.
@@ -37,11 +37,12 @@ from jaxattn import Kernels, axes, prepare_weights, resolve_kernels
 from jaxattn.cache.containers import KV_CACHES
 from jaxattn.hf.chat_template import ChatTemplate, ChatTemplateError
 from jaxattn.hf.tokenizer import HFTokenizer
-from jaxattn.serving import Engine, EngineConfig
+from jaxattn.serving import Embedder, Engine, EngineConfig
 from jaxattn.serving.api.app import Limits, ServedModel, create_app
 from jaxattn.serving.api.metrics import ServerMetrics
 from jaxattn.serving.api.runner import EngineRunner
 from jaxattn.serving.api.server import DrainingServer, listen_socket  # a ListenError is an OSError: exit 1
+from jaxattn.serving.embedding import POOLINGS
 from train.checkpoints.store import CheckpointError
 from train.cli import ArgumentParser, UsageError, guard
 from train.data.errors import DataError
@@ -85,6 +86,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "requests may take to finish before they are cancelled (default 30)")
     parser.add_argument("--max-body", type=int, default=4 * 2**20, metavar="BYTES", help="the largest request "
                         "body; more gets a 413 (default 4 MiB)")
+    parser.add_argument("--embedding-pooling", choices=POOLINGS, default="last", help="/v1/embeddings: the last "
+                        "token's final state (vLLM's default for a decoder) or the mean of every token's (default last)")
     parser.add_argument("--mesh", help="serve on a device mesh, e.g. tensor:2 (product = device count)")
     parser.add_argument("--cpu-devices", type=int, metavar="N", help="make N host devices on a CPU for --mesh")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
@@ -187,6 +190,9 @@ def run(argv=None) -> int:
         started = time.perf_counter()
         engine, compile_seconds = build_engine(args, params, config, tokenizer, kernels, mesh)
         served = served_model(args, tokenizer, engine.max_model_len, config.vocab_size)
+        embedder = Embedder(engine.params, engine.config, kernels=engine.kernels, max_len=engine.max_model_len,
+                            pooling=args.embedding_pooling)
+        served.embed = lambda ids, normalize: embedder.embed(ids, normalize=normalize)
         metrics = ServerMetrics(engine)
         runner = EngineRunner(engine, on_step=metrics.on_step, on_tokens=metrics.on_tokens)
         app = create_app(runner, served, metrics, Limits(api_key=args.api_key, max_body_bytes=args.max_body))
