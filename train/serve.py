@@ -43,9 +43,11 @@ from jaxattn.serving.api.metrics import ServerMetrics
 from jaxattn.serving.api.runner import EngineRunner
 from jaxattn.serving.api.server import DrainingServer, listen_socket  # a ListenError is an OSError: exit 1
 from jaxattn.serving.embedding import POOLINGS
+from jaxattn.serving.structured import GuideCompiler
 from train.checkpoints.store import CheckpointError
 from train.cli import ArgumentParser, UsageError, guard
 from train.data.errors import DataError
+from train.data.tokenizer import CharTokenizer, to_hf_tokenizer
 from train.models.load import device_mesh, load_model, quant_line, read_chat
 from train.models.source import SourceFlags
 
@@ -144,6 +146,19 @@ def served_model(args, tokenizer, max_model_len: int, vocab_size: int) -> Served
                        chat_template=chat_template(args, tokenizer), decode=decode, vocab_size=vocab_size)
 
 
+def guide_compiler(tokenizer, vocab_size: int) -> GuideCompiler:
+    """Structured outputs for the model's tokenizer: llguidance reads a tokenizer.json (a transformers or
+    GGUF tokenizer, a run's BPE or bytes); a run's characters are given to it as each id's bytes."""
+    eos = getattr(tokenizer, "eos_token_id", None)
+    eos = () if eos is None else (int(eos),)
+    if isinstance(tokenizer, HFTokenizer):
+        return GuideCompiler(tokenizer.tokenizer.to_str(), vocab_size, eos)
+    if isinstance(tokenizer, CharTokenizer):
+        return GuideCompiler.from_token_bytes([c.encode("utf-8") for c in tokenizer.chars],
+                                              lambda text: tokenizer.encode(text).tolist(), vocab_size, eos)
+    return GuideCompiler(to_hf_tokenizer(tokenizer).to_str(), vocab_size, eos)
+
+
 def build_engine(args, params, config, tokenizer, kernels, mesh) -> tuple[Engine, float]:
     """The engine with every step program compiled (a progress bar on stderr); its compile seconds."""
     engine_config = EngineConfig(max_seqs=args.max_seqs, page_size=args.page_size, num_pages=args.num_pages,
@@ -162,7 +177,7 @@ def build_engine(args, params, config, tokenizer, kernels, mesh) -> tuple[Engine
     started = time.perf_counter()
     try:
         engine = Engine(params, config, engine_config, kernels=kernels, mesh=mesh, detokenize=detokenize,
-                        seed=args.seed, progress=progress)
+                        seed=args.seed, progress=progress, guide_compiler=guide_compiler(tokenizer, config.vocab_size))
     except ValueError as err:
         raise UsageError(str(err)) from err
     finally:

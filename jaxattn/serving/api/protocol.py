@@ -3,10 +3,13 @@
 Requests are parsed by pydantic models that take the fields `/v1/completions` and
 `/v1/chat/completions` define, into their types only, ignore fields that change nothing here
 (`user`, `metadata`, `store`, ...), and refuse with a 400 naming the parameter what would change the
-answer and is not supported (`n` > 1, `logprobs`, `best_of`, penalties, `response_format` other
-than text). `tools` are read by `jaxattn.serving.api.tools`; an answer whose tool calls are parsed
-(`Answer(..., tools=FORMAT)`) carries them as `message.tool_calls`, or streams them as
-`delta.tool_calls`, in OpenAI's shapes. `top_k` (0 or -1 = off) and `ignore_eos` are extensions, as in vLLM. Whether the
+answer and is not supported (`n` > 1, `logprobs`, `best_of`, penalties). `top_k` (0 or -1 = off) and
+`ignore_eos` are extensions, as in vLLM. Structured outputs, on both endpoints as in vLLM:
+`response_format` (json_object, json_schema) and vLLM's `guided_json`, `guided_regex`, `guided_choice`
+and `guided_grammar` (Lark or GBNF) become `SamplingParams.guide` (`guide_of`); a guide that does not
+compile is the engine's 400, named by the field it came from. `tools` are read by
+`jaxattn.serving.api.tools`; an answer whose tool calls are parsed (`Answer(..., tools=FORMAT)`)
+carries them as `message.tool_calls`, or streams them as `delta.tool_calls`, in OpenAI's shapes. Whether the
 values are in range, and fit the model, is `jaxattn.serving.validation`'s to say (its `RequestError`
 names the engine's parameter; `openai_param` names the endpoint's).
 
@@ -16,6 +19,8 @@ Errors are `APIError`s, answered as OpenAI answers them, `{"error": {"message", 
 
 from __future__ import annotations
 
+import json
+import re
 import time
 import uuid
 from typing import Any, Literal
@@ -23,7 +28,7 @@ from typing import Any, Literal
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 
-from jaxattn.serving import SamplingParams
+from jaxattn.serving import Guide, SamplingParams
 from jaxattn.serving.api import tool_calls
 from jaxattn.serving.api.tool_calls import ToolCallFormat, ToolCallParser
 
@@ -75,6 +80,12 @@ class _Sampled(BaseModel):
     frequency_penalty: float = 0.0
     logit_bias: dict | None = None
     ignore_eos: bool = False  # an extension (vLLM's): the end-of-sequence token does not end the answer
+    # Structured outputs: OpenAI's response_format, or one of vLLM's extensions (`structured.guide_of`).
+    response_format: dict | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def check_supported(self) -> None:
         """A 400 naming the first field that asks for something this server does not do."""
@@ -89,6 +100,7 @@ class _Sampled(BaseModel):
             raise bad_request("logit_bias is not supported", "logit_bias")
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed with stream: true", "stream_options")
+        guide_of(self)  # a 400 now for a guide field of the wrong shape
 
     def sampling(self, max_tokens: int | None, stop_token_ids: tuple[int, ...]) -> SamplingParams:
         """The engine's settings (`RequestError` for a value out of range): OpenAI's defaults (temperature
@@ -98,11 +110,11 @@ class _Sampled(BaseModel):
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=0 if self.top_k in (None, -1) else self.top_k, seed=self.seed, max_tokens=max_tokens,
             stop_token_ids=() if self.ignore_eos else stop_token_ids,
-            stop=tuple([self.stop] if isinstance(self.stop, str) else self.stop or ()))
+            stop=tuple([self.stop] if isinstance(self.stop, str) else self.stop or ()), guide=guide_of(self)[1])
 
     def openai_param(self, param: str | None) -> str | None:
         """The field of this endpoint that an engine's parameter (`RequestError.param`) came from."""
-        return param
+        return guide_of(self)[0] if param == "guide" else param
 
     @property
     def include_usage(self) -> bool:
@@ -155,12 +167,6 @@ class ChatRequest(_Sampled):
     tools: list | None = None
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool | None = None
-    response_format: dict | None = None
-
-    def check_supported(self) -> None:
-        super().check_supported()
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise bad_request("response_format must be text", "response_format")
 
     @property
     def asked_tokens(self) -> int | None:
@@ -173,10 +179,65 @@ class ChatRequest(_Sampled):
             return "messages"
         if param == "max_tokens" and self.max_completion_tokens is not None:
             return "max_completion_tokens"
-        return param
+        if param == "guide" and guide_of(self)[0] is None and self.tools:
+            return "tool_choice"  # the guide of a forced call (`jaxattn.serving.api.tools`)
+        return super().openai_param(param)
 
     def plain_messages(self) -> list[dict]:
         return [{k: v for k, v in m.model_dump().items() if v is not None} for m in self.messages]
+
+
+GUIDE_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+
+
+def guide_of(body: _Sampled) -> tuple[str | None, Guide | None]:
+    """(the field that asked, the `Guide` it asks for), or (None, None); a 400 naming the field for a
+    shape other than OpenAI's or vLLM's, or for two fields at once. `guided_grammar` is GBNF when a
+    line defines a rule with "::=" (llama.cpp's form), else Lark."""
+    given = [name for name in GUIDE_FIELDS if getattr(body, name) is not None
+             and not (name == "response_format" and body.response_format.get("type", "text") == "text")]
+    if len(given) > 1:
+        raise bad_request(f"one of {', '.join(given)} may be given, not several", given[1])
+    if not given:
+        return None, None
+    name = given[0]
+    value = getattr(body, name)
+    if name == "response_format":
+        return name, _response_format(value)
+    if name == "guided_json":
+        schema = json.loads(value) if isinstance(value, str) and _is_json(value) else value
+        if not isinstance(schema, dict):
+            raise bad_request("guided_json must be a JSON schema (an object, or its JSON text)", name)
+        return name, Guide("json_schema", json.dumps(schema))
+    if name == "guided_choice":
+        return name, Guide("choice", json.dumps(value))
+    if name == "guided_grammar":
+        return name, Guide("gbnf" if re.search(r"^\s*[\w.-]+\s*::=", value, re.M) else "lark", value)
+    return name, Guide("regex", value)
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _response_format(value: dict) -> Guide:
+    """OpenAI's `{"type": "json_object"}` or `{"type": "json_schema", "json_schema": {"name", "schema",
+    "strict"}}` as a guide; a 400 for anything else ("text" is no guide and never reaches here)."""
+    kind = value.get("type")
+    if kind == "json_object":
+        return Guide("json_object")
+    if kind != "json_schema":
+        raise bad_request(f"response_format.type must be text, json_object or json_schema, got {kind!r}",
+                          "response_format")
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+        raise bad_request("response_format.json_schema must be an object with a schema (a JSON object)",
+                          "response_format")
+    return Guide("json_schema", json.dumps(spec["schema"]))
 
 
 def parse(model: type[BaseModel], body: Any):

@@ -11,7 +11,8 @@ checked, the tools handed to the chat template, and the constraint that makes a 
   with each function's JSON schema for its arguments: a Lark grammar (llguidance's dialect, each call's
   object a `%json` schema) for a tagged format, a JSON schema for a bare one, so the calls always parse.
   "required" allows several calls with `parallel_tool_calls` (a tagged format only), a named function
-  exactly one.
+  exactly one. A forced call with a structured output (`response_format`, `guided_*`) is a 400: one
+  constraint per answer.
 
 A template whose source never reads `tools` cannot show them to the model: a 400 (param "tools"),
 unless `tool_choice` is "none" (the tools are then left out). With "none" the tools are rendered, as
@@ -29,7 +30,7 @@ import json
 from typing import Any
 
 from jaxattn.hf.chat_template import ChatTemplate
-from jaxattn.serving.api.protocol import ChatRequest, bad_request
+from jaxattn.serving.api.protocol import ChatRequest, bad_request, guide_of
 from jaxattn.serving.api.tool_calls import ToolCallFormat, format_of
 from jaxattn.serving.guides import Guide
 
@@ -64,6 +65,10 @@ def plan(body: ChatRequest, template: ChatTemplate) -> ToolPlan:
     fmt = format_of(template.source)
     if choice == "auto":
         return ToolPlan(render, fmt)
+    field = guide_of(body)[0] if isinstance(body, ChatRequest) else None
+    if field is not None:
+        raise bad_request(f"tool_choice {choice!r} and {field} both constrain the answer: give one of them",
+                          "tool_choice")
     named = [t for t in tools if t["function"]["name"] == choice] if choice != "required" else tools
     several = choice == "required" and body.parallel_tool_calls is not False and fmt.open != ""
     return ToolPlan(render, fmt, call_guide(fmt, [t["function"] for t in named], several=several))
