@@ -1,5 +1,6 @@
 """`python -m train.serve`'s tools, `/tokenize`, `/detokenize` and `/v1/embeddings` on a real server
-process (one for the module), through the official `openai` client where it has the endpoint.
+process (one for the module), through the official `openai` client where it has the endpoint, and
+through the OpenAI Agents SDK and instructor (tools mode).
 
 The tiny random model reads a Hermes-style chat template that takes tools (`TOOLS_TEMPLATE`); its
 embeddings are checked against `DecoderLM.apply` on the same ids, with the same parameters (the
@@ -8,8 +9,10 @@ server's `--random-init` and `--seed`, loaded again here).
 
 import base64
 import json
+from typing import Literal
 
 import jax.numpy as jnp
+import jsonschema
 import numpy as np
 import openai
 import pytest
@@ -24,7 +27,7 @@ from train.models.load import load_model
 from train.models.source import ModelSource
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("train_serve_extras")]
-MAX_LEN = 512
+MAX_LEN = 1024
 # Hermes' layout in the tiny vocabulary's characters: the tools as JSON, calls in <tool_call> tags,
 # results in <tool_response> tags.
 TOOLS_TEMPLATE = (
@@ -178,3 +181,86 @@ def test_auto_answers_parse_alike_whole_and_streamed(client):
     plain = client.chat.completions.create(**{**knobs, "tool_choice": "none"})
     assert whole.choices[0].message.tool_calls is None and whole.choices[0].finish_reason == "length"
     assert streamed == whole.choices[0].message.content == plain.choices[0].message.content
+
+
+# -- forced calls: constrained by the engine's guide ---------------------------------------------
+
+def test_a_named_function_is_always_called_with_arguments_that_validate(client):
+    """The call is constrained to Hermes' format with the function's schema: whole and streamed alike."""
+    knobs = dict(model=MODEL, messages=USER, tools=[PICK], max_tokens=120, temperature=0,
+                 tool_choice={"type": "function", "function": {"name": "pick"}})
+    whole = client.chat.completions.create(**knobs)
+    choice = whole.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [call] = choice.message.tool_calls
+    assert call.function.name == "pick" and call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.function.arguments), PICK["function"]["parameters"])
+    chunks = list(client.chat.completions.create(**knobs, stream=True))
+    deltas = [t for c in chunks if c.choices for t in c.choices[0].delta.tool_calls or []]
+    assert deltas[0].function.name == "pick" and deltas[0].id.startswith("call_")
+    assert "".join(d.function.arguments for d in deltas) == call.function.arguments
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_required_calls_one_of_the_tools_with_seeded_draws(client):
+    other = {"type": "function", "function": {"name": "wait", "parameters": {
+        "type": "object", "properties": {"seconds": {"enum": [1, 2, 3]}}, "required": ["seconds"],
+        "additionalProperties": False}}}
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (PICK, other)}
+    for seed in range(4):
+        answer = client.chat.completions.create(model=MODEL, messages=USER, tools=[PICK, other], max_tokens=120,
+                                                tool_choice="required", parallel_tool_calls=False, seed=seed)
+        [call] = answer.choices[0].message.tool_calls
+        jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+
+
+def test_a_forced_call_with_a_response_format_is_a_400(client):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=MODEL, messages=USER, tools=[PICK], tool_choice="required",
+                                       response_format={"type": "json_object"})
+    assert caught.value.body["param"] == "tool_choice"
+
+
+# -- real clients ----------------------------------------------------------------------------------
+
+def test_the_agents_sdk_calls_a_function_tool(server):
+    """The OpenAI Agents SDK through `OpenAIChatCompletionsModel`: the tool is required on the first turn
+    (a random model would not call it otherwise), the SDK runs it and asks again with its result."""
+    agents = pytest.importorskip("agents")
+    agents.set_tracing_disabled(True)
+    picked = []
+
+    @agents.function_tool
+    def pick(colour: Literal["red", "blue"], bright: bool) -> str:
+        """Pick a colour."""
+        picked.append((colour, bright))
+        return "ok"
+
+    model = agents.OpenAIChatCompletionsModel(model=MODEL, openai_client=openai.AsyncOpenAI(
+        base_url=server.url + "/v1", api_key="none", max_retries=0))
+    agent = agents.Agent(name="picker", instructions="Pick.", tools=[pick], model=model,
+                         model_settings=agents.ModelSettings(tool_choice="required", max_tokens=100, temperature=0))
+    result = agents.Runner.run_sync(agent, "Pick one.", max_turns=3)
+    assert len(picked) == 1 and picked[0][0] in ("red", "blue") and isinstance(picked[0][1], bool)
+    assert isinstance(result.final_output, str)
+    calls = [item for item in result.new_items if item.type == "tool_call_item"]
+    outputs = [item for item in result.new_items if item.type == "tool_call_output_item"]
+    assert len(calls) == 1 and outputs[0].output == "ok"
+
+
+def test_instructor_extracts_a_model_in_tools_mode(client):
+    instructor = pytest.importorskip("instructor")
+    pydantic = pytest.importorskip("pydantic")
+
+    class Colour(pydantic.BaseModel):
+        """A colour."""
+
+        # No further keys (a random model, free to add keys, would write them until max_tokens).
+        model_config = pydantic.ConfigDict(extra="forbid")
+        colour: Literal["red", "blue"]
+        bright: bool
+
+    patched = instructor.from_openai(client, mode=instructor.Mode.TOOLS)
+    colour = patched.chat.completions.create(model=MODEL, response_model=Colour, messages=USER, max_tokens=120,
+                                             max_retries=0)
+    assert isinstance(colour, Colour) and colour.colour in ("red", "blue")
