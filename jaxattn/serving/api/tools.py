@@ -33,9 +33,7 @@ from jaxattn.hf.chat_template import ChatTemplate
 from jaxattn.serving.api.protocol import ChatRequest, bad_request, guide_of
 from jaxattn.serving.api.tool_calls import ToolCallFormat, format_of
 from jaxattn.serving.guides import Guide
-
-# How a forced call's JSON is written: compact, as a template's `tojson` writes it.
-JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+from jaxattn.serving.structured import JSON_OPTIONS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,7 +123,7 @@ def call_guide(fmt: ToolCallFormat, functions: list[dict], *, several: bool) -> 
     """A guide to one call (or, with `several`, one or more) of one of `functions`, written in `fmt`."""
     schemas = [call_schema(fmt, f) for f in functions]
     schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
-    schema = {**schema, "x-guidance": JSON_STYLE}
+    schema = {**schema, "x-guidance": JSON_OPTIONS}  # compact, as structured outputs and `tojson` write JSON
     if fmt.open == "":
         return Guide("json_schema", json.dumps(schema))
     call = f"{json.dumps(fmt.open)} %json {json.dumps(schema)} {json.dumps(fmt.close)}"
