@@ -109,7 +109,8 @@ class GuideCompiler:
         """For a tokenizer that has no tokenizer.json llguidance reads (one token per character): each
         id's bytes (`tokens[id]`) and its text -> ids."""
         eos = [int(t) for t in eos_token_ids]
-        wrapped = _TokenBytes(list(tokens), encode, eos[0] if eos else None)
+        tokens = list(tokens) + [b""] * (vocab_size - len(tokens))  # ids past the tokenizer's: no bytes, never allowed
+        wrapped = _TokenBytes(tokens, encode, eos[0] if eos else None)
         return cls(llguidance.TokenizerWrapper(wrapped), vocab_size, eos, **kwargs)
 
     def start(self, guide: Guide) -> GuideState:
