@@ -113,7 +113,7 @@ class ToolCallParser:
         self.calls = 0          # calls started so far
         self._pending = ""      # text not yet given out
         self._body: _CallBody | None = None  # the call being read (Hermes)
-        self._bare: _BareCalls | None = None  # a bare JSON answer being read
+        self._bare_content: bool | None = None  # a bare format's answer: plain content (True), or maybe calls
 
     def feed(self, text: str) -> list[Event]:
         self._pending += text
@@ -169,22 +169,19 @@ class ToolCallParser:
     # -- a bare JSON answer ------------------------------------------------------------------
 
     def _bare_feed(self) -> list[Event]:
-        if self._bare is None:
+        if self._bare_content is None:
             head = self._pending.lstrip()
             if not head:
                 return []
-            if head[0] not in "{[":
-                self._bare = _BareCalls(content=True)
-            else:
-                self._bare = _BareCalls(content=False)
-        if self._bare.content:
+            self._bare_content = head[0] not in "{["  # only a JSON object or list can be calls
+        if self._bare_content:
             text, self._pending = self._pending, ""
             return [Content(text)]
         return []  # a bare call is judged whole, at the end (it may turn out to be plain JSON content)
 
     def _bare_finish(self) -> list[Event]:
         text, self._pending = self._pending, ""
-        if self._bare is None or self._bare.content:
+        if self._bare_content is None or self._bare_content:
             return [Content(text)] if text else []
         calls = _bare_calls(text)
         if calls is None:
@@ -194,11 +191,6 @@ class ToolCallParser:
             events += [CallStart(index, name), Arguments(index, arguments)]
         self.calls = len(calls)
         return events
-
-
-@dataclasses.dataclass
-class _BareCalls:
-    content: bool
 
 
 def _bare_calls(text: str) -> list[tuple[str, str]] | None:
