@@ -16,6 +16,11 @@ medians of --repeats:
   on the same checkpoint, with per-token timestamps (`record_timestamps=True`); torch threads = the
   cores JAX uses (--threads).
 * `static_generate`: `jaxattn.generate` in padded batches, one after another (greedy).
+* `engine_guided` (asked by name in --runners): the engine with the even requests guided by a JSON
+  schema (structured outputs: an object of one long string, masks filled by llguidance on the host),
+  beside `engine` on the same load; it also reports the host's time per guided row per step. The
+  guides' tokenizer is --guide-tokenizer's (a GGUF file or a tokenizer.json, e.g. SmolLM2's for
+  --model smollm2), else the corpus's characters ($, & and 3 read as {, } and ", which it lacks).
 * `server`: the same engine behind `python -m train.serve`, over HTTP: each request a streamed
   `/v1/completions` from a client in the runner's process (bench/serve_http.py), each token timed as
   its event arrives. The server process is started by the runner and shares its cores.
@@ -65,7 +70,7 @@ from bench.machine import cpu_cores, load_average, write_results  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 SHARED_CORPUS = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
-RUNNER_NAMES = ("engine", "server", "hf_generate_batch", "static_generate")
+RUNNER_NAMES = ("engine", "server", "hf_generate_batch", "static_generate")  # engine_guided: asked by name
 MAX_SEQ_LEN = {"tiny": 128, "baby": 1024, "smollm2": 2048}
 SEED = 0
 
@@ -308,11 +313,45 @@ class Clock:
         return (time.perf_counter() if at is None else at) - self.t0
 
 
-def run_engine(spec: dict) -> dict:
+def guided_schema(min_length: int) -> dict:
+    """The guided runner's schema: an object of one string of at least `min_length` characters (the load's
+    longest output: a guided answer of one character per token runs to its max_tokens, as the unguided do)."""
+    return {"type": "object", "properties": {"text": {"type": "string", "minLength": min_length}},
+            "required": ["text"], "additionalProperties": False}
+
+
+JSON_STAND_INS = {"$": "{", "&": "}", "3": '"'}  # rare characters of Tiny Shakespeare read as JSON's
+
+
+def guide_compiler(spec: dict, vocab_size: int):
+    """The guided runner's `GuideCompiler`: --guide-tokenizer's (a GGUF file's tokenizer or a tokenizer.json),
+    else the corpus's characters (the load's ids), one token each, the model's other ids refused; Tiny
+    Shakespeare has no braces or double quotes, so three of its rarest characters stand for them."""
+    from jaxattn.serving import GuideCompiler
+    path = spec.get("guide_tokenizer")
+    if path is None:
+        text = corpus_path(spec.get("data")).read_text(encoding="utf-8")
+        chars = [JSON_STAND_INS.get(c, c) for c in sorted(set(text))]
+        index = {c: i for i, c in enumerate(chars)}
+        return GuideCompiler.from_token_bytes([c.encode("utf-8") for c in chars],
+                                              lambda text: [index[c] for c in text], vocab_size)
+    if path.endswith(".gguf"):
+        from jaxattn.gguf import GGUFModel
+        tokenizer = GGUFModel.open(path).tokenizer()
+        return GuideCompiler(tokenizer.tokenizer.to_str(), vocab_size, (tokenizer.eos_token_id,))
+    return GuideCompiler(Path(path).read_text(encoding="utf-8"), vocab_size)
+
+
+def run_engine_guided(spec: dict) -> dict:
+    """The engine, every other request (the even ones) guided by a JSON schema (`guided_schema`)."""
+    return run_engine(spec, guided=True)
+
+
+def run_engine(spec: dict, guided: bool = False) -> dict:
     """jaxattn's continuous-batching engine: a loop that adds the requests whose time has come (Poisson)
     or keeps `concurrency` in flight, then runs one `engine.step()`."""
     try:
-        from jaxattn.serving import Engine, EngineConfig, SamplingParams
+        from jaxattn.serving import Engine, EngineConfig, Guide, SamplingParams
     except ImportError as err:
         return {"available": False, "reason": f"jaxattn.serving does not import: {err}"}
     load = load_of(spec)
@@ -321,11 +360,13 @@ def run_engine(spec: dict) -> dict:
     engine_config = EngineConfig(max_seqs=rows_at_once(spec, load), page_size=spec["page_size"],
                                  num_pages=cache_pages(spec, load), token_budget=spec["token_budget"])
     start = time.perf_counter()
-    engine = Engine(params, config, engine_config, kernels=kernels)  # compiles every step program
+    compiler = guide_compiler(spec, config.vocab_size) if guided else None
+    engine = Engine(params, config, engine_config, kernels=kernels, guide_compiler=compiler)  # compiles every step
     compile_s = time.perf_counter() - start
+    guide = Guide("json_schema", json.dumps(guided_schema(max(r.max_tokens for r in load.requests))))
 
-    def sampling(n):
-        return SamplingParams(temperature=0.0, max_tokens=n, seed=0)
+    def sampling(n, i=1):
+        return SamplingParams(temperature=0.0, max_tokens=n, seed=0, guide=guide if guided and i % 2 == 0 else None)
 
     start = time.perf_counter()  # warm-up, untimed: short requests, as many as it holds, through prefill and decode
     for prompt in warmup_prompts(spec, load):
@@ -339,7 +380,8 @@ def run_engine(spec: dict) -> dict:
     arrivals: dict[int, float] = {}
     in_flight: dict[int, object] = {}
     peak = {"reserved_bytes": 0, "used_bytes": 0}
-    pool = None
+    pool, guided_steps = None, 0
+    masks_before = engine.model_runner.mask_seconds, engine.model_runner.masked_rows  # the warm-up's aside
     clock = Clock()
     while pending or engine.has_unfinished():
         now = clock()
@@ -347,11 +389,13 @@ def run_engine(spec: dict) -> dict:
                            else pending[0][1].arrival_s <= now):
             i, request = pending.popleft()
             arrivals[i] = clock() if load.kind == "concurrency" else request.arrival_s
-            added[i] = in_flight[i] = engine.add_request(list(request.prompt), sampling(request.max_tokens))
+            added[i] = in_flight[i] = engine.add_request(list(request.prompt), sampling(request.max_tokens, i))
         if not engine.has_unfinished():
             time.sleep(max(pending[0][1].arrival_s - clock(), 0.0))  # idle until the next arrival
             continue
+        masked = engine.model_runner.masked_rows
         engine.step()
+        guided_steps += engine.model_runner.masked_rows > masked
         memory = engine.memory()
         pool = memory.get("pool_bytes", pool)
         for key in peak:
@@ -365,7 +409,10 @@ def run_engine(spec: dict) -> dict:
                           "output_ids": outputs[i]} for i in range(len(load.requests))],
             "memory": {"pool_bytes": pool, "reserved_peak_bytes": peak["reserved_bytes"],
                        "used_peak_bytes": peak["used_bytes"]},
-            "settings": {**asdict(engine_config), "kernels": kernels.to_dict()}}
+            "settings": {**asdict(engine_config), "kernels": kernels.to_dict()},
+            "guides": {"mask_seconds": engine.model_runner.mask_seconds - masks_before[0],
+                       "masked_rows": engine.model_runner.masked_rows - masks_before[1], "guided_steps": guided_steps,
+                       "steps": engine.stats["steps"]}}
 
 
 def run_static(spec: dict) -> dict:
@@ -550,9 +597,13 @@ def run_server(spec: dict) -> dict:
                                  cache_pages(spec, load), Clock)
 
 
-RUNNERS = {"engine": run_engine, "server": run_server, "hf_generate_batch": run_hf, "static_generate": run_static}
+RUNNERS = {"engine": run_engine, "engine_guided": run_engine_guided, "server": run_server, "hf_generate_batch": run_hf, "static_generate": run_static}
 TIMING_NOTES = {
     "engine": "each token's time is the engine's `time.perf_counter()` when its step returned it",
+    "engine_guided": "as `engine`'s; the even requests guided by a JSON schema (an object of one string of "
+                     "at least the longest output's characters), whose answers may end before their output tokens "
+                     "where a token holds several characters; mask: the host's time filling the guided "
+                     "rows' masks, per guided row and per step that had one",
     "server": "each token's time is when its server-sent event reached the client (the runner's process, on "
               "the same cores as the server); the server started with the engine's settings (`--max-seqs`, "
               "`--page-size`, `--num-pages`, `--token-budget`); compile s: the server's, before it was ready; "
@@ -576,7 +627,9 @@ def child(runner: str, spec_path: str) -> int:
         os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:spec["threads"]])  # before JAX or torch starts
     record = RUNNERS[runner](spec)
     if record["available"]:
-        check_tokens(load_of(spec).requests, [r["output_ids"] for r in record["requests"]], runner)
+        requests = load_of(spec).requests
+        kept = range(1 if runner == "engine_guided" else 0, len(requests), 2 if runner == "engine_guided" else 1)
+        check_tokens([requests[i] for i in kept], [record["requests"][i]["output_ids"] for i in kept], runner)
     print(json.dumps(record), flush=True)
     return 0
 
@@ -627,6 +680,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="where the checkpoints are written once (default: ~/.cache/jaxattn/bench-serve)")
     parser.add_argument("--out", type=Path, default=RESULTS / "serve", help="writes OUT.json and OUT.md")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per runner process")
+    parser.add_argument("--guide-tokenizer", metavar="FILE", help="engine_guided: the guides' tokenizer, a GGUF "
+                        "file's or a tokenizer.json (default: the corpus's characters, the load's ids)")
     parser.add_argument("--runner", choices=tuple(RUNNERS), help=argparse.SUPPRESS)
     parser.add_argument("--spec", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)  # a bad flag: argparse's usage and one error line, status 2
@@ -687,14 +742,15 @@ def measure_load(load: Load, args, checkpoint: Path, scratch: Path, unavailable:
     """Every runner on one load, --repeats times in turns; medians and each repeat's figures."""
     spec = {"checkpoint": str(checkpoint), "threads": args.threads, "max_seqs": args.max_seqs,
             "page_size": args.page_size, "token_budget": args.token_budget, "static_round": args.static_round,
-            "kernels": args.kernels, "paged": args.paged, "hf_attn": args.hf_attn,
+            "kernels": args.kernels, "paged": args.paged, "hf_attn": args.hf_attn, "data": args.data,
+            "guide_tokenizer": args.guide_tokenizer,
             "max_model_len": args.prompt_range[1] + args.output_range[1],
             "load": {"kind": load.kind, "concurrency": load.concurrency, "rate": load.rate,
                      "requests": [asdict(r) for r in load.requests]}}
     spec_path = scratch / f"spec-{load.kind}-{load.concurrency or load.rate}.json"
     spec_path.write_text(json.dumps(spec))
     runs = {name: [] for name in args.runners}
-    failures, settings, memory, compile_s, same = {}, {}, {}, {}, {}
+    failures, settings, memory, compile_s, same, guides = {}, {}, {}, {}, {}, {}
     load_before = load_average()
     for repeat in range(args.repeats):
         order = args.runners if repeat % 2 == 0 else args.runners[::-1]
@@ -715,6 +771,8 @@ def measure_load(load: Load, args, checkpoint: Path, scratch: Path, unavailable:
             runs[name].append(metrics(record))
             settings[name] = record.get("settings")
             memory.setdefault(name, []).append(record["memory"])
+            if "guides" in record and record["guides"]["masked_rows"]:
+                guides.setdefault(name, []).append(record["guides"])
             compile_s.setdefault(name, []).append(record.get("compile_s"))
         for name, count in agreement(records, args.runners).items():
             same.setdefault(name, []).append(count)
@@ -732,6 +790,11 @@ def measure_load(load: Load, args, checkpoint: Path, scratch: Path, unavailable:
                        memory={key: max((m[key] for m in peaks if m.get(key) is not None), default=None)
                                for key in ("pool_bytes", "reserved_peak_bytes", "used_peak_bytes")},
                        same_tokens_as_reference=min(same.get(name, [0])), requests=len(load.requests))
+            if name in guides:
+                g = guides[name]
+                row["mask"] = {"per_row_s": median([r["mask_seconds"] / r["masked_rows"] for r in g]),
+                               "per_guided_step_s": median([r["mask_seconds"] / r["guided_steps"] for r in g]),
+                               "rows_per_guided_step": median([r["masked_rows"] / r["guided_steps"] for r in g])}
         rows.append(row)
         if "median" in row:
             print(json.dumps({k: row[k] for k in ("load", "runner", "median", "memory")}), flush=True)
@@ -791,6 +854,14 @@ def markdown(record: dict) -> str:
                          f"| {fmt(m['ttft_p99_s'], 1e3, ',.1f')} | {fmt(m['itl_p50_s'], 1e3, ',.2f')} "
                          f"| {fmt(m['itl_p99_s'], 1e3, ',.2f')} | {cache} | {fmt(row['compile_s'], 1, ',.1f')} "
                          f"| {row['same_tokens_as_reference']} of {row['requests']} |")
+    for load in record["loads"]:
+        for row in load["rows"]:
+            if "mask" in row:
+                mask = row["mask"]
+                lines += ["", f"{row['load']}, {row['runner']}: the host filled the guided rows' masks in "
+                              f"{mask['per_row_s'] * 1e6:,.0f} us per row, {mask['per_guided_step_s'] * 1e3:,.2f} ms per "
+                              f"step with guided rows ({mask['rows_per_guided_step']:.1f} guided rows a step); "
+                              f"{row['median']['output_tokens']:,} output tokens (the guided may end early)."]
     lines += ["", "How each runner's times are taken:", ""]
     lines += [f"* `{name}`: {TIMING_NOTES[name]}." for name in meta["runners"]]
     loads = [f"{load['load']} {load['load_average']}" for load in record["loads"] if load["load_average"] is not None]

@@ -8,7 +8,8 @@
          -d '{"model": "baby", "prompt": "ROMEO:", "max_tokens": 64, "temperature": 0.8}'
 
 Endpoints: `POST /v1/completions` and `/v1/chat/completions` (streamed as server-sent events with
-`"stream": true`), `GET /v1/models`, `GET /health` (200 once ready, 503 while draining),
+`"stream": true`; chat takes `tools`), `POST /v1/embeddings`, `POST /tokenize` and `/detokenize`
+(vLLM's), `GET /v1/models`, `GET /health` (200 once ready, 503 while draining),
 `GET /metrics` (Prometheus text) and `GET /`, a chat page. docs/serving.md has the knobs, the
 metrics and the memory arithmetic.
 
@@ -36,14 +37,17 @@ from jaxattn import Kernels, axes, prepare_weights, resolve_kernels
 from jaxattn.cache.containers import KV_CACHES
 from jaxattn.hf.chat_template import ChatTemplate, ChatTemplateError
 from jaxattn.hf.tokenizer import HFTokenizer
-from jaxattn.serving import Engine, EngineConfig
+from jaxattn.serving import Embedder, Engine, EngineConfig
 from jaxattn.serving.api.app import Limits, ServedModel, create_app
 from jaxattn.serving.api.metrics import ServerMetrics
 from jaxattn.serving.api.runner import EngineRunner
 from jaxattn.serving.api.server import DrainingServer, listen_socket  # a ListenError is an OSError: exit 1
+from jaxattn.serving.embedding import POOLINGS
+from jaxattn.serving.structured import GuideCompiler
 from train.checkpoints.store import CheckpointError
 from train.cli import ArgumentParser, UsageError, guard
 from train.data.errors import DataError
+from train.data.tokenizer import CharTokenizer, to_hf_tokenizer
 from train.models.load import device_mesh, load_model, quant_line, read_chat
 from train.models.source import SourceFlags
 
@@ -84,6 +88,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "requests may take to finish before they are cancelled (default 30)")
     parser.add_argument("--max-body", type=int, default=4 * 2**20, metavar="BYTES", help="the largest request "
                         "body; more gets a 413 (default 4 MiB)")
+    parser.add_argument("--embedding-pooling", choices=POOLINGS, default="last", help="/v1/embeddings: the last "
+                        "token's final state (vLLM's default for a decoder) or the mean of every token's (default last)")
     parser.add_argument("--mesh", help="serve on a device mesh, e.g. tensor:2 (product = device count)")
     parser.add_argument("--cpu-devices", type=int, metavar="N", help="make N host devices on a CPU for --mesh")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
@@ -121,17 +127,36 @@ def chat_template(args, tokenizer) -> ChatTemplate | None:
         raise ServeError(f"the chat template: {err}") from None
 
 
-def served_model(args, tokenizer, max_model_len: int) -> ServedModel:
+def served_model(args, tokenizer, max_model_len: int, vocab_size: int) -> ServedModel:
     if isinstance(tokenizer, HFTokenizer):  # a BOS where the tokenizer adds one, for a completion's prompt
         def encode(text, special):
             return tokenizer.encode(text, add_special_tokens=special)
+
+        def decode(ids):  # special tokens kept, as vLLM's /detokenize keeps them
+            return tokenizer.decode(ids, skip_special_tokens=False)
     else:
         def encode(text, special):
             return [int(t) for t in tokenizer.encode(text)]
+
+        def decode(ids):
+            return tokenizer.decode(ids)
     eos = getattr(tokenizer, "eos_token_id", None)
     return ServedModel(name=model_name(args), encode=encode, max_model_len=max_model_len,
                        stop_token_ids=() if eos is None else (int(eos),),
-                       chat_template=chat_template(args, tokenizer))
+                       chat_template=chat_template(args, tokenizer), decode=decode, vocab_size=vocab_size)
+
+
+def guide_compiler(tokenizer, vocab_size: int) -> GuideCompiler:
+    """Structured outputs for the model's tokenizer: llguidance reads a tokenizer.json (a transformers or
+    GGUF tokenizer, a run's BPE or bytes); a run's characters are given to it as each id's bytes."""
+    eos = getattr(tokenizer, "eos_token_id", None)
+    eos = () if eos is None else (int(eos),)
+    if isinstance(tokenizer, HFTokenizer):
+        return GuideCompiler(tokenizer.tokenizer.to_str(), vocab_size, eos)
+    if isinstance(tokenizer, CharTokenizer):
+        return GuideCompiler.from_token_bytes([c.encode("utf-8") for c in tokenizer.chars],
+                                              lambda text: tokenizer.encode(text).tolist(), vocab_size, eos)
+    return GuideCompiler(to_hf_tokenizer(tokenizer).to_str(), vocab_size, eos)
 
 
 def build_engine(args, params, config, tokenizer, kernels, mesh) -> tuple[Engine, float]:
@@ -152,7 +177,7 @@ def build_engine(args, params, config, tokenizer, kernels, mesh) -> tuple[Engine
     started = time.perf_counter()
     try:
         engine = Engine(params, config, engine_config, kernels=kernels, mesh=mesh, detokenize=detokenize,
-                        seed=args.seed, progress=progress)
+                        seed=args.seed, progress=progress, guide_compiler=guide_compiler(tokenizer, config.vocab_size))
     except ValueError as err:
         raise UsageError(str(err)) from err
     finally:
@@ -179,7 +204,10 @@ def run(argv=None) -> int:
         params = prepare_weights(params, kernels)  # e.g. quantized weights in the native kernel's panels
         started = time.perf_counter()
         engine, compile_seconds = build_engine(args, params, config, tokenizer, kernels, mesh)
-        served = served_model(args, tokenizer, engine.max_model_len)
+        served = served_model(args, tokenizer, engine.max_model_len, config.vocab_size)
+        embedder = Embedder(engine.params, engine.config, kernels=engine.kernels, max_len=engine.max_model_len,
+                            pooling=args.embedding_pooling)
+        served.embed = lambda ids, normalize: embedder.embed(ids, normalize=normalize)
         metrics = ServerMetrics(engine)
         runner = EngineRunner(engine, on_step=metrics.on_step, on_tokens=metrics.on_tokens)
         app = create_app(runner, served, metrics, Limits(api_key=args.api_key, max_body_bytes=args.max_body))

@@ -37,6 +37,7 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 import jinja2.nodes
 import jinja2.utils
 import numpy as np
@@ -182,6 +183,11 @@ class ChatTemplate:
         self.source = source
         self.special_tokens = tokens
         self._compiled = _compile(source)
+        self._variables = jinja2.meta.find_undeclared_variables(_environment().parse(source))
+
+    def reads(self, name: str) -> bool:
+        """Whether the template reads the variable `name` (`tools`, `documents`, ...) from its caller."""
+        return name in self._variables
 
     @classmethod
     def from_directory(cls, directory: str | Path) -> ChatTemplate | None:

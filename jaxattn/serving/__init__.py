@@ -13,13 +13,17 @@ The engine, in parts that each do one job (vLLM V1's split):
 * `ModelRunner` (`jaxattn.serving.model_runner`): placed parameters and pools, a step's arrays, the run;
 * `jaxattn.serving.step`: the compiled step programs, one per shape bucket;
 * `Guide` (`jaxattn.serving.guides`): what a request's output must match (a schema, a regex, a grammar);
+* `GuideCompiler` (`jaxattn.serving.structured`): guides compiled by llguidance for the model's
+  tokenizer, each guided row's mask of allowed tokens;
 * `SamplingParams`, `Request` (`jaxattn.serving.requests`): what a caller asks and gets;
-* `TextStream` (`jaxattn.serving.text`): streamed text in whole characters, stop strings.
+* `TextStream` (`jaxattn.serving.text`): streamed text in whole characters, stop strings;
+* `Embedder` (`jaxattn.serving.embedding`): a text's embedding, the decoder's last state pooled.
 
 Beside the engine, `jaxattn.serving.api` is its OpenAI-compatible HTTP server (FastAPI), which
 `python -m train.serve` runs; it is not imported here, so the engine needs no web framework.
 """
 
+from jaxattn.serving.embedding import Embedder
 from jaxattn.serving.engine import Engine
 from jaxattn.serving.engine_config import EngineConfig
 from jaxattn.serving.guides import Guide
@@ -29,9 +33,10 @@ from jaxattn.serving.pages import PageAllocator, page_keys
 from jaxattn.serving.requests import Request, SamplingParams, Status
 from jaxattn.serving.scheduler import QueueFull, Scheduler, SchedulerOutput
 from jaxattn.serving.step import StepShape
+from jaxattn.serving.structured import GuideCompiler
 from jaxattn.serving.text import TextStream
 from jaxattn.serving.validation import RequestError, RequestLimits
 
-__all__ = ["Engine", "EngineConfig", "Guide", "KVCacheManager", "ModelRunner", "PageAllocator", "QueueFull", "Request",
-           "RequestError", "RequestLimits", "SamplingParams", "Scheduler", "SchedulerOutput", "Status", "StepShape",
-           "TextStream", "page_keys"]
+__all__ = ["Embedder", "Engine", "EngineConfig", "Guide", "GuideCompiler", "KVCacheManager", "ModelRunner",
+           "PageAllocator", "QueueFull", "Request", "RequestError", "RequestLimits", "SamplingParams", "Scheduler",
+           "SchedulerOutput", "Status", "StepShape", "TextStream", "page_keys"]

@@ -21,12 +21,15 @@ module with one job (vLLM V1's split, read for its shape):
 One `step()` is `schedule()`, `execute()`, `update()`. Greedy tokens are those of `jaxattn.generate`
 on each prompt alone, whatever else runs (docs/theory.md §25).
 
-Where the next features land (each part's docstring says how): a grammar's logit mask in the model
-runner (built per drawn row, applied before the draw; the scheduler advances each grammar by the token
-drawn); several decode steps per program call in the model runner (one program, k steps; the
-scheduler and the KV-cache manager reserve k tokens' pages); many LoRA adapters per step in the model
-runner (stacked adapters, each row's index among the step's inputs; validation checks the adapter
-named, the scheduler bounds the adapters a step holds).
+A guided request (`SamplingParams.guide`) is compiled here (`jaxattn.serving.structured`); the model
+runner fills each guided row's mask of allowed tokens on the host and the step program applies it
+before the draw; the scheduler advances the guide by each token drawn and ends the request when the
+guide is complete.
+
+Where the next features land (each part's docstring says how): several decode steps per program call
+in the model runner (one program, k steps; the scheduler and the KV-cache manager reserve k tokens'
+pages); many LoRA adapters per step in the model runner (stacked adapters, each row's index among the
+step's inputs; validation checks the adapter named, the scheduler bounds the adapters a step holds).
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from jaxattn.serving.kv_cache_manager import KVCacheManager, local_window, pool_
 from jaxattn.serving.model_runner import ModelRunner
 from jaxattn.serving.requests import Request, SamplingParams
 from jaxattn.serving.scheduler import Scheduler
+from jaxattn.serving.structured import GuideCompiler
 
 class Engine:
     """Continuous batching over a paged KV cache (see the module docstring).
@@ -61,6 +65,8 @@ class Engine:
       detokenize: ids -> text, for streamed text and stop strings (None: tokens only).
       seed: the generator of seeds for requests that give none.
       progress: called `(done, total, shape)` as each step program compiles.
+      guide_compiler: compiles requests' guides for the model's tokenizer and fills their masks
+        (`jaxattn.serving.structured.GuideCompiler`); None: a guided request is refused.
 
     Attributes:
       scheduler, kv_cache_manager, model_runner: the parts; `stats` their counters (steps, tokens,
@@ -70,7 +76,7 @@ class Engine:
     def __init__(self, params, config: ModelConfig, engine_config: EngineConfig = EngineConfig(), *,
                  kernels: Kernels = Kernels(), mesh: Mesh | None = None,
                  detokenize: Callable[[list[int]], str] | None = None, seed: int = 0,
-                 progress: Callable | None = None):
+                 progress: Callable | None = None, guide_compiler: GuideCompiler | None = None):
         if not isinstance(config, ModelConfig):
             raise TypeError(f"config must be a ModelConfig, got {type(config).__name__}")
         if not isinstance(engine_config, EngineConfig):
@@ -84,9 +90,12 @@ class Engine:
                                                window=local_window(config), stats=self.stats)
         self.scheduler = Scheduler(ec, self.kv_cache_manager, self.max_model_len, self.stats)
         self.model_runner = ModelRunner(params, config, ec, num_pages=num_pages, max_model_len=self.max_model_len,
-                                        kernels=kernels, mesh=mesh, progress=progress)
+                                        kernels=kernels, mesh=mesh, progress=progress,
+                                        guide_compiler=guide_compiler)
+        self.guide_compiler = guide_compiler
         self.limits = validation.RequestLimits(config.vocab_size, self.max_model_len, num_pages, ec.page_size,
-                                               detokenizer=detokenize is not None)
+                                               detokenizer=detokenize is not None,
+                                               guides=guide_compiler is not None)
         self._rng = np.random.default_rng(seed)
 
     # -- requests -----------------------------------------------------------------------------
@@ -96,16 +105,19 @@ class Engine:
 
         `validation.RequestError` (a ValueError naming the parameter) for an empty prompt, ids outside
         the vocabulary, a prompt plus `max_tokens` longer than `max_model_len` or the pool, or stop
-        strings without a detokenizer; `scheduler.QueueFull` past `EngineConfig.max_waiting`.
+        strings without a detokenizer, a guide that does not compile (param "guide");
+        `scheduler.QueueFull` past `EngineConfig.max_waiting`.
         """
         if not isinstance(sampling, SamplingParams):
             raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
         ids, max_tokens = validation.check_request(prompt_ids, sampling, self.limits)
         self.scheduler.check_room()
+        guide_state = None if sampling.guide is None else self.guide_compiler.start(sampling.guide)
         if max_tokens != sampling.max_tokens:  # None: the rest of the context, now known
             sampling = dataclasses.replace(sampling, max_tokens=max_tokens)
         seed = int(self._rng.integers(2**31)) if sampling.seed is None else sampling.seed % 2**31
         request = Request(ids, sampling, seed, self.detokenize)
+        request.guide_state = guide_state
         self.scheduler.add(request)
         return request
 

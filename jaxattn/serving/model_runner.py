@@ -10,13 +10,17 @@ layout of `jaxattn.serving.step.StepInputs` and `jaxattn.cache.containers.PagedB
 
 It reads the requests' page bookkeeping and never writes it (the KV-cache manager's).
 
-vLLM V1's GPUModelRunner is the model (read for its shape). What lands here next: a grammar's logit
-mask, built per drawn row into the step's inputs and applied before the draw (`step.draw`); several
+A guided row (a request with a guide, drawing this step) gets its mask of allowed tokens filled on the
+host (`fill_guides`, through `jaxattn.serving.structured`), applied in the step program before the draw.
+
+vLLM V1's GPUModelRunner is the model (read for its shape). What lands here next: several
 decode steps per program call (a program that loops k decode steps on the device); many LoRA adapters
 per step (the adapters' weights stacked once here, each row's adapter index in the step's inputs).
 """
 
 from __future__ import annotations
+
+import time
 
 import flax.linen as nn
 import jax
@@ -32,6 +36,7 @@ from jaxattn.scan_plan import relayout
 from jaxattn.serving.engine_config import EngineConfig
 from jaxattn.serving.requests import Request
 from jaxattn.serving.scheduler import SchedulerOutput
+from jaxattn.serving.structured import GuideCompiler
 from jaxattn.serving.step import StepInputs, StepPrograms, StepShape
 
 
@@ -66,15 +71,21 @@ class ModelRunner:
       kernels: which implementations run the model.
       mesh: a device mesh: parameters laid out by `jaxattn.axes.RULES`, the pools split over kv heads.
       progress: called `(done, total, shape)` as each step program compiles.
+      guide_compiler: fills the masks of guided rows (`jaxattn.serving.structured`); None: no guides.
+
+    Attributes:
+      mask_seconds, masked_rows: host time spent filling guided rows' masks, and the rows filled.
     """
 
     def __init__(self, params, config: ModelConfig, engine_config: EngineConfig, *, num_pages: int,
-                 max_model_len: int, kernels: Kernels = Kernels(), mesh: Mesh | None = None, progress=None):
+                 max_model_len: int, kernels: Kernels = Kernels(), mesh: Mesh | None = None, progress=None,
+                 guide_compiler: GuideCompiler | None = None):
         # A paged step runs its layers unrolled: a scan would copy each layer's pool out of the stack
         # and back on every step (`jaxattn.scan_plan`), so stacked parameters are unstacked once here.
         params, config = relayout(nn.unbox(params), config, scan_layers=False)
         ec = engine_config
         self.config, self.kernels, self.page_size = config, kernels, ec.page_size
+        self.guide_compiler, self.mask_seconds, self.masked_rows = guide_compiler, 0.0, 0
         self.pages_per_seq = -(-max_model_len // ec.page_size)
         self.num_slots = num_pages * ec.page_size
         self._buckets, self._prefill_shapes, self._chunk = ec.buckets(), ec.prefill_shapes(), ec.chunk
@@ -111,7 +122,8 @@ class ModelRunner:
 
     def inputs(self, shape: StepShape, output: SchedulerOutput) -> StepInputs:
         """The step's host arrays: flat tokens, positions and slots, the rows' groups, the draws' knobs."""
-        inputs = StepInputs.empty(shape, self.pages_per_seq, self.num_slots)
+        inputs = StepInputs.empty(shape, self.pages_per_seq, self.num_slots, self.config.vocab_size)
+        guided = []  # (request, its logit row) of the rows drawn under a guide
         groups = iter(inputs.batch.groups)
         decode_group = next(groups) if shape.decode_rows else None
         prefill_group = next(groups, None)
@@ -133,4 +145,18 @@ class ModelRunner:
             knobs.temperature[draw], knobs.top_k[draw], knobs.top_p[draw] = (
                 sampling.temperature, sampling.top_k, sampling.top_p)
             knobs.seed[draw], knobs.position[draw] = request.seed, request.num_tokens  # the drawn token's position
+            if request.guide_state is not None and start + count == request.num_tokens:  # a draw it takes
+                guided.append((request, draw))
+        self.fill_guides(inputs, guided)
         return inputs
+
+    def fill_guides(self, inputs: StepInputs, guided: list[tuple[Request, int]]) -> None:
+        """Each guided row's mask of allowed tokens (its guide's next step), filled on the host in one
+        parallel call, and the row marked guided; the other rows' masks stay all ones."""
+        if not guided:
+            return
+        started = time.perf_counter()
+        self.guide_compiler.fill_masks([(request.guide_state, row) for request, row in guided], inputs.knobs.mask)
+        inputs.knobs.guided[[row for _, row in guided]] = True
+        self.mask_seconds += time.perf_counter() - started
+        self.masked_rows += len(guided)

@@ -62,8 +62,8 @@ class Request:
 
     What streams out: `output_ids` grows by one token per step that draws for it, with
     `token_times` (`time.perf_counter()` per token); `take_new()` returns the tokens (and text,
-    with a detokenizer) since the last call. `finished` and `finish_reason` ("stop", "length" or
-    "cancelled") say when and why it ended.
+    with a detokenizer) since the last call. `finished` and `finish_reason` ("stop", "length",
+    "error" or "cancelled") say when and why it ended; a guided request stops when its guide is complete.
     """
 
     def __init__(self, prompt_ids: tuple[int, ...], sampling: SamplingParams, seed: int,
@@ -78,6 +78,9 @@ class Request:
         self.text = TextStream(detokenize, sampling.stop) if detokenize is not None else None
         self.num_preemptions = 0
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache (last admission)
+        # Its guide's state (`jaxattn.serving.structured.GuideState`), set by the engine for a guided
+        # request: the model runner reads its mask, the scheduler advances it by each token drawn.
+        self.guide_state = None
         self._taken = 0
         # The KV-cache manager's bookkeeping (`jaxattn.serving.kv_cache_manager`, its only writer): pages
         # held (block table; -1 for pages given back past a window), tokens whose keys and values are in

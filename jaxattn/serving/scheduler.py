@@ -12,6 +12,9 @@ arrays; `Scheduler.update(...)` takes the tokens the step drew and moves each re
   and the rest of the budget goes to prompt chunks (at most `prefill_rows` rows of `chunk` tokens, one
   prompt taking several rows if it is alone): a long prompt is computed over several steps, mixed with
   the others' decoding, and never stalls them.
+* Guides: `update` advances a guided request's guide by each token drawn (its mask is the model
+  runner's) and ends the request ("stop") once the guide is complete. A preempted request keeps its
+  guide's state: its tokens are recomputed, never drawn again.
 * Preemption by recompute: when a decoding sequence needs a page and none can be had, the newest
   running request gives its pages back and waits at the head of the queue; readmitted, it computes its
   prompt and what it had drawn as one longer prompt, and goes on. Greedy tokens stay those of
@@ -19,8 +22,7 @@ arrays; `Scheduler.update(...)` takes the tokens the step drew and moves each re
 
 vLLM V1's Scheduler is the model (read for its shape). What lands here next: several decode steps per
 program call (`schedule` asks for the pages of k tokens per decoding row; `update` takes k tokens a row,
-cut at the first that ends the request); a grammar's state per request, advanced in `update` by each
-token drawn (its logit mask is the model runner's); and at most so many LoRA adapters per step
+cut at the first that ends the request); and at most so many LoRA adapters per step
 (`schedule` admits by the adapters already in the step).
 """
 
@@ -219,10 +221,14 @@ class Scheduler:
         request.token_times.append(now)
         self.stats["generated_tokens"] += 1
         sampling = request.sampling
+        # The guide sees every token drawn from its mask, and none from a row with nothing to draw from.
+        guide_end = request.guide_state.advance(token) if request.guide_state is not None and finite else None
         if token in sampling.stop_token_ids:  # its text (an end-of-sequence marker) is not the output's
             self._end(request, "stop")
         elif request.text is not None and request.text.add(token):
             self._end(request, "stop")
+        elif guide_end is not None:  # "stop": the guide is complete; "error": it refused the token
+            self._end(request, guide_end)
         elif len(request.output_ids) >= sampling.max_tokens or request.num_tokens >= self.max_model_len:
             self._end(request, "length")
         elif not finite:

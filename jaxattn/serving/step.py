@@ -59,6 +59,8 @@ class DrawKnobs:
     top_p: jax.Array
     seed: jax.Array  # int32
     position: jax.Array  # int32, the drawn token's position in its sequence
+    guided: jax.Array  # bool, the row's tokens are constrained by `mask`
+    mask: jax.Array  # [M, ceil(V/32)] int32: bit i % 32 of word i // 32 set = token i allowed (guided rows)
 
 
 @flax.struct.dataclass
@@ -70,8 +72,8 @@ class StepInputs:
     knobs: DrawKnobs
 
     @staticmethod
-    def empty(shape: StepShape, pages_per_seq: int, num_slots: int) -> "StepInputs":
-        """Host arrays of a step of padding only (nothing written, nothing visible)."""
+    def empty(shape: StepShape, pages_per_seq: int, num_slots: int, vocab_size: int) -> "StepInputs":
+        """Host arrays of a step of padding only (nothing written, nothing visible, nothing guided)."""
         Tf, M = shape.num_tokens, shape.num_draws
         groups = tuple(RowGroup(positions=np.full((rows, width), -1, np.int32),
                                 block_table=np.zeros((rows, pages_per_seq), np.int32))
@@ -79,7 +81,8 @@ class StepInputs:
         batch = PagedBatch(positions=np.zeros(Tf, np.int32), slots=np.full(Tf, num_slots, np.int32),
                            groups=groups, logit_tokens=np.zeros(M, np.int32))
         knobs = DrawKnobs(temperature=np.zeros(M, np.float32), top_k=np.zeros(M, np.int32),
-                          top_p=np.ones(M, np.float32), seed=np.zeros(M, np.int32), position=np.zeros(M, np.int32))
+                          top_p=np.ones(M, np.float32), seed=np.zeros(M, np.int32), position=np.zeros(M, np.int32),
+                          guided=np.zeros(M, bool), mask=np.full((M, -(-vocab_size // 32)), -1, np.int32))
         return StepInputs(tokens=np.zeros(Tf, np.int32), batch=batch, knobs=knobs)
 
 
@@ -105,9 +108,23 @@ def draw(logits, knobs: DrawKnobs):
     return jax.lax.cond(jnp.any(knobs.temperature > 0), sampled, lambda _: greedy, logits)
 
 
+def apply_masks(logits, knobs: DrawKnobs):
+    """`[M, V]` logits with each guided row's refused tokens at -inf (`knobs.mask`, one bit per token);
+    the unpacking runs only when some row is guided."""
+
+    def masked(logits):
+        M, V = logits.shape
+        bits = (knobs.mask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)[None, None, :]) & 1  # [M, W, 32]
+        allowed = bits.reshape(M, -1)[:, :V].astype(bool) | ~knobs.guided[:, None]
+        return jnp.where(allowed, logits, -jnp.inf)
+
+    return jax.lax.cond(jnp.any(knobs.guided), masked, lambda x: x, logits)
+
+
 def _step(params, pools, inputs: StepInputs, *, model: DecoderLM):
     logits, pools = model.apply({"params": params}, inputs.tokens, pools, inputs.batch,
                                 method=DecoderLM.extend_paged)
+    logits = apply_masks(logits, inputs.knobs)  # a guided row with nothing allowed is not finite below
     finite = jnp.isfinite(jnp.max(logits, axis=-1))  # [M]: NaN, +inf or all -inf means nothing to draw from
     return pools, draw(logits, inputs.knobs), finite
 
@@ -122,7 +139,7 @@ class StepPrograms:
         step = jax.jit(functools.partial(_step, model=DecoderLM(config, kernels)), donate_argnums=(1,))
         self.programs = {}
         for i, shape in enumerate(sorted(shapes)):
-            inputs = place(StepInputs.empty(shape, pages_per_seq, num_slots))
+            inputs = place(StepInputs.empty(shape, pages_per_seq, num_slots, config.vocab_size))
             self.programs[shape] = step.lower(params, pools, inputs).compile()
             if progress is not None:
                 progress(i + 1, len(shapes), shape)

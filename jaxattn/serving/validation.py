@@ -47,6 +47,7 @@ class RequestLimits:
       max_model_len: the longest prompt + output.
       num_pages, page_size: the pool; one sequence must fit in it whole.
       detokenizer: the engine turns ids into text (stop strings need it).
+      guides: the engine compiles guides (it knows its tokenizer's vocabulary).
     """
 
     vocab_size: int
@@ -54,6 +55,7 @@ class RequestLimits:
     num_pages: int
     page_size: int
     detokenizer: bool
+    guides: bool = False
 
 
 # -- the sampling fields, alone --------------------------------------------------------------
@@ -122,14 +124,17 @@ def _max_tokens(prompt: int, asked: int | None, limits: RequestLimits) -> int:
 def check_request(prompt_ids, sampling, limits: RequestLimits) -> tuple[tuple[int, ...], int]:
     """A request against an engine: `(prompt ids as a tuple of ints, max_tokens)`, max_tokens resolved
     (None: the rest of the context). RequestError for an empty prompt, ids outside the vocabulary, a
-    prompt plus max_tokens past `max_model_len` or the pool, stop strings without a detokenizer, or
-    stop token ids outside the vocabulary. `sampling` was checked when it was built (`check_sampling`)."""
+    prompt plus max_tokens past `max_model_len` or the pool, stop strings without a detokenizer, a guide
+    without a guide compiler, or stop token ids outside the vocabulary (a guide's own text is checked
+    when it compiles: `jaxattn.serving.structured`, also a RequestError). `sampling` was checked when it
+    was built (`check_sampling`)."""
     ids = _prompt_ids(prompt_ids, limits.vocab_size)
     max_tokens = _max_tokens(len(ids), sampling.max_tokens, limits)
     if sampling.stop and not limits.detokenizer:
         raise RequestError("stop strings need the engine's detokenizer (Engine(..., detokenize=...))", param="stop")
-    if sampling.guide is not None:  # until the engine compiles guides (jaxattn.serving.structured)
-        raise RequestError("this engine does not constrain outputs yet (guide)", param="guide")
+    if sampling.guide is not None and not limits.guides:
+        raise RequestError("this engine cannot constrain outputs: it was built without its tokenizer's "
+                           "vocabulary (Engine(..., guide_compiler=...))", param="guide")
     bad = [t for t in sampling.stop_token_ids if not 0 <= t < limits.vocab_size]
     if bad:
         raise RequestError(f"stop_token_ids must be in [0, vocab_size={limits.vocab_size}), got {bad}",

@@ -107,3 +107,22 @@ class ServerProcess:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def tiny_bpe_server_args(directory: Path) -> list[str]:
+    """A tiny random Llama saved as a transformers directory under `directory` with a byte-level BPE
+    tokenizer whose tokens span several characters (`structured_cases.bpe_tokenizer`, `<eos>` its end of
+    sequence), and the chat template above; the arguments that serve it as `MODEL`."""
+    import jaxattn
+    from jaxattn import hf
+    from structured_cases import bpe_tokenizer
+    from tiny_models import drawn_params
+
+    directory.mkdir(parents=True, exist_ok=True)
+    config = jaxattn.ModelConfig(vocab_size=320, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                                 mlp_hidden=64, max_seq_len=512, positions="rope", norm="rmsnorm", mlp="swiglu",
+                                 tie_embeddings=False)
+    hf.save_pretrained(directory / MODEL, config, drawn_params(config, seed=3, std=0.4), bpe_tokenizer(320),
+                       eos_token_id=0)
+    (directory / "chat.jinja").write_text(TEMPLATE)
+    return ["--hf", str(directory / MODEL), "--chat-template", str(directory / "chat.jinja")]

@@ -199,7 +199,7 @@ def test_an_unknown_model_or_route_is_a_404(server, client):
     with pytest.raises(openai.NotFoundError) as caught:
         client.completions.create(model="gpt-4", prompt="a", max_tokens=1)
     assert caught.value.body["param"] == "model"
-    status, answer = http(server, "/v1/embeddings", method="POST", body=b"{}")
+    status, answer = http(server, "/v1/audio/speech", method="POST", body=b"{}")
     assert status == 404 and "no route" in answer["error"]["message"]
 
 

@@ -10,6 +10,10 @@ does not import it, so the engine alone needs no web framework.
 * `runner`: the engine on a thread of its own, and what crosses to the event loop (`Ticket`, `Update`);
 * `state`: what the routes read (`ApiState`: the runner, the `ServedModel`, the metrics, the `Limits`);
 * `handlers`: the routes, plain functions over that state;
+* `tools`: a chat's `tools` and `tool_choice` read, rendered and, when a call is forced, constrained;
+* `tool_calls`: the formats templates write tool calls in, and the parser that reads them back;
+* `tokens`: `/tokenize` and `/detokenize` (vLLM's extensions);
+* `embeddings`: `/v1/embeddings` over the decoder's last hidden state;
 * `app`: `create_app`, the routes with their error answers and middleware;
 * `metrics`: `GET /metrics` in Prometheus text;
 * `server`: the listening socket and uvicorn draining on a signal;

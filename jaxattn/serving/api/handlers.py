@@ -11,6 +11,7 @@ cancelled: its row and pages are free at the engine's next step.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from pathlib import Path
 from typing import AsyncIterator, Callable
@@ -20,11 +21,12 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 
 from jaxattn.hf.chat_template import ChatTemplateError
 from jaxattn.serving import validation
-from jaxattn.serving.api import protocol
+from jaxattn.serving.api import protocol, tools
 from jaxattn.serving.api.metrics import CONTENT_TYPE
 from jaxattn.serving.api.protocol import Answer, APIError, bad_request
 from jaxattn.serving.api.runner import Draining, Ticket, Update
 from jaxattn.serving.api.state import ApiState
+from jaxattn.serving.guides import Guide
 from jaxattn.serving.scheduler import QueueFull
 
 CHAT_PAGE = Path(__file__).with_name("chat.html")
@@ -81,19 +83,29 @@ async def completions(request: Request) -> Response:
 
 async def chat(request: Request) -> Response:
     state = state_of(request)
-    served = state.served
     body = protocol.parse(protocol.ChatRequest, await read_json(request, state.limits.max_body_bytes))
     check_model(state, body.model)
+    text, tool_plan = render_chat(state, body)
+    ids = encode(state, text, special=False, param="messages")
+    return await answer(request, Answer("chat", state.served.name, tool_plan.parse), body, ids, body.asked_tokens,
+                        guide=tool_plan.guide)
+
+
+def render_chat(state: ApiState, body, *, add_generation_prompt: bool = True) -> tuple[str, tools.ToolPlan]:
+    """The messages (and tools) rendered by the model's chat template, and what the tools ask; a 400 where
+    the model has no template, or the template or the tools refuse the request."""
+    served = state.served
     if served.chat_template is None:
         raise bad_request(f"the model {served.name!r} has no chat template (chat_template.jinja, or "
                           "tokenizer_config.json's chat_template; --chat-template FILE gives one): use "
                           "/v1/completions", "messages", code="no_chat_template")
+    tool_plan = tools.plan(body, served.chat_template)
     try:
-        text = served.chat_template.render(body.plain_messages(), add_generation_prompt=True)
+        text = served.chat_template.render(tools.messages(body), add_generation_prompt=add_generation_prompt,
+                                           **tool_plan.render)
     except ChatTemplateError as err:
         raise bad_request(str(err), "messages") from None
-    ids = encode(state, text, special=False, param="messages")
-    return await answer(request, Answer("chat", served.name), body, ids, body.asked_tokens)
+    return text, tool_plan
 
 
 ROUTES: tuple[tuple[str, str, Callable], ...] = (
@@ -115,12 +127,14 @@ def encode(state: ApiState, text: str, *, special: bool, param: str) -> list[int
         raise bad_request(f"{param} cannot be encoded: {err}", param) from None
 
 
-async def admitted(request: Request, body, ids: list[int], asked: int | None) -> Ticket:
+async def admitted(request: Request, body, ids: list[int], asked: int | None, guide: Guide | None = None) -> Ticket:
     """The request in the engine, or the error it was refused with: RequestError a 400 naming the
-    endpoint's field, QueueFull a 429, a drain a 503."""
+    endpoint's field, QueueFull a 429, a drain a 503. `guide`: what a forced tool call must match."""
     state = state_of(request)
     try:
         sampling = body.sampling(asked, state.served.stop_token_ids)
+        if guide is not None:
+            sampling = dataclasses.replace(sampling, guide=guide)
         ticket = state.runner.submit(request.state.tag, ids, sampling)
         await ticket.admitted()
     except validation.RequestError as err:
@@ -132,9 +146,10 @@ async def admitted(request: Request, body, ids: list[int], asked: int | None) ->
     return ticket
 
 
-async def answer(request: Request, shape: Answer, body, ids: list[int], asked: int | None) -> Response:
+async def answer(request: Request, shape: Answer, body, ids: list[int], asked: int | None,
+                 guide: Guide | None = None) -> Response:
     """Admits the request, then streams its answer or collects it whole."""
-    ticket = await admitted(request, body, ids, asked)
+    ticket = await admitted(request, body, ids, asked, guide)
     if body.stream:
         runner = state_of(request).runner
         return CancellingStream(stream(runner, ticket, shape, len(ids), body.include_usage),
@@ -188,8 +203,8 @@ async def stream(runner, ticket: Ticket, shape: Answer, prompt_tokens: int,
         while True:
             update = await ticket.next()
             count += len(update.tokens)
-            if update.text:
-                yield sse(shape.chunk(update.text))
+            for chunk in shape.text_chunks(update.text):
+                yield sse(chunk)
             if update.finish_reason is not None:
                 break
         try:
@@ -198,7 +213,8 @@ async def stream(runner, ticket: Ticket, shape: Answer, prompt_tokens: int,
             yield sse(err.body())
             yield "data: [DONE]\n\n"
             return
-        yield sse(shape.chunk(None, update.finish_reason))
+        for chunk in shape.last_chunks(update.finish_reason):
+            yield sse(chunk)
         if include_usage:
             yield sse(shape.usage_chunk(protocol.usage(prompt_tokens, count)))
         yield "data: [DONE]\n\n"

@@ -3,8 +3,13 @@
 Requests are parsed by pydantic models that take the fields `/v1/completions` and
 `/v1/chat/completions` define, into their types only, ignore fields that change nothing here
 (`user`, `metadata`, `store`, ...), and refuse with a 400 naming the parameter what would change the
-answer and is not supported (`n` > 1, `logprobs`, `best_of`, penalties, `tools`, `response_format`
-other than text). `top_k` (0 or -1 = off) and `ignore_eos` are extensions, as in vLLM. Whether the
+answer and is not supported (`n` > 1, `logprobs`, `best_of`, penalties). `top_k` (0 or -1 = off) and
+`ignore_eos` are extensions, as in vLLM. Structured outputs, on both endpoints as in vLLM:
+`response_format` (json_object, json_schema) and vLLM's `guided_json`, `guided_regex`, `guided_choice`
+and `guided_grammar` (Lark or GBNF) become `SamplingParams.guide` (`guide_of`); a guide that does not
+compile is the engine's 400, named by the field it came from. `tools` are read by
+`jaxattn.serving.api.tools`; an answer whose tool calls are parsed (`Answer(..., tools=FORMAT)`)
+carries them as `message.tool_calls`, or streams them as `delta.tool_calls`, in OpenAI's shapes. Whether the
 values are in range, and fit the model, is `jaxattn.serving.validation`'s to say (its `RequestError`
 names the engine's parameter; `openai_param` names the endpoint's).
 
@@ -14,6 +19,8 @@ Errors are `APIError`s, answered as OpenAI answers them, `{"error": {"message", 
 
 from __future__ import annotations
 
+import json
+import re
 import time
 import uuid
 from typing import Any, Literal
@@ -21,7 +28,9 @@ from typing import Any, Literal
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 
-from jaxattn.serving import SamplingParams
+from jaxattn.serving import Guide, SamplingParams
+from jaxattn.serving.api import tool_calls
+from jaxattn.serving.api.tool_calls import ToolCallFormat, ToolCallParser
 
 
 class APIError(Exception):
@@ -71,6 +80,12 @@ class _Sampled(BaseModel):
     frequency_penalty: float = 0.0
     logit_bias: dict | None = None
     ignore_eos: bool = False  # an extension (vLLM's): the end-of-sequence token does not end the answer
+    # Structured outputs: OpenAI's response_format, or one of vLLM's extensions (`structured.guide_of`).
+    response_format: dict | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def check_supported(self) -> None:
         """A 400 naming the first field that asks for something this server does not do."""
@@ -85,6 +100,7 @@ class _Sampled(BaseModel):
             raise bad_request("logit_bias is not supported", "logit_bias")
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed with stream: true", "stream_options")
+        guide_of(self)  # a 400 now for a guide field of the wrong shape
 
     def sampling(self, max_tokens: int | None, stop_token_ids: tuple[int, ...]) -> SamplingParams:
         """The engine's settings (`RequestError` for a value out of range): OpenAI's defaults (temperature
@@ -94,11 +110,11 @@ class _Sampled(BaseModel):
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=0 if self.top_k in (None, -1) else self.top_k, seed=self.seed, max_tokens=max_tokens,
             stop_token_ids=() if self.ignore_eos else stop_token_ids,
-            stop=tuple([self.stop] if isinstance(self.stop, str) else self.stop or ()))
+            stop=tuple([self.stop] if isinstance(self.stop, str) else self.stop or ()), guide=guide_of(self)[1])
 
     def openai_param(self, param: str | None) -> str | None:
         """The field of this endpoint that an engine's parameter (`RequestError.param`) came from."""
-        return param
+        return guide_of(self)[0] if param == "guide" else param
 
     @property
     def include_usage(self) -> bool:
@@ -149,14 +165,8 @@ class ChatRequest(_Sampled):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     tools: list | None = None
-    response_format: dict | None = None
-
-    def check_supported(self) -> None:
-        super().check_supported()
-        if self.tools:
-            raise bad_request("tools are not supported", "tools")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise bad_request("response_format must be text", "response_format")
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
 
     @property
     def asked_tokens(self) -> int | None:
@@ -169,10 +179,65 @@ class ChatRequest(_Sampled):
             return "messages"
         if param == "max_tokens" and self.max_completion_tokens is not None:
             return "max_completion_tokens"
-        return param
+        if param == "guide" and guide_of(self)[0] is None and self.tools:
+            return "tool_choice"  # the guide of a forced call (`jaxattn.serving.api.tools`)
+        return super().openai_param(param)
 
     def plain_messages(self) -> list[dict]:
         return [{k: v for k, v in m.model_dump().items() if v is not None} for m in self.messages]
+
+
+GUIDE_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+
+
+def guide_of(body: _Sampled) -> tuple[str | None, Guide | None]:
+    """(the field that asked, the `Guide` it asks for), or (None, None); a 400 naming the field for a
+    shape other than OpenAI's or vLLM's, or for two fields at once. `guided_grammar` is GBNF when a
+    line defines a rule with "::=" (llama.cpp's form), else Lark."""
+    given = [name for name in GUIDE_FIELDS if getattr(body, name) is not None
+             and not (name == "response_format" and body.response_format.get("type", "text") == "text")]
+    if len(given) > 1:
+        raise bad_request(f"one of {', '.join(given)} may be given, not several", given[1])
+    if not given:
+        return None, None
+    name = given[0]
+    value = getattr(body, name)
+    if name == "response_format":
+        return name, _response_format(value)
+    if name == "guided_json":
+        schema = json.loads(value) if isinstance(value, str) and _is_json(value) else value
+        if not isinstance(schema, dict):
+            raise bad_request("guided_json must be a JSON schema (an object, or its JSON text)", name)
+        return name, Guide("json_schema", json.dumps(schema))
+    if name == "guided_choice":
+        return name, Guide("choice", json.dumps(value))
+    if name == "guided_grammar":
+        return name, Guide("gbnf" if re.search(r"^\s*[\w.-]+\s*::=", value, re.M) else "lark", value)
+    return name, Guide("regex", value)
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _response_format(value: dict) -> Guide:
+    """OpenAI's `{"type": "json_object"}` or `{"type": "json_schema", "json_schema": {"name", "schema",
+    "strict"}}` as a guide; a 400 for anything else ("text" is no guide and never reaches here)."""
+    kind = value.get("type")
+    if kind == "json_object":
+        return Guide("json_object")
+    if kind != "json_schema":
+        raise bad_request(f"response_format.type must be text, json_object or json_schema, got {kind!r}",
+                          "response_format")
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+        raise bad_request("response_format.json_schema must be an object with a schema (a JSON object)",
+                          "response_format")
+    return Guide("json_schema", json.dumps(spec["schema"]))
 
 
 def parse(model: type[BaseModel], body: Any):
@@ -204,12 +269,15 @@ Kind = Literal["completion", "chat"]
 
 
 class Answer:
-    """The answer to one request, whole or as stream chunks, in its endpoint's shapes."""
+    """The answer to one request, whole or as stream chunks, in its endpoint's shapes; with `tools` (a chat
+    whose tool calls are parsed, in that format) its calls as `tool_calls` and finish reason "tool_calls"."""
 
-    def __init__(self, kind: Kind, model: str):
-        self.kind, self.model = kind, model
+    def __init__(self, kind: Kind, model: str, tools: ToolCallFormat | None = None):
+        self.kind, self.model, self.tools = kind, model, tools
         self.id = new_id("cmpl" if kind == "completion" else "chatcmpl")
         self.created = int(time.time())
+        self._parser = None if tools is None else ToolCallParser(tools)
+        self._call_ids: list[str] = []
 
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
@@ -218,8 +286,15 @@ class Answer:
         if self.kind == "completion":
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
             return {**self._head("text_completion"), "choices": [choice], "usage": use}
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                  "finish_reason": finish_reason}
+        message = {"role": "assistant", "content": text}
+        if self.tools is not None:
+            content, calls = tool_calls.parse_whole(self.tools, text)
+            message["content"] = content or None
+            if calls:
+                message["tool_calls"] = [{"id": new_call_id(), "type": "function",
+                                          "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
+                finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
         return {**self._head("chat.completion"), "choices": [choice], "usage": use}
 
     def chunk(self, text: str | None, finish_reason: str | None = None, *, role: bool = False) -> dict:
@@ -228,9 +303,40 @@ class Answer:
             choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
             return {**self._head("text_completion"), "choices": [choice]}
         delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
+        return self._delta(delta, finish_reason)
+
+    def _delta(self, delta: dict, finish_reason: str | None = None) -> dict:
         choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
         return {**self._head("chat.completion.chunk"), "choices": [choice]}
+
+    def text_chunks(self, text: str) -> list[dict]:
+        """The chunks of a piece of streamed text: itself, or with tools the content and call deltas in it."""
+        if self._parser is None:
+            return [self.chunk(text)] if text else []
+        return [self._event_chunk(e) for e in self._parser.feed(text)]
+
+    def last_chunks(self, finish_reason: str) -> list[dict]:
+        """The chunks that end a stream: what the tool-call parser held back, then the finish reason."""
+        chunks = [] if self._parser is None else [self._event_chunk(e) for e in self._parser.finish()]
+        if self._parser is not None and self._parser.calls and finish_reason == "stop":
+            finish_reason = "tool_calls"
+        return chunks + [self.chunk(None, finish_reason)]
+
+    def _event_chunk(self, event: tool_calls.Event) -> dict:
+        if isinstance(event, tool_calls.Content):
+            return self._delta({"content": event.text})
+        if isinstance(event, tool_calls.CallStart):
+            self._call_ids.append(new_call_id())
+            call = {"index": event.index, "id": self._call_ids[-1], "type": "function",
+                    "function": {"name": event.name, "arguments": ""}}
+        else:
+            call = {"index": event.index, "function": {"arguments": event.text}}
+        return self._delta({"tool_calls": [call]})
 
     def usage_chunk(self, use: dict) -> dict:
         obj = "text_completion" if self.kind == "completion" else "chat.completion.chunk"
         return {**self._head(obj), "choices": [], "usage": use}
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"

@@ -10,6 +10,8 @@ HTTP handlers only ever touch tickets.
   `jaxattn.serving.validation.RequestError` (a 400) or `jaxattn.serving.scheduler.QueueFull` (a 429,
   more than `EngineConfig.max_waiting` requests waiting): the engine decides both.
 * `cancel(ticket)`: the request ends at the next step (a client that went away).
+* `call(fn)`: runs `fn()` on the engine's thread between two steps (work that uses the device beside
+  the engine, e.g. an embedding) and returns a future of its result.
 * `drain()`: refuse new requests (`Draining`, a 503); `cancel_all()` ends what is left.
 * A step that raises is logged with the ids of the requests it held; those requests end with an
   error (a 500) and the thread goes on serving the requests that come next.
@@ -112,6 +114,14 @@ class EngineRunner:
         if not ticket.ended:
             self._send(("cancel", ticket))
 
+    def call(self, fn: Callable[[], object]) -> concurrent.futures.Future:
+        """A future of `fn()`, run on the engine's thread between two steps (`Draining` once draining)."""
+        if self.draining:
+            raise Draining("the server is shutting down")
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._send(("call", (fn, future)))
+        return future
+
     def drain(self) -> None:
         """New requests are refused from now on."""
         self.draining = True
@@ -152,9 +162,18 @@ class EngineRunner:
                 self._add(ticket)
             elif command == "cancel" and ticket.request is not None:
                 self.engine.cancel(ticket.request)
+            elif command == "call":
+                self._call(*ticket)
             elif command == "cancel_all":
                 for held in list(self._tickets.values()):
                     self.engine.cancel(held.request)
+
+    @staticmethod
+    def _call(fn: Callable[[], object], future: concurrent.futures.Future) -> None:
+        try:
+            future.set_result(fn())
+        except Exception as err:  # noqa: BLE001: the caller's to answer (a ValueError a 400, the rest a 500)
+            future.set_exception(err)
 
     def _add(self, ticket: Ticket) -> None:
         if self.draining:

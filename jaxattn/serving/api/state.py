@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
+import numpy as np
+
 from jaxattn.hf.chat_template import ChatTemplate
 from jaxattn.serving.api.metrics import ServerMetrics
 from jaxattn.serving.api.runner import EngineRunner
@@ -22,6 +24,11 @@ class ServedModel:
       max_model_len: the longest prompt + output (the model card's; the engine checks it).
       stop_token_ids: the end-of-sequence ids that end every request.
       chat_template: None: chat is refused with a 400 (completions still work).
+      decode: ids -> text, special tokens kept (`/detokenize`; ValueError for ids it cannot decode);
+        None: `/detokenize` answers 404.
+      vocab_size: the model's vocabulary (ids at or past it are refused); None: unchecked here.
+      embed: `embed(ids, normalize)` -> the text's float32 embedding (`jaxattn.serving.embedding.Embedder`),
+        run on the engine's thread; None: `/v1/embeddings` answers 404.
     """
 
     name: str
@@ -29,6 +36,9 @@ class ServedModel:
     max_model_len: int
     stop_token_ids: tuple[int, ...] = ()
     chat_template: ChatTemplate | None = None
+    decode: Callable[[list[int]], str] | None = None
+    vocab_size: int | None = None
+    embed: Callable[[list[int], bool], np.ndarray] | None = None
 
 
 @dataclasses.dataclass
