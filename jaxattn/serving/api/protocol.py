@@ -3,8 +3,11 @@
 Requests are parsed by pydantic models that take the fields `/v1/completions` and
 `/v1/chat/completions` define, into their types only, ignore fields that change nothing here
 (`user`, `metadata`, `store`, ...), and refuse with a 400 naming the parameter what would change the
-answer and is not supported (`n` > 1, `logprobs`, `best_of`, penalties, `tools`, `response_format`
-other than text). `top_k` (0 or -1 = off) and `ignore_eos` are extensions, as in vLLM. Whether the
+answer and is not supported (`n` > 1, `best_of`, penalties, `tools`, `response_format` other than
+text). Log-probabilities: a completion's `logprobs: k` and `echo` (the prompt's text first and, with
+`logprobs`, its tokens' log-probabilities: the engine's `prompt_logprobs`; with `max_tokens: 0` only
+scored), a chat's `logprobs: true` with `top_logprobs: k` (`top_logprobs` alone is a 400, as OpenAI
+answers); their shapes are `jaxattn.serving.api.logprobs`'. `top_k` (0 or -1 = off) and `ignore_eos` are extensions, as in vLLM. Whether the
 values are in range, and fit the model, is `jaxattn.serving.validation`'s to say (its `RequestError`
 names the engine's parameter; `openai_param` names the endpoint's).
 
@@ -19,7 +22,7 @@ import uuid
 from typing import Any, Literal
 
 import pydantic
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 from jaxattn.serving import SamplingParams
 
@@ -66,7 +69,6 @@ class _Sampled(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = 1
-    logprobs: Any = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict | None = None
@@ -76,8 +78,6 @@ class _Sampled(BaseModel):
         """A 400 naming the first field that asks for something this server does not do."""
         if self.n != 1:
             raise bad_request(f"n must be 1 (one choice per request), got {self.n}", "n")
-        if self.logprobs not in (None, False, 0):
-            raise bad_request("logprobs are not supported", "logprobs")
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name) != 0:
                 raise bad_request(f"{name} is not supported (0 only)", name)
@@ -94,7 +94,17 @@ class _Sampled(BaseModel):
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=0 if self.top_k in (None, -1) else self.top_k, seed=self.seed, max_tokens=max_tokens,
             stop_token_ids=() if self.ignore_eos else stop_token_ids,
-            stop=tuple([self.stop] if isinstance(self.stop, str) else self.stop or ()))
+            stop=tuple([self.stop] if isinstance(self.stop, str) else self.stop or ()),
+            **self.logprob_settings(max_tokens))
+
+    def logprob_settings(self, max_tokens: int | None) -> dict:
+        """The engine's `logprobs` and `prompt_logprobs` this request asks for."""
+        return {}
+
+    @property
+    def wants_logprobs(self) -> bool:
+        """The answer carries log-probabilities."""
+        return False
 
     def openai_param(self, param: str | None) -> str | None:
         """The field of this endpoint that an engine's parameter (`RequestError.param`) came from."""
@@ -110,13 +120,24 @@ class CompletionRequest(_Sampled):
 
     prompt: str | list[int] | list[str] | list[list[int]]
     echo: bool = False
+    logprobs: StrictInt | None = None
     best_of: int | None = None
     suffix: str | None = None
 
+    def logprob_settings(self, max_tokens: int | None) -> dict:
+        """`logprobs` k: the drawn tokens' top k; with `echo`, the prompt's too (and with `max_tokens` 0 and no
+        `logprobs`, the prompt is only scored, so that the engine draws nothing)."""
+        prompt = self.logprobs if self.echo else None
+        if self.echo and prompt is None and max_tokens == 0:
+            prompt = 0
+        return {"logprobs": self.logprobs, "prompt_logprobs": prompt}
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.logprobs is not None
+
     def check_supported(self) -> None:
         super().check_supported()
-        if self.echo:
-            raise bad_request("echo is not supported", "echo")
         if self.best_of not in (None, 1):
             raise bad_request("best_of must be 1", "best_of")
         if self.suffix:
@@ -148,11 +169,22 @@ class ChatRequest(_Sampled):
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
+    logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = None
     tools: list | None = None
     response_format: dict | None = None
 
+    def logprob_settings(self, max_tokens: int | None) -> dict:
+        return {"logprobs": (self.top_logprobs or 0) if self.logprobs else None}
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return bool(self.logprobs)
+
     def check_supported(self) -> None:
         super().check_supported()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
         if self.tools:
             raise bad_request("tools are not supported", "tools")
         if self.response_format and self.response_format.get("type", "text") != "text":
@@ -169,6 +201,8 @@ class ChatRequest(_Sampled):
             return "messages"
         if param == "max_tokens" and self.max_completion_tokens is not None:
             return "max_completion_tokens"
+        if param == "logprobs":  # the engine's top k is this endpoint's top_logprobs
+            return "top_logprobs"
         return param
 
     def plain_messages(self) -> list[dict]:
@@ -214,21 +248,24 @@ class Answer:
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def whole(self, text: str, finish_reason: str, use: dict) -> dict:
+    def whole(self, text: str, finish_reason: str, use: dict, logprobs: dict | None = None) -> dict:
+        """The whole answer; `logprobs` the choice's (`jaxattn.serving.api.logprobs`), or None."""
         if self.kind == "completion":
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
             return {**self._head("text_completion"), "choices": [choice], "usage": use}
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                   "finish_reason": finish_reason}
         return {**self._head("chat.completion"), "choices": [choice], "usage": use}
 
-    def chunk(self, text: str | None, finish_reason: str | None = None, *, role: bool = False) -> dict:
-        """One stream chunk: new text, or the last one's finish reason (chat: the first carries the role)."""
+    def chunk(self, text: str | None, finish_reason: str | None = None, *, role: bool = False,
+              logprobs: dict | None = None) -> dict:
+        """One stream chunk: new text (and its tokens' `logprobs`), or the last one's finish reason (chat:
+        the first carries the role)."""
         if self.kind == "completion":
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
             return {**self._head("text_completion"), "choices": [choice]}
         delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         return {**self._head("chat.completion.chunk"), "choices": [choice]}
 
     def usage_chunk(self, use: dict) -> dict:
