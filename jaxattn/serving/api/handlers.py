@@ -144,7 +144,7 @@ class Output:
     with a completion's `echo`, the prompt's text (`echo`, else None) and ids."""
 
     def __init__(self, body, runner, kind: str, ids: list[int], echo: str | None):
-        detokenize = runner.engine.detokenize
+        detokenize = runner.engine.detokenize if body.wants_logprobs or echo is not None else None
         self.writer = LogprobsWriter(kind, detokenize) if body.wants_logprobs else None
         self.ids = ids
         self.echo = None if echo is None else (echo or (detokenize(ids) if detokenize is not None else ""))
