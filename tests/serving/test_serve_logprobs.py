@@ -182,3 +182,86 @@ def test_bad_values_are_400s_naming_the_field(client, endpoint, knobs, param):
             client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2,
                                            **knobs)
     assert caught.value.body["param"] == param, caught.value.body
+
+
+# -- lm-evaluation-harness ---------------------------------------------------------------------
+
+TASKS = {
+    "tiny_choice": """task: tiny_choice
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{question}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: answer
+metric_list:
+  - metric: acc
+""",
+    "tiny_say": """task: tiny_say
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: generate_until
+doc_to_text: "{{{{question}}}}"
+doc_to_target: answer
+generation_kwargs:
+  until: ["\\n"]
+  do_sample: false
+  max_gen_toks: 8
+metric_list:
+  - metric: exact_match
+""",
+}
+
+
+def write_tasks(directory, client) -> None:
+    """Two tasks and their JSON-lines data under `directory`. Half of tiny_say's answers are the model's own
+    greedy answers (asked of the server here), so that its exact match is neither 0 nor 1."""
+    choice = [{"question": f"Which letter follows {c}?", "choices": [chr(ord(c) + 1), chr(ord(c) + 2), "zz", c],
+               "answer": i % 4} for i, c in enumerate("abcdefgh")]
+    say = [{"question": f"Say {word}:"} for word in ("hi", "yes", "no", "ok", "abc", "x")]
+    for i, doc in enumerate(say):
+        greedy = client.completions.create(model=MODEL, prompt=doc["question"], max_tokens=8, temperature=0,
+                                           stop=["\n"]).choices[0].text
+        doc["answer"] = greedy if i % 2 == 0 else "not this"
+    for name, docs in (("tiny_choice", choice), ("tiny_say", say)):
+        data = directory / f"{name}.jsonl"
+        data.write_text("".join(json.dumps(doc) + "\n" for doc in docs))
+        (directory / f"{name}.yaml").write_text(TASKS[name].format(data=data))
+
+
+def test_lm_eval_through_the_server_equals_its_hf_backend(saved, server, client, tmp_path, monkeypatch):
+    """lm-eval's `local-completions` (echo with logprobs for the log-likelihoods, greedy completions with
+    stop strings for the generations) scores as its `hf` backend does on the same transformers directory."""
+    lm_eval = pytest.importorskip("lm_eval")
+    from lm_eval.tasks import TaskManager
+    from lm_eval.utils import make_table
+
+    for name in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.setenv(name, "1")
+    write_tasks(tmp_path, client)
+    directory = saved[0]
+    runs = {"local-completions": f"model={MODEL},base_url={server.url}/v1/completions,tokenizer_backend=huggingface,"
+                                 f"tokenizer={directory},num_concurrent=1,max_retries=1",
+            "hf": f"pretrained={directory},dtype=float32,device=cpu"}
+    results = {model: lm_eval.simple_evaluate(model=model, model_args=args, tasks=list(TASKS), log_samples=True,
+                                              task_manager=TaskManager(include_path=str(tmp_path)), batch_size=1)
+               for model, args in runs.items()}
+    for model, result in results.items():
+        print(f"\n{model}\n{make_table(result)}")
+    served, hf = results["local-completions"], results["hf"]
+    for task, metric in (("tiny_choice", "acc,none"), ("tiny_say", "exact_match,none")):
+        assert served["results"][task][metric] == hf["results"][task][metric]
+    assert hf["results"]["tiny_say"]["exact_match,none"] == 0.5
+    served_choice, hf_choice = (sorted(r["samples"]["tiny_choice"], key=lambda s: s["doc_id"]) for r in (served, hf))
+    loglikelihoods = [[[ll for ll, _ in s["filtered_resps"]] for s in samples] for samples in (served_choice, hf_choice)]
+    print("largest log-likelihood difference:", np.abs(np.subtract(*loglikelihoods)).max())
+    np.testing.assert_allclose(*loglikelihoods, atol=1e-5)
+    generations = [[s["filtered_resps"] for s in sorted(r["samples"]["tiny_say"], key=lambda s: s["doc_id"])]
+                   for r in (served, hf)]
+    assert generations[0] == generations[1]
