@@ -1,7 +1,9 @@
 """Who runs in a step, and what happens to each request after it: admission, the queue, the budget.
 
 `Scheduler.schedule()` returns a `SchedulerOutput`, plain data the model runner turns into a step's
-arrays; `Scheduler.update(...)` takes the tokens the step drew and moves each request on.
+arrays; `Scheduler.update(...)` takes the tokens the step drew (and the log-probabilities the rows
+asked for) and moves each request on. A request that only scores its prompt (`max_tokens` 0, with
+`prompt_logprobs`) ends once its prompt is computed, drawing nothing.
 
 * First come, first served: a waiting request is admitted, in arrival order, once a row is free (at
   most `max_seqs` running) and the KV-cache manager can have the pages its tokens need; a request
