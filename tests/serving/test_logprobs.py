@@ -59,21 +59,24 @@ def test_output_logprobs_are_the_models_log_softmax(engine, knobs):
     assert plain.output_logprobs == [] and plain.output_top_logprobs == [] and plain.prompt_logprobs == []
 
 
-def test_prompt_logprobs_over_chunks_and_steps(engine):
-    """A prompt of 27 tokens (chunks of 8 over two steps) beside a decoding row: each token's
-    log-probability given those before it (the first None), and its top 3."""
+@pytest.mark.parametrize("length", [27, 4])
+def test_prompt_logprobs_over_chunks_and_steps(engine, length):
+    """A prompt of 27 tokens (chunks of 8 over two steps) or of 4 (the short prefill shape, one row of 4)
+    beside a decoding row: each token's log-probability given those before it (the first None), and its
+    top 3."""
     engine.add_request(prompt(2, 5), SamplingParams(max_tokens=12, temperature=0.0))
     engine.step()
-    ids = prompt(3, 27)
+    ids = prompt(3, length)
     request = engine.add_request(ids, SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=3, logprobs=0))
     engine.run()
     expected = reference(ids + request.output_ids)
     assert request.prompt_logprobs[0] is None and request.prompt_top_logprobs[0] is None
-    np.testing.assert_allclose(request.prompt_logprobs[1:], expected[np.arange(26), ids[1:]], atol=1e-5)
+    assert len(request.prompt_logprobs) == length
+    np.testing.assert_allclose(request.prompt_logprobs[1:], expected[np.arange(length - 1), ids[1:]], atol=1e-5)
     for top, row in zip(request.prompt_top_logprobs[1:], expected):
         check_top(top, row, 3)
     assert request.output_top_logprobs == [(), ()]  # logprobs 0: the drawn token's alone
-    np.testing.assert_allclose(request.output_logprobs, expected[[26, 27], request.output_ids], atol=1e-5)
+    np.testing.assert_allclose(request.output_logprobs, expected[[length - 1, length], request.output_ids], atol=1e-5)
 
 
 def test_max_tokens_zero_only_scores_even_on_a_cached_prefix(engine):
