@@ -81,13 +81,13 @@ class Status(enum.Enum):
 class Request:
     """One request: its prompt, its draws so far, and its place in the engine.
 
-    What streams out: `output_ids` grows by one token per step that draws for it, with
-    `token_times` (`time.perf_counter()` per token); `take_new()` returns the tokens (and text,
-    with a detokenizer) since the last call. With `sampling.logprobs`, `output_logprobs` (a plain
-    float per output token) and `output_top_logprobs` (its k most likely `(id, logprob)`) grow with
-    them; with `sampling.prompt_logprobs`, `prompt_logprobs` and `prompt_top_logprobs` hold one entry
-    per prompt token (None for the first), complete once the prompt is computed. `finished` and `finish_reason` ("stop", "length" or
-    "cancelled") say when and why it ended.
+    What streams out: `output_ids` grows by one token per step that draws for it, with `token_times`
+    (`time.perf_counter()` per token); `take_new()` returns the tokens (and text, with a detokenizer)
+    since the last call. With `sampling.logprobs`, `output_logprobs` (a plain float per output token)
+    and `output_top_logprobs` (its k most likely `(id, logprob)`) grow with them; with
+    `sampling.prompt_logprobs`, `prompt_logprobs` and `prompt_top_logprobs` hold one entry per prompt
+    token (None for the first), complete once the prompt is computed. `finished` and `finish_reason`
+    ("stop", "length" or "cancelled") say when and why it ended.
     """
 
     def __init__(self, prompt_ids: tuple[int, ...], sampling: SamplingParams, seed: int,

@@ -15,7 +15,7 @@ Log-probabilities, for the rows that ask (`LogprobKnobs`): the drawn token's and
 there (prompt log-probabilities: the head then runs on every prefill token, one row of `chunk`
 tokens at a time). Both are the model's raw log-softmax in float32, before temperature or any
 filter; each runs under a `jax.lax.cond` on "some row asks", so a step where none asks computes
-neither, and they are read back to the host only when asked (`StepOutputs.logprobs`).
+neither, and they stay on the device for whoever reads them (`StepPrograms.__call__`).
 
 Shapes are static per bucket (`StepShape`); `StepInputs.empty` is a step of padding alone, used
 to compile every bucket at start-up (`StepPrograms`), so no request ever waits for a compile.
@@ -155,21 +155,25 @@ def _zeros(shape: tuple, k: int):
 def step_logprobs(head, hidden, logits, tokens, knobs: LogprobKnobs) -> Logprobs:
     """The log-probabilities the rows ask for (`LogprobKnobs`), each group under its own `lax.cond`.
 
-    `head` maps `[T, D]` hidden states to `[T, V]` float32 logits; `hidden` `[Tf, D]` is the step's (its prefill rows last);
-    `logits` `[M, V]` the drawn rows', `tokens` `[M]` their draws. Prompt log-probabilities run the head
-    over one prefill row of `chunk` tokens at a time (`lax.map`): its logits, not all rows', are live."""
+    `head` maps `[T, D]` hidden states to `[T, V]` float32 logits; `hidden` `[Tf, D]` is the step's
+    (its prefill rows last); `logits` `[M, V]` the drawn rows', `tokens` `[M]` their draws. Prompt
+    log-probabilities run the head over one prefill row of `chunk` tokens at a time (`lax.map`, and
+    only on the rows that ask): one row's `[chunk, V]` logits are live, not all rows'."""
     k = min(MAX_LOGPROBS, logits.shape[-1])
     drawn = jax.lax.cond(jnp.any(knobs.drawn), lambda: scored(jax.nn.log_softmax(logits), tokens, k),
                          lambda: _zeros(tokens.shape, k))
     rows, chunk = knobs.prompt_targets.shape
     if rows == 0:
-        prompt = _zeros((0, chunk), k)
-    else:
-        prefill = hidden[hidden.shape[0] - rows * chunk:].reshape(rows, chunk, hidden.shape[-1])
-        per_row = lambda args: scored(jax.nn.log_softmax(head(args[0])), args[1], k)  # noqa: E731
-        prompt = jax.lax.cond(jnp.any(knobs.prompt_targets >= 0),
-                              lambda: jax.lax.map(per_row, (prefill, knobs.prompt_targets)),
-                              lambda: _zeros((rows, chunk), k))
+        return Logprobs(*drawn, *_zeros((0, chunk), k))
+    prefill = hidden[hidden.shape[0] - rows * chunk:].reshape(rows, chunk, hidden.shape[-1])
+
+    def row(args):
+        hidden_row, targets = args
+        return jax.lax.cond(jnp.any(targets >= 0), lambda: scored(jax.nn.log_softmax(head(hidden_row)), targets, k),
+                            lambda: _zeros((chunk,), k))
+
+    prompt = jax.lax.cond(jnp.any(knobs.prompt_targets >= 0), lambda: jax.lax.map(row, (prefill, knobs.prompt_targets)),
+                          lambda: _zeros((rows, chunk), k))
     return Logprobs(*drawn, *prompt)
 
 

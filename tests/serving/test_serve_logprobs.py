@@ -259,7 +259,8 @@ def test_lm_eval_through_the_server_equals_its_hf_backend(saved, server, client,
         assert served["results"][task][metric] == hf["results"][task][metric]
     assert hf["results"]["tiny_say"]["exact_match,none"] == 0.5
     served_choice, hf_choice = (sorted(r["samples"]["tiny_choice"], key=lambda s: s["doc_id"]) for r in (served, hf))
-    loglikelihoods = [[[ll for ll, _ in s["filtered_resps"]] for s in samples] for samples in (served_choice, hf_choice)]
+    loglikelihoods = [[[ll for ll, _ in s["filtered_resps"]] for s in samples]
+                      for samples in (served_choice, hf_choice)]
     print("largest log-likelihood difference:", np.abs(np.subtract(*loglikelihoods)).max())
     np.testing.assert_allclose(*loglikelihoods, atol=1e-5)
     generations = [[s["filtered_resps"] for s in sorted(r["samples"]["tiny_say"], key=lambda s: s["doc_id"])]

@@ -2,11 +2,12 @@
 
 A completion or a chat is parsed (`protocol`), its text encoded, and handed to the engine's runner as
 ids and `SamplingParams`; whether the request is acceptable is decided once, by
-`jaxattn.serving.validation` (a `RequestError`, here a 400 with its parameter and code) and the
-engine's scheduler (`QueueFull`, here a 429), before a stream starts. Then the answer is streamed or
-collected, with its tokens' log-probabilities where asked (`jaxattn.serving.api.logprobs` writes them;
-a completion's `echo` puts the prompt's text, and its tokens' log-probabilities, first). A client that goes away, while its request waits or while it streams, has its request
-cancelled: its row and pages are free at the engine's next step.
+`jaxattn.serving.validation` (a `RequestError`, here a 400 with its parameter and code) and the engine's
+scheduler (`QueueFull`, here a 429), before a stream starts. Then the answer is streamed or collected,
+with its tokens' log-probabilities where asked (`jaxattn.serving.api.logprobs` writes them; a
+completion's `echo` puts the prompt's text, and its tokens' log-probabilities, first). A client that
+goes away, while its request waits or while it streams, has its request cancelled: its row and pages are
+free at the engine's next step.
 """
 
 from __future__ import annotations

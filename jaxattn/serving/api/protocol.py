@@ -1,15 +1,15 @@
 """The OpenAI API's shapes: request bodies in, answers, stream chunks and errors out.
 
-Requests are parsed by pydantic models that take the fields `/v1/completions` and
-`/v1/chat/completions` define, into their types only, ignore fields that change nothing here
-(`user`, `metadata`, `store`, ...), and refuse with a 400 naming the parameter what would change the
-answer and is not supported (`n` > 1, `best_of`, penalties, `tools`, `response_format` other than
-text). Log-probabilities: a completion's `logprobs: k` and `echo` (the prompt's text first and, with
-`logprobs`, its tokens' log-probabilities: the engine's `prompt_logprobs`; with `max_tokens: 0` only
-scored), a chat's `logprobs: true` with `top_logprobs: k` (`top_logprobs` alone is a 400, as OpenAI
-answers); their shapes are `jaxattn.serving.api.logprobs`'. `top_k` (0 or -1 = off) and `ignore_eos` are extensions, as in vLLM. Whether the
-values are in range, and fit the model, is `jaxattn.serving.validation`'s to say (its `RequestError`
-names the engine's parameter; `openai_param` names the endpoint's).
+Requests are parsed by pydantic models that take the fields `/v1/completions` and `/v1/chat/completions`
+define, into their types only, ignore fields that change nothing here (`user`, `metadata`, `store`,
+...), and refuse with a 400 naming the parameter what would change the answer and is not supported
+(`n` > 1, `best_of`, penalties, `tools`, `response_format` other than text). Log-probabilities: a
+completion's `logprobs: k` and `echo` (the prompt's text first and, with `logprobs`, its tokens'
+log-probabilities: the engine's `prompt_logprobs`; with `max_tokens: 0` only scored), a chat's
+`logprobs: true` with `top_logprobs: k` (`top_logprobs` alone is a 400, as OpenAI answers); their shapes
+are `jaxattn.serving.api.logprobs`'. `top_k` (0 or -1 = off) and `ignore_eos` are extensions, as in
+vLLM. Whether the values are in range, and fit the model, is `jaxattn.serving.validation`'s to say (its
+`RequestError` names the engine's parameter; `openai_param` names the endpoint's).
 
 Errors are `APIError`s, answered as OpenAI answers them, `{"error": {"message", "type", "param",
 "code"}}` with the HTTP status the `openai` client maps to its exception classes.
