@@ -180,7 +180,7 @@ def step_logprobs(head, hidden, logits, tokens, knobs: LogprobKnobs) -> Logprobs
 def _step(params, pools, inputs: StepInputs, *, model: DecoderLM):
     variables = {"params": params}
     hidden, pools = model.apply(variables, inputs.tokens, pools, inputs.batch, method=DecoderLM.paged_hidden)
-    head = lambda x: model.apply(variables, x[None], method=DecoderLM.logits)[0]  # noqa: E731: [T, D] -> [T, V]
+    head = lambda x: model.apply(variables, x[None], method=DecoderLM.logits)[0]  # noqa: E731 ([T, D] -> [T, V])
     logits = head(hidden[inputs.batch.logit_tokens])
     finite = jnp.isfinite(jnp.max(logits, axis=-1))  # [M]: NaN, +inf or all -inf means nothing to draw from
     tokens = draw(logits, inputs.knobs)

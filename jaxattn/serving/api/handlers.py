@@ -23,8 +23,8 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from jaxattn.hf.chat_template import ChatTemplateError
 from jaxattn.serving import validation
 from jaxattn.serving.api import protocol
-from jaxattn.serving.api.metrics import CONTENT_TYPE
 from jaxattn.serving.api.logprobs import LogprobsWriter
+from jaxattn.serving.api.metrics import CONTENT_TYPE
 from jaxattn.serving.api.protocol import Answer, APIError, bad_request
 from jaxattn.serving.api.runner import Draining, Ticket, Update
 from jaxattn.serving.api.state import ApiState
