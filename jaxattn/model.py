@@ -282,6 +282,12 @@ class DecoderLM(nn.Module):
           `(logits [M, V] float32 at batch.logit_tokens, new pools)`: the head runs only where a token
           is drawn. Deterministic; token ids are not checked (the engine checks them on admission).
         """
+        hidden, new_pools = self.paged_hidden(tokens, pools, batch)
+        return self.logits(hidden[None, batch.logit_tokens])[0], new_pools
+
+    def paged_hidden(self, tokens, pools: tuple, batch: PagedBatch):
+        """`extend_paged` without the head: `(hidden states [Tf, D] before the final norm, new pools)`, for
+        a caller that runs `logits` on more tokens than `batch.logit_tokens` (prompt log-probabilities)."""
         check_paged(tokens, pools, batch, self.config)
         tokens = tokens[None, :]  # [1, Tf]: one row of flat tokens; only attention looks at rows
         x = self.embed(tokens, batch.positions[None, :])
@@ -289,7 +295,7 @@ class DecoderLM(nn.Module):
         for block, pool, value_embedding in zip(self.blocks.values(), pools, self.embed_values(tokens)):
             x, pool = block.extend_paged(x, pool, batch, value_embedding=value_embedding)
             new_pools.append(pool)
-        return self.logits(x[:, batch.logit_tokens])[0], tuple(new_pools)
+        return x[0], tuple(new_pools)
 
 
 @functools.lru_cache(maxsize=64)

@@ -136,8 +136,8 @@ class Engine:
         output = self.scheduler.schedule()
         if output.empty:
             return output.ended
-        tokens, finite = self.model_runner.execute(output)
-        return self.scheduler.update(output, tokens, finite)
+        tokens, finite, logprobs = self.model_runner.execute(output)
+        return self.scheduler.update(output, tokens, finite, logprobs)
 
     def run(self) -> None:
         """Steps until every request has finished."""

@@ -7,7 +7,8 @@ given back behind a sliding window, released when it ends.
 runs: the scheduler asks it whether pages can be had and, when they cannot, preempts.
 
 * Admission (`allocate_prompt`): the prompt's full pages, but the last token's, looked up by their hash
-  chain (`page_keys`): those found are shared, the rest allocated; all or nothing.
+  chain (`page_keys`): those found are shared, the rest allocated; all or nothing. A request asking for
+  prompt log-probabilities looks nothing up (each of its prompt tokens must be computed, to be scored).
 * Decoding (`needs_page`, `append_page`): a page for slot `num_computed` once the last one is full.
 * After a step (`computed`): pages that are now full are keyed for later prompts; in a model whose
   every layer has a sliding window, pages no query can see again are given back (-1 in the table).
@@ -82,7 +83,9 @@ class KVCacheManager:
         lookup not counted) when the pages cannot all be had now."""
         tokens = request.tokens
         # Shared pages: full pages of every token but the last (at least one is computed, to draw from).
-        keys = page_keys(tokens[:-1], self.page_size)
+        # None for a request that scores its prompt: a token found in the cache would never be computed.
+        scores = request.sampling.prompt_logprobs is not None
+        keys = [] if scores else page_keys(tokens[:-1], self.page_size)
         hits = self.allocator.lookup(keys)
         needed = -(-len(tokens) // self.page_size) - len(hits)
         if needed > self.allocator.available:

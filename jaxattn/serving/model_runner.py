@@ -4,9 +4,11 @@ scheduled step turned into the programs' arrays.
 `ModelRunner` places the parameters and the page pools (on a device mesh, or as they are), compiles
 every step shape once (`jaxattn.serving.step.StepPrograms`), and for each `SchedulerOutput` picks the
 smallest compiled shape that holds it (`shape`), writes its host arrays (`inputs`: flat tokens,
-positions and slots, each row's block table and positions, the draws' knobs) straight into the
-layout of `jaxattn.serving.step.StepInputs` and `jaxattn.cache.containers.PagedBatch`, and runs it
-(`execute`): the drawn tokens and whether each row's logits were finite, one entry per scheduled row.
+positions and slots, each row's block table and positions, the draws' knobs, which log-probabilities
+are asked: `logprob_knobs`) straight into the layout of `jaxattn.serving.step.StepInputs` and
+`jaxattn.cache.containers.PagedBatch`, and runs it (`execute`): the drawn tokens and whether each row's
+logits were finite, one entry per scheduled row, and the log-probabilities asked (`StepLogprobsOut`,
+read back from the device only when some row asked).
 
 It reads the requests' page bookkeeping and never writes it (the KV-cache manager's).
 
@@ -21,6 +23,7 @@ per step (the adapters' weights stacked once here, each row's adapter index in t
 from __future__ import annotations
 
 import time
+from typing import NamedTuple
 
 import flax.linen as nn
 import jax
@@ -34,10 +37,63 @@ from jaxattn.config import ModelConfig
 from jaxattn.kernels import Kernels
 from jaxattn.scan_plan import relayout
 from jaxattn.serving.engine_config import EngineConfig
-from jaxattn.serving.requests import Request
+from jaxattn.serving.requests import Request, StepLogprobs
 from jaxattn.serving.scheduler import SchedulerOutput
+from jaxattn.serving.step import LogprobKnobs, Logprobs, StepInputs, StepPrograms, StepShape
 from jaxattn.serving.structured import GuideCompiler
-from jaxattn.serving.step import StepInputs, StepPrograms, StepShape
+
+
+class StepLogprobsOut(NamedTuple):
+    """A step's log-probabilities on the host, in the order of `execute`'s tokens.
+
+    Attributes:
+      drawn: per scheduled row (decode rows, then prompt chunks): its draw's `StepLogprobs`, or None
+        where the request did not ask.
+      prompt: per prompt chunk: `(position, StepLogprobs)` of each prompt token it scored (the token at
+        `position` given those before it); empty where the request did not ask.
+    """
+
+    drawn: list[StepLogprobs | None]
+    prompt: list[list[tuple[int, StepLogprobs]]]
+
+
+def logprob_knobs(knobs: LogprobKnobs, request: Request, draw: int, prefill_row: int | None,
+                  positions: np.ndarray) -> None:
+    """Writes which log-probabilities a row asks for: its draw's (`sampling.logprobs`), and for a prompt
+    chunk (`prefill_row`), each prompt token after its tokens (`sampling.prompt_logprobs`; the prompt
+    only, before anything is drawn: a preempted request's recomputed prompt is not scored again)."""
+    sampling = request.sampling
+    knobs.drawn[draw] = sampling.logprobs is not None
+    if prefill_row is None or sampling.prompt_logprobs is None or request.output_ids:
+        return
+    prompt = request.prompt_ids
+    scored = positions + 1 < len(prompt)
+    knobs.prompt_targets[prefill_row, :len(positions)] = np.where(
+        scored, np.asarray(prompt)[np.minimum(positions + 1, len(prompt) - 1)], -1)
+
+
+def _top(ids: np.ndarray, values: np.ndarray) -> tuple:
+    return tuple(zip(ids.tolist(), values.tolist()))
+
+
+def read_logprobs(logprobs: Logprobs, inputs: StepInputs, rows: list[int], chunks: list[tuple[int, int]]
+                  ) -> StepLogprobsOut | None:
+    """The asked log-probabilities of the scheduled `rows` (their draws' rows) and prompt `chunks` (their
+    `(start position, count)`), copied from the device; None (nothing copied) when no row asked."""
+    asked, targets = inputs.logprobs.drawn, inputs.logprobs.prompt_targets
+    if not asked.any() and not (targets >= 0).any():
+        return None
+    drawn = [None] * len(rows)
+    if asked.any():
+        value, ids, top = (np.asarray(a) for a in (logprobs.drawn, logprobs.drawn_top_ids, logprobs.drawn_top))
+        drawn = [StepLogprobs(float(value[r]), _top(ids[r], top[r])) if asked[r] else None for r in rows]
+    prompt = [[] for _ in chunks]
+    if (targets >= 0).any():
+        value, ids, top = (np.asarray(a) for a in (logprobs.prompt, logprobs.prompt_top_ids, logprobs.prompt_top))
+        for row, (start, count) in enumerate(chunks):
+            prompt[row] = [(start + j + 1, StepLogprobs(float(value[row, j]), _top(ids[row, j], top[row, j])))
+                           for j in range(count) if targets[row, j] >= 0]
+    return StepLogprobsOut(drawn, prompt)
 
 
 def step_shapes(ec: EngineConfig) -> list[StepShape]:
@@ -95,15 +151,18 @@ class ModelRunner:
                                      pages_per_seq=self.pages_per_seq, num_slots=self.num_slots, place=place,
                                      progress=progress)
 
-    def execute(self, output: SchedulerOutput) -> tuple[list[int], list[bool]]:
-        """Runs the step -> `(tokens, finite)`: one entry per decode row, then one per prompt chunk
-        (a chunk that does not reach its prompt's end has a draw nobody takes)."""
+    def execute(self, output: SchedulerOutput) -> tuple[list[int], list[bool], StepLogprobsOut | None]:
+        """Runs the step -> `(tokens, finite, logprobs)`: one entry per decode row, then one per prompt
+        chunk (a chunk that does not reach its prompt's end has a draw nobody takes); `logprobs` None
+        when no row asked for any."""
         decode, prefill = output.decode, output.prefill
         shape = self.shape(len(decode), prefill)
-        self.pools, drawn, finite = self.programs(shape, self.params, self.pools, self.inputs(shape, output))
-        rows = slice(shape.decode_rows, shape.decode_rows + len(prefill))
+        inputs = self.inputs(shape, output)
+        self.pools, drawn, finite, logprobs = self.programs(shape, self.params, self.pools, inputs)
+        rows = list(range(len(decode))) + list(range(shape.decode_rows, shape.decode_rows + len(prefill)))
+        logprobs = read_logprobs(logprobs, inputs, rows, [(start, count) for _, start, count in prefill])
         drawn, finite = drawn.tolist(), finite.tolist()
-        return drawn[:len(decode)] + drawn[rows], finite[:len(decode)] + finite[rows]
+        return [drawn[r] for r in rows], [finite[r] for r in rows], logprobs
 
     def shape(self, decoding: int, prefill: list) -> StepShape:
         """The smallest compiled shape that holds the step: decode rows, then prefill rows and chunk."""
@@ -145,6 +204,7 @@ class ModelRunner:
             knobs.temperature[draw], knobs.top_k[draw], knobs.top_p[draw] = (
                 sampling.temperature, sampling.top_k, sampling.top_p)
             knobs.seed[draw], knobs.position[draw] = request.seed, request.num_tokens  # the drawn token's position
+            logprob_knobs(inputs.logprobs, request, draw, None if group is decode_group else row, positions)
             if request.guide_state is not None and start + count == request.num_tokens:  # a draw it takes
                 guided.append((request, draw))
         self.fill_guides(inputs, guided)

@@ -1,4 +1,5 @@
-"""A request's sampling settings, its state in the engine, and what it streams out."""
+"""A request's sampling settings, its state in the engine, and what it streams out (tokens, text and,
+when asked, their log-probabilities)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import dataclasses
 import enum
 import itertools
 import time
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from jaxattn.serving.guides import Guide
 from jaxattn.serving.text import TextStream
@@ -26,12 +27,19 @@ class SamplingParams:
       seed: the draws' seed: a seeded request's tokens depend on its seed and positions only,
         never on what else runs. None: drawn from the engine's own generator.
       max_tokens: the most new tokens (>= 1); None: up to the context (`max_model_len` less the prompt,
-        resolved by the engine when the request is added).
+        resolved by the engine when the request is added); 0: draw nothing, only score the prompt
+        (needs `prompt_logprobs`).
       stop_token_ids: tokens that end the request (in `output_ids`, never in the streamed text).
       stop: strings that end the request (needs the engine's detokenizer); the text stops
         before the first one.
       guide: what the output must match (`jaxattn.serving.guides.Guide`: a JSON schema, a regex, a
         choice, a grammar); None: anything.
+      logprobs: None: off; k in [0, 20]: each drawn token's log-probability and the k most likely
+        tokens' (`Request.output_logprobs`, `output_top_logprobs`). The model's raw log-softmax in
+        float32, before temperature or any filter (vLLM's default).
+      prompt_logprobs: None: off; k in [0, 20]: each prompt token's log-probability given the tokens
+        before it, and the k most likely there (`Request.prompt_logprobs`, `prompt_top_logprobs`;
+        the first token's are None). Such a request skips the prefix cache: every token is computed.
     """
 
     temperature: float = 1.0
@@ -42,6 +50,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
     guide: Guide | None = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
@@ -49,6 +59,17 @@ class SamplingParams:
         if self.guide is not None and not isinstance(self.guide, Guide):
             raise TypeError(f"guide must be a jaxattn.serving.guides.Guide or None, got {type(self.guide).__name__}")
         check_sampling(self)  # each field in its range (a RequestError, a ValueError, naming the field)
+
+
+TopLogprobs = tuple[tuple[int, float], ...]  # (token id, log-probability), the most likely first
+
+
+class StepLogprobs(NamedTuple):
+    """What a step gives a row that asks: the drawn token's log-probability and the top ones (all
+    `MAX_LOGPROBS`; the request keeps its own k)."""
+
+    logprob: float
+    top: TopLogprobs
 
 
 class Status(enum.Enum):
@@ -60,10 +81,14 @@ class Status(enum.Enum):
 class Request:
     """One request: its prompt, its draws so far, and its place in the engine.
 
-    What streams out: `output_ids` grows by one token per step that draws for it, with
-    `token_times` (`time.perf_counter()` per token); `take_new()` returns the tokens (and text,
-    with a detokenizer) since the last call. `finished` and `finish_reason` ("stop", "length",
-    "error" or "cancelled") say when and why it ended; a guided request stops when its guide is complete.
+    What streams out: `output_ids` grows by one token per step that draws for it, with `token_times`
+    (`time.perf_counter()` per token); `take_new()` returns the tokens (and text, with a detokenizer)
+    since the last call. With `sampling.logprobs`, `output_logprobs` (a plain float per output token)
+    and `output_top_logprobs` (its k most likely `(id, logprob)`) grow with them; with
+    `sampling.prompt_logprobs`, `prompt_logprobs` and `prompt_top_logprobs` hold one entry per prompt
+    token (None for the first), complete once the prompt is computed. `finished` and `finish_reason`
+    ("stop", "length", "error" or "cancelled") say when and why it ended; a guided request stops when
+    its guide is complete.
     """
 
     def __init__(self, prompt_ids: tuple[int, ...], sampling: SamplingParams, seed: int,
@@ -73,6 +98,11 @@ class Request:
         self.arrival_time = time.perf_counter()
         self.output_ids: list[int] = []
         self.token_times: list[float] = []
+        self.output_logprobs: list[float] = []
+        self.output_top_logprobs: list[TopLogprobs] = []
+        scored = len(prompt_ids) if sampling.prompt_logprobs is not None else 0
+        self.prompt_logprobs: list[float | None] = [None] * scored
+        self.prompt_top_logprobs: list[TopLogprobs | None] = [None] * scored
         self.status = Status.WAITING
         self.finish_reason: str | None = None
         self.text = TextStream(detokenize, sampling.stop) if detokenize is not None else None
@@ -106,6 +136,19 @@ class Request:
     @property
     def first_token_time(self) -> float | None:
         return self.token_times[0] if self.token_times else None
+
+    def add_token(self, token: int, now: float, logprobs: StepLogprobs | None = None) -> None:
+        """Appends a drawn token (and, when the request asks, its log-probabilities, the top cut to its k)."""
+        self.output_ids.append(token)
+        self.token_times.append(now)
+        if self.sampling.logprobs is not None and logprobs is not None:
+            self.output_logprobs.append(logprobs.logprob)
+            self.output_top_logprobs.append(logprobs.top[:self.sampling.logprobs])
+
+    def score_prompt(self, position: int, logprobs: StepLogprobs) -> None:
+        """Prompt token `position`'s log-probability given those before it (the top cut to its k)."""
+        self.prompt_logprobs[position] = logprobs.logprob
+        self.prompt_top_logprobs[position] = logprobs.top[:self.sampling.prompt_logprobs]
 
     def take_new(self) -> tuple[list[int], str]:
         """The tokens drawn since the last call, and the text they complete (whole characters only;

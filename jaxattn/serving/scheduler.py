@@ -1,7 +1,9 @@
 """Who runs in a step, and what happens to each request after it: admission, the queue, the budget.
 
 `Scheduler.schedule()` returns a `SchedulerOutput`, plain data the model runner turns into a step's
-arrays; `Scheduler.update(...)` takes the tokens the step drew and moves each request on.
+arrays; `Scheduler.update(...)` takes the tokens the step drew (and the log-probabilities the rows
+asked for) and moves each request on. A request that only scores its prompt (`max_tokens` 0, with
+`prompt_logprobs`) ends once its prompt is computed, drawing nothing.
 
 * First come, first served: a waiting request is admitted, in arrival order, once a row is free (at
   most `max_seqs` running) and the KV-cache manager can have the pages its tokens need; a request
@@ -196,29 +198,37 @@ class Scheduler:
 
     # -- after a step -------------------------------------------------------------------------
 
-    def update(self, output: SchedulerOutput, tokens: list[int], finite: list[bool]) -> list[Request]:
+    def update(self, output: SchedulerOutput, tokens: list[int], finite: list[bool], logprobs=None) -> list[Request]:
         """Hands the step's draws to their requests: `tokens` and `finite` hold one entry per decode
-        row, then one per prompt chunk. Returns the requests that got a token or ended (the cancelled
-        ones included)."""
+        row, then one per prompt chunk; `logprobs` (`model_runner.StepLogprobsOut`, or None) the
+        log-probabilities the rows asked for. Returns the requests that got a token or ended (the
+        cancelled ones included)."""
         now = time.perf_counter()
         decode, touched = output.decode, list(output.ended)
+        drawn = logprobs.drawn if logprobs is not None else [None] * len(tokens)
         self.stats["steps"] += 1
         self.stats["decode_tokens"] += len(decode)
         self.stats["prefill_tokens"] += sum(chunk.count for chunk in output.prefill)
         for row, request in enumerate(decode):
             self.kv.computed(request, 1)
-            self._append(request, tokens[row], finite[row], now)
+            self._drawn(request, tokens[row], finite[row], now, drawn[row])
             touched.append(request)
         for row, (request, _, count) in enumerate(output.prefill, start=len(decode)):
             self.kv.computed(request, count)
+            for position, scored in (logprobs.prompt[row - len(decode)] if logprobs is not None else ()):
+                request.score_prompt(position, scored)
             if request.num_computed == request.num_tokens:  # the chunk reached the end: draw
-                self._append(request, tokens[row], finite[row], now)
+                self._drawn(request, tokens[row], finite[row], now, drawn[row])
                 touched.append(request)
         return touched
 
-    def _append(self, request: Request, token: int, finite: bool, now: float) -> None:
-        request.output_ids.append(token)
-        request.token_times.append(now)
+    def _drawn(self, request: Request, token: int, finite: bool, now: float, logprobs) -> None:
+        """A request's prompt and output are computed and a token was drawn: taken, or, for a request
+        that only scores its prompt (`max_tokens` 0), the request ends there."""
+        if request.sampling.max_tokens == 0:
+            self._end(request, "length")
+            return
+        request.add_token(token, now, logprobs)
         self.stats["generated_tokens"] += 1
         sampling = request.sampling
         # The guide sees every token drawn from its mask, and none from a row with nothing to draw from.

@@ -10,6 +10,13 @@ Each draw's randomness depends on the request's seed and the position of the dra
 only (`jax.random.fold_in(PRNGKey(seed), position)`), never on what else shares the step, so a
 seeded request gives the same tokens whatever runs beside it.
 
+Log-probabilities, for the rows that ask (`LogprobKnobs`): the drawn token's and the top
+`MAX_LOGPROBS` of each drawn row, and, for prefill tokens, the next prompt token's and the top
+there (prompt log-probabilities: the head then runs on every prefill token, one row of `chunk`
+tokens at a time). Both are the model's raw log-softmax in float32, before temperature or any
+filter; each runs under a `jax.lax.cond` on "some row asks", so a step where none asks computes
+neither, and they stay on the device for whoever reads them (`StepPrograms.__call__`).
+
 Shapes are static per bucket (`StepShape`); `StepInputs.empty` is a step of padding alone, used
 to compile every bucket at start-up (`StepPrograms`), so no request ever waits for a compile.
 """
@@ -29,6 +36,7 @@ from jaxattn.config import ModelConfig
 from jaxattn.kernels import Kernels
 from jaxattn.model import DecoderLM
 from jaxattn.sampling import filter_logits
+from jaxattn.serving.validation import MAX_LOGPROBS
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -64,12 +72,40 @@ class DrawKnobs:
 
 
 @flax.struct.dataclass
+class LogprobKnobs:
+    """Which log-probabilities a step computes: per drawn row, and per prefill token."""
+
+    drawn: jax.Array  # [M] bool: the drawn token's log-probability and the top ones
+    prompt_targets: jax.Array  # [prefill_rows, chunk] int32: the prompt token after each prefill token (-1: none)
+
+    @staticmethod
+    def empty(shape: StepShape) -> "LogprobKnobs":
+        return LogprobKnobs(drawn=np.zeros(shape.num_draws, bool),
+                            prompt_targets=np.full((shape.prefill_rows, shape.chunk), -1, np.int32))
+
+
+@flax.struct.dataclass
+class Logprobs:
+    """A step's log-probabilities, on the device (zeros where nobody asked): of each drawn row's token
+    `[M]` and its top `[M, K]` (ids and values, the most likely first), and of each prefill token's
+    next prompt token `[prefill_rows, chunk]` and the top there `[prefill_rows, chunk, K]`."""
+
+    drawn: jax.Array
+    drawn_top_ids: jax.Array
+    drawn_top: jax.Array
+    prompt: jax.Array
+    prompt_top_ids: jax.Array
+    prompt_top: jax.Array
+
+
+@flax.struct.dataclass
 class StepInputs:
     """Everything a step's program takes besides the parameters and the pools."""
 
     tokens: jax.Array  # [Tf] int32
     batch: PagedBatch
     knobs: DrawKnobs
+    logprobs: LogprobKnobs
 
     @staticmethod
     def empty(shape: StepShape, pages_per_seq: int, num_slots: int, vocab_size: int) -> "StepInputs":
@@ -83,7 +119,7 @@ class StepInputs:
         knobs = DrawKnobs(temperature=np.zeros(M, np.float32), top_k=np.zeros(M, np.int32),
                           top_p=np.ones(M, np.float32), seed=np.zeros(M, np.int32), position=np.zeros(M, np.int32),
                           guided=np.zeros(M, bool), mask=np.full((M, -(-vocab_size // 32)), -1, np.int32))
-        return StepInputs(tokens=np.zeros(Tf, np.int32), batch=batch, knobs=knobs)
+        return StepInputs(tokens=np.zeros(Tf, np.int32), batch=batch, knobs=knobs, logprobs=LogprobKnobs.empty(shape))
 
 
 def draw(logits, knobs: DrawKnobs):
@@ -121,12 +157,51 @@ def apply_masks(logits, knobs: DrawKnobs):
     return jax.lax.cond(jnp.any(knobs.guided), masked, lambda x: x, logits)
 
 
+def scored(logprobs, tokens, k: int):
+    """`[..., V]` log-probabilities -> `(of tokens [...], top-k ids [..., k] int32, top-k values [..., k])`."""
+    chosen = jnp.take_along_axis(logprobs, jnp.maximum(tokens, 0)[..., None], axis=-1)[..., 0]
+    top, top_ids = jax.lax.top_k(logprobs, k)
+    return chosen, top_ids.astype(jnp.int32), top
+
+
+def _zeros(shape: tuple, k: int):
+    return jnp.zeros(shape, jnp.float32), jnp.zeros((*shape, k), jnp.int32), jnp.zeros((*shape, k), jnp.float32)
+
+
+def step_logprobs(head, hidden, logits, tokens, knobs: LogprobKnobs) -> Logprobs:
+    """The log-probabilities the rows ask for (`LogprobKnobs`), each group under its own `lax.cond`.
+
+    `head` maps `[T, D]` hidden states to `[T, V]` float32 logits; `hidden` `[Tf, D]` is the step's
+    (its prefill rows last); `logits` `[M, V]` the drawn rows', `tokens` `[M]` their draws. Prompt
+    log-probabilities run the head over one prefill row of `chunk` tokens at a time (`lax.map`, and
+    only on the rows that ask): one row's `[chunk, V]` logits are live, not all rows'."""
+    k = min(MAX_LOGPROBS, logits.shape[-1])
+    drawn = jax.lax.cond(jnp.any(knobs.drawn), lambda: scored(jax.nn.log_softmax(logits), tokens, k),
+                         lambda: _zeros(tokens.shape, k))
+    rows, chunk = knobs.prompt_targets.shape
+    if rows == 0:
+        return Logprobs(*drawn, *_zeros((0, chunk), k))
+    prefill = hidden[hidden.shape[0] - rows * chunk:].reshape(rows, chunk, hidden.shape[-1])
+
+    def row(args):
+        hidden_row, targets = args
+        return jax.lax.cond(jnp.any(targets >= 0), lambda: scored(jax.nn.log_softmax(head(hidden_row)), targets, k),
+                            lambda: _zeros((chunk,), k))
+
+    prompt = jax.lax.cond(jnp.any(knobs.prompt_targets >= 0), lambda: jax.lax.map(row, (prefill, knobs.prompt_targets)),
+                          lambda: _zeros((rows, chunk), k))
+    return Logprobs(*drawn, *prompt)
+
+
 def _step(params, pools, inputs: StepInputs, *, model: DecoderLM):
-    logits, pools = model.apply({"params": params}, inputs.tokens, pools, inputs.batch,
-                                method=DecoderLM.extend_paged)
-    logits = apply_masks(logits, inputs.knobs)  # a guided row with nothing allowed is not finite below
+    variables = {"params": params}
+    hidden, pools = model.apply(variables, inputs.tokens, pools, inputs.batch, method=DecoderLM.paged_hidden)
+    head = lambda x: model.apply(variables, x[None], method=DecoderLM.logits)[0]  # noqa: E731 ([T, D] -> [T, V])
+    raw = head(hidden[inputs.batch.logit_tokens])  # log-probabilities are the model's, before any guide
+    logits = apply_masks(raw, inputs.knobs)  # a guided row with nothing allowed is not finite below
     finite = jnp.isfinite(jnp.max(logits, axis=-1))  # [M]: NaN, +inf or all -inf means nothing to draw from
-    return pools, draw(logits, inputs.knobs), finite
+    tokens = draw(logits, inputs.knobs)
+    return pools, tokens, finite, step_logprobs(head, hidden, raw, tokens, inputs.logprobs)
 
 
 class StepPrograms:
@@ -149,6 +224,7 @@ class StepPrograms:
         return sorted(self.programs)
 
     def __call__(self, shape: StepShape, params, pools, inputs: StepInputs):
-        """Runs bucket `shape` -> `(pools, tokens [M] numpy, finite [M] numpy)`."""
-        pools, tokens, finite = self.programs[shape](params, pools, self._place(inputs))
-        return pools, np.asarray(tokens), np.asarray(finite)
+        """Runs bucket `shape` -> `(pools, tokens [M] numpy, finite [M] numpy, Logprobs on the device)`: the
+        log-probabilities are copied to the host only by whoever reads them."""
+        pools, tokens, finite, logprobs = self.programs[shape](params, pools, self._place(inputs))
+        return pools, np.asarray(tokens), np.asarray(finite), logprobs

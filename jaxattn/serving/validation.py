@@ -22,6 +22,7 @@ import numpy as np
 from jaxattn._validate import is_int
 
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # OpenAI's code for a prompt and output past the context
+MAX_LOGPROBS = 20  # the most top log-probabilities a token may ask for (OpenAI's limit; one static top-k per step)
 
 
 class RequestError(ValueError):
@@ -73,15 +74,29 @@ def check_sampling(sampling) -> None:
         raise RequestError(f"top_k must be an int >= 0 (0 = off), got {sampling.top_k!r}", param="top_k")
     if not (_number(sampling.top_p) and 0.0 < sampling.top_p <= 1.0):
         raise RequestError(f"top_p must be in (0, 1], got {sampling.top_p!r}", param="top_p")
-    if sampling.max_tokens is not None and (not is_int(sampling.max_tokens, numpy=False) or sampling.max_tokens < 1):
-        raise RequestError(f"max_tokens must be an int >= 1 (or None: up to the context), got {sampling.max_tokens!r}",
+    if sampling.max_tokens is not None and (not is_int(sampling.max_tokens, numpy=False) or sampling.max_tokens < 0):
+        raise RequestError(f"max_tokens must be an int >= 1 (0 with prompt_logprobs; None: up to the context), "
+                           f"got {sampling.max_tokens!r}",
                            param="max_tokens")
+    _check_logprobs(sampling)
     if sampling.seed is not None and not is_int(sampling.seed, numpy=False):
         raise RequestError(f"seed must be an int or None, got {sampling.seed!r}", param="seed")
     if any(not isinstance(s, str) or not s for s in sampling.stop):
         raise RequestError(f"stop must hold non-empty strings, got {sampling.stop!r}", param="stop")
     if any(not is_int(t) for t in sampling.stop_token_ids):
         raise RequestError(f"stop_token_ids must be ints, got {sampling.stop_token_ids!r}", param="stop_token_ids")
+
+
+def _check_logprobs(sampling) -> None:
+    """`logprobs` and `prompt_logprobs` None or in [0, MAX_LOGPROBS]; `max_tokens` 0 (score the prompt, draw
+    nothing) only with `prompt_logprobs`."""
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(sampling, name)
+        if value is not None and (not is_int(value, numpy=False) or not 0 <= value <= MAX_LOGPROBS):
+            raise RequestError(f"{name} must be None or an int in [0, {MAX_LOGPROBS}], got {value!r}", param=name)
+    if sampling.max_tokens == 0 and sampling.prompt_logprobs is None:
+        raise RequestError("max_tokens must be >= 1; 0 (only score the prompt) needs prompt_logprobs",
+                           param="max_tokens")
 
 
 # -- a request against an engine --------------------------------------------------------------

@@ -7,6 +7,7 @@ scheduler), and a program that serves a model only loads the model and starts it
 does not import it, so the engine alone needs no web framework.
 
 * `protocol`: the OpenAI API's shapes: request bodies parsed into types, answers, chunks, errors;
+* `logprobs`: log-probabilities in a completion's and a chat's shapes (`LogprobsWriter`);
 * `runner`: the engine on a thread of its own, and what crosses to the event loop (`Ticket`, `Update`);
 * `state`: what the routes read (`ApiState`: the runner, the `ServedModel`, the metrics, the `Limits`);
 * `handlers`: the routes, plain functions over that state;

@@ -2,10 +2,12 @@
 
 A completion or a chat is parsed (`protocol`), its text encoded, and handed to the engine's runner as
 ids and `SamplingParams`; whether the request is acceptable is decided once, by
-`jaxattn.serving.validation` (a `RequestError`, here a 400 with its parameter and code) and the
-engine's scheduler (`QueueFull`, here a 429), before a stream starts. Then the answer is streamed or
-collected. A client that goes away, while its request waits or while it streams, has its request
-cancelled: its row and pages are free at the engine's next step.
+`jaxattn.serving.validation` (a `RequestError`, here a 400 with its parameter and code) and the engine's
+scheduler (`QueueFull`, here a 429), before a stream starts. Then the answer is streamed or collected,
+with its tokens' log-probabilities where asked (`jaxattn.serving.api.logprobs` writes them; a
+completion's `echo` puts the prompt's text, and its tokens' log-probabilities, first). A client that
+goes away, while its request waits or while it streams, has its request cancelled: its row and pages are
+free at the engine's next step.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from jaxattn.hf.chat_template import ChatTemplateError
 from jaxattn.serving import validation
 from jaxattn.serving.api import protocol, tools
+from jaxattn.serving.api.logprobs import LogprobsWriter
 from jaxattn.serving.api.metrics import CONTENT_TYPE
 from jaxattn.serving.api.protocol import Answer, APIError, bad_request
 from jaxattn.serving.api.runner import Draining, Ticket, Update
@@ -75,10 +78,15 @@ async def completions(request: Request) -> Response:
     body = protocol.parse(protocol.CompletionRequest, await read_json(request, state.limits.max_body_bytes))
     check_model(state, body.model)
     prompt = body.single_prompt()
+    echo = None
     if isinstance(prompt, str):
         validation.check_text(prompt, "prompt")
+        echo = prompt
         prompt = encode(state, prompt, special=True, param="prompt")
-    return await answer(request, Answer("completion", state.served.name), body, prompt, body.asked_tokens)
+    if body.echo and echo is None:  # the ids' text (the engine checks the ids first)
+        echo = ""
+    return await answer(request, Answer("completion", state.served.name), body, prompt, body.asked_tokens,
+                        echo if body.echo else None)
 
 
 async def chat(request: Request) -> Response:
@@ -146,22 +154,42 @@ async def admitted(request: Request, body, ids: list[int], asked: int | None, gu
     return ticket
 
 
+class Output:
+    """What an answer writes beyond its text: its log-probabilities (`writer`, None where not asked) and,
+    with a completion's `echo`, the prompt's text (`echo`, else None) and ids."""
+
+    def __init__(self, body, runner, kind: str, ids: list[int], echo: str | None):
+        detokenize = runner.engine.detokenize if body.wants_logprobs or echo is not None else None
+        self.writer = LogprobsWriter(kind, detokenize) if body.wants_logprobs else None
+        self.ids = ids
+        self.echo = None if echo is None else (echo or (detokenize(ids) if detokenize is not None else ""))
+
+    def entries(self, update: Update) -> list:
+        """The (id, logprob, top) of the update's tokens: the prompt's first with `echo`."""
+        prompt = []
+        if self.echo is not None and update.prompt_logprobs is not None:
+            prompt = [(token, *scored) for token, scored in zip(self.ids, update.prompt_logprobs)]
+        return prompt + [(token, *scored) for token, scored in zip(update.tokens, update.logprobs or ())]
+
+
 async def answer(request: Request, shape: Answer, body, ids: list[int], asked: int | None,
-                 guide: Guide | None = None) -> Response:
-    """Admits the request, then streams its answer or collects it whole."""
+                 echo: str | None = None, guide: Guide | None = None) -> Response:
+    """Admits the request, then streams its answer or collects it whole (`echo`: the prompt's text, to
+    write before the answer's; "" for the ids' own text; `guide`: a forced tool call's constraint)."""
     ticket = await admitted(request, body, ids, asked, guide)
+    runner = state_of(request).runner
+    output = Output(body, runner, shape.kind, ids, echo)
     if body.stream:
-        runner = state_of(request).runner
-        return CancellingStream(stream(runner, ticket, shape, len(ids), body.include_usage),
+        return CancellingStream(stream(runner, ticket, shape, len(ids), body.include_usage, output),
                                 lambda: runner.cancel(ticket),
                                 media_type="text/event-stream",
                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    return await whole(request, ticket, shape, len(ids))
+    return await whole(request, ticket, shape, len(ids), output)
 
 
-async def whole(request: Request, ticket: Ticket, shape: Answer, prompt_tokens: int) -> Response:
+async def whole(request: Request, ticket: Ticket, shape: Answer, prompt_tokens: int, output: Output) -> Response:
     runner = state_of(request).runner
-    text, count = [], 0
+    text, count, entries = [output.echo or ""], 0, []
     gone = asyncio.ensure_future(client_gone(request))  # a client that hangs up is seen at once
     try:
         while True:
@@ -173,6 +201,7 @@ async def whole(request: Request, ticket: Ticket, shape: Answer, prompt_tokens: 
                 return Response(status_code=499)  # nobody reads it
             update = next_update.result()
             text.append(update.text)
+            entries += output.entries(update)
             count += len(update.tokens)
             if update.finish_reason is not None:
                 break
@@ -182,7 +211,9 @@ async def whole(request: Request, ticket: Ticket, shape: Answer, prompt_tokens: 
     finally:
         gone.cancel()
     ended(update, ticket)
-    return JSONResponse(shape.whole("".join(text), update.finish_reason, protocol.usage(prompt_tokens, count)))
+    logprobs = output.writer(entries) if output.writer is not None else None
+    return JSONResponse(shape.whole("".join(text), update.finish_reason, protocol.usage(prompt_tokens, count),
+                                    logprobs))
 
 
 def ended(update: Update, ticket: Ticket) -> None:
@@ -193,17 +224,21 @@ def ended(update: Update, ticket: Ticket) -> None:
         raise APIError(503, "the server shut down before this request finished", code="draining")
 
 
-async def stream(runner, ticket: Ticket, shape: Answer, prompt_tokens: int,
-                 include_usage: bool) -> AsyncIterator[str]:
-    """The answer as server-sent events; an error after it began is an error event, then [DONE]."""
-    count = 0
+async def stream(runner, ticket: Ticket, shape: Answer, prompt_tokens: int, include_usage: bool,
+                 output: Output) -> AsyncIterator[str]:
+    """The answer as server-sent events (with `echo`, the first carries the prompt's text); an error
+    after it began is an error event, then [DONE]."""
+    count, echo = 0, output.echo
     try:
         if shape.kind == "chat":
             yield sse(shape.chunk(None, role=True))
         while True:
             update = await ticket.next()
             count += len(update.tokens)
-            for chunk in shape.text_chunks(update.text):
+            text, entries = (echo or "") + update.text, output.entries(update)
+            echo = None
+            logprobs = output.writer(entries) if output.writer is not None and (entries or text) else None
+            for chunk in shape.text_chunks(text, logprobs):
                 yield sse(chunk)
             if update.finish_reason is not None:
                 break

@@ -3,15 +3,18 @@
 Requests are parsed by pydantic models that take the fields `/v1/completions` and
 `/v1/chat/completions` define, into their types only, ignore fields that change nothing here
 (`user`, `metadata`, `store`, ...), and refuse with a 400 naming the parameter what would change the
-answer and is not supported (`n` > 1, `logprobs`, `best_of`, penalties). `top_k` (0 or -1 = off) and
-`ignore_eos` are extensions, as in vLLM. Structured outputs, on both endpoints as in vLLM:
-`response_format` (json_object, json_schema) and vLLM's `guided_json`, `guided_regex`, `guided_choice`
-and `guided_grammar` (Lark or GBNF) become `SamplingParams.guide` (`guide_of`); a guide that does not
-compile is the engine's 400, named by the field it came from. `tools` are read by
+answer and is not supported. `top_k` (0 or -1 = off) and `ignore_eos` are extensions, as in vLLM.
+Log-probabilities: a completion's `logprobs: k` and `echo` (the prompt's text first and, with
+`logprobs`, its tokens' log-probabilities: the engine's `prompt_logprobs`; with `max_tokens: 0` only
+scored), a chat's `logprobs: true` with `top_logprobs: k` (`top_logprobs` alone is a 400, as OpenAI
+answers); their shapes are `jaxattn.serving.api.logprobs`'. Structured outputs, on both endpoints as in
+vLLM: `response_format` (json_object, json_schema) and vLLM's `guided_json`, `guided_regex`,
+`guided_choice` and `guided_grammar` (Lark or GBNF) become `SamplingParams.guide` (`guide_of`); a guide
+that does not compile is the engine's 400, named by the field it came from. `tools` are read by
 `jaxattn.serving.api.tools`; an answer whose tool calls are parsed (`Answer(..., tools=FORMAT)`)
-carries them as `message.tool_calls`, or streams them as `delta.tool_calls`, in OpenAI's shapes. Whether the
-values are in range, and fit the model, is `jaxattn.serving.validation`'s to say (its `RequestError`
-names the engine's parameter; `openai_param` names the endpoint's).
+carries them as `message.tool_calls`, or streams them as `delta.tool_calls`, in OpenAI's shapes.
+Whether the values are in range, and fit the model, is `jaxattn.serving.validation`'s to say (its
+`RequestError` names the engine's parameter; `openai_param` names the endpoint's).
 
 Errors are `APIError`s, answered as OpenAI answers them, `{"error": {"message", "type", "param",
 "code"}}` with the HTTP status the `openai` client maps to its exception classes.
@@ -26,7 +29,7 @@ import uuid
 from typing import Any, Literal
 
 import pydantic
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 from jaxattn.serving import Guide, SamplingParams
 from jaxattn.serving.api import tool_calls
@@ -75,7 +78,6 @@ class _Sampled(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = 1
-    logprobs: Any = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict | None = None
@@ -91,8 +93,6 @@ class _Sampled(BaseModel):
         """A 400 naming the first field that asks for something this server does not do."""
         if self.n != 1:
             raise bad_request(f"n must be 1 (one choice per request), got {self.n}", "n")
-        if self.logprobs not in (None, False, 0):
-            raise bad_request("logprobs are not supported", "logprobs")
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name) != 0:
                 raise bad_request(f"{name} is not supported (0 only)", name)
@@ -110,7 +110,17 @@ class _Sampled(BaseModel):
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=0 if self.top_k in (None, -1) else self.top_k, seed=self.seed, max_tokens=max_tokens,
             stop_token_ids=() if self.ignore_eos else stop_token_ids,
-            stop=tuple([self.stop] if isinstance(self.stop, str) else self.stop or ()), guide=guide_of(self)[1])
+            stop=tuple([self.stop] if isinstance(self.stop, str) else self.stop or ()), guide=guide_of(self)[1],
+            **self.logprob_settings(max_tokens))
+
+    def logprob_settings(self, max_tokens: int | None) -> dict:
+        """The engine's `logprobs` and `prompt_logprobs` this request asks for."""
+        return {}
+
+    @property
+    def wants_logprobs(self) -> bool:
+        """The answer carries log-probabilities."""
+        return False
 
     def openai_param(self, param: str | None) -> str | None:
         """The field of this endpoint that an engine's parameter (`RequestError.param`) came from."""
@@ -126,13 +136,24 @@ class CompletionRequest(_Sampled):
 
     prompt: str | list[int] | list[str] | list[list[int]]
     echo: bool = False
+    logprobs: StrictInt | None = None
     best_of: int | None = None
     suffix: str | None = None
 
+    def logprob_settings(self, max_tokens: int | None) -> dict:
+        """`logprobs` k: the drawn tokens' top k; with `echo`, the prompt's too (and with `max_tokens` 0 and no
+        `logprobs`, the prompt is only scored, so that the engine draws nothing)."""
+        prompt = self.logprobs if self.echo else None
+        if self.echo and prompt is None and max_tokens == 0:
+            prompt = 0
+        return {"logprobs": self.logprobs, "prompt_logprobs": prompt}
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.logprobs is not None
+
     def check_supported(self) -> None:
         super().check_supported()
-        if self.echo:
-            raise bad_request("echo is not supported", "echo")
         if self.best_of not in (None, 1):
             raise bad_request("best_of must be 1", "best_of")
         if self.suffix:
@@ -164,9 +185,23 @@ class ChatRequest(_Sampled):
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
+    logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = None
     tools: list | None = None
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool | None = None
+
+    def logprob_settings(self, max_tokens: int | None) -> dict:
+        return {"logprobs": (self.top_logprobs or 0) if self.logprobs else None}
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return bool(self.logprobs)
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
 
     @property
     def asked_tokens(self) -> int | None:
@@ -179,6 +214,8 @@ class ChatRequest(_Sampled):
             return "messages"
         if param == "max_tokens" and self.max_completion_tokens is not None:
             return "max_completion_tokens"
+        if param == "logprobs":  # the engine's top k is this endpoint's top_logprobs
+            return "top_logprobs"
         if param == "guide" and guide_of(self)[0] is None and self.tools:
             return "tool_choice"  # the guide of a forced call (`jaxattn.serving.api.tools`)
         return super().openai_param(param)
@@ -282,9 +319,10 @@ class Answer:
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def whole(self, text: str, finish_reason: str, use: dict) -> dict:
+    def whole(self, text: str, finish_reason: str, use: dict, logprobs: dict | None = None) -> dict:
+        """The whole answer; `logprobs` the choice's (`jaxattn.serving.api.logprobs`), or None."""
         if self.kind == "completion":
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
             return {**self._head("text_completion"), "choices": [choice], "usage": use}
         message = {"role": "assistant", "content": text}
         if self.tools is not None:
@@ -294,26 +332,34 @@ class Answer:
                 message["tool_calls"] = [{"id": new_call_id(), "type": "function",
                                           "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
                 finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
-        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
         return {**self._head("chat.completion"), "choices": [choice], "usage": use}
 
-    def chunk(self, text: str | None, finish_reason: str | None = None, *, role: bool = False) -> dict:
-        """One stream chunk: new text, or the last one's finish reason (chat: the first carries the role)."""
+    def chunk(self, text: str | None, finish_reason: str | None = None, *, role: bool = False,
+              logprobs: dict | None = None) -> dict:
+        """One stream chunk: new text (and its tokens' `logprobs`), or the last one's finish reason (chat:
+        the first carries the role)."""
         if self.kind == "completion":
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
             return {**self._head("text_completion"), "choices": [choice]}
         delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
-        return self._delta(delta, finish_reason)
+        return self._delta(delta, finish_reason, logprobs)
 
-    def _delta(self, delta: dict, finish_reason: str | None = None) -> dict:
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    def _delta(self, delta: dict, finish_reason: str | None = None, logprobs: dict | None = None) -> dict:
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         return {**self._head("chat.completion.chunk"), "choices": [choice]}
 
-    def text_chunks(self, text: str) -> list[dict]:
-        """The chunks of a piece of streamed text: itself, or with tools the content and call deltas in it."""
+    def text_chunks(self, text: str, logprobs: dict | None = None) -> list[dict]:
+        """The chunks of a piece of streamed text: itself, or with tools the content and call deltas in it;
+        its tokens' `logprobs` ride on the first (on an empty delta where the parser holds the text back)."""
         if self._parser is None:
-            return [self.chunk(text)] if text else []
-        return [self._event_chunk(e) for e in self._parser.feed(text)]
+            return [self.chunk(text, logprobs=logprobs)] if text or logprobs else []
+        chunks = [self._event_chunk(e) for e in self._parser.feed(text)]
+        if logprobs is not None:
+            if not chunks:
+                return [self._delta({}, None, logprobs)]
+            chunks[0]["choices"][0]["logprobs"] = logprobs
+        return chunks
 
     def last_chunks(self, finish_reason: str) -> list[dict]:
         """The chunks that end a stream: what the tool-call parser held back, then the finish reason."""

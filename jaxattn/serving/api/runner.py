@@ -39,12 +39,16 @@ class Draining(Exception):
 
 @dataclasses.dataclass
 class Update:
-    """What one step gave a request: its new tokens and text, and whether and why it ended."""
+    """What one step gave a request: its new tokens and text, and whether and why it ended; with
+    log-probabilities asked, the new tokens' (`(logprob, top)` each) and, once, the prompt's (one
+    `(logprob, top)` per prompt token, `(None, None)` for the first: `Request.prompt_logprobs`)."""
 
     tokens: list[int]
     text: str
     finish_reason: str | None = None  # "stop", "length", "cancelled", "error", or None while it runs
     error: str | None = None  # an internal failure's message (the request ends with a 500)
+    logprobs: list[tuple[float, tuple]] | None = None
+    prompt_logprobs: list[tuple[float | None, tuple | None]] | None = None
 
 
 class Ticket:
@@ -56,6 +60,7 @@ class Ticket:
         self._admitted: concurrent.futures.Future = concurrent.futures.Future()
         self._updates: asyncio.Queue[Update] = asyncio.Queue()
         self.ended = False
+        self.prompt_scored = False  # its prompt's log-probabilities were handed out
 
     async def admitted(self) -> None:
         await asyncio.wrap_future(self._admitted)
@@ -196,7 +201,7 @@ class EngineRunner:
             tokens, text = request.take_new()
             if self.on_tokens is not None and tokens:
                 self.on_tokens(request, len(request.output_ids) - len(tokens))
-            ticket._put(Update(tokens, text, request.finish_reason))
+            ticket._put(Update(tokens, text, request.finish_reason, **_logprobs(ticket, request, len(tokens))))
             if request.finished:
                 ended.append(request)
                 del self._tickets[request.id]
@@ -212,3 +217,16 @@ class EngineRunner:
             ticket._put(Update([], "", "error", error=message))
         self._tickets.clear()
         time.sleep(0.05)  # a step that fails at once again must not spin the thread
+
+
+def _logprobs(ticket: Ticket, request: Request, new: int) -> dict:
+    """An update's log-probabilities (on the engine's thread): the `new` tokens' when the request asks,
+    and the prompt's once it is computed (a token drawn, or the request ended)."""
+    out = {}
+    if request.sampling.logprobs is not None:
+        start = len(request.output_ids) - new
+        out["logprobs"] = list(zip(request.output_logprobs[start:], request.output_top_logprobs[start:]))
+    if request.sampling.prompt_logprobs is not None and not ticket.prompt_scored and (new or request.finished):
+        ticket.prompt_scored = True
+        out["prompt_logprobs"] = list(zip(request.prompt_logprobs, request.prompt_top_logprobs))
+    return out
