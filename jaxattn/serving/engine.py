@@ -86,7 +86,8 @@ class Engine:
         self.model_runner = ModelRunner(params, config, ec, num_pages=num_pages, max_model_len=self.max_model_len,
                                         kernels=kernels, mesh=mesh, progress=progress)
         self.limits = validation.RequestLimits(config.vocab_size, self.max_model_len, num_pages, ec.page_size,
-                                               detokenizer=detokenize is not None)
+                                               detokenizer=detokenize is not None,
+                                               token_history=self.kv_cache_manager.window is None)
         self._rng = np.random.default_rng(seed)
 
     # -- requests -----------------------------------------------------------------------------
@@ -124,8 +125,8 @@ class Engine:
         output = self.scheduler.schedule()
         if output.empty:
             return output.ended
-        tokens, finite = self.model_runner.execute(output)
-        return self.scheduler.update(output, tokens, finite)
+        tokens, finite, logprobs = self.model_runner.execute(output)
+        return self.scheduler.update(output, tokens, finite, logprobs)
 
     def run(self) -> None:
         """Steps until every request has finished."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -30,6 +31,7 @@ from jaxattn.config import ModelConfig
 from jaxattn.kernels import Kernels
 from jaxattn.scan_plan import relayout
 from jaxattn.serving.engine_config import EngineConfig
+from jaxattn.serving.logit_knobs import fill_logit_knobs
 from jaxattn.serving.requests import Request
 from jaxattn.serving.scheduler import SchedulerOutput
 from jaxattn.serving.step import StepInputs, StepPrograms, StepShape
@@ -80,19 +82,24 @@ class ModelRunner:
         self._buckets, self._prefill_shapes, self._chunk = ec.buckets(), ec.prefill_shapes(), ec.chunk
         pools = init_pools(config, num_pages, ec.page_size, ec.kv_cache)
         self.params, self.pools, place = _placed(params, pools, config, mesh)
-        self.programs = StepPrograms(config, kernels, self.params, self.pools, step_shapes(ec),
+        # Each slot's token, written beside its keys and values (the penalties read it: `logit_knobs`).
+        self.history = place(jnp.zeros((num_pages, ec.page_size), jnp.int32))
+        self.programs = StepPrograms(config, kernels, self.params, self.pools, self.history, step_shapes(ec),
                                      pages_per_seq=self.pages_per_seq, num_slots=self.num_slots, place=place,
                                      progress=progress)
 
-    def execute(self, output: SchedulerOutput) -> tuple[list[int], list[bool]]:
-        """Runs the step -> `(tokens, finite)`: one entry per decode row, then one per prompt chunk
-        (a chunk that does not reach its prompt's end has a draw nobody takes)."""
+    def execute(self, output: SchedulerOutput) -> tuple[list[int], list[bool], list[float]]:
+        """Runs the step -> `(tokens, finite, logprobs)`: one entry per decode row, then one per prompt
+        chunk (a chunk that does not reach its prompt's end has a draw nobody takes); a logprob is the
+        drawn token's raw log-probability for a request that `wants_logprob`, else 0."""
         decode, prefill = output.decode, output.prefill
         shape = self.shape(len(decode), prefill)
-        self.pools, drawn, finite = self.programs(shape, self.params, self.pools, self.inputs(shape, output))
+        self.pools, self.history, *arrays = self.programs(shape, self.params, self.pools, self.history,
+                                                          self.inputs(shape, output))
         rows = slice(shape.decode_rows, shape.decode_rows + len(prefill))
-        drawn, finite = drawn.tolist(), finite.tolist()
-        return drawn[:len(decode)] + drawn[rows], finite[:len(decode)] + finite[rows]
+        drawn, finite, logprobs = (a.tolist() for a in arrays)
+        return (drawn[:len(decode)] + drawn[rows], finite[:len(decode)] + finite[rows],
+                logprobs[:len(decode)] + logprobs[rows])
 
     def shape(self, decoding: int, prefill: list) -> StepShape:
         """The smallest compiled shape that holds the step: decode rows, then prefill rows and chunk."""
@@ -133,4 +140,5 @@ class ModelRunner:
             knobs.temperature[draw], knobs.top_k[draw], knobs.top_p[draw] = (
                 sampling.temperature, sampling.top_k, sampling.top_p)
             knobs.seed[draw], knobs.position[draw] = request.seed, request.num_tokens  # the drawn token's position
+            fill_logit_knobs(knobs, draw, request)
         return inputs

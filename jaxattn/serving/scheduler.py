@@ -194,10 +194,12 @@ class Scheduler:
 
     # -- after a step -------------------------------------------------------------------------
 
-    def update(self, output: SchedulerOutput, tokens: list[int], finite: list[bool]) -> list[Request]:
-        """Hands the step's draws to their requests: `tokens` and `finite` hold one entry per decode
-        row, then one per prompt chunk. Returns the requests that got a token or ended (the cancelled
-        ones included)."""
+    def update(self, output: SchedulerOutput, tokens: list[int], finite: list[bool],
+               logprobs: list[float] | None = None) -> list[Request]:
+        """Hands the step's draws to their requests: `tokens`, `finite` and `logprobs` (each drawn token's
+        raw log-probability, summed into `cumulative_logprob`) hold one entry per decode row, then one
+        per prompt chunk. Returns the requests that got a token or ended (the cancelled ones included)."""
+        logprobs = logprobs if logprobs is not None else [0.0] * len(tokens)
         now = time.perf_counter()
         decode, touched = output.decode, list(output.ended)
         self.stats["steps"] += 1
@@ -205,11 +207,13 @@ class Scheduler:
         self.stats["prefill_tokens"] += sum(chunk.count for chunk in output.prefill)
         for row, request in enumerate(decode):
             self.kv.computed(request, 1)
+            request.cumulative_logprob += logprobs[row]
             self._append(request, tokens[row], finite[row], now)
             touched.append(request)
         for row, (request, _, count) in enumerate(output.prefill, start=len(decode)):
             self.kv.computed(request, count)
             if request.num_computed == request.num_tokens:  # the chunk reached the end: draw
+                request.cumulative_logprob += logprobs[row]
                 self._append(request, tokens[row], finite[row], now)
                 touched.append(request)
         return touched
