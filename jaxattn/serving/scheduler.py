@@ -144,14 +144,23 @@ class Scheduler:
         return prefill
 
     def _admit(self) -> None:
-        """Admits waiting requests in order while a row is free and their pages can be had."""
+        """Admits waiting requests in order while a row is free and their pages can be had; a sibling of
+        n choices waits (holding back those behind it) while its running leader computes the prompt."""
         while self.waiting and len(self.running) < self.max_seqs:
             request = self.waiting[0]
-            if not self.kv.allocate_prompt(request):
+            if self._leader_computing(request) or not self.kv.allocate_prompt(request):
                 return
             self.waiting.popleft()
             request.status = Status.RUNNING
             self.running.append(request)
+
+    def _leader_computing(self, request: Request) -> bool:
+        """The request's leader runs and has not yet keyed the full pages of its prompt (but the last
+        token) that the prefix cache will share with the request."""
+        leader = request.leader
+        if leader is None or leader.status is not Status.RUNNING:
+            return False
+        return len(leader.page_keys) < (len(leader.prompt_ids) - 1) // self.kv.page_size
 
     def _page_for_next(self, request: Request, decode: list[Request]) -> bool:
         """Makes sure slot `num_computed` of a decoding request has a page, preempting the newest
