@@ -1,11 +1,13 @@
 """The routes: plain functions over the `ApiState` the application holds (`app.state.api`).
 
 A completion or a chat is parsed (`protocol`), its text encoded, and handed to the engine's runner as
-ids and `SamplingParams`; whether the request is acceptable is decided once, by
-`jaxattn.serving.validation` (a `RequestError`, here a 400 with its parameter and code) and the
-engine's scheduler (`QueueFull`, here a 429), before a stream starts. Then the answer is streamed or
-collected. A client that goes away, while its request waits or while it streams, has its request
-cancelled: its row and pages are free at the engine's next step.
+ids and `SamplingParams`, one ticket per sequence of its `n` choices (`best_of` on completions);
+whether the request is acceptable is decided once, by `jaxattn.serving.validation` (a `RequestError`,
+here a 400 with its parameter and code) and the engine's scheduler (`QueueFull`, here a 429), before a
+stream starts. Then the answer is streamed or collected: n choices stream their chunks with their
+`index` as they come; best_of > n answers the n sequences of highest cumulative log-probability. A
+client that goes away, while its request waits or while it streams, has its requests cancelled: their
+rows and pages are free at the engine's next step.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from fastapi import Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 
 from jaxattn.hf.chat_template import ChatTemplateError
-from jaxattn.serving import validation
+from jaxattn.serving import Engine, validation
 from jaxattn.serving.api import protocol
 from jaxattn.serving.api.metrics import CONTENT_TYPE
 from jaxattn.serving.api.protocol import Answer, APIError, bad_request
@@ -115,59 +117,77 @@ def encode(state: ApiState, text: str, *, special: bool, param: str) -> list[int
         raise bad_request(f"{param} cannot be encoded: {err}", param) from None
 
 
-async def admitted(request: Request, body, ids: list[int], asked: int | None) -> Ticket:
-    """The request in the engine, or the error it was refused with: RequestError a 400 naming the
-    endpoint's field, QueueFull a 429, a drain a 503."""
+async def admitted(request: Request, body, ids: list[int], asked: int | None) -> list[Ticket]:
+    """The request's sequences in the engine (one ticket each, `body.choices`), or the error it was refused
+    with: RequestError a 400 naming the endpoint's field, QueueFull a 429, a drain a 503."""
     state = state_of(request)
+    n, best_of = body.choices
     try:
         sampling = body.sampling(asked, state.served.stop_token_ids)
-        ticket = state.runner.submit(request.state.tag, ids, sampling)
-        await ticket.admitted()
+        tickets = state.runner.submit_choices(request.state.tag, ids, sampling, n=n, best_of=best_of)
+        for ticket in tickets:
+            await ticket.admitted()
     except validation.RequestError as err:
         raise bad_request(str(err), body.openai_param(err.param), err.code) from None
     except QueueFull as err:
         raise APIError(429, str(err), code="queue_full") from None
     except Draining as err:
         raise APIError(503, str(err), code="draining") from None
-    return ticket
+    return tickets
 
 
 async def answer(request: Request, shape: Answer, body, ids: list[int], asked: int | None) -> Response:
     """Admits the request, then streams its answer or collects it whole."""
-    ticket = await admitted(request, body, ids, asked)
+    tickets = await admitted(request, body, ids, asked)
+    runner = state_of(request).runner
+
+    def cancel_all():
+        for ticket in tickets:
+            runner.cancel(ticket)
+
     if body.stream:
-        runner = state_of(request).runner
-        return CancellingStream(stream(runner, ticket, shape, len(ids), body.include_usage),
-                                lambda: runner.cancel(ticket),
+        return CancellingStream(stream(runner, tickets, shape, len(ids), body.include_usage), cancel_all,
                                 media_type="text/event-stream",
                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    return await whole(request, ticket, shape, len(ids))
+    return await whole(request, tickets, shape, len(ids), body.choices[0], cancel_all)
 
 
-async def whole(request: Request, ticket: Ticket, shape: Answer, prompt_tokens: int) -> Response:
-    runner = state_of(request).runner
+async def collected(ticket: Ticket) -> tuple[str, int, Update]:
+    """A sequence's whole text, its token count and its last update."""
     text, count = [], 0
+    while True:
+        update = await ticket.next()
+        text.append(update.text)
+        count += len(update.tokens)
+        if update.finish_reason is not None:
+            return "".join(text), count, update
+
+
+async def whole(request: Request, tickets: list[Ticket], shape: Answer, prompt_tokens: int, n: int,
+                cancel_all: Callable[[], None]) -> Response:
+    """Every sequence collected, then the `n` best (all of them unless best_of > n: `Engine.best`)."""
     gone = asyncio.ensure_future(client_gone(request))  # a client that hangs up is seen at once
+    collectors = [asyncio.ensure_future(collected(t)) for t in tickets]
+    everything = asyncio.ensure_future(asyncio.wait(collectors))  # never raises: no gather's unretrieved error
     try:
-        while True:
-            next_update = asyncio.ensure_future(ticket.next())
-            await asyncio.wait({next_update, gone}, return_when=asyncio.FIRST_COMPLETED)
-            if not next_update.done():  # the client went away first
-                next_update.cancel()
-                runner.cancel(ticket)
-                return Response(status_code=499)  # nobody reads it
-            update = next_update.result()
-            text.append(update.text)
-            count += len(update.tokens)
-            if update.finish_reason is not None:
-                break
+        await asyncio.wait({everything, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if not everything.done():  # the client went away first
+            cancel_all()
+            return Response(status_code=499)  # nobody reads it
+        results = [c.result() for c in collectors]
     except asyncio.CancelledError:
-        runner.cancel(ticket)
+        cancel_all()
         raise
     finally:
-        gone.cancel()
-    ended(update, ticket)
-    return JSONResponse(shape.whole("".join(text), update.finish_reason, protocol.usage(prompt_tokens, count)))
+        for future in (gone, everything, *collectors):
+            future.cancel()  # a no-op once done; else they end with the handler
+    for (_, _, update), ticket in zip(results, tickets):
+        ended(update, ticket)
+    if len(tickets) > n:  # best_of: the n of highest cumulative log-probability, highest first
+        by_request = {t.request.id: result for t, result in zip(tickets, results)}
+        results = [by_request[r.id] for r in Engine.best([t.request for t in tickets], n)]
+    use = protocol.usage(prompt_tokens, sum(count for _, count, _ in results))
+    return JSONResponse(shape.whole([(text, update.finish_reason) for text, _, update in results], use))
 
 
 def ended(update: Update, ticket: Ticket) -> None:
@@ -178,32 +198,42 @@ def ended(update: Update, ticket: Ticket) -> None:
         raise APIError(503, "the server shut down before this request finished", code="draining")
 
 
-async def stream(runner, ticket: Ticket, shape: Answer, prompt_tokens: int,
+async def stream(runner, tickets: list[Ticket], shape: Answer, prompt_tokens: int,
                  include_usage: bool) -> AsyncIterator[str]:
-    """The answer as server-sent events; an error after it began is an error event, then [DONE]."""
+    """The answer as server-sent events, each choice's chunks with its `index` as they come; an error
+    after it began is an error event, then [DONE]."""
     count = 0
+    pending: dict[asyncio.Future, int] = {}
     try:
         if shape.kind == "chat":
-            yield sse(shape.chunk(None, role=True))
-        while True:
-            update = await ticket.next()
-            count += len(update.tokens)
-            if update.text:
-                yield sse(shape.chunk(update.text))
-            if update.finish_reason is not None:
-                break
-        try:
-            ended(update, ticket)
-        except APIError as err:
-            yield sse(err.body())
-            yield "data: [DONE]\n\n"
-            return
-        yield sse(shape.chunk(None, update.finish_reason))
+            for index in range(len(tickets)):
+                yield sse(shape.chunk(None, role=True, index=index))
+        pending = {asyncio.ensure_future(t.next()): i for i, t in enumerate(tickets)}
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for future in sorted(done, key=pending.get):
+                index, update = pending.pop(future), future.result()
+                count += len(update.tokens)
+                if update.text:
+                    yield sse(shape.chunk(update.text, index=index))
+                if update.finish_reason is None:
+                    pending[asyncio.ensure_future(tickets[index].next())] = index
+                    continue
+                try:
+                    ended(update, tickets[index])
+                except APIError as err:
+                    yield sse(err.body())
+                    yield "data: [DONE]\n\n"
+                    return
+                yield sse(shape.chunk(None, update.finish_reason, index=index))
         if include_usage:
             yield sse(shape.usage_chunk(protocol.usage(prompt_tokens, count)))
         yield "data: [DONE]\n\n"
     finally:  # the client went away (the task is cancelled), or the stream ended
-        runner.cancel(ticket)
+        for future in pending:
+            future.cancel()
+        for ticket in tickets:
+            runner.cancel(ticket)
 
 
 class CancellingStream(StreamingResponse):

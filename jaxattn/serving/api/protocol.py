@@ -3,8 +3,9 @@
 Requests are parsed by pydantic models that take the fields `/v1/completions` and
 `/v1/chat/completions` define, into their types only, ignore fields that change nothing here
 (`user`, `metadata`, `store`, ...), and refuse with a 400 naming the parameter what would change the
-answer and is not supported (`n` > 1, `logprobs`, `best_of`, penalties, `tools`, `response_format`
-other than text). `top_k` (0 or -1 = off) and `ignore_eos` are extensions, as in vLLM. Whether the
+answer and is not supported (`logprobs`, `tools`, `response_format` other than text, `best_of` > `n`
+when streaming, as vLLM does). `top_k` (0 or -1 = off), `min_p`, `repetition_penalty` and
+`ignore_eos` are extensions, as in vLLM; `logit_bias` is OpenAI's (token ids as strings -> bias). Whether the
 values are in range, and fit the model, is `jaxattn.serving.validation`'s to say (its `RequestError`
 names the engine's parameter; `openai_param` names the endpoint's).
 
@@ -65,24 +66,19 @@ class _Sampled(BaseModel):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
+    n: int | None = None
     logprobs: Any = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None  # an extension (vLLM's, transformers' definition)
+    min_p: float | None = None  # an extension (vLLM's)
+    logit_bias: dict[str, float] | None = None
     ignore_eos: bool = False  # an extension (vLLM's): the end-of-sequence token does not end the answer
 
     def check_supported(self) -> None:
         """A 400 naming the first field that asks for something this server does not do."""
-        if self.n != 1:
-            raise bad_request(f"n must be 1 (one choice per request), got {self.n}", "n")
         if self.logprobs not in (None, False, 0):
             raise bad_request("logprobs are not supported", "logprobs")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) != 0:
-                raise bad_request(f"{name} is not supported (0 only)", name)
-        if self.logit_bias:
-            raise bad_request("logit_bias is not supported", "logit_bias")
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed with stream: true", "stream_options")
 
@@ -94,7 +90,24 @@ class _Sampled(BaseModel):
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=0 if self.top_k in (None, -1) else self.top_k, seed=self.seed, max_tokens=max_tokens,
             stop_token_ids=() if self.ignore_eos else stop_token_ids,
-            stop=tuple([self.stop] if isinstance(self.stop, str) else self.stop or ()))
+            stop=tuple([self.stop] if isinstance(self.stop, str) else self.stop or ()),
+            presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            min_p=self.min_p or 0.0, logit_bias=self.token_bias())
+
+    def token_bias(self) -> tuple[tuple[int, float], ...]:
+        """`logit_bias` with its keys (token ids written as strings, OpenAI's shape) as ints; a 400 otherwise."""
+        pairs = []
+        for key, bias in (self.logit_bias or {}).items():
+            if not key.strip().lstrip("-").isdigit():
+                raise bad_request(f"logit_bias's keys must be token ids, got {key!r}", "logit_bias")
+            pairs.append((int(key), bias))
+        return tuple(pairs)
+
+    @property
+    def choices(self) -> tuple[int, int | None]:
+        """`(n, best_of)`: the choices answered and the sequences drawn (None: n)."""
+        return (1 if self.n is None else self.n), None
 
     def openai_param(self, param: str | None) -> str | None:
         """The field of this endpoint that an engine's parameter (`RequestError.param`) came from."""
@@ -117,10 +130,15 @@ class CompletionRequest(_Sampled):
         super().check_supported()
         if self.echo:
             raise bad_request("echo is not supported", "echo")
-        if self.best_of not in (None, 1):
-            raise bad_request("best_of must be 1", "best_of")
+        n = 1 if self.n is None else self.n
+        if self.stream and self.best_of is not None and self.best_of != n:
+            raise bad_request(f"best_of must equal n ({n}) when streaming, got {self.best_of}", "best_of")
         if self.suffix:
             raise bad_request("suffix is not supported", "suffix")
+
+    @property
+    def choices(self) -> tuple[int, int | None]:
+        return (1 if self.n is None else self.n), self.best_of
 
     def single_prompt(self) -> str | list[int]:
         """The one prompt: text or ids (a list of one taken); a 400 for several."""
@@ -214,21 +232,24 @@ class Answer:
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def whole(self, text: str, finish_reason: str, use: dict) -> dict:
+    def whole(self, choices: list[tuple[str, str]], use: dict) -> dict:
+        """The whole answer: `choices` (text, finish reason) in index order."""
         if self.kind == "completion":
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-            return {**self._head("text_completion"), "choices": [choice], "usage": use}
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                  "finish_reason": finish_reason}
-        return {**self._head("chat.completion"), "choices": [choice], "usage": use}
+            listed = [{"index": i, "text": text, "logprobs": None, "finish_reason": finish_reason}
+                      for i, (text, finish_reason) in enumerate(choices)]
+            return {**self._head("text_completion"), "choices": listed, "usage": use}
+        listed = [{"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                   "finish_reason": finish_reason} for i, (text, finish_reason) in enumerate(choices)]
+        return {**self._head("chat.completion"), "choices": listed, "usage": use}
 
-    def chunk(self, text: str | None, finish_reason: str | None = None, *, role: bool = False) -> dict:
-        """One stream chunk: new text, or the last one's finish reason (chat: the first carries the role)."""
+    def chunk(self, text: str | None, finish_reason: str | None = None, *, role: bool = False, index: int = 0) -> dict:
+        """One stream chunk of choice `index`: new text, or its last one's finish reason (chat: its first
+        carries the role)."""
         if self.kind == "completion":
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
             return {**self._head("text_completion"), "choices": [choice]}
         delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
         return {**self._head("chat.completion.chunk"), "choices": [choice]}
 
     def usage_chunk(self, use: dict) -> dict:
