@@ -123,6 +123,7 @@ class Engine:
         range (`validation.check_choices`), or what `add_request` refuses.
         """
         count = validation.check_choices(n, best_of)
+        self.scheduler.check_room(count)  # all of them queue, or none
         seed = int(self._rng.integers(2**31)) if sampling.seed is None else sampling.seed
         requests = []
         for i in range(count):

@@ -88,14 +88,16 @@ class Scheduler:
 
     # -- the queue ----------------------------------------------------------------------------
 
-    def check_room(self) -> None:
-        """QueueFull when `max_waiting` requests already wait beyond the rows the next step can fill."""
+    def check_room(self, more: int = 1) -> None:
+        """QueueFull when `more` requests (the sequences of one request's choices) would put more than
+        `max_waiting` beyond the rows the next step can fill."""
         if self.max_waiting is None:
             return
         free_rows = self.max_seqs - len(self.running)
         queued = len(self.waiting) - max(free_rows, 0)  # those the next step cannot admit
-        if queued >= self.max_waiting:
-            raise QueueFull(f"{queued} requests are waiting for a row, the most this engine queues "
+        if queued + more > self.max_waiting:
+            ours = f" and this request is {more} sequences" if more > 1 else ""
+            raise QueueFull(f"{max(queued, 0)} requests are waiting for a row{ours}, the most this engine queues "
                             f"(max_waiting={self.max_waiting})")
 
     def add(self, request: Request) -> None:

@@ -72,6 +72,10 @@ def test_the_queue_limit_counts_the_requests_no_free_row_will_take():
     scheduler.schedule()  # two admitted: two wait, none of them past a free row
     with pytest.raises(QueueFull):
         scheduler.check_room()
+    scheduler, _ = parts(max_seqs=2, max_waiting=2)
+    scheduler.check_room(4)  # n choices: two rows free, two queued
+    with pytest.raises(QueueFull, match="this request is 5 sequences"):
+        scheduler.check_room(5)
     parts(max_seqs=2)[0].check_room()  # no limit: never full
 
 

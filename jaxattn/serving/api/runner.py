@@ -119,7 +119,8 @@ class EngineRunner:
         loop = asyncio.get_running_loop()
         count = check_choices(n, best_of)
         tickets = [Ticket(f"{tag}-{i}" if count > 1 else tag, prompt_ids, sampling, loop) for i in range(count)]
-        self._send(("add_choices", (tickets, n, best_of)))
+        # One sequence is a plain request (`Engine.add_request`): what every engine, stand-ins too, takes.
+        self._send(("add", tickets[0]) if count == 1 else ("add_choices", (tickets, n, best_of)))
         return tickets
 
     def cancel(self, ticket: Ticket) -> None:
