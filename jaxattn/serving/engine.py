@@ -117,8 +117,8 @@ class Engine:
         Choice i draws with seed `s + i` (`s` the request's seed, or one the engine draws), so a seeded
         choice equals a solo request with that seed. The prompt is computed once: the first choice
         leads, and the others are admitted once it has computed the prompt's full pages, which the
-        prefix cache then shares with them (each computes only the prompt's last, partial page, and the
-        token before its first draw). With `best_of > n` every sequence sums its drawn tokens' raw
+        prefix cache then shares with them: each computes only the prompt's tokens past the last full
+        page of all but its last token (1 to `page_size` tokens). With `best_of > n` every sequence sums its drawn tokens' raw
         log-probabilities (`Request.cumulative_logprob`). RequestError naming `n` or `best_of` out of
         range (`validation.check_choices`), or what `add_request` refuses.
         """

@@ -4,11 +4,13 @@ scheduled step turned into the programs' arrays.
 `ModelRunner` places the parameters and the page pools (on a device mesh, or as they are), compiles
 every step shape once (`jaxattn.serving.step.StepPrograms`), and for each `SchedulerOutput` picks the
 smallest compiled shape that holds it (`shape`), writes its host arrays (`inputs`: flat tokens,
-positions and slots, each row's block table and positions, the draws' knobs) straight into the
+positions and slots, each row's block table and positions, the draws' knobs, those of
+`jaxattn.serving.logit_knobs` by `fill_logit_knobs`) straight into the
 layout of `jaxattn.serving.step.StepInputs` and `jaxattn.cache.containers.PagedBatch`, and runs it
 (`execute`): the drawn tokens and whether each row's logits were finite, one entry per scheduled row.
 
-It reads the requests' page bookkeeping and never writes it (the KV-cache manager's).
+It reads the requests' page bookkeeping and never writes it (the KV-cache manager's). Beside the pools
+it holds `history`, each slot's token, which the step programs write and the penalties read.
 
 vLLM V1's GPUModelRunner is the model (read for its shape). What lands here next: a grammar's logit
 mask, built per drawn row into the step's inputs and applied before the draw (`step.draw`); several
