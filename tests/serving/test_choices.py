@@ -3,7 +3,6 @@ its seed, the prompt's full pages are computed once (the engine's counters), and
 sequences by their tokens' raw log-probabilities, summed.
 """
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

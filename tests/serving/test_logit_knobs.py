@@ -10,8 +10,7 @@ import pytest
 
 from jaxattn.model import DecoderLM
 from jaxattn.sampling import filter_logits
-from jaxattn.serving import RequestError, SamplingParams
-from jaxattn.serving import logit_knobs
+from jaxattn.serving import RequestError, SamplingParams, logit_knobs
 from jaxattn.serving.validation import MAX_LOGIT_BIAS
 from tests.serving.test_serving import VOCAB, engine_for, model
 

@@ -3,10 +3,10 @@
 Requests are parsed by pydantic models that take the fields `/v1/completions` and
 `/v1/chat/completions` define, into their types only, ignore fields that change nothing here
 (`user`, `metadata`, `store`, ...), and refuse with a 400 naming the parameter what would change the
-answer and is not supported (`logprobs`, `tools`, `response_format` other than text, `best_of` > `n`
-when streaming, as vLLM does). `top_k` (0 or -1 = off), `min_p`, `repetition_penalty` and
-`ignore_eos` are extensions, as in vLLM; `logit_bias` is OpenAI's (token ids as strings -> bias). Whether the
-values are in range, and fit the model, is `jaxattn.serving.validation`'s to say (its `RequestError`
+answer and is not supported (`logprobs`, `tools`, `response_format` other than text; `best_of` other
+than `n` when streaming, as vLLM refuses it). `top_k` (0 or -1 = off), `min_p`, `repetition_penalty`
+and `ignore_eos` are extensions, as in vLLM; `logit_bias` is OpenAI's (token ids as strings -> bias).
+`n` choices (and `best_of` sequences on completions) are checked by the engine. Whether the values are in range, and fit the model, is `jaxattn.serving.validation`'s to say (its `RequestError`
 names the engine's parameter; `openai_param` names the endpoint's).
 
 Errors are `APIError`s, answered as OpenAI answers them, `{"error": {"message", "type", "param",
