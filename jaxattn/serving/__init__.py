@@ -12,6 +12,7 @@ The engine, in parts that each do one job (vLLM V1's split):
 * `PageAllocator` (`jaxattn.serving.pages`): the pool's pages, refcounts, the prefix cache;
 * `ModelRunner` (`jaxattn.serving.model_runner`): placed parameters and pools, a step's arrays, the run;
 * `jaxattn.serving.step`: the compiled step programs, one per shape bucket;
+* `jaxattn.serving.logit_knobs`: logit bias, the penalties and min-p on the device, per drawn row;
 * `Guide` (`jaxattn.serving.guides`): what a request's output must match (a schema, a regex, a grammar);
 * `GuideCompiler` (`jaxattn.serving.structured`): guides compiled by llguidance for the model's
   tokenizer, each guided row's mask of allowed tokens;

@@ -95,7 +95,8 @@ class Engine:
         self.guide_compiler = guide_compiler
         self.limits = validation.RequestLimits(config.vocab_size, self.max_model_len, num_pages, ec.page_size,
                                                detokenizer=detokenize is not None,
-                                               guides=guide_compiler is not None)
+                                               guides=guide_compiler is not None,
+                                               token_history=self.kv_cache_manager.window is None)
         self._rng = np.random.default_rng(seed)
 
     # -- requests -----------------------------------------------------------------------------
@@ -120,6 +121,42 @@ class Engine:
         request.guide_state = guide_state
         self.scheduler.add(request)
         return request
+
+    def add_choices(self, prompt_ids, sampling: SamplingParams = SamplingParams(), *, n: int = 1,
+                    best_of: int | None = None) -> list[Request]:
+        """Queues `best_of` (None: `n`) sequences of one prompt and returns them; `best` picks the n to answer.
+
+        Choice i draws with seed `s + i` (`s` the request's seed, or one the engine draws), so a seeded
+        choice equals a solo request with that seed. The prompt is computed once: the first choice
+        leads, and the others are admitted once it has computed the prompt's full pages, which the
+        prefix cache then shares with them: each computes only the prompt's tokens past the last full
+        page of all but its last token (1 to `page_size` tokens). With `best_of > n` every sequence sums its drawn tokens' raw
+        log-probabilities (`Request.cumulative_logprob`). RequestError naming `n` or `best_of` out of
+        range (`validation.check_choices`), or what `add_request` refuses.
+        """
+        count = validation.check_choices(n, best_of)
+        self.scheduler.check_room(count)  # all of them queue, or none
+        seed = int(self._rng.integers(2**31)) if sampling.seed is None else sampling.seed
+        requests = []
+        for i in range(count):
+            choice = dataclasses.replace(sampling, seed=(seed + i) % 2**31)
+            request = self.add_request(prompt_ids, choice) if not requests else self._sibling(requests[0], choice)
+            request.wants_logprob = count > n
+            requests.append(request)
+        return requests
+
+    def _sibling(self, leader: Request, sampling: SamplingParams) -> Request:
+        """Another choice of `leader`'s prompt (already checked), admitted after it has computed it."""
+        request = Request(leader.prompt_ids, sampling, sampling.seed, self.detokenize)
+        request.guide_state = None if sampling.guide is None else self.guide_compiler.start(sampling.guide)
+        request.leader = leader if self.kv_cache_manager.allocator.prefix_caching else None
+        self.scheduler.add(request)
+        return request
+
+    @staticmethod
+    def best(requests: list[Request], n: int) -> list[Request]:
+        """The `n` finished sequences of highest cumulative log-probability, highest first (vLLM's best_of)."""
+        return sorted(requests, key=lambda r: r.cumulative_logprob, reverse=True)[:n]
 
     def cancel(self, request: Request) -> None:
         """Ends a request: it is dropped from the queue, or its pages are given back at the next step."""

@@ -4,13 +4,15 @@ scheduled step turned into the programs' arrays.
 `ModelRunner` places the parameters and the page pools (on a device mesh, or as they are), compiles
 every step shape once (`jaxattn.serving.step.StepPrograms`), and for each `SchedulerOutput` picks the
 smallest compiled shape that holds it (`shape`), writes its host arrays (`inputs`: flat tokens,
-positions and slots, each row's block table and positions, the draws' knobs, which log-probabilities
-are asked: `logprob_knobs`) straight into the layout of `jaxattn.serving.step.StepInputs` and
+positions and slots, each row's block table and positions, the draws' knobs, those of
+`jaxattn.serving.logit_knobs` by `fill_logit_knobs`, which log-probabilities are asked:
+`logprob_knobs`) straight into the layout of `jaxattn.serving.step.StepInputs` and
 `jaxattn.cache.containers.PagedBatch`, and runs it (`execute`): the drawn tokens and whether each row's
 logits were finite, one entry per scheduled row, and the log-probabilities asked (`StepLogprobsOut`,
 read back from the device only when some row asked).
 
-It reads the requests' page bookkeeping and never writes it (the KV-cache manager's).
+It reads the requests' page bookkeeping and never writes it (the KV-cache manager's). Beside the pools
+it holds `history`, each slot's token, which the step programs write and the penalties read.
 
 A guided row (a request with a guide, drawing this step) gets its mask of allowed tokens filled on the
 host (`fill_guides`, through `jaxattn.serving.structured`), applied in the step program before the draw.
@@ -27,6 +29,7 @@ from typing import NamedTuple
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -37,6 +40,7 @@ from jaxattn.config import ModelConfig
 from jaxattn.kernels import Kernels
 from jaxattn.scan_plan import relayout
 from jaxattn.serving.engine_config import EngineConfig
+from jaxattn.serving.logit_knobs import fill_logit_knobs
 from jaxattn.serving.requests import Request, StepLogprobs
 from jaxattn.serving.scheduler import SchedulerOutput
 from jaxattn.serving.step import LogprobKnobs, Logprobs, StepInputs, StepPrograms, StepShape
@@ -63,7 +67,7 @@ def logprob_knobs(knobs: LogprobKnobs, request: Request, draw: int, prefill_row:
     chunk (`prefill_row`), each prompt token after its tokens (`sampling.prompt_logprobs`; the prompt
     only, before anything is drawn: a preempted request's recomputed prompt is not scored again)."""
     sampling = request.sampling
-    knobs.drawn[draw] = sampling.logprobs is not None
+    knobs.drawn[draw] = sampling.logprobs is not None or request.wants_logprob  # best_of ranks by it
     if prefill_row is None or sampling.prompt_logprobs is None or request.output_ids:
         return
     prompt = request.prompt_ids
@@ -147,7 +151,9 @@ class ModelRunner:
         self._buckets, self._prefill_shapes, self._chunk = ec.buckets(), ec.prefill_shapes(), ec.chunk
         pools = init_pools(config, num_pages, ec.page_size, ec.kv_cache)
         self.params, self.pools, place = _placed(params, pools, config, mesh)
-        self.programs = StepPrograms(config, kernels, self.params, self.pools, step_shapes(ec),
+        # Each slot's token, written beside its keys and values (the penalties read it: `logit_knobs`).
+        self.history = place(jnp.zeros((num_pages, ec.page_size), jnp.int32))
+        self.programs = StepPrograms(config, kernels, self.params, self.pools, self.history, step_shapes(ec),
                                      pages_per_seq=self.pages_per_seq, num_slots=self.num_slots, place=place,
                                      progress=progress)
 
@@ -158,7 +164,8 @@ class ModelRunner:
         decode, prefill = output.decode, output.prefill
         shape = self.shape(len(decode), prefill)
         inputs = self.inputs(shape, output)
-        self.pools, drawn, finite, logprobs = self.programs(shape, self.params, self.pools, inputs)
+        self.pools, self.history, drawn, finite, logprobs = self.programs(shape, self.params, self.pools,
+                                                                          self.history, inputs)
         rows = list(range(len(decode))) + list(range(shape.decode_rows, shape.decode_rows + len(prefill)))
         logprobs = read_logprobs(logprobs, inputs, rows, [(start, count) for _, start, count in prefill])
         drawn, finite = drawn.tolist(), finite.tolist()
@@ -204,6 +211,7 @@ class ModelRunner:
             knobs.temperature[draw], knobs.top_k[draw], knobs.top_p[draw] = (
                 sampling.temperature, sampling.top_k, sampling.top_p)
             knobs.seed[draw], knobs.position[draw] = request.seed, request.num_tokens  # the drawn token's position
+            fill_logit_knobs(knobs, draw, request)
             logprob_knobs(inputs.logprobs, request, draw, None if group is decode_group else row, positions)
             if request.guide_state is not None and start + count == request.num_tokens:  # a draw it takes
                 guided.append((request, draw))

@@ -40,6 +40,16 @@ class SamplingParams:
       prompt_logprobs: None: off; k in [0, 20]: each prompt token's log-probability given the tokens
         before it, and the k most likely there (`Request.prompt_logprobs`, `prompt_top_logprobs`;
         the first token's are None). Such a request skips the prefix cache: every token is computed.
+      presence_penalty, frequency_penalty: OpenAI's, in [-2, 2]: `logits[j] -= c[j] * frequency_penalty
+        + (c[j] > 0) * presence_penalty`, `c[j]` the count of token j among the tokens drawn so far.
+      repetition_penalty: transformers' and vLLM's, > 0 (1 = off): a token in the prompt or drawn so far
+        has a positive logit divided by it, a negative one multiplied.
+      min_p: in [0, 1] (0 = off): after the temperature, tokens of probability < min_p times the most
+        likely token's are dropped.
+      logit_bias: token id -> bias in [-100, 100], added to the logits (a dict, or pairs; kept as
+        pairs; at most `validation.MAX_LOGIT_BIAS`).
+    The order on the device is vLLM's: bias, penalties, temperature, min_p, top-k, top-p
+    (`jaxattn.serving.logit_knobs`).
     """
 
     temperature: float = 1.0
@@ -52,13 +62,25 @@ class SamplingParams:
     guide: Guide | None = None
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self):
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple(tuple(p) if isinstance(p, (tuple, list)) else p for p in bias))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
         if self.guide is not None and not isinstance(self.guide, Guide):
             raise TypeError(f"guide must be a jaxattn.serving.guides.Guide or None, got {type(self.guide).__name__}")
         check_sampling(self)  # each field in its range (a RequestError, a ValueError, naming the field)
+
+    @property
+    def penalized(self) -> bool:
+        """Some penalty is on (the step reads the sequence's tokens)."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
 
 TopLogprobs = tuple[tuple[int, float], ...]  # (token id, log-probability), the most likely first
@@ -107,6 +129,9 @@ class Request:
         self.finish_reason: str | None = None
         self.text = TextStream(detokenize, sampling.stop) if detokenize is not None else None
         self.num_preemptions = 0
+        self.cumulative_logprob = 0.0  # the drawn tokens' raw log-probabilities summed (when computed)
+        self.wants_logprob = False  # set for the sequences of a best_of request, ranked by it
+        self.leader: Request | None = None  # a sibling of n choices waits until it has computed the prompt
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache (last admission)
         # Its guide's state (`jaxattn.serving.structured.GuideState`), set by the engine for a guided
         # request: the model runner reads its mask, the scheduler advances it by each token drawn.
@@ -141,6 +166,8 @@ class Request:
         """Appends a drawn token (and, when the request asks, its log-probabilities, the top cut to its k)."""
         self.output_ids.append(token)
         self.token_times.append(now)
+        if logprobs is not None:  # asked for, or a best_of sequence (`wants_logprob`), ranked by the sum
+            self.cumulative_logprob += logprobs.logprob
         if self.sampling.logprobs is not None and logprobs is not None:
             self.output_logprobs.append(logprobs.logprob)
             self.output_top_logprobs.append(logprobs.top[:self.sampling.logprobs])

@@ -92,14 +92,16 @@ class Scheduler:
 
     # -- the queue ----------------------------------------------------------------------------
 
-    def check_room(self) -> None:
-        """QueueFull when `max_waiting` requests already wait beyond the rows the next step can fill."""
+    def check_room(self, more: int = 1) -> None:
+        """QueueFull when `more` requests (the sequences of one request's choices) would put more than
+        `max_waiting` beyond the rows the next step can fill."""
         if self.max_waiting is None:
             return
         free_rows = self.max_seqs - len(self.running)
         queued = len(self.waiting) - max(free_rows, 0)  # those the next step cannot admit
-        if queued >= self.max_waiting:
-            raise QueueFull(f"{queued} requests are waiting for a row, the most this engine queues "
+        if queued + more > self.max_waiting:
+            ours = f" and this request is {more} sequences" if more > 1 else ""
+            raise QueueFull(f"{max(queued, 0)} requests are waiting for a row{ours}, the most this engine queues "
                             f"(max_waiting={self.max_waiting})")
 
     def add(self, request: Request) -> None:
@@ -148,14 +150,23 @@ class Scheduler:
         return prefill
 
     def _admit(self) -> None:
-        """Admits waiting requests in order while a row is free and their pages can be had."""
+        """Admits waiting requests in order while a row is free and their pages can be had; a sibling of
+        n choices waits (holding back those behind it) while its running leader computes the prompt."""
         while self.waiting and len(self.running) < self.max_seqs:
             request = self.waiting[0]
-            if not self.kv.allocate_prompt(request):
+            if self._leader_computing(request) or not self.kv.allocate_prompt(request):
                 return
             self.waiting.popleft()
             request.status = Status.RUNNING
             self.running.append(request)
+
+    def _leader_computing(self, request: Request) -> bool:
+        """The request's leader runs and has not yet keyed the full pages of its prompt (but the last
+        token) that the prefix cache will share with the request."""
+        leader = request.leader
+        if leader is None or leader.status is not Status.RUNNING:
+            return False
+        return len(leader.page_keys) < (len(leader.prompt_ids) - 1) // self.kv.page_size
 
     def _page_for_next(self, request: Request, decode: list[Request]) -> bool:
         """Makes sure slot `num_computed` of a decoding request has a page, preempting the newest

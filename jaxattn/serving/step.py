@@ -6,6 +6,11 @@ of rows: `decode_rows` rows of one token (a sequence's last token, whose next on
 being recomputed). The weights are read once for all of them; attention reads each row's own
 pages. Logits are computed only for the tokens a draw follows (`PagedBatch.logit_tokens`).
 
+Before the draw, a row's logits may be biased and penalised, and after the temperature filtered by
+min-p (`jaxattn.serving.logit_knobs`, vLLM's order), each only when some row asks. The penalties read
+each row's tokens from `history`, one int32 per slot of the pool, written by every step beside the
+keys and values.
+
 Each draw's randomness depends on the request's seed and the position of the drawn token
 only (`jax.random.fold_in(PRNGKey(seed), position)`), never on what else shares the step, so a
 seeded request gives the same tokens whatever runs beside it.
@@ -36,6 +41,7 @@ from jaxattn.config import ModelConfig
 from jaxattn.kernels import Kernels
 from jaxattn.model import DecoderLM
 from jaxattn.sampling import filter_logits
+from jaxattn.serving import logit_knobs
 from jaxattn.serving.validation import MAX_LOGPROBS
 
 
@@ -60,13 +66,21 @@ class StepShape:
 
 @flax.struct.dataclass
 class DrawKnobs:
-    """Per drawn row: `[M]` arrays. temperature 0 = greedy; top_k <= 0 and top_p >= 1 are off."""
+    """Per drawn row: `[M]` arrays (the bias `[M, MAX_LOGIT_BIAS]`). temperature 0 = greedy; top_k <= 0,
+    top_p >= 1, min_p 0, penalties 0 (repetition 1) and bias padding (`logit_knobs.NO_TOKEN`) are off."""
 
     temperature: jax.Array
     top_k: jax.Array
     top_p: jax.Array
     seed: jax.Array  # int32
     position: jax.Array  # int32, the drawn token's position in its sequence
+    presence: jax.Array
+    frequency: jax.Array
+    repetition: jax.Array
+    min_p: jax.Array
+    prompt_len: jax.Array  # int32: the tokens after it were drawn (the presence and frequency counts)
+    bias_ids: jax.Array  # [M, MAX_LOGIT_BIAS] int32
+    bias_values: jax.Array  # [M, MAX_LOGIT_BIAS] float32
     guided: jax.Array  # bool, the row's tokens are constrained by `mask`
     mask: jax.Array  # [M, ceil(V/32)] int32: bit i % 32 of word i // 32 set = token i allowed (guided rows)
 
@@ -118,19 +132,34 @@ class StepInputs:
                            groups=groups, logit_tokens=np.zeros(M, np.int32))
         knobs = DrawKnobs(temperature=np.zeros(M, np.float32), top_k=np.zeros(M, np.int32),
                           top_p=np.ones(M, np.float32), seed=np.zeros(M, np.int32), position=np.zeros(M, np.int32),
-                          guided=np.zeros(M, bool), mask=np.full((M, -(-vocab_size // 32)), -1, np.int32))
+                          guided=np.zeros(M, bool), mask=np.full((M, -(-vocab_size // 32)), -1, np.int32),
+                          **logit_knobs.empty_knobs(M))
         return StepInputs(tokens=np.zeros(Tf, np.int32), batch=batch, knobs=knobs, logprobs=LogprobKnobs.empty(shape))
 
 
+def adjusted(logits, knobs: DrawKnobs, tokens):
+    """The raw `[M, V]` logits biased, then penalised (`tokens`: `[M, L]` each row's tokens by position,
+    a thunk, read only when a row is penalised); each only when some row asks."""
+    logits = jax.lax.cond(jnp.any(knobs.bias_ids != logit_knobs.NO_TOKEN),
+                          lambda x: logit_knobs.apply_logit_bias(x, knobs.bias_ids, knobs.bias_values),
+                          lambda x: x, logits)
+    penalised = (knobs.presence != 0) | (knobs.frequency != 0) | (knobs.repetition != 1)
+    return jax.lax.cond(jnp.any(penalised), lambda x: logit_knobs.apply_penalties(
+        x, tokens(), knobs.position, knobs.prompt_len, knobs.presence, knobs.frequency, knobs.repetition),
+        lambda x: x, logits)
+
+
 def draw(logits, knobs: DrawKnobs):
-    """`[M, V]` float32 logits -> `[M]` int32 tokens: greedy where temperature is 0, else a draw
-    keyed by (seed, position) after temperature, top-k and top-p (`jaxattn.sampling`'s order).
-    The sorting top-k/top-p need runs only when some row asks for them."""
+    """`[M, V]` float32 logits (already biased and penalised) -> `[M]` int32 tokens: greedy where
+    temperature is 0, else a draw keyed by (seed, position) after temperature, min-p, top-k and top-p.
+    The sorting top-k/top-p need, and min-p's softmax, run only when some row asks for them."""
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
     def sampled(logits):
         t = knobs.temperature
         scaled = logits / jnp.where(t > 0, t, 1.0)[:, None]
+        scaled = jax.lax.cond(jnp.any(knobs.min_p > 0), lambda x: logit_knobs.apply_min_p(x, knobs.min_p),
+                              lambda x: x, scaled)
         filtered = jax.lax.cond(
             jnp.any((knobs.top_k > 0) | (knobs.top_p < 1.0)),
             lambda x: jax.vmap(lambda row, k, p: filter_logits(row[None], top_k=k, top_p=p)[0])(
@@ -193,29 +222,34 @@ def step_logprobs(head, hidden, logits, tokens, knobs: LogprobKnobs) -> Logprobs
     return Logprobs(*drawn, *prompt)
 
 
-def _step(params, pools, inputs: StepInputs, *, model: DecoderLM):
+def _step(params, pools, history, inputs: StepInputs, *, model: DecoderLM):
+    # The tokens go into the history at their keys' slots first, so a row reads its own sequence whole.
+    history = history.reshape(-1).at[inputs.batch.slots].set(inputs.tokens, mode="drop").reshape(history.shape)
     variables = {"params": params}
     hidden, pools = model.apply(variables, inputs.tokens, pools, inputs.batch, method=DecoderLM.paged_hidden)
-    head = lambda x: model.apply(variables, x[None], method=DecoderLM.logits)[0]  # noqa: E731 ([T, D] -> [T, V])
-    raw = head(hidden[inputs.batch.logit_tokens])  # log-probabilities are the model's, before any guide
+    head = lambda x: model.apply(variables, x[None], method=DecoderLM.logits)[0].astype(jnp.float32)  # noqa: E731
+    raw = head(hidden[inputs.batch.logit_tokens])  # [M, V]; log-probabilities are the model's, before any knob
     logits = apply_masks(raw, inputs.knobs)  # a guided row with nothing allowed is not finite below
     finite = jnp.isfinite(jnp.max(logits, axis=-1))  # [M]: NaN, +inf or all -inf means nothing to draw from
-    tokens = draw(logits, inputs.knobs)
-    return pools, tokens, finite, step_logprobs(head, hidden, raw, tokens, inputs.logprobs)
+    block_table = jnp.concatenate([group.block_table for group in inputs.batch.groups])  # [M, pages], draw order
+    knobs = inputs.knobs
+    tokens = draw(adjusted(logits, knobs, lambda: logit_knobs.sequence_tokens(history, block_table)), knobs)
+    return pools, history, tokens, finite, step_logprobs(head, hidden, raw, tokens, inputs.logprobs)
 
 
 class StepPrograms:
     """One compiled step per bucket, all compiled here (ahead of time: a call with other shapes
-    is refused rather than compiled). The pools are donated: each step updates them in place."""
+    is refused rather than compiled). The pools and the token history (`[num_pages, page_size]` int32)
+    are donated: each step updates them in place."""
 
-    def __init__(self, config: ModelConfig, kernels: Kernels, params, pools, shapes, *, pages_per_seq: int,
-                 num_slots: int, place=lambda tree: tree, progress=None):
+    def __init__(self, config: ModelConfig, kernels: Kernels, params, pools, history, shapes, *,
+                 pages_per_seq: int, num_slots: int, place=lambda tree: tree, progress=None):
         self.pages_per_seq, self.num_slots, self._place = pages_per_seq, num_slots, place
-        step = jax.jit(functools.partial(_step, model=DecoderLM(config, kernels)), donate_argnums=(1,))
+        step = jax.jit(functools.partial(_step, model=DecoderLM(config, kernels)), donate_argnums=(1, 2))
         self.programs = {}
         for i, shape in enumerate(sorted(shapes)):
             inputs = place(StepInputs.empty(shape, pages_per_seq, num_slots, config.vocab_size))
-            self.programs[shape] = step.lower(params, pools, inputs).compile()
+            self.programs[shape] = step.lower(params, pools, history, inputs).compile()
             if progress is not None:
                 progress(i + 1, len(shapes), shape)
 
@@ -223,8 +257,8 @@ class StepPrograms:
     def shapes(self) -> list[StepShape]:
         return sorted(self.programs)
 
-    def __call__(self, shape: StepShape, params, pools, inputs: StepInputs):
-        """Runs bucket `shape` -> `(pools, tokens [M] numpy, finite [M] numpy, Logprobs on the device)`: the
-        log-probabilities are copied to the host only by whoever reads them."""
-        pools, tokens, finite, logprobs = self.programs[shape](params, pools, self._place(inputs))
-        return pools, np.asarray(tokens), np.asarray(finite), logprobs
+    def __call__(self, shape: StepShape, params, pools, history, inputs: StepInputs):
+        """Runs bucket `shape` -> `(pools, history, tokens [M] numpy, finite [M] numpy, Logprobs on the
+        device)`: the log-probabilities are copied to the host only by whoever reads them."""
+        pools, history, tokens, finite, logprobs = self.programs[shape](params, pools, history, self._place(inputs))
+        return pools, history, np.asarray(tokens), np.asarray(finite), logprobs

@@ -23,6 +23,8 @@ from jaxattn._validate import is_int
 
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # OpenAI's code for a prompt and output past the context
 MAX_LOGPROBS = 20  # the most top log-probabilities a token may ask for (OpenAI's limit; one static top-k per step)
+MAX_LOGIT_BIAS = 256  # entries of one request's logit_bias: the step's bias arrays are [M, MAX_LOGIT_BIAS]
+MAX_CHOICES = 16  # the most sequences one request may ask for (n, best_of)
 
 
 class RequestError(ValueError):
@@ -49,6 +51,8 @@ class RequestLimits:
       num_pages, page_size: the pool; one sequence must fit in it whole.
       detokenizer: the engine turns ids into text (stop strings need it).
       guides: the engine compiles guides (it knows its tokenizer's vocabulary).
+      token_history: the engine keeps every token of a running sequence on the device (the
+        penalties need it); False where pages behind a sliding window are given back.
     """
 
     vocab_size: int
@@ -57,6 +61,7 @@ class RequestLimits:
     page_size: int
     detokenizer: bool
     guides: bool = False
+    token_history: bool = True
 
 
 # -- the sampling fields, alone --------------------------------------------------------------
@@ -85,6 +90,46 @@ def check_sampling(sampling) -> None:
         raise RequestError(f"stop must hold non-empty strings, got {sampling.stop!r}", param="stop")
     if any(not is_int(t) for t in sampling.stop_token_ids):
         raise RequestError(f"stop_token_ids must be ints, got {sampling.stop_token_ids!r}", param="stop_token_ids")
+    _check_logit_knobs(sampling)
+
+
+def _in_range(value, low: float, high: float) -> bool:
+    return _number(value) and math.isfinite(value) and low <= value <= high
+
+
+def _check_logit_knobs(sampling) -> None:
+    """The penalties, min_p and logit_bias: each in its range (OpenAI's for the first two and the bias)."""
+    for name in ("presence_penalty", "frequency_penalty"):
+        if not _in_range(getattr(sampling, name), -2.0, 2.0):
+            raise RequestError(f"{name} must be in [-2, 2], got {getattr(sampling, name)!r}", param=name)
+    penalty = sampling.repetition_penalty
+    if not (_number(penalty) and math.isfinite(penalty) and penalty > 0):
+        raise RequestError(f"repetition_penalty must be a finite number > 0 (1 = off), got {penalty!r}",
+                           param="repetition_penalty")
+    if not _in_range(sampling.min_p, 0.0, 1.0):
+        raise RequestError(f"min_p must be in [0, 1], got {sampling.min_p!r}", param="min_p")
+    bias = sampling.logit_bias
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise RequestError(f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens, got {len(bias)}",
+                           param="logit_bias")
+    for pair in bias:
+        if not isinstance(pair, tuple) or len(pair) != 2 or not is_int(pair[0], numpy=False) or not _in_range(pair[1], -100.0, 100.0):
+            raise RequestError(f"logit_bias maps token ids (ints) to biases in [-100, 100], got {pair!r}",
+                               param="logit_bias")
+    if len({token for token, _ in bias}) != len(bias):
+        raise RequestError("logit_bias names a token twice", param="logit_bias")
+
+
+def check_choices(n, best_of) -> int:
+    """The sequences a request of `n` choices out of `best_of` draws (`best_of` None: n); RequestError
+    naming `n` or `best_of` outside `1 <= n <= best_of <= MAX_CHOICES`."""
+    if not is_int(n, numpy=False) or not 1 <= n <= MAX_CHOICES:
+        raise RequestError(f"n must be an int in [1, {MAX_CHOICES}], got {n!r}", param="n")
+    if best_of is None:
+        return n
+    if not is_int(best_of, numpy=False) or not n <= best_of <= MAX_CHOICES:
+        raise RequestError(f"best_of must be an int in [n={n}, {MAX_CHOICES}], got {best_of!r}", param="best_of")
+    return best_of
 
 
 def _check_logprobs(sampling) -> None:
@@ -154,4 +199,13 @@ def check_request(prompt_ids, sampling, limits: RequestLimits) -> tuple[tuple[in
     if bad:
         raise RequestError(f"stop_token_ids must be in [0, vocab_size={limits.vocab_size}), got {bad}",
                            param="stop_token_ids")
+    bad = [t for t, _ in sampling.logit_bias if not 0 <= t < limits.vocab_size]
+    if bad:
+        raise RequestError(f"logit_bias's token ids must be in [0, vocab_size={limits.vocab_size}), got {bad}",
+                           param="logit_bias")
+    if sampling.penalized and not limits.token_history:
+        name = next(n for n in ("presence_penalty", "frequency_penalty", "repetition_penalty")
+                    if getattr(sampling, n) != (1.0 if n == "repetition_penalty" else 0.0))
+        raise RequestError(f"{name} needs every token of the sequence, and this engine gives back the pages "
+                           "behind its sliding window", param=name)
     return ids, max_tokens

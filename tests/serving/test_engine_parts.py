@@ -72,7 +72,27 @@ def test_the_queue_limit_counts_the_requests_no_free_row_will_take():
     scheduler.schedule()  # two admitted: two wait, none of them past a free row
     with pytest.raises(QueueFull):
         scheduler.check_room()
+    scheduler, _ = parts(max_seqs=2, max_waiting=2)
+    scheduler.check_room(4)  # n choices: two rows free, two queued
+    with pytest.raises(QueueFull, match="this request is 5 sequences"):
+        scheduler.check_room(5)
     parts(max_seqs=2)[0].check_room()  # no limit: never full
+
+
+def test_a_sibling_choice_waits_for_its_leader_s_prompt_pages_then_shares_them():
+    scheduler, kv = parts(max_seqs=3, num_pages=16, chunk=4, prefill_rows=1)
+    leader, sibling, behind = request(13), request(13), request(2, first=40)  # 3 full pages and 1 token
+    sibling.leader = leader
+    for r in (leader, sibling, behind):
+        scheduler.add(r)
+    for _ in range(2):  # the leader computes 8 of its 12 tokens in full pages: the sibling and those behind wait
+        play(scheduler)
+        assert scheduler.running == [leader] and list(scheduler.waiting) == [sibling, behind]
+    play(scheduler)  # the third page is keyed
+    play(scheduler)
+    assert scheduler.running == [leader, sibling, behind]
+    assert sibling.pages[:3] == leader.pages[:3] and sibling.num_cached_tokens == 12
+    assert all(kv.allocator.refcount(p) == 2 for p in leader.pages[:3])
 
 
 def test_the_token_budget_splits_a_long_prompt_over_steps_beside_decoding_rows():

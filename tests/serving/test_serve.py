@@ -160,7 +160,7 @@ def test_sixteen_concurrent_streams_each_equal_its_solo_answer(server, client):
     (dict(top_p=0.0), "top_p"),
     (dict(max_tokens=0), "max_tokens"),
     (dict(max_tokens=250, prompt="x" * 10), "max_tokens"),  # 10 + 250 > the context, 256
-    (dict(n=2), "n"),
+    (dict(n=17), "n"),  # past the limit, 16
 ])
 def test_bad_parameters_are_400s_naming_the_parameter(client, knobs, param):
     with pytest.raises(openai.BadRequestError) as caught:

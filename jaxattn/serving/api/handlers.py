@@ -1,13 +1,15 @@
 """The routes: plain functions over the `ApiState` the application holds (`app.state.api`).
 
 A completion or a chat is parsed (`protocol`), its text encoded, and handed to the engine's runner as
-ids and `SamplingParams`; whether the request is acceptable is decided once, by
-`jaxattn.serving.validation` (a `RequestError`, here a 400 with its parameter and code) and the engine's
-scheduler (`QueueFull`, here a 429), before a stream starts. Then the answer is streamed or collected,
-with its tokens' log-probabilities where asked (`jaxattn.serving.api.logprobs` writes them; a
-completion's `echo` puts the prompt's text, and its tokens' log-probabilities, first). A client that
-goes away, while its request waits or while it streams, has its request cancelled: its row and pages are
-free at the engine's next step.
+ids and `SamplingParams`, one ticket per sequence of its `n` choices (`best_of` on completions);
+whether the request is acceptable is decided once, by `jaxattn.serving.validation` (a `RequestError`,
+here a 400 with its parameter and code) and the engine's scheduler (`QueueFull`, here a 429), before a
+stream starts. Then the answer is streamed or collected: n choices stream their chunks with their
+`index` as they come; best_of > n answers the n sequences of highest cumulative log-probability. Each
+choice carries its tokens' log-probabilities where asked (`jaxattn.serving.api.logprobs` writes them;
+a completion's `echo` puts the prompt's text, and its tokens' log-probabilities, first). A client that
+goes away, while its request waits or while it streams, has its requests cancelled: their rows and
+pages are free at the engine's next step.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from fastapi import Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 
 from jaxattn.hf.chat_template import ChatTemplateError
-from jaxattn.serving import validation
+from jaxattn.serving import Engine, validation
 from jaxattn.serving.api import protocol, tools
 from jaxattn.serving.api.logprobs import LogprobsWriter
 from jaxattn.serving.api.metrics import CONTENT_TYPE
@@ -135,34 +137,40 @@ def encode(state: ApiState, text: str, *, special: bool, param: str) -> list[int
         raise bad_request(f"{param} cannot be encoded: {err}", param) from None
 
 
-async def admitted(request: Request, body, ids: list[int], asked: int | None, guide: Guide | None = None) -> Ticket:
-    """The request in the engine, or the error it was refused with: RequestError a 400 naming the
-    endpoint's field, QueueFull a 429, a drain a 503. `guide`: what a forced tool call must match."""
+async def admitted(request: Request, body, ids: list[int], asked: int | None,
+                   guide: Guide | None = None) -> list[Ticket]:
+    """The request's sequences in the engine (one ticket each, `body.choices`), or the error it was refused
+    with: RequestError a 400 naming the endpoint's field, QueueFull a 429, a drain a 503. `guide`: what a
+    forced tool call must match."""
     state = state_of(request)
+    n, best_of = body.choices
     try:
         sampling = body.sampling(asked, state.served.stop_token_ids)
         if guide is not None:
             sampling = dataclasses.replace(sampling, guide=guide)
-        ticket = state.runner.submit(request.state.tag, ids, sampling)
-        await ticket.admitted()
+        tickets = state.runner.submit_choices(request.state.tag, ids, sampling, n=n, best_of=best_of)
+        for ticket in tickets:
+            await ticket.admitted()
     except validation.RequestError as err:
         raise bad_request(str(err), body.openai_param(err.param), err.code) from None
     except QueueFull as err:
         raise APIError(429, str(err), code="queue_full") from None
     except Draining as err:
         raise APIError(503, str(err), code="draining") from None
-    return ticket
+    return tickets
 
 
 class Output:
-    """What an answer writes beyond its text: its log-probabilities (`writer`, None where not asked) and,
-    with a completion's `echo`, the prompt's text (`echo`, else None) and ids."""
+    """What one choice writes beyond its text: its log-probabilities (`writer`, None where not asked; a
+    writer per choice, as a completion's text offsets run on from chunk to chunk) and, with a
+    completion's `echo`, the prompt's text (`echo`, else None), written once before the choice's own."""
 
     def __init__(self, body, runner, kind: str, ids: list[int], echo: str | None):
         detokenize = runner.engine.detokenize if body.wants_logprobs or echo is not None else None
         self.writer = LogprobsWriter(kind, detokenize) if body.wants_logprobs else None
         self.ids = ids
         self.echo = None if echo is None else (echo or (detokenize(ids) if detokenize is not None else ""))
+        self._echo_due = self.echo is not None
 
     def entries(self, update: Update) -> list:
         """The (id, logprob, top) of the update's tokens: the prompt's first with `echo`."""
@@ -171,49 +179,73 @@ class Output:
             prompt = [(token, *scored) for token, scored in zip(self.ids, update.prompt_logprobs)]
         return prompt + [(token, *scored) for token, scored in zip(update.tokens, update.logprobs or ())]
 
+    def piece(self, update: Update) -> tuple[str, dict | None]:
+        """A streamed update's text (the echo first, once) and its tokens' `logprobs` object (None when
+        not asked, or when the update has neither text nor tokens)."""
+        text = (self.echo if self._echo_due else "") + update.text
+        self._echo_due = False
+        entries = self.entries(update)
+        return text, (self.writer(entries) if self.writer is not None and (entries or text) else None)
+
 
 async def answer(request: Request, shape: Answer, body, ids: list[int], asked: int | None,
                  echo: str | None = None, guide: Guide | None = None) -> Response:
     """Admits the request, then streams its answer or collects it whole (`echo`: the prompt's text, to
-    write before the answer's; "" for the ids' own text; `guide`: a forced tool call's constraint)."""
-    ticket = await admitted(request, body, ids, asked, guide)
+    write before each choice's; "" for the ids' own text; `guide`: a forced tool call's constraint)."""
+    tickets = await admitted(request, body, ids, asked, guide)
     runner = state_of(request).runner
-    output = Output(body, runner, shape.kind, ids, echo)
+    outputs = [Output(body, runner, shape.kind, ids, echo) for _ in tickets]
+
+    def cancel_all():
+        for ticket in tickets:
+            runner.cancel(ticket)
+
     if body.stream:
-        return CancellingStream(stream(runner, ticket, shape, len(ids), body.include_usage, output),
-                                lambda: runner.cancel(ticket),
+        return CancellingStream(stream(runner, tickets, shape, len(ids), body.include_usage, outputs), cancel_all,
                                 media_type="text/event-stream",
                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    return await whole(request, ticket, shape, len(ids), output)
+    return await whole(request, tickets, shape, len(ids), body.choices[0], outputs, cancel_all)
 
 
-async def whole(request: Request, ticket: Ticket, shape: Answer, prompt_tokens: int, output: Output) -> Response:
-    runner = state_of(request).runner
+async def collected(ticket: Ticket, output: Output) -> tuple[str, int, Update, list]:
+    """A sequence's whole text (its echo first), its token count, its last update and its logprob entries."""
     text, count, entries = [output.echo or ""], 0, []
+    while True:
+        update = await ticket.next()
+        text.append(update.text)
+        entries += output.entries(update)
+        count += len(update.tokens)
+        if update.finish_reason is not None:
+            return "".join(text), count, update, entries
+
+
+async def whole(request: Request, tickets: list[Ticket], shape: Answer, prompt_tokens: int, n: int,
+                outputs: list[Output], cancel_all: Callable[[], None]) -> Response:
+    """Every sequence collected, then the `n` best (all of them unless best_of > n: `Engine.best`)."""
     gone = asyncio.ensure_future(client_gone(request))  # a client that hangs up is seen at once
+    collectors = [asyncio.ensure_future(collected(t, o)) for t, o in zip(tickets, outputs)]
+    everything = asyncio.ensure_future(asyncio.wait(collectors))  # never raises: no gather's unretrieved error
     try:
-        while True:
-            next_update = asyncio.ensure_future(ticket.next())
-            await asyncio.wait({next_update, gone}, return_when=asyncio.FIRST_COMPLETED)
-            if not next_update.done():  # the client went away first
-                next_update.cancel()
-                runner.cancel(ticket)
-                return Response(status_code=499)  # nobody reads it
-            update = next_update.result()
-            text.append(update.text)
-            entries += output.entries(update)
-            count += len(update.tokens)
-            if update.finish_reason is not None:
-                break
+        await asyncio.wait({everything, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if not everything.done():  # the client went away first
+            cancel_all()
+            return Response(status_code=499)  # nobody reads it
+        results = [(*c.result(), o) for c, o in zip(collectors, outputs)]
     except asyncio.CancelledError:
-        runner.cancel(ticket)
+        cancel_all()
         raise
     finally:
-        gone.cancel()
-    ended(update, ticket)
-    logprobs = output.writer(entries) if output.writer is not None else None
-    return JSONResponse(shape.whole("".join(text), update.finish_reason, protocol.usage(prompt_tokens, count),
-                                    logprobs))
+        for future in (gone, everything, *collectors):
+            future.cancel()  # a no-op once done; else they end with the handler
+    for (_, _, update, _, _), ticket in zip(results, tickets):
+        ended(update, ticket)
+    if len(tickets) > n:  # best_of: the n of highest cumulative log-probability, highest first
+        by_request = {t.request.id: result for t, result in zip(tickets, results)}
+        results = [by_request[r.id] for r in Engine.best([t.request for t in tickets], n)]
+    use = protocol.usage(prompt_tokens, sum(count for _, count, _, _, _ in results))
+    choices = [shape.choice(text, update.finish_reason, None if out.writer is None else out.writer(entries), index=i)
+               for i, (text, _, update, entries, out) in enumerate(results)]
+    return JSONResponse(shape.whole(choices, use))
 
 
 def ended(update: Update, ticket: Ticket) -> None:
@@ -224,37 +256,44 @@ def ended(update: Update, ticket: Ticket) -> None:
         raise APIError(503, "the server shut down before this request finished", code="draining")
 
 
-async def stream(runner, ticket: Ticket, shape: Answer, prompt_tokens: int, include_usage: bool,
-                 output: Output) -> AsyncIterator[str]:
-    """The answer as server-sent events (with `echo`, the first carries the prompt's text); an error
-    after it began is an error event, then [DONE]."""
-    count, echo = 0, output.echo
+async def stream(runner, tickets: list[Ticket], shape: Answer, prompt_tokens: int, include_usage: bool,
+                 outputs: list[Output]) -> AsyncIterator[str]:
+    """The answer as server-sent events, each choice's chunks with its `index` as they come (with `echo`,
+    a choice's first carries the prompt's text); an error after it began is an error event, then [DONE]."""
+    count = 0
+    pending: dict[asyncio.Future, int] = {}
     try:
         if shape.kind == "chat":
-            yield sse(shape.chunk(None, role=True))
-        while True:
-            update = await ticket.next()
-            count += len(update.tokens)
-            text, entries = (echo or "") + update.text, output.entries(update)
-            echo = None
-            logprobs = output.writer(entries) if output.writer is not None and (entries or text) else None
-            for chunk in shape.text_chunks(text, logprobs):
-                yield sse(chunk)
-            if update.finish_reason is not None:
-                break
-        try:
-            ended(update, ticket)
-        except APIError as err:
-            yield sse(err.body())
-            yield "data: [DONE]\n\n"
-            return
-        for chunk in shape.last_chunks(update.finish_reason):
-            yield sse(chunk)
+            for index in range(len(tickets)):
+                yield sse(shape.chunk(None, role=True, index=index))
+        pending = {asyncio.ensure_future(t.next()): i for i, t in enumerate(tickets)}
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for future in sorted(done, key=pending.get):
+                index, update = pending.pop(future), future.result()
+                count += len(update.tokens)
+                text, logprobs = outputs[index].piece(update)
+                for chunk in shape.text_chunks(text, logprobs, index=index):
+                    yield sse(chunk)
+                if update.finish_reason is None:
+                    pending[asyncio.ensure_future(tickets[index].next())] = index
+                    continue
+                try:
+                    ended(update, tickets[index])
+                except APIError as err:
+                    yield sse(err.body())
+                    yield "data: [DONE]\n\n"
+                    return
+                for chunk in shape.last_chunks(update.finish_reason, index=index):
+                    yield sse(chunk)
         if include_usage:
             yield sse(shape.usage_chunk(protocol.usage(prompt_tokens, count)))
         yield "data: [DONE]\n\n"
     finally:  # the client went away (the task is cancelled), or the stream ended
-        runner.cancel(ticket)
+        for future in pending:
+            future.cancel()
+        for ticket in tickets:
+            runner.cancel(ticket)
 
 
 class CancellingStream(StreamingResponse):

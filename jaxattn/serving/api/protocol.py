@@ -3,18 +3,21 @@
 Requests are parsed by pydantic models that take the fields `/v1/completions` and
 `/v1/chat/completions` define, into their types only, ignore fields that change nothing here
 (`user`, `metadata`, `store`, ...), and refuse with a 400 naming the parameter what would change the
-answer and is not supported. `top_k` (0 or -1 = off) and `ignore_eos` are extensions, as in vLLM.
-Log-probabilities: a completion's `logprobs: k` and `echo` (the prompt's text first and, with
-`logprobs`, its tokens' log-probabilities: the engine's `prompt_logprobs`; with `max_tokens: 0` only
-scored), a chat's `logprobs: true` with `top_logprobs: k` (`top_logprobs` alone is a 400, as OpenAI
-answers); their shapes are `jaxattn.serving.api.logprobs`'. Structured outputs, on both endpoints as in
-vLLM: `response_format` (json_object, json_schema) and vLLM's `guided_json`, `guided_regex`,
-`guided_choice` and `guided_grammar` (Lark or GBNF) become `SamplingParams.guide` (`guide_of`); a guide
-that does not compile is the engine's 400, named by the field it came from. `tools` are read by
-`jaxattn.serving.api.tools`; an answer whose tool calls are parsed (`Answer(..., tools=FORMAT)`)
-carries them as `message.tool_calls`, or streams them as `delta.tool_calls`, in OpenAI's shapes.
-Whether the values are in range, and fit the model, is `jaxattn.serving.validation`'s to say (its
-`RequestError` names the engine's parameter; `openai_param` names the endpoint's).
+answer and is not supported (`best_of` other than `n` when streaming, as vLLM refuses it). `top_k` (0
+or -1 = off), `min_p`, `repetition_penalty` and `ignore_eos` are extensions, as in vLLM; `logit_bias`
+is OpenAI's (token ids as strings -> bias). `n` choices (and `best_of` sequences on completions) are
+checked by the engine. Log-probabilities: a completion's `logprobs: k` and `echo` (the prompt's text
+first and, with `logprobs`, its tokens' log-probabilities: the engine's `prompt_logprobs`; with
+`max_tokens: 0` only scored), a chat's `logprobs: true` with `top_logprobs: k` (`top_logprobs` alone is
+a 400, as OpenAI answers); their shapes are `jaxattn.serving.api.logprobs`'. Structured outputs, on
+both endpoints as in vLLM: `response_format` (json_object, json_schema) and vLLM's `guided_json`,
+`guided_regex`, `guided_choice` and `guided_grammar` (Lark or GBNF) become `SamplingParams.guide`
+(`guide_of`); a guide that does not compile is the engine's 400, named by the field it came from.
+`tools` are read by `jaxattn.serving.api.tools`; an answer whose tool calls are parsed (`Answer(...,
+tools=FORMAT)`) carries them as `message.tool_calls`, or streams them as `delta.tool_calls`, in
+OpenAI's shapes. Whether the values are in range, and fit the model, is
+`jaxattn.serving.validation`'s to say (its `RequestError` names the engine's parameter;
+`openai_param` names the endpoint's).
 
 Errors are `APIError`s, answered as OpenAI answers them, `{"error": {"message", "type", "param",
 "code"}}` with the HTTP status the `openai` client maps to its exception classes.
@@ -77,10 +80,12 @@ class _Sampled(BaseModel):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict | None = None
+    n: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None  # an extension (vLLM's, transformers' definition)
+    min_p: float | None = None  # an extension (vLLM's)
+    logit_bias: dict[str, float] | None = None
     ignore_eos: bool = False  # an extension (vLLM's): the end-of-sequence token does not end the answer
     # Structured outputs: OpenAI's response_format, or one of vLLM's extensions (`structured.guide_of`).
     response_format: dict | None = None
@@ -91,13 +96,6 @@ class _Sampled(BaseModel):
 
     def check_supported(self) -> None:
         """A 400 naming the first field that asks for something this server does not do."""
-        if self.n != 1:
-            raise bad_request(f"n must be 1 (one choice per request), got {self.n}", "n")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) != 0:
-                raise bad_request(f"{name} is not supported (0 only)", name)
-        if self.logit_bias:
-            raise bad_request("logit_bias is not supported", "logit_bias")
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed with stream: true", "stream_options")
         guide_of(self)  # a 400 now for a guide field of the wrong shape
@@ -111,7 +109,9 @@ class _Sampled(BaseModel):
             top_k=0 if self.top_k in (None, -1) else self.top_k, seed=self.seed, max_tokens=max_tokens,
             stop_token_ids=() if self.ignore_eos else stop_token_ids,
             stop=tuple([self.stop] if isinstance(self.stop, str) else self.stop or ()), guide=guide_of(self)[1],
-            **self.logprob_settings(max_tokens))
+            presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            min_p=self.min_p or 0.0, logit_bias=self.token_bias(), **self.logprob_settings(max_tokens))
 
     def logprob_settings(self, max_tokens: int | None) -> dict:
         """The engine's `logprobs` and `prompt_logprobs` this request asks for."""
@@ -121,6 +121,20 @@ class _Sampled(BaseModel):
     def wants_logprobs(self) -> bool:
         """The answer carries log-probabilities."""
         return False
+
+    def token_bias(self) -> tuple[tuple[int, float], ...]:
+        """`logit_bias` with its keys (token ids written as strings, OpenAI's shape) as ints; a 400 otherwise."""
+        pairs = []
+        for key, bias in (self.logit_bias or {}).items():
+            if not key.strip().lstrip("-").isdigit():
+                raise bad_request(f"logit_bias's keys must be token ids, got {key!r}", "logit_bias")
+            pairs.append((int(key), bias))
+        return tuple(pairs)
+
+    @property
+    def choices(self) -> tuple[int, int | None]:
+        """`(n, best_of)`: the choices answered and the sequences drawn (None: n)."""
+        return (1 if self.n is None else self.n), None
 
     def openai_param(self, param: str | None) -> str | None:
         """The field of this endpoint that an engine's parameter (`RequestError.param`) came from."""
@@ -154,10 +168,15 @@ class CompletionRequest(_Sampled):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.best_of not in (None, 1):
-            raise bad_request("best_of must be 1", "best_of")
+        n = 1 if self.n is None else self.n
+        if self.stream and self.best_of is not None and self.best_of != n:
+            raise bad_request(f"best_of must equal n ({n}) when streaming, got {self.best_of}", "best_of")
         if self.suffix:
             raise bad_request("suffix is not supported", "suffix")
+
+    @property
+    def choices(self) -> tuple[int, int | None]:
+        return (1 if self.n is None else self.n), self.best_of
 
     def single_prompt(self) -> str | list[int]:
         """The one prompt: text or ids (a list of one taken); a 400 for several."""
@@ -313,17 +332,16 @@ class Answer:
         self.kind, self.model, self.tools = kind, model, tools
         self.id = new_id("cmpl" if kind == "completion" else "chatcmpl")
         self.created = int(time.time())
-        self._parser = None if tools is None else ToolCallParser(tools)
-        self._call_ids: list[str] = []
+        self._parsers: dict[int, ToolCallParser] = {}  # a streamed choice's tool-call parser, by index
 
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def whole(self, text: str, finish_reason: str, use: dict, logprobs: dict | None = None) -> dict:
-        """The whole answer; `logprobs` the choice's (`jaxattn.serving.api.logprobs`), or None."""
+    def choice(self, text: str, finish_reason: str, logprobs: dict | None = None, *, index: int = 0) -> dict:
+        """One whole choice; `logprobs` its (`jaxattn.serving.api.logprobs`), or None; a chat's tool calls
+        parsed out of its text (with `tools`)."""
         if self.kind == "completion":
-            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
-            return {**self._head("text_completion"), "choices": [choice], "usage": use}
+            return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         message = {"role": "assistant", "content": text}
         if self.tools is not None:
             content, calls = tool_calls.parse_whole(self.tools, text)
@@ -332,52 +350,65 @@ class Answer:
                 message["tool_calls"] = [{"id": new_call_id(), "type": "function",
                                           "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
                 finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
-        choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
-        return {**self._head("chat.completion"), "choices": [choice], "usage": use}
+        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
+
+    def whole(self, choices: list[dict], use: dict) -> dict:
+        """The whole answer: its `choices` (`choice`) in index order."""
+        obj = "text_completion" if self.kind == "completion" else "chat.completion"
+        return {**self._head(obj), "choices": choices, "usage": use}
 
     def chunk(self, text: str | None, finish_reason: str | None = None, *, role: bool = False,
-              logprobs: dict | None = None) -> dict:
-        """One stream chunk: new text (and its tokens' `logprobs`), or the last one's finish reason (chat:
-        the first carries the role)."""
+              logprobs: dict | None = None, index: int = 0) -> dict:
+        """One stream chunk of choice `index`: new text (and its tokens' `logprobs`), or its last one's
+        finish reason (chat: its first carries the role)."""
         if self.kind == "completion":
-            choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
+            choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
             return {**self._head("text_completion"), "choices": [choice]}
         delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
-        return self._delta(delta, finish_reason, logprobs)
+        return self._delta(delta, finish_reason, logprobs, index)
 
-    def _delta(self, delta: dict, finish_reason: str | None = None, logprobs: dict | None = None) -> dict:
-        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+    def _delta(self, delta: dict, finish_reason: str | None = None, logprobs: dict | None = None,
+               index: int = 0) -> dict:
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         return {**self._head("chat.completion.chunk"), "choices": [choice]}
 
-    def text_chunks(self, text: str, logprobs: dict | None = None) -> list[dict]:
-        """The chunks of a piece of streamed text: itself, or with tools the content and call deltas in it;
-        its tokens' `logprobs` ride on the first (on an empty delta where the parser holds the text back)."""
-        if self._parser is None:
-            return [self.chunk(text, logprobs=logprobs)] if text or logprobs else []
-        chunks = [self._event_chunk(e) for e in self._parser.feed(text)]
+    def _parser(self, index: int) -> ToolCallParser | None:
+        if self.tools is None:
+            return None
+        return self._parsers.setdefault(index, ToolCallParser(self.tools))
+
+    def text_chunks(self, text: str, logprobs: dict | None = None, *, index: int = 0) -> list[dict]:
+        """The chunks of a piece of choice `index`'s streamed text: itself, or with tools the content and
+        call deltas in it; its tokens' `logprobs` ride on the first (on an empty delta where the parser
+        holds the text back)."""
+        parser = self._parser(index)
+        if parser is None:
+            return [self.chunk(text, logprobs=logprobs, index=index)] if text or logprobs else []
+        chunks = [self._event_chunk(e, index) for e in parser.feed(text)]
         if logprobs is not None:
             if not chunks:
-                return [self._delta({}, None, logprobs)]
+                return [self._delta({}, None, logprobs, index)]
             chunks[0]["choices"][0]["logprobs"] = logprobs
         return chunks
 
-    def last_chunks(self, finish_reason: str) -> list[dict]:
-        """The chunks that end a stream: what the tool-call parser held back, then the finish reason."""
-        chunks = [] if self._parser is None else [self._event_chunk(e) for e in self._parser.finish()]
-        if self._parser is not None and self._parser.calls and finish_reason == "stop":
+    def last_chunks(self, finish_reason: str, *, index: int = 0) -> list[dict]:
+        """The chunks that end choice `index`'s stream: what its tool-call parser held back, then the
+        finish reason."""
+        parser = self._parser(index)
+        chunks = [] if parser is None else [self._event_chunk(e, index) for e in parser.finish()]
+        if parser is not None and parser.calls and finish_reason == "stop":
             finish_reason = "tool_calls"
-        return chunks + [self.chunk(None, finish_reason)]
+        return chunks + [self.chunk(None, finish_reason, index=index)]
 
-    def _event_chunk(self, event: tool_calls.Event) -> dict:
+    def _event_chunk(self, event: tool_calls.Event, index: int) -> dict:
         if isinstance(event, tool_calls.Content):
-            return self._delta({"content": event.text})
+            return self._delta({"content": event.text}, index=index)
         if isinstance(event, tool_calls.CallStart):
-            self._call_ids.append(new_call_id())
-            call = {"index": event.index, "id": self._call_ids[-1], "type": "function",
+            call = {"index": event.index, "id": new_call_id(), "type": "function",
                     "function": {"name": event.name, "arguments": ""}}
         else:
             call = {"index": event.index, "function": {"arguments": event.text}}
-        return self._delta({"tool_calls": [call]})
+        return self._delta({"tool_calls": [call]}, index=index)
 
     def usage_chunk(self, use: dict) -> dict:
         obj = "text_completion" if self.kind == "completion" else "chat.completion.chunk"

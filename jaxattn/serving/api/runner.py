@@ -8,7 +8,8 @@ HTTP handlers only ever touch tickets.
 
 * `submit(...)` -> a `Ticket`; `await ticket.admitted()` raises what `Engine.add_request` raised: a
   `jaxattn.serving.validation.RequestError` (a 400) or `jaxattn.serving.scheduler.QueueFull` (a 429,
-  more than `EngineConfig.max_waiting` requests waiting): the engine decides both.
+  more than `EngineConfig.max_waiting` requests waiting): the engine decides both. `submit_choices(...)`
+  -> one ticket per sequence of n choices (`Engine.add_choices`), admitted or refused together.
 * `cancel(ticket)`: the request ends at the next step (a client that went away).
 * `call(fn)`: runs `fn()` on the engine's thread between two steps (work that uses the device beside
   the engine, e.g. an embedding) and returns a future of its result.
@@ -29,6 +30,7 @@ import time
 from typing import Callable
 
 from jaxattn.serving import Engine, Request, SamplingParams
+from jaxattn.serving.validation import check_choices
 
 log = logging.getLogger("jaxattn.serving.api")
 
@@ -115,6 +117,19 @@ class EngineRunner:
         self._send(("add", ticket))
         return ticket
 
+    def submit_choices(self, tag: str, prompt_ids: list[int], sampling: SamplingParams, *, n: int,
+                       best_of: int | None = None) -> list[Ticket]:
+        """One ticket per sequence (`best_of`, or `n`), in choice order; each `admitted()` raises the same.
+        A RequestError at once for `n` or `best_of` out of range."""
+        if self.draining:
+            raise Draining("the server is shutting down")
+        loop = asyncio.get_running_loop()
+        count = check_choices(n, best_of)
+        tickets = [Ticket(f"{tag}-{i}" if count > 1 else tag, prompt_ids, sampling, loop) for i in range(count)]
+        # One sequence is a plain request (`Engine.add_request`): what every engine, stand-ins too, takes.
+        self._send(("add", tickets[0]) if count == 1 else ("add_choices", (tickets, n, best_of)))
+        return tickets
+
     def cancel(self, ticket: Ticket) -> None:
         if not ticket.ended:
             self._send(("cancel", ticket))
@@ -165,6 +180,8 @@ class EngineRunner:
                 return
             if command == "add":
                 self._add(ticket)
+            elif command == "add_choices":
+                self._add_choices(*ticket)
             elif command == "cancel" and ticket.request is not None:
                 self.engine.cancel(ticket.request)
             elif command == "call":
@@ -191,6 +208,23 @@ class EngineRunner:
             return
         self._tickets[ticket.request.id] = ticket
         ticket._admitted.set_result(None)
+
+    def _add_choices(self, tickets: list[Ticket], n: int, best_of: int | None) -> None:
+        first = tickets[0]
+        try:
+            if self.draining:
+                raise Draining("the server is shutting down")
+            requests = self.engine.add_choices(first.prompt_ids, first.sampling, n=n, best_of=best_of)
+            if len(requests) != len(tickets):
+                raise ValueError(f"{len(tickets)} tickets for {len(requests)} sequences")
+        except Exception as err:  # noqa: BLE001: as `_add`: every ticket of the request is refused alike
+            for ticket in tickets:
+                ticket._admitted.set_exception(err)
+            return
+        for ticket, request in zip(tickets, requests):
+            ticket.request = request
+            self._tickets[request.id] = ticket
+            ticket._admitted.set_result(None)
 
     def _publish(self, touched: list[Request]) -> None:
         ended = []
