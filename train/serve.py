@@ -152,7 +152,13 @@ def guide_compiler(tokenizer, vocab_size: int) -> GuideCompiler:
     eos = getattr(tokenizer, "eos_token_id", None)
     eos = () if eos is None else (int(eos),)
     if isinstance(tokenizer, HFTokenizer):
-        return GuideCompiler(tokenizer.tokenizer.to_str(), vocab_size, eos)
+        try:
+            return GuideCompiler(tokenizer.tokenizer.to_str(), vocab_size, eos)
+        except ValueError:  # a decoder llguidance cannot read (a character tokenizer's Fuse): each id's text
+            hf = tokenizer.tokenizer
+            return GuideCompiler.from_token_bytes([hf.decode([i]).encode("utf-8") for i in range(hf.get_vocab_size())],
+                                                  lambda text: hf.encode(text, add_special_tokens=False).ids,
+                                                  vocab_size, eos)
     if isinstance(tokenizer, CharTokenizer):
         return GuideCompiler.from_token_bytes([c.encode("utf-8") for c in tokenizer.chars],
                                               lambda text: tokenizer.encode(text).tolist(), vocab_size, eos)

@@ -6,7 +6,8 @@ read its scheduler's queues and pool, errors come from `jaxattn.serving.validati
 scheduler), and a program that serves a model only loads the model and starts it. `jaxattn.serving`
 does not import it, so the engine alone needs no web framework.
 
-* `protocol`: the OpenAI API's shapes: request bodies parsed into types, answers, chunks, errors;
+* `protocol`: the OpenAI API's requests: bodies parsed into types, fields refused, errors;
+* `answers`: whole answers, their choices and stream chunks (tool calls parsed back), usage;
 * `logprobs`: log-probabilities in a completion's and a chat's shapes (`LogprobsWriter`);
 * `runner`: the engine on a thread of its own, and what crosses to the event loop (`Ticket`, `Update`);
 * `state`: what the routes read (`ApiState`: the runner, the `ServedModel`, the metrics, the `Limits`);

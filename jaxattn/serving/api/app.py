@@ -15,7 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from jaxattn.serving.api import embeddings, handlers, protocol, tokens
+from jaxattn.serving.api import answers, embeddings, handlers, protocol, tokens
 from jaxattn.serving.api.handlers import error_response, internal_error
 from jaxattn.serving.api.metrics import ServerMetrics
 from jaxattn.serving.api.protocol import APIError
@@ -83,7 +83,7 @@ class KeyAndTag:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        scope.setdefault("state", {})["tag"] = protocol.new_id("req")
+        scope.setdefault("state", {})["tag"] = answers.new_id("req")
         if self.api_key is not None and scope["path"].startswith("/v1/") and not self._allowed(scope):
             err = APIError(401, "a missing or wrong API key (Authorization: Bearer KEY)", code="invalid_api_key")
             return await error_response(err)(scope, receive, send)

@@ -28,7 +28,8 @@ from jaxattn.serving import Engine, validation
 from jaxattn.serving.api import protocol, tools
 from jaxattn.serving.api.logprobs import LogprobsWriter
 from jaxattn.serving.api.metrics import CONTENT_TYPE
-from jaxattn.serving.api.protocol import Answer, APIError, bad_request
+from jaxattn.serving.api.answers import Answer, usage
+from jaxattn.serving.api.protocol import APIError, bad_request
 from jaxattn.serving.api.runner import Draining, Ticket, Update
 from jaxattn.serving.api.state import ApiState
 from jaxattn.serving.guides import Guide
@@ -242,7 +243,7 @@ async def whole(request: Request, tickets: list[Ticket], shape: Answer, prompt_t
     if len(tickets) > n:  # best_of: the n of highest cumulative log-probability, highest first
         by_request = {t.request.id: result for t, result in zip(tickets, results)}
         results = [by_request[r.id] for r in Engine.best([t.request for t in tickets], n)]
-    use = protocol.usage(prompt_tokens, sum(count for _, count, _, _, _ in results))
+    use = usage(prompt_tokens, sum(count for _, count, _, _, _ in results))
     choices = [shape.choice(text, update.finish_reason, None if out.writer is None else out.writer(entries), index=i)
                for i, (text, _, update, entries, out) in enumerate(results)]
     return JSONResponse(shape.whole(choices, use))
@@ -287,7 +288,7 @@ async def stream(runner, tickets: list[Ticket], shape: Answer, prompt_tokens: in
                 for chunk in shape.last_chunks(update.finish_reason, index=index):
                     yield sse(chunk)
         if include_usage:
-            yield sse(shape.usage_chunk(protocol.usage(prompt_tokens, count)))
+            yield sse(shape.usage_chunk(usage(prompt_tokens, count)))
         yield "data: [DONE]\n\n"
     finally:  # the client went away (the task is cancelled), or the stream ended
         for future in pending:
