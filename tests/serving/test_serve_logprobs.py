@@ -111,6 +111,23 @@ def test_echo_gives_the_prompt_and_its_logprobs_first(saved, client, reference):
     assert answer.usage.prompt_tokens == len(prompt)
 
 
+def test_each_of_n_choices_carries_its_own_logprobs_and_echo(saved, client, reference):
+    """n seeded choices with echo and logprobs: each choice's text starts with the prompt, and its
+    log-probabilities are the model's for its own tokens, as a solo request with that choice's seed."""
+    prompt = "Hark"
+    answer = client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, temperature=1.0, seed=7, n=2,
+                                       echo=True, logprobs=1)
+    assert [c.index for c in answer.choices] == [0, 1]
+    for i, choice in enumerate(answer.choices):
+        solo = client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, temperature=1.0, seed=7 + i,
+                                         echo=True, logprobs=1).choices[0]
+        assert choice.text == solo.text and choice.text.startswith(prompt)
+        ids = ids_from(saved, choice.logprobs.tokens)
+        assert choice.logprobs.token_logprobs[0] is None and "".join(choice.logprobs.tokens) == choice.text
+        np.testing.assert_allclose(choice.logprobs.token_logprobs[1:], reference(ids)[np.arange(len(ids) - 1), ids[1:]],
+                                   atol=1e-5)
+
+
 def test_max_tokens_zero_with_echo_only_scores(saved, client, reference):
     """Token ids in, as lm-eval sends them: the prompt's text and log-probabilities, nothing drawn; with
     echo and no logprobs, the text alone."""
