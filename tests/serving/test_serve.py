@@ -168,6 +168,15 @@ def test_bad_parameters_are_400s_naming_the_parameter(client, knobs, param):
     assert caught.value.status_code == 400 and caught.value.body["param"] == param, caught.value.body
 
 
+def test_deprecated_functions_are_400s_pointing_at_tools(client):
+    """OpenAI's older form of tools would change the answer, so it is refused rather than ignored."""
+    for field, value in (("functions", [{"name": "f", "parameters": {"type": "object"}}]), ("function_call", "auto")):
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                           extra_body={field: value})
+        assert caught.value.body["param"] == field and "tools" in caught.value.body["message"]
+
+
 def test_a_prompt_longer_than_the_context_is_a_400(client):
     with pytest.raises(openai.BadRequestError) as caught:
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "y" * 300}])

@@ -204,6 +204,8 @@ class ChatRequest(_Sampled):
     tools: list | None = None
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool | None = None
+    functions: list | None = None  # OpenAI's deprecated form of tools: refused, naming tools
+    function_call: str | dict | None = None
 
     def logprob_settings(self, max_tokens: int | None) -> dict:
         return {"logprobs": (self.top_logprobs or 0) if self.logprobs else None}
@@ -216,6 +218,9 @@ class ChatRequest(_Sampled):
         super().check_supported()
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+        for name in ("functions", "function_call"):
+            if getattr(self, name) is not None:
+                raise bad_request(f"{name} is OpenAI's deprecated form of tools: send tools and tool_choice", name)
 
     @property
     def asked_tokens(self) -> int | None:
