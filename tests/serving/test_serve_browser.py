@@ -292,6 +292,37 @@ def test_completion_mode_posts_the_text_as_a_prompt(view, server):
     view.assert_clean()
 
 
+def test_log_probabilities_colour_each_token_and_a_json_schema_constrains_the_reply(view, server):
+    """The Output settings: each token a span coloured by its probability, its top five on hover, the
+    numbers the server's own; the JSON schema sent as response_format, and the reply valid JSON of it."""
+    page = view.open()
+    page.get_by_label("Show log-probabilities").check()
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["n"], "additionalProperties": False}
+    page.get_by_label("JSON schema").fill(json.dumps(schema))
+    set_knobs(page, **{"Max tokens": 40, "Seed": 3})
+    page.locator("#prompt").fill("A number, as JSON")
+    page.keyboard.press("Enter")
+    page.wait_for_function(FINISHED, timeout=30_000)
+    shown = reply(page)
+    assert shown["state"] == "done", shown
+    (url, body), = view.posted
+    assert url == f"{server.url}/v1/chat/completions" and body["logprobs"] is True and body["top_logprobs"] == 5
+    assert body["response_format"] == {"type": "json_schema", "json_schema": {"name": "schema", "schema": schema}}
+    value = json.loads(shown["text"])
+    assert set(value) == {"n"} and value["n"] in range(10)
+    spans = page.evaluate("""() => Array.from(document.querySelectorAll('#messages .assistant .token'))
+                             .map((s) => [s.textContent, Number(s.dataset.logprob), s.title])""")
+    assert "".join(text for text, _, _ in spans) == shown["text"]
+    assert all(title.count("%") == 5 for _, _, title in spans)  # the top five, on hover
+    whole = post(server, "/v1/chat/completions", {**{k: v for k, v in body.items() if k != "stream_options"},
+                                                  "stream": False})
+    content = whole["choices"][0]["logprobs"]["content"]
+    assert [e["token"] for e in content] == [text for text, _, _ in spans]
+    assert max(abs(e["logprob"] - logprob) for e, (_, logprob, _) in zip(content, spans)) < 1e-4
+    view.assert_clean()
+
+
 def test_a_model_without_a_chat_template_is_used_through_completions(chromium, tmp_path):
     """The page opens in completion mode (the model card says "chat": false); asked to chat anyway, the
     server's 400 shows in the reply, the page goes back to completion mode and keeps the text."""
