@@ -12,6 +12,7 @@ from jaxattn.model import DecoderLM
 from jaxattn.sampling import filter_logits
 from jaxattn.serving import RequestError, SamplingParams, logit_knobs
 from jaxattn.serving.validation import MAX_LOGIT_BIAS
+from compiles import counting_compiles
 from tests.serving.test_serving import VOCAB, engine_for, model
 
 # -- the definitions, in NumPy ------------------------------------------------------------------
@@ -150,21 +151,12 @@ def test_the_engine_refuses_bias_outside_its_vocabulary_and_penalties_it_cannot_
 
 def test_the_knobs_compile_no_program_after_start_up():
     engine = engine_for("gqa")
-    compiles = []
-
-    def listener(event, duration, **kwargs):
-        if "backend_compile" in event:
-            compiles.append(event)
-
     asks = [SamplingParams(temperature=0.0, **KNOBS), SamplingParams(temperature=0.7, min_p=0.2, seed=1, **KNOBS),
             SamplingParams(temperature=1.0, max_tokens=4, logit_bias={5: -3.0})]
     engine.generate([PROMPT], asks[0])  # anything the first use of the engine compiles besides its programs
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
+    with counting_compiles() as compiles:
         requests = [engine.add_request(PROMPT, sampling) for sampling in asks]
         requests += engine.add_choices(PROMPT[:9], SamplingParams(temperature=1.0, max_tokens=3, seed=2), n=2,
                                        best_of=3)
         engine.run()
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
     assert compiles == [] and all(r.finish_reason == "length" for r in requests)

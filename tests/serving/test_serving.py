@@ -24,6 +24,7 @@ import pytest
 
 import jaxattn as ja
 from jaxattn.serving import Engine, EngineConfig, PageAllocator, RequestError, SamplingParams, TextStream, page_keys
+from compiles import counting_compiles
 from tiny_models import drawn_params, tiny_config
 from tests.layers.test_moe_model import EXPERTS
 
@@ -156,17 +157,8 @@ def test_no_program_is_compiled_after_start_up():
     prompts, max_tokens, rng = draw_requests(11)
     for p in prompts:
         expected("gqa", p)  # the reference's compiles happen before we count
-    compiles = []
-
-    def listener(event, duration, **kwargs):
-        if "backend_compile" in event:
-            compiles.append(event)
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
+    with counting_compiles() as compiles:
         run_schedule(engine, prompts, max_tokens, rng)
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
     assert compiles == []
     assert engine.stats["steps"] > 0
 

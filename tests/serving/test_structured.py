@@ -12,7 +12,6 @@ several characters (`structured_cases.bpe_tokenizer`).
 import json
 import re
 
-import jax
 import jsonschema
 import numpy as np
 import pytest
@@ -21,6 +20,7 @@ from jaxattn.serving import (Engine, EngineConfig, Guide, GuideCompiler, Request
                              SamplingParams)
 from jaxattn.serving.validation import check_request
 from structured_cases import bpe_tokenizer, draw_schemas
+from compiles import counting_compiles
 from tiny_models import drawn_params, tiny_config
 
 VOCAB = 320  # the tokenizer's ids and some padding ids no guide allows
@@ -111,20 +111,11 @@ def test_unguided_rows_draw_as_alone_beside_guided_ones_and_nothing_compiles(eng
     prompt = tokenizer.encode("ROMEO: But soft").ids
     plain = SamplingParams(temperature=0.0, max_tokens=12)
     alone = engine.generate([prompt], plain)[0]
-    compiles = []
-
-    def listener(event, duration, **kwargs):
-        if "backend_compile" in event:
-            compiles.append(event)
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
+    with counting_compiles() as compiles:
         schema = json.dumps(draw_schemas(1, seed=5)[0])
         beside = [engine.add_request(prompt, guided(Guide("json_schema", schema), seed)) for seed in range(3)]
         mixed = engine.add_request(prompt, plain)
         engine.run()
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
     assert mixed.output_ids == alone
     assert all(r.finish_reason == "stop" for r in beside)
     assert compiles == []
