@@ -12,7 +12,7 @@ from jaxattn.model import DecoderLM
 from jaxattn.sampling import filter_logits
 from jaxattn.serving import RequestError, SamplingParams, logit_knobs
 from jaxattn.serving.validation import MAX_LOGIT_BIAS
-from compiles import counting_compiles
+from tests.serving.compiles import counting_compiles
 from tests.serving.test_serving import VOCAB, engine_for, model
 
 # -- the definitions, in NumPy ------------------------------------------------------------------

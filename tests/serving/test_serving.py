@@ -24,7 +24,7 @@ import pytest
 
 import jaxattn as ja
 from jaxattn.serving import Engine, EngineConfig, PageAllocator, RequestError, SamplingParams, TextStream, page_keys
-from compiles import counting_compiles
+from tests.serving.compiles import counting_compiles
 from tiny_models import drawn_params, tiny_config
 from tests.layers.test_moe_model import EXPERTS
 

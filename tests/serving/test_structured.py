@@ -20,7 +20,7 @@ from jaxattn.serving import (Engine, EngineConfig, Guide, GuideCompiler, Request
                              SamplingParams)
 from jaxattn.serving.validation import check_request
 from structured_cases import bpe_tokenizer, draw_schemas
-from compiles import counting_compiles
+from tests.serving.compiles import counting_compiles
 from tiny_models import drawn_params, tiny_config
 
 VOCAB = 320  # the tokenizer's ids and some padding ids no guide allows
