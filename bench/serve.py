@@ -381,7 +381,8 @@ def run_engine(spec: dict, guided: bool = False) -> dict:
     in_flight: dict[int, object] = {}
     peak = {"reserved_bytes": 0, "used_bytes": 0}
     pool, guided_steps = None, 0
-    masks_before = engine.model_runner.mask_seconds, engine.model_runner.masked_rows  # the warm-up's aside
+    runner = engine.model_runner
+    masks_before = runner.mask_seconds, runner.masked_rows, runner.masks_late  # the warm-up's aside
     clock = Clock()
     while pending or engine.has_unfinished():
         now = clock()
@@ -410,9 +411,9 @@ def run_engine(spec: dict, guided: bool = False) -> dict:
             "memory": {"pool_bytes": pool, "reserved_peak_bytes": peak["reserved_bytes"],
                        "used_peak_bytes": peak["used_bytes"]},
             "settings": {**asdict(engine_config), "kernels": kernels.to_dict()},
-            "guides": {"mask_seconds": engine.model_runner.mask_seconds - masks_before[0],
-                       "masked_rows": engine.model_runner.masked_rows - masks_before[1], "guided_steps": guided_steps,
-                       "steps": engine.stats["steps"]}}
+            "guides": {"mask_seconds": runner.mask_seconds - masks_before[0],
+                       "masked_rows": runner.masked_rows - masks_before[1], "guided_steps": guided_steps,
+                       "masks_late": runner.masks_late - masks_before[2], "steps": engine.stats["steps"]}}
 
 
 def run_static(spec: dict) -> dict:
@@ -794,7 +795,8 @@ def measure_load(load: Load, args, checkpoint: Path, scratch: Path, unavailable:
                 g = guides[name]
                 row["mask"] = {"per_row_s": median([r["mask_seconds"] / r["masked_rows"] for r in g]),
                                "per_guided_step_s": median([r["mask_seconds"] / r["guided_steps"] for r in g]),
-                               "rows_per_guided_step": median([r["masked_rows"] / r["guided_steps"] for r in g])}
+                               "rows_per_guided_step": median([r["masked_rows"] / r["guided_steps"] for r in g]),
+                               "late_fraction": median([r["masks_late"] / r["guided_steps"] for r in g])}
         rows.append(row)
         if "median" in row:
             print(json.dumps({k: row[k] for k in ("load", "runner", "median", "memory")}), flush=True)
@@ -860,7 +862,9 @@ def markdown(record: dict) -> str:
                 mask = row["mask"]
                 lines += ["", f"{row['load']}, {row['runner']}: the host filled the guided rows' masks in "
                               f"{mask['per_row_s'] * 1e6:,.0f} us per row, {mask['per_guided_step_s'] * 1e3:,.2f} ms per "
-                              f"step with guided rows ({mask['rows_per_guided_step']:.1f} guided rows a step); "
+                              f"step with guided rows ({mask['rows_per_guided_step']:.1f} guided rows a step), while the "
+                              f"step's forward ran: it had already ended when the masks were ready in "
+                              f"{mask['late_fraction']:.0%} of those steps; "
                               f"{row['median']['output_tokens']:,} output tokens (the guided may end early)."]
     lines += ["", "How each runner's times are taken:", ""]
     lines += [f"* `{name}`: {TIMING_NOTES[name]}." for name in meta["runners"]]

@@ -15,7 +15,9 @@ It reads the requests' page bookkeeping and never writes it (the KV-cache manage
 it holds `history`, each slot's token, which the step programs write and the penalties read.
 
 A guided row (a request with a guide, drawing this step) gets its mask of allowed tokens filled on the
-host (`fill_guides`, through `jaxattn.serving.structured`), applied in the step program before the draw.
+host (`fill_guides`, through `jaxattn.serving.structured`) while the device runs the step's forward, and
+applied in the step's second program before the draw (`jaxattn.serving.step.StepPrograms`), as vLLM
+fills its grammar bitmask while the model runs.
 
 vLLM V1's GPUModelRunner is the model (read for its shape). What lands here next: several
 decode steps per program call (a program that loops k decode steps on the device); many LoRA adapters
@@ -43,7 +45,7 @@ from jaxattn.serving.engine_config import EngineConfig
 from jaxattn.serving.logit_knobs import fill_logit_knobs
 from jaxattn.serving.requests import Request, StepLogprobs
 from jaxattn.serving.scheduler import SchedulerOutput
-from jaxattn.serving.step import LogprobKnobs, Logprobs, StepInputs, StepPrograms, StepShape
+from jaxattn.serving.step import LogprobKnobs, Logprobs, Pending, StepInputs, StepPrograms, StepShape
 from jaxattn.serving.structured import GuideCompiler
 
 
@@ -135,6 +137,7 @@ class ModelRunner:
 
     Attributes:
       mask_seconds, masked_rows: host time spent filling guided rows' masks, and the rows filled.
+      masks_late: steps whose forward had already ended when their masks were filled.
     """
 
     def __init__(self, params, config: ModelConfig, engine_config: EngineConfig, *, num_pages: int,
@@ -145,7 +148,7 @@ class ModelRunner:
         params, config = relayout(nn.unbox(params), config, scan_layers=False)
         ec = engine_config
         self.config, self.kernels, self.page_size = config, kernels, ec.page_size
-        self.guide_compiler, self.mask_seconds, self.masked_rows = guide_compiler, 0.0, 0
+        self.guide_compiler, self.mask_seconds, self.masked_rows, self.masks_late = guide_compiler, 0.0, 0, 0
         self.pages_per_seq = -(-max_model_len // ec.page_size)
         self.num_slots = num_pages * ec.page_size
         self._buckets, self._prefill_shapes, self._chunk = ec.buckets(), ec.prefill_shapes(), ec.chunk
@@ -160,12 +163,14 @@ class ModelRunner:
     def execute(self, output: SchedulerOutput) -> tuple[list[int], list[bool], StepLogprobsOut | None]:
         """Runs the step -> `(tokens, finite, logprobs)`: one entry per decode row, then one per prompt
         chunk (a chunk that does not reach its prompt's end has a draw nobody takes); `logprobs` None
-        when no row asked for any."""
+        when no row asked for any. The guided rows' masks are filled while the forward runs."""
         decode, prefill = output.decode, output.prefill
         shape = self.shape(len(decode), prefill)
-        inputs = self.inputs(shape, output)
-        self.pools, self.history, drawn, finite, logprobs = self.programs(shape, self.params, self.pools,
-                                                                          self.history, inputs)
+        inputs, guided = self.inputs(shape, output)
+        self.pools, self.history, pending = self.programs.forward(shape, self.params, self.pools, self.history,
+                                                                  inputs)
+        self.fill_guides(inputs, guided, pending)
+        drawn, finite, logprobs = self.programs.sample(shape, pending, self.history, inputs)
         rows = list(range(len(decode))) + list(range(shape.decode_rows, shape.decode_rows + len(prefill)))
         logprobs = read_logprobs(logprobs, inputs, rows, [(start, count) for _, start, count in prefill])
         drawn, finite = drawn.tolist(), finite.tolist()
@@ -186,8 +191,9 @@ class ModelRunner:
         table[:len(request.pages)] = np.maximum(request.pages, 0)
         return table
 
-    def inputs(self, shape: StepShape, output: SchedulerOutput) -> StepInputs:
-        """The step's host arrays: flat tokens, positions and slots, the rows' groups, the draws' knobs."""
+    def inputs(self, shape: StepShape, output: SchedulerOutput) -> tuple[StepInputs, list[tuple[Request, int]]]:
+        """The step's host arrays (flat tokens, positions and slots, the rows' groups, the draws' knobs;
+        the guided rows' masks left for `fill_guides`) and the guided rows: (request, its logit row)."""
         inputs = StepInputs.empty(shape, self.pages_per_seq, self.num_slots, self.config.vocab_size)
         guided = []  # (request, its logit row) of the rows drawn under a guide
         groups = iter(inputs.batch.groups)
@@ -215,12 +221,13 @@ class ModelRunner:
             logprob_knobs(inputs.logprobs, request, draw, None if group is decode_group else row, positions)
             if request.guide_state is not None and start + count == request.num_tokens:  # a draw it takes
                 guided.append((request, draw))
-        self.fill_guides(inputs, guided)
-        return inputs
+        return inputs, guided
 
-    def fill_guides(self, inputs: StepInputs, guided: list[tuple[Request, int]]) -> None:
+    def fill_guides(self, inputs: StepInputs, guided: list[tuple[Request, int]], pending: Pending) -> None:
         """Each guided row's mask of allowed tokens (its guide's next step), filled on the host in one
-        parallel call, and the row marked guided; the other rows' masks stay all ones."""
+        parallel call while the dispatched forward (`pending`) runs, and the row marked guided; the other
+        rows' masks stay all ones. Counts a step whose forward had ended before the masks were
+        filled (`masks_late`): then the host's time was not hidden behind the device's."""
         if not guided:
             return
         started = time.perf_counter()
@@ -228,3 +235,4 @@ class ModelRunner:
         inputs.knobs.guided[[row for _, row in guided]] = True
         self.mask_seconds += time.perf_counter() - started
         self.masked_rows += len(guided)
+        self.masks_late += pending.raw.is_ready()

@@ -1,4 +1,4 @@
-"""The engine's one step, compiled once per shape bucket: a paged forward and the draws.
+"""The engine's step, compiled once per shape bucket as two programs: a paged forward, then the draws.
 
 A step is a flat run of tokens from many sequences (`jaxattn.cache.containers.PagedBatch`), in two groups
 of rows: `decode_rows` rows of one token (a sequence's last token, whose next one is drawn) and
@@ -22,6 +22,10 @@ tokens at a time). Both are the model's raw log-softmax in float32, before tempe
 filter; each runs under a `jax.lax.cond` on "some row asks", so a step where none asks computes
 neither, and they stay on the device for whoever reads them (`StepPrograms.__call__`).
 
+The forward needs nothing of the draws, and the draws' program is small: between the two the host
+fills the guided rows' masks (`StepPrograms.forward`, then `.sample`) while the device runs the forward,
+so a mask costs the step nothing while it takes less than the forward.
+
 Shapes are static per bucket (`StepShape`); `StepInputs.empty` is a step of padding alone, used
 to compile every bucket at start-up (`StepPrograms`), so no request ever waits for a compile.
 """
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import flax.struct
 import jax
@@ -197,59 +202,101 @@ def _zeros(shape: tuple, k: int):
     return jnp.zeros(shape, jnp.float32), jnp.zeros((*shape, k), jnp.int32), jnp.zeros((*shape, k), jnp.float32)
 
 
-def step_logprobs(head, hidden, logits, tokens, knobs: LogprobKnobs) -> Logprobs:
-    """The log-probabilities the rows ask for (`LogprobKnobs`), each group under its own `lax.cond`.
-
-    `head` maps `[T, D]` hidden states to `[T, V]` float32 logits; `hidden` `[Tf, D]` is the step's
-    (its prefill rows last); `logits` `[M, V]` the drawn rows', `tokens` `[M]` their draws. Prompt
-    log-probabilities run the head over one prefill row of `chunk` tokens at a time (`lax.map`, and
-    only on the rows that ask): one row's `[chunk, V]` logits are live, not all rows'."""
+def drawn_logprobs(logits, tokens, asked):
+    """Of each drawn row's token `[M]` and its top `(ids, values) [M, K]`, from the raw `[M, V]` float32
+    `logits`; zeros where nobody asked (`asked [M]` bool), under one `lax.cond` on "some row asks"."""
     k = min(MAX_LOGPROBS, logits.shape[-1])
-    drawn = jax.lax.cond(jnp.any(knobs.drawn), lambda: scored(jax.nn.log_softmax(logits), tokens, k),
-                         lambda: _zeros(tokens.shape, k))
-    rows, chunk = knobs.prompt_targets.shape
+    return jax.lax.cond(jnp.any(asked), lambda: scored(jax.nn.log_softmax(logits), tokens, k),
+                        lambda: _zeros(tokens.shape, k))
+
+
+def prompt_logprobs(head, hidden, targets, vocab_size: int):
+    """Of each prefill token's next prompt token `[prefill_rows, chunk]` and the top there (zeros where
+    `targets`, the next prompt tokens, are -1).
+
+    `head` maps `[T, D]` hidden states to `[T, V]` float32 logits; `hidden` `[Tf, D]` is the step's (its
+    prefill rows last). The head runs over one prefill row of `chunk` tokens at a time (`lax.map`, and
+    only on the rows that ask): one row's `[chunk, V]` logits are live, not all rows'."""
+    k = min(MAX_LOGPROBS, vocab_size)
+    rows, chunk = targets.shape
     if rows == 0:
-        return Logprobs(*drawn, *_zeros((0, chunk), k))
+        return _zeros((0, chunk), k)
     prefill = hidden[hidden.shape[0] - rows * chunk:].reshape(rows, chunk, hidden.shape[-1])
 
     def row(args):
-        hidden_row, targets = args
-        return jax.lax.cond(jnp.any(targets >= 0), lambda: scored(jax.nn.log_softmax(head(hidden_row)), targets, k),
+        hidden_row, row_targets = args
+        return jax.lax.cond(jnp.any(row_targets >= 0),
+                            lambda: scored(jax.nn.log_softmax(head(hidden_row)), row_targets, k),
                             lambda: _zeros((chunk,), k))
 
-    prompt = jax.lax.cond(jnp.any(knobs.prompt_targets >= 0), lambda: jax.lax.map(row, (prefill, knobs.prompt_targets)),
-                          lambda: _zeros((rows, chunk), k))
-    return Logprobs(*drawn, *prompt)
+    return jax.lax.cond(jnp.any(targets >= 0), lambda: jax.lax.map(row, (prefill, targets)),
+                        lambda: _zeros((rows, chunk), k))
 
 
-def _step(params, pools, history, inputs: StepInputs, *, model: DecoderLM):
+def _forward(params, pools, history, tokens, batch: PagedBatch, prompt_targets, *, model: DecoderLM):
+    """The step's first program: the paged forward -> `(pools, history, raw [M, V] float32 logits of the
+    drawn rows, prompt log-probabilities)`. It needs nothing of the draws, so the host fills the guided
+    rows' masks while it runs."""
     # The tokens go into the history at their keys' slots first, so a row reads its own sequence whole.
-    history = history.reshape(-1).at[inputs.batch.slots].set(inputs.tokens, mode="drop").reshape(history.shape)
+    history = history.reshape(-1).at[batch.slots].set(tokens, mode="drop").reshape(history.shape)
     variables = {"params": params}
-    hidden, pools = model.apply(variables, inputs.tokens, pools, inputs.batch, method=DecoderLM.paged_hidden)
+    hidden, pools = model.apply(variables, tokens, pools, batch, method=DecoderLM.paged_hidden)
     head = lambda x: model.apply(variables, x[None], method=DecoderLM.logits)[0].astype(jnp.float32)  # noqa: E731
-    raw = head(hidden[inputs.batch.logit_tokens])  # [M, V]; log-probabilities are the model's, before any knob
-    logits = apply_masks(raw, inputs.knobs)  # a guided row with nothing allowed is not finite below
+    raw = head(hidden[batch.logit_tokens])  # log-probabilities are the model's, before any knob
+    return pools, history, raw, prompt_logprobs(head, hidden, prompt_targets, raw.shape[-1])
+
+
+def _sample(raw, history, knobs: DrawKnobs, block_tables: tuple, logprobs_asked):
+    """The step's second program: the raw logits masked, biased, penalised and drawn -> `(tokens [M],
+    finite [M], the drawn rows' log-probabilities)`."""
+    logits = apply_masks(raw, knobs)  # a guided row with nothing allowed is not finite below
     finite = jnp.isfinite(jnp.max(logits, axis=-1))  # [M]: NaN, +inf or all -inf means nothing to draw from
-    block_table = jnp.concatenate([group.block_table for group in inputs.batch.groups])  # [M, pages], draw order
-    knobs = inputs.knobs
+    block_table = jnp.concatenate(block_tables)  # [M, pages], in draw order
     tokens = draw(adjusted(logits, knobs, lambda: logit_knobs.sequence_tokens(history, block_table)), knobs)
-    return pools, history, tokens, finite, step_logprobs(head, hidden, raw, tokens, inputs.logprobs)
+    return tokens, finite, drawn_logprobs(raw, tokens, logprobs_asked)
+
+
+class Pending(NamedTuple):
+    """A dispatched forward: the drawn rows' raw logits and the prompt log-probabilities, on the device."""
+
+    raw: jax.Array
+    prompt: tuple
+
+
+def _rows(shape: StepShape) -> tuple[int, int]:
+    """What a sampler's program depends on: the decode and prefill rows (not the chunk)."""
+    return shape.decode_rows, shape.prefill_rows
+
+
+def _forward_args(inputs: StepInputs) -> tuple:
+    return inputs.tokens, inputs.batch, inputs.logprobs.prompt_targets
+
+
+def _sample_args(inputs: StepInputs) -> tuple:
+    return inputs.knobs, tuple(group.block_table for group in inputs.batch.groups), inputs.logprobs.drawn
 
 
 class StepPrograms:
-    """One compiled step per bucket, all compiled here (ahead of time: a call with other shapes
-    is refused rather than compiled). The pools and the token history (`[num_pages, page_size]` int32)
-    are donated: each step updates them in place."""
+    """Two compiled programs per bucket, all compiled here (ahead of time: a call with other shapes is
+    refused rather than compiled): the forward, per shape, and the draws, per rows (the chunk does
+    not change them). The pools and the token history (`[num_pages, page_size]` int32) are donated to
+    the forward: each step updates them in place.
+
+    A step is `forward`, which returns as soon as the program is dispatched, then `sample`, whose
+    inputs (the guided rows' masks above all) the host may fill while the forward runs."""
 
     def __init__(self, config: ModelConfig, kernels: Kernels, params, pools, history, shapes, *,
                  pages_per_seq: int, num_slots: int, place=lambda tree: tree, progress=None):
         self.pages_per_seq, self.num_slots, self._place = pages_per_seq, num_slots, place
-        step = jax.jit(functools.partial(_step, model=DecoderLM(config, kernels)), donate_argnums=(1, 2))
-        self.programs = {}
+        forward = jax.jit(functools.partial(_forward, model=DecoderLM(config, kernels)), donate_argnums=(1, 2))
+        sample = jax.jit(_sample)
+        self.programs, self.samplers = {}, {}
         for i, shape in enumerate(sorted(shapes)):
             inputs = place(StepInputs.empty(shape, pages_per_seq, num_slots, config.vocab_size))
-            self.programs[shape] = step.lower(params, pools, history, inputs).compile()
+            self.programs[shape] = forward.lower(params, pools, history, *_forward_args(inputs)).compile()
+            if _rows(shape) not in self.samplers:
+                _, history_out, raw, _ = self.programs[shape].out_info  # shapes and shardings the forward gives
+                self.samplers[_rows(shape)] = sample.lower(raw, history_out, *_sample_args(inputs)).compile()
             if progress is not None:
                 progress(i + 1, len(shapes), shape)
 
@@ -257,8 +304,21 @@ class StepPrograms:
     def shapes(self) -> list[StepShape]:
         return sorted(self.programs)
 
+    def forward(self, shape: StepShape, params, pools, history, inputs: StepInputs):
+        """Dispatches bucket `shape`'s forward -> `(pools, history, Pending)`, all on the device, returned
+        before the program ends. Reads `inputs`' tokens, batch and prompt targets, not its knobs."""
+        pools, history, raw, prompt = self.programs[shape](params, pools, history,
+                                                           *self._place(_forward_args(inputs)))
+        return pools, history, Pending(raw, prompt)
+
+    def sample(self, shape: StepShape, pending: Pending, history, inputs: StepInputs):
+        """The draws after `forward` -> `(tokens [M] numpy, finite [M] numpy, Logprobs on the device)`:
+        the log-probabilities are copied to the host only by whoever reads them."""
+        tokens, finite, drawn = self.samplers[_rows(shape)](pending.raw, history, *self._place(_sample_args(inputs)))
+        return np.asarray(tokens), np.asarray(finite), Logprobs(*drawn, *pending.prompt)
+
     def __call__(self, shape: StepShape, params, pools, history, inputs: StepInputs):
-        """Runs bucket `shape` -> `(pools, history, tokens [M] numpy, finite [M] numpy, Logprobs on the
-        device)`: the log-probabilities are copied to the host only by whoever reads them."""
-        pools, history, tokens, finite, logprobs = self.programs[shape](params, pools, history, self._place(inputs))
-        return pools, history, np.asarray(tokens), np.asarray(finite), logprobs
+        """One whole step (`forward` then `sample`, `inputs` filled beforehand) -> `(pools, history,
+        tokens, finite, Logprobs)`."""
+        pools, history, pending = self.forward(shape, params, pools, history, inputs)
+        return (pools, history, *self.sample(shape, pending, history, inputs))
