@@ -109,8 +109,8 @@ class Request:
     and `output_top_logprobs` (its k most likely `(id, logprob)`) grow with them; with
     `sampling.prompt_logprobs`, `prompt_logprobs` and `prompt_top_logprobs` hold one entry per prompt
     token (None for the first), complete once the prompt is computed. `finished` and `finish_reason`
-    ("stop", "length", "error" or "cancelled") say when and why it ended; a guided request stops when
-    its guide is complete.
+    ("stop", "length", "error" or "cancelled") say when and why it ended, `error` why an "error"; a
+    guided request stops when its guide is complete.
     """
 
     def __init__(self, prompt_ids: tuple[int, ...], sampling: SamplingParams, seed: int,
@@ -127,6 +127,7 @@ class Request:
         self.prompt_top_logprobs: list[TopLogprobs | None] = [None] * scored
         self.status = Status.WAITING
         self.finish_reason: str | None = None
+        self.error: str | None = None  # why it ended with "error"
         self.text = TextStream(detokenize, sampling.stop) if detokenize is not None else None
         self.num_preemptions = 0
         self.cumulative_logprob = 0.0  # the drawn tokens' raw log-probabilities summed (when computed)

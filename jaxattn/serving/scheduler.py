@@ -39,6 +39,10 @@ from jaxattn.serving.engine_config import EngineConfig
 from jaxattn.serving.kv_cache_manager import KVCacheManager
 from jaxattn.serving.requests import Request, Status
 
+# Why a guided request ends with "error" when its mask leaves nothing to draw: the request's fault (a 400).
+GUIDE_DEAD_END = ("the guide allows no token of the model's vocabulary here: the vocabulary cannot write what it "
+                  "asks for next")
+
 
 class QueueFull(Exception):
     """More requests are waiting than `EngineConfig.max_waiting` allows."""
@@ -249,10 +253,12 @@ class Scheduler:
         elif request.text is not None and request.text.add(token):
             self._end(request, "stop")
         elif guide_end is not None:  # "stop": the guide is complete; "error": it refused the token
+            request.error = None if guide_end == "stop" else f"the guide refused token {token}"
             self._end(request, guide_end)
         elif len(request.output_ids) >= sampling.max_tokens or request.num_tokens >= self.max_model_len:
             self._end(request, "length")
         elif not finite:
+            request.error = GUIDE_DEAD_END if request.guide_state is not None else "the model's logits were not finite"
             self._end(request, "error")
 
     def _end(self, request: Request, reason: str) -> None:

@@ -90,3 +90,17 @@ def test_bad_values_are_400s_naming_the_field(client, knobs, param):
     with pytest.raises(openai.BadRequestError) as caught:
         complete(client, **knobs)
     assert caught.value.body["param"] == param
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_guide_the_vocabulary_cannot_write_is_a_400_saying_so(client, stream):
+    """The characters of Tiny Shakespeare hold no "{": the guide leaves the first draw nothing to choose."""
+    assert "{" not in CHARS
+    with pytest.raises(openai.APIError) as caught:  # streamed: the client raises the error event as an APIError
+        answer = complete(client, stream=stream, extra_body={"guided_regex": r"\{[a-z]+\}"})
+        for _ in answer:
+            pass
+    if not stream:
+        assert isinstance(caught.value, openai.BadRequestError)
+    assert "the vocabulary cannot write what it asks for next" in str(caught.value)
+    assert complete(client).choices[0].text  # the server stays up

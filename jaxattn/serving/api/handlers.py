@@ -33,7 +33,7 @@ from jaxattn.serving.api.protocol import APIError, bad_request
 from jaxattn.serving.api.runner import Draining, Ticket, Update
 from jaxattn.serving.api.state import ApiState
 from jaxattn.serving.guides import Guide
-from jaxattn.serving.scheduler import QueueFull
+from jaxattn.serving.scheduler import GUIDE_DEAD_END, QueueFull
 
 CHAT_PAGE = Path(__file__).with_name("chat.html")
 
@@ -250,9 +250,11 @@ async def whole(request: Request, tickets: list[Ticket], shape: Answer, prompt_t
 
 
 def ended(update: Update, ticket: Ticket) -> None:
-    """A 500 or 503 for a request that did not finish ("error", or "cancelled" by a drain)."""
+    """An error for a request that did not finish: "error" (a 400 where its guide leaves the vocabulary nothing
+    to write, a 500 otherwise), or a 503 when "cancelled" by a drain."""
     if update.finish_reason == "error":
-        raise APIError(500, update.error or f"request {ticket.tag}: the model's logits were not finite")
+        status = 400 if update.error == GUIDE_DEAD_END else 500
+        raise APIError(status, f"request {ticket.tag}: {update.error or 'the model could not draw a token'}")
     if update.finish_reason == "cancelled":
         raise APIError(503, "the server shut down before this request finished", code="draining")
 

@@ -48,7 +48,7 @@ class Update:
     tokens: list[int]
     text: str
     finish_reason: str | None = None  # "stop", "length", "cancelled", "error", or None while it runs
-    error: str | None = None  # an internal failure's message (the request ends with a 500)
+    error: str | None = None  # why it ended with "error" (a guide's dead end: 400; else 500)
     logprobs: list[tuple[float, tuple]] | None = None
     prompt_logprobs: list[tuple[float | None, tuple | None]] | None = None
 
@@ -235,7 +235,8 @@ class EngineRunner:
             tokens, text = request.take_new()
             if self.on_tokens is not None and tokens:
                 self.on_tokens(request, len(request.output_ids) - len(tokens))
-            ticket._put(Update(tokens, text, request.finish_reason, **_logprobs(ticket, request, len(tokens))))
+            ticket._put(Update(tokens, text, request.finish_reason, error=request.error,
+                               **_logprobs(ticket, request, len(tokens))))
             if request.finished:
                 ended.append(request)
                 del self._tickets[request.id]
