@@ -103,6 +103,13 @@ def _registered() -> bool:
     return True
 
 
+@functools.cache
+def native_path() -> str:
+    """The instruction-set path of the native loop's integer dots, chosen when the library was compiled
+    (`native/quant_dot.h`): "avx512vnni", "avxvnni", "avx2", "neon-dotprod", "neon" or "scalar"."""
+    return native_build.text(library_path(), "JaxattnQuantMatmulPath", "the native quantized matmul", WAY_OUT)
+
+
 def _panels_fit(weight: QuantizedWeight) -> bool:
     """A weight "native_cpu_q8act" reads in panels: one it takes (`_takes_q8act`), `out` a multiple of 16."""
     return weight.shape[-1] % PANEL == 0 and _takes_q8act(weight)
