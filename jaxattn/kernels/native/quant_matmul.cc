@@ -20,12 +20,13 @@
 // outputs, so no sums are shared. Summation order differs from the reference's only by float32 rounding.
 //
 // The int4 words put a column's 8 consecutive rows in 32 bits so that one 32-bit lane of an integer
-// dot holds 4 rows of one column: with AVX512-VNNI (chosen at build time by -march=native),
-// _mm512_dpbusd_epi32 multiplies 16 columns' unsigned nibbles by 4 int8 activations each, summed in
-// int32; the nibbles' offset of 8 is taken off once per group (8 * the sum of the group's xq).
-// Without VNNI the same integer sums run in plain loops the compiler vectorizes: equal results.
-// int8 values stay [K, N] (the layout GGUF and the reference share): Int8Q8 interleaves four rows
-// itself, a few shuffles per 256 products.
+// dot holds 4 rows of one column: the integer dots of quant_dot.h (one path per instruction set,
+// chosen at build time by -march=native; JaxattnQuantMatmulPath names it) multiply 16 columns'
+// unsigned nibbles by 4 int8 activations each, summed in int32; the nibbles' offset of 8 is taken off
+// once per group (8 * the sum of the group's xq). Columns past the last 16 run in plain loops with the
+// same sums. int8 values stay [K, N] (the layout GGUF and the reference share): with AVX512-VNNI,
+// Int8Q8 interleaves four rows itself, a few shuffles per 256 products; without it, plain loops the
+// compiler vectorizes (the panels layout is the one with a dot per instruction set).
 //
 // Panels (targets JaxattnQuantMatmul8Panels and JaxattnQuantMatmul4Panels, q8act only): the same
 // weight cut into panels of 16 columns, each panel's rows contiguous (jaxattn.quantization's "panels"
