@@ -15,7 +15,7 @@ ifneq ($(wildcard $(SHARED_DATA)),)
 export JAXATTN_SHAKESPEARE ?= $(SHARED_DATA)
 endif
 
-.PHONY: setup test test-fast train serve bench sample clean chromium
+.PHONY: setup test test-fast train serve bench sample clean chromium arm-cross
 
 setup: $(STAMP)
 
@@ -32,7 +32,7 @@ $(TEST_STAMP): $(STAMP)
 # The whole suite (what CI runs). Each file's tests run in one worker (--dist loadfile): a module's
 # fixtures (a trained run, a server process, an 8-device mesh script) are made once, its compiled
 # programs compiled once, and let go when the file is done (tests/conftest.py).
-test: $(TEST_STAMP) chromium
+test: $(TEST_STAMP) chromium arm-cross
 	$(PY) -m pytest -n 2 --dist loadfile tests
 
 # Everything but the tests marked `slow` (end-to-end runs in a fresh process). Each file's tests
@@ -57,6 +57,22 @@ chromium:
 	else \
 	  echo "no chromium, and no apt-get as root to install it: the browser tests will be skipped (under CI=true: an error)"; \
 	  [ "$$CI" != true ]; \
+	fi
+
+# The native kernels' ARM paths (tests/kernels/test_native_paths.py, marked qemu) are cross-compiled with
+# Debian's g++-aarch64-linux-gnu and run under qemu-user. Installed here as chromium is; without them
+# those tests are skipped with the reason.
+arm-cross:
+	@if command -v aarch64-linux-gnu-g++ >/dev/null 2>&1 && command -v qemu-aarch64 >/dev/null 2>&1; then \
+	  :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	  echo "installing g++-aarch64-linux-gnu and qemu-user for the ARM kernel tests"; \
+	  export DEBIAN_FRONTEND=noninteractive; \
+	  { apt-get install -y -q --no-install-recommends g++-aarch64-linux-gnu qemu-user >/dev/null 2>&1 \
+	    || { apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends g++-aarch64-linux-gnu qemu-user >/dev/null; }; } \
+	  || echo "could not install them: the ARM kernel tests will be skipped"; \
+	else \
+	  echo "no aarch64 cross compiler or qemu-aarch64, and no apt-get as root: the ARM kernel tests will be skipped"; \
 	fi
 
 train: $(STAMP)

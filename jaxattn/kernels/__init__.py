@@ -46,7 +46,10 @@ The modules, one formulation or one rule each:
   `chunked_blocks`), `cudnn`, `splash`, `pallas_flash` (the teaching kernel), `blocked_decode`;
 * against pages: `paged` (the reference and the ragged loop), `native_paged` (the native decode loop);
 * matmuls: `bf16_matmul`, `quant_matmul` (quantized weights); the mixture of experts: `moe`;
-* the native kernels' C++ (`native/`), built on first use by `native_build`.
+* the native kernels' C++ (`native/`), built on first use by `native_build` with `-march=native`:
+  the quantized matmul's integer dots take one path per instruction set (`native/quant_dot.h`:
+  AVX512-VNNI, AVX-VNNI, AVX2, NEON with and without the dot-product extension, scalar), named by
+  `quant_matmul.native_path()` and on the programs' `kernels:` line.
 
 Adding an implementation is a new module in this package and one entry in
 `IMPLEMENTATIONS` (`jaxattn.kernels.registry`; plus, if it should be picked

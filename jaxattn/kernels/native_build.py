@@ -2,8 +2,10 @@
 
 A kernel's source is compiled on first use with the C++ compiler `compiler()` finds (`$CXX`, else
 c++, g++ or clang++) and `FLAGS` (`-ffast-math`: the sources rely on no infinity), into the cache
-`native_cache_dir()` under a name that hashes the source, the compiler, JAX's FFI headers and this
-CPU's flags: a new CPU or JAX builds anew, nothing is shared between machines. Every failure is a
+`native_cache_dir()` under a name that hashes the source and the headers beside it, the compiler,
+the flags, JAX's FFI headers and this CPU's flags: a new CPU or JAX builds anew, nothing is shared
+between machines. `-march=native` lets a source choose its instruction-set path by the compiler's
+predefined macros (the tests build each x86 path by replacing it in `FLAGS`). Every failure is a
 `NativeBuildError` whose message ends with the kernel's way out (the reference to ask for instead).
 """
 
@@ -45,15 +47,17 @@ def native_cache_dir() -> Path:
 
 
 def build(source: Path, cxx: str, way_out: str) -> Path:
-    """The library compiled from `source` with `cxx`, compiling it unless the cache has it.
+    """The library compiled from `source` with `cxx` and `FLAGS`, compiling it unless the cache has it.
     `way_out` ends every error's message, e.g. "use Kernels(paged='ragged')"."""
     include = jax.ffi.include_dir()
     try:
         version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
     except (OSError, subprocess.SubprocessError) as err:
         raise NativeBuildError(f"the C++ compiler {cxx} does not run ({err}); {way_out}") from err
-    key = hashlib.sha256("\0".join([source.read_text(), version, jax.__version__, str(FLAGS), " ".join(sorted(read_cpu_flags())),
-                                    (Path(include) / "xla" / "ffi" / "api" / "api.h").read_text()]).encode())
+    headers = [header.read_text() for header in sorted(source.parent.glob("*.h"))]  # what the source includes
+    api = (Path(include) / "xla" / "ffi" / "api" / "api.h").read_text()
+    key = hashlib.sha256("\0".join([source.read_text(), *headers, version, jax.__version__, str(FLAGS),
+                                    " ".join(sorted(read_cpu_flags())), api]).encode())
     library = native_cache_dir() / f"{source.stem}-{key.hexdigest()[:16]}.so"
     if library.is_file():
         return library
@@ -81,6 +85,16 @@ def register(path: Path, symbol: str, target: str, what: str, way_out: str) -> N
     except OSError as err:
         raise NativeBuildError(f"loading {what} failed ({err}); {way_out}") from err
     jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
+
+
+def text(path: Path, symbol: str, what: str, way_out: str) -> str:
+    """What the library at `path`'s C function `symbol` (no arguments, a constant C string) answers."""
+    try:
+        function = getattr(ctypes.cdll.LoadLibrary(str(path)), symbol)
+    except (OSError, AttributeError) as err:
+        raise NativeBuildError(f"loading {what} failed ({err}); {way_out}") from err
+    function.restype = ctypes.c_char_p
+    return function().decode()
 
 
 def threads() -> int:

@@ -10,8 +10,8 @@ trained). Each equals its reference to float32 summation order (tests/test_quant
   pieces of columns shared over the intra-op threads); more rows (a prompt) run the reference,
   which is a matmul XLA does well. CPU only; built by `jaxattn.kernels.native_build`.
 * "native_cpu_q8act": as "native_cpu", except that x is rounded to int8 in groups of 32
-  (`quantize_rows`, as llama.cpp's Q8_0 activations) and multiplied with integer dots (AVX512-VNNI
-  where the CPU has it, else plain loops with the same integer sums), for int4 weights in groups of
+  (`quantize_rows`, as llama.cpp's Q8_0 activations) and multiplied with integer dots (one path per
+  instruction set, chosen at build time: `native_path()` names it; `native/quant_dot.h`), for int4 weights in groups of
   a multiple of 32 rows, int8 weights per output channel, and int8 weights in such groups (llama.cpp's
   Q8_0, as a GGUF file's are kept) whose `out` is a multiple of 16, K a multiple of 32: a different
   result, the reference of which is `matmul_q8act` (x rounded so, then the "xla" reference). The
@@ -101,6 +101,13 @@ def _registered() -> bool:
     native_build.register(path, "JaxattnQuantMatmul8Panels", PANEL_TARGETS[8], "the native quantized matmul", WAY_OUT)
     native_build.register(path, "JaxattnQuantMatmul4Panels", PANEL_TARGETS[4], "the native quantized matmul", WAY_OUT)
     return True
+
+
+@functools.cache
+def native_path() -> str:
+    """The instruction-set path of the native loop's integer dots, chosen when the library was compiled
+    (`native/quant_dot.h`): "avx512vnni", "avxvnni", "avx2", "neon-dotprod", "neon" or "scalar"."""
+    return native_build.text(library_path(), "JaxattnQuantMatmulPath", "the native quantized matmul", WAY_OUT)
 
 
 def _panels_fit(weight: QuantizedWeight) -> bool:

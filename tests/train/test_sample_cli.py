@@ -11,6 +11,7 @@ from programs import CHARS, TINY_TOML, run_sample, tiny_sampling_config
 
 from jaxattn import decoding
 from jaxattn.config import ModelConfig
+from jaxattn.kernels import quant_matmul
 from jaxattn.model import DecoderLM
 from train.checkpoints.store import Checkpointer
 from train.config import ExperimentConfig, TrainConfig
@@ -232,6 +233,8 @@ def test_quant_int8_samples_with_quantized_weights_and_says_so(tiny, capsys):
     assert code == 0, err
     assert out.startswith("ROMEO:") and len(out) == len("ROMEO:") + 4 + 1
     assert "weights int8, quantized '" in err
+    if "quantized 'native" in err:  # the native loop names the instruction-set path it was compiled to
+        assert f"', {quant_matmul.native_path()} path (" in err
 
 
 @pytest.mark.parametrize("argv, message", [

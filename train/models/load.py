@@ -34,6 +34,7 @@ from jaxattn import Kernels, axes, lora, with_fused_qkv
 from jaxattn.config import ModelConfig
 from jaxattn.hf import peft as hf_peft
 from jaxattn.hf.errors import HFCheckpointError
+from jaxattn.kernels import quant_matmul
 from jaxattn.quantization import quantize
 from jaxattn.scan_plan import relayout
 from train.checkpoints.meta import CheckpointError
@@ -146,10 +147,12 @@ def read_chat(source: ModelSource, *, template: bool = True) -> tuple[str | None
 
 
 def quant_line(quant: str | None, kernels: Kernels, reasons: dict[str, str]) -> str:
-    """The programs' `kernels:` line's part for quantized weights ("" for float ones)."""
+    """The programs' `kernels:` line's part for quantized weights ("" for float ones), naming the native
+    loop's instruction-set path (`quant_matmul.native_path()`, e.g. "avx2") when it runs one."""
     if quant is None:
         return ""
-    return f"; weights {quant}, quantized {kernels.quantized!r} ({reasons['quantized']})"
+    path = f", {quant_matmul.native_path()} path" if kernels.quantized.startswith("native") else ""
+    return f"; weights {quant}, quantized {kernels.quantized!r}{path} ({reasons['quantized']})"
 
 
 def device_mesh(spec: str | None, config: ModelConfig):

@@ -20,12 +20,13 @@
 // outputs, so no sums are shared. Summation order differs from the reference's only by float32 rounding.
 //
 // The int4 words put a column's 8 consecutive rows in 32 bits so that one 32-bit lane of an integer
-// dot holds 4 rows of one column: with AVX512-VNNI (chosen at build time by -march=native),
-// _mm512_dpbusd_epi32 multiplies 16 columns' unsigned nibbles by 4 int8 activations each, summed in
-// int32; the nibbles' offset of 8 is taken off once per group (8 * the sum of the group's xq).
-// Without VNNI the same integer sums run in plain loops the compiler vectorizes: equal results.
-// int8 values stay [K, N] (the layout GGUF and the reference share): Int8Q8 interleaves four rows
-// itself, a few shuffles per 256 products.
+// dot holds 4 rows of one column: the integer dots of quant_dot.h (one path per instruction set,
+// chosen at build time by -march=native; JaxattnQuantMatmulPath names it) multiply 16 columns'
+// unsigned nibbles by 4 int8 activations each, summed in int32; the nibbles' offset of 8 is taken off
+// once per group (8 * the sum of the group's xq). Columns past the last 16 run in plain loops with the
+// same sums. int8 values stay [K, N] (the layout GGUF and the reference share): with AVX512-VNNI,
+// Int8Q8 interleaves four rows itself, a few shuffles per 256 products; without it, plain loops the
+// compiler vectorizes (the panels layout is the one with a dot per instruction set).
 //
 // Panels (targets JaxattnQuantMatmul8Panels and JaxattnQuantMatmul4Panels, q8act only): the same
 // weight cut into panels of 16 columns, each panel's rows contiguous (jaxattn.quantization's "panels"
@@ -43,11 +44,7 @@
 #include <thread>
 #include <vector>
 
-#if defined(__AVX512VNNI__) && defined(__AVX512F__)
-#include <immintrin.h>
-#define JAXATTN_VNNI 1
-#endif
-
+#include "quant_dot.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -172,52 +169,36 @@ void Int4Float(const Problem& p, int64_t m0, int64_t m1, int64_t j0, int64_t j1,
   }
 }
 
+// out[0:16] += (the 16 int32 sums - offset) * (scale[c] or 1) * xs: a group's integer dots into float32.
+inline void AddScaled(float* out, const jaxattn_dot::Acc16& acc, int32_t offset, const float* scale, float xs) {
+  int32_t sums[16];
+  jaxattn_dot::Lanes(acc, sums);
+  for (int c = 0; c < 16; ++c) out[c] += static_cast<float>(sums[c] - offset) * ((scale ? scale[c] : 1.0f) * xs);
+}
+
 // out[m0:m1, j0:j1] for int4 words and int8 activations: integer dots per group of 32 rows. The rows
 // of a group are read along the piece's columns (four streams through memory), each 16 columns' int32
-// sums kept in registers for the group, then scaled into the float32 outputs.
+// sums kept in registers for the group (quant_dot.h), then scaled into the float32 outputs; the
+// columns past the last 16 in a plain loop with the same sums.
 void Int4Q8(const Problem& p, int64_t m0, int64_t m1, int64_t j0, int64_t j1, float* out) {
+  using namespace jaxattn_dot;
   const uint32_t* w = static_cast<const uint32_t*>(p.w);
   const int64_t A = p.K / kActGroup, T = p.K / 8, M = m1 - m0;
+  const int64_t rest = j0 + (j1 - j0) / 16 * 16;  // the columns from here on run in plain loops
   for (int64_t m = m0; m < m1; ++m) std::fill(out + m * p.N + j0, out + m * p.N + j1, 0.0f);
-  int64_t rest = j0;  // the columns from here on run in plain loops
-#ifdef JAXATTN_VNNI
-  const int64_t vector_cols = (j1 - j0) / 16 * 16;
-  const __m512i nibble = _mm512_set1_epi32(0x0F0F0F0F);
   for (int64_t a = 0; a < A; ++a) {
     const float* sa = p.scales + (a * kActGroup / p.group) * p.N;
-    __m512i even[kMaxRows][4], odd[kMaxRows][4];
-    __m512 xs[kMaxRows];
-    __m512i offset[kMaxRows];
-    for (int64_t m = 0; m < M; ++m) {
-      for (int64_t t = 0; t < 4; ++t) {
-        even[m][t] = _mm512_set1_epi32(p.even[(m0 + m) * T + a * 4 + t]);
-        odd[m][t] = _mm512_set1_epi32(p.odd[(m0 + m) * T + a * 4 + t]);
+    for (int64_t j = j0; j < rest; j += 16) {
+      Acc16 acc[kMaxRows];
+      for (int64_t m = 0; m < M; ++m) acc[m] = Zero();
+      for (int64_t t = a * 4; t < a * 4 + 4; ++t) {
+        const U4 v = LoadU4(w + t * p.N + j);
+        for (int64_t m = 0; m < M; ++m) DotU4(acc[m], v, p.even[(m0 + m) * T + t], p.odd[(m0 + m) * T + t]);
       }
-      xs[m] = _mm512_set1_ps(p.xs[(m0 + m) * A + a]);
-      offset[m] = _mm512_set1_epi32(8 * p.xsum[(m0 + m) * A + a]);
-    }
-    for (int64_t j = j0; j < j0 + vector_cols; j += 16) {
-      __m512i acc[kMaxRows];
-      for (int64_t m = 0; m < M; ++m) acc[m] = _mm512_setzero_si512();
-      for (int64_t t = 0; t < 4; ++t) {
-        const __m512i v = _mm512_loadu_si512(w + (a * 4 + t) * p.N + j);
-        const __m512i low = _mm512_and_si512(v, nibble), high = _mm512_and_si512(_mm512_srli_epi32(v, 4), nibble);
-        for (int64_t m = 0; m < M; ++m) {
-          acc[m] = _mm512_dpbusd_epi32(acc[m], low, even[m][t]);
-          acc[m] = _mm512_dpbusd_epi32(acc[m], high, odd[m][t]);
-        }
-      }
-      const __m512 s = _mm512_loadu_ps(sa + j);
-      for (int64_t m = 0; m < M; ++m) {
-        float* o = out + (m0 + m) * p.N + j;
-        const __m512 dot = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[m], offset[m]));
-        _mm512_storeu_ps(o, _mm512_fmadd_ps(dot, _mm512_mul_ps(s, xs[m]), _mm512_loadu_ps(o)));
-      }
+      for (int64_t m = 0; m < M; ++m)
+        AddScaled(out + (m0 + m) * p.N + j, acc[m], 8 * p.xsum[(m0 + m) * A + a], sa + j, p.xs[(m0 + m) * A + a]);
     }
   }
-  rest = j0 + vector_cols;
-#endif
-  // The same integer sums without VNNI (and the columns past the last 16).
   const int64_t left = j1 - rest;
   if (left == 0) return;
   std::vector<int32_t> acc(left);
@@ -380,99 +361,45 @@ constexpr int64_t kPanelRows = 4;
 
 template <int R>
 void Int8Q8Panel(const Problem& p, int64_t m0, int64_t panel, float* out) {
+  using namespace jaxattn_dot;
   const int64_t A = p.K / kActGroup, Q = p.K / 4;
   const int8_t* w = static_cast<const int8_t*>(p.w) + panel * Q * 64;
   const float* s = p.scales + panel * p.G * 16;
-  const int64_t j = panel * 16;
-#ifdef JAXATTN_VNNI
-  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
-  __m512 f[R];
-  for (int r = 0; r < R; ++r) f[r] = _mm512_setzero_ps();
+  float f[R][16] = {};
   for (int64_t a = 0; a < A; ++a) {
-    __m512i acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_si512();
+    Acc16 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = Zero();
     for (int64_t q = a * (kActGroup / 4); q < (a + 1) * (kActGroup / 4); ++q) {
-      const __m512i v = _mm512_xor_si512(_mm512_loadu_si512(w + q * 64), flip);  // w + 128: VNNI's unsigned side
-      for (int r = 0; r < R; ++r) acc[r] = _mm512_dpbusd_epi32(acc[r], v, _mm512_set1_epi32(p.quads[(m0 + r) * Q + q]));
+      const S8 v = LoadS8(w + q * 64);
+      for (int r = 0; r < R; ++r) DotS8(acc[r], v, p.quads[(m0 + r) * Q + q]);
     }
     // One scale per column (G = 1): applied at the end; in groups: with each group's sums.
-    const __m512 sa = p.G == 1 ? _mm512_set1_ps(1.0f) : _mm512_loadu_ps(s + (a * kActGroup / p.group) * 16);
-    for (int r = 0; r < R; ++r) {
-      const __m512i offset = _mm512_set1_epi32(128 * p.xsum[(m0 + r) * A + a]);
-      f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r], offset)),
-                             _mm512_mul_ps(sa, _mm512_set1_ps(p.xs[(m0 + r) * A + a])), f[r]);
-    }
+    const float* sa = p.G == 1 ? nullptr : s + (a * kActGroup / p.group) * 16;
+    for (int r = 0; r < R; ++r)
+      AddScaled(f[r], acc[r], kS8Bias * p.xsum[(m0 + r) * A + a], sa, p.xs[(m0 + r) * A + a]);
   }
-  const __m512 last = p.G == 1 ? _mm512_loadu_ps(s) : _mm512_set1_ps(1.0f);
-  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + (m0 + r) * p.N + j, _mm512_mul_ps(f[r], last));
-#else
-  for (int r = 0; r < R; ++r) {
-    const int8_t* xq = reinterpret_cast<const int8_t*>(p.quads.data() + (m0 + r) * Q);
-    float f[16] = {};
-    for (int64_t a = 0; a < A; ++a) {
-      int32_t acc[16] = {};
-      for (int64_t k = a * kActGroup; k < (a + 1) * kActGroup; ++k)
-        for (int c = 0; c < 16; ++c) acc[c] += static_cast<int32_t>(xq[k]) * w[(k / 4) * 64 + 4 * c + k % 4];
-      const float* sa = s + (a * kActGroup / p.group) * 16;
-      const float xs = p.xs[(m0 + r) * A + a];
-      for (int c = 0; c < 16; ++c) f[c] += static_cast<float>(acc[c]) * (xs * (p.G == 1 ? 1.0f : sa[c]));
-    }
-    for (int c = 0; c < 16; ++c) out[(m0 + r) * p.N + j + c] = f[c] * (p.G == 1 ? s[c] : 1.0f);
-  }
-#endif
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 16; ++c) out[(m0 + r) * p.N + panel * 16 + c] = f[r][c] * (p.G == 1 ? s[c] : 1.0f);
 }
 
 template <int R>
 void Int4Q8Panel(const Problem& p, int64_t m0, int64_t panel, float* out) {
+  using namespace jaxattn_dot;
   const int64_t A = p.K / kActGroup, T = p.K / 8;
   const uint32_t* w = static_cast<const uint32_t*>(p.w) + panel * T * 16;
   const float* s = p.scales + panel * p.G * 16;
-  const int64_t j = panel * 16;
-#ifdef JAXATTN_VNNI
-  const __m512i nibble = _mm512_set1_epi32(0x0F0F0F0F);
-  __m512 f[R];
-  for (int r = 0; r < R; ++r) f[r] = _mm512_setzero_ps();
+  float f[R][16] = {};
   for (int64_t a = 0; a < A; ++a) {
-    __m512i acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_si512();
+    Acc16 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = Zero();
     for (int64_t t = a * 4; t < a * 4 + 4; ++t) {
-      const __m512i v = _mm512_loadu_si512(w + t * 16);
-      const __m512i low = _mm512_and_si512(v, nibble), high = _mm512_and_si512(_mm512_srli_epi32(v, 4), nibble);
-      for (int r = 0; r < R; ++r) {
-        acc[r] = _mm512_dpbusd_epi32(acc[r], low, _mm512_set1_epi32(p.even[(m0 + r) * T + t]));
-        acc[r] = _mm512_dpbusd_epi32(acc[r], high, _mm512_set1_epi32(p.odd[(m0 + r) * T + t]));
-      }
+      const U4 v = LoadU4(w + t * 16);
+      for (int r = 0; r < R; ++r) DotU4(acc[r], v, p.even[(m0 + r) * T + t], p.odd[(m0 + r) * T + t]);
     }
-    const __m512 sa = _mm512_loadu_ps(s + (a * kActGroup / p.group) * 16);
-    for (int r = 0; r < R; ++r) {
-      const __m512i offset = _mm512_set1_epi32(8 * p.xsum[(m0 + r) * A + a]);
-      f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r], offset)),
-                             _mm512_mul_ps(sa, _mm512_set1_ps(p.xs[(m0 + r) * A + a])), f[r]);
-    }
+    const float* sa = s + (a * kActGroup / p.group) * 16;
+    for (int r = 0; r < R; ++r) AddScaled(f[r], acc[r], 8 * p.xsum[(m0 + r) * A + a], sa, p.xs[(m0 + r) * A + a]);
   }
-  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + (m0 + r) * p.N + j, f[r]);
-#else
-  for (int r = 0; r < R; ++r) {
-    const int8_t* even = reinterpret_cast<const int8_t*>(p.even.data() + (m0 + r) * T);
-    const int8_t* odd = reinterpret_cast<const int8_t*>(p.odd.data() + (m0 + r) * T);
-    float f[16] = {};
-    for (int64_t a = 0; a < A; ++a) {
-      int32_t acc[16] = {};
-      for (int64_t t = a * 4; t < a * 4 + 4; ++t)
-        for (int c = 0; c < 16; ++c) {
-          const uint32_t v = w[t * 16 + c];
-          for (int b = 0; b < 4; ++b)
-            acc[c] += static_cast<int32_t>((v >> (8 * b)) & 15u) * even[4 * t + b] +
-                      static_cast<int32_t>((v >> (8 * b + 4)) & 15u) * odd[4 * t + b];
-        }
-      const float* sa = s + (a * kActGroup / p.group) * 16;
-      const float xs = p.xs[(m0 + r) * A + a];
-      const int32_t offset = 8 * p.xsum[(m0 + r) * A + a];
-      for (int c = 0; c < 16; ++c) f[c] += static_cast<float>(acc[c] - offset) * (sa[c] * xs);
-    }
-    for (int c = 0; c < 16; ++c) out[(m0 + r) * p.N + j + c] = f[c];
-  }
-#endif
+  for (int r = 0; r < R; ++r) std::copy(f[r], f[r] + 16, out + (m0 + r) * p.N + panel * 16);
 }
 
 // out[:, j0:j1] (whole panels) for the panels layout: each panel for kPanelRows rows at a time, the
@@ -646,3 +573,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxattnQuantMatmul4, QuantMatmul4,
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out [M, N]
                                   .Attr<int32_t>("q8act")
                                   .Attr<int32_t>("threads"));
+
+// The instruction-set path the integer dots were compiled to (quant_dot.h): "avx512vnni", "avxvnni", "avx2",
+// "neon-dotprod", "neon" or "scalar".
+extern "C" const char* JaxattnQuantMatmulPath() { return jaxattn_dot::kPath; }
