@@ -32,8 +32,10 @@ to compile every bucket at start-up (`StepPrograms`), so no request ever waits f
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
+import os
 from typing import NamedTuple
 
 import flax.struct
@@ -283,22 +285,43 @@ class StepPrograms:
     the forward: each step updates them in place.
 
     A step is `forward`, which returns as soon as the program is dispatched, then `sample`, whose
-    inputs (the guided rows' masks above all) the host may fill while the forward runs."""
+    inputs (the guided rows' masks above all) the host may fill while the forward runs.
+
+    The programs are traced one after another and compiled on `threads` threads (default: one per
+    core); `progress(done, total, shape)` is called as each shape's programs are ready."""
 
     def __init__(self, config: ModelConfig, kernels: Kernels, params, pools, history, shapes, *,
-                 pages_per_seq: int, num_slots: int, place=lambda tree: tree, progress=None):
+                 pages_per_seq: int, num_slots: int, place=lambda tree: tree, progress=None,
+                 threads: int | None = None):
         self.pages_per_seq, self.num_slots, self._place = pages_per_seq, num_slots, place
         forward = jax.jit(functools.partial(_forward, model=DecoderLM(config, kernels)), donate_argnums=(1, 2))
         sample = jax.jit(_sample)
+        shapes = sorted(shapes)
+        # Each rows' sampler is compiled after the first forward of those rows: it takes that forward's outputs.
+        first_of_rows = {_rows(shape): shape for shape in reversed(shapes)}
+
+        def compile_shape(shape: StepShape, lowered):
+            compiled = lowered.compile()
+            sampler = None
+            if first_of_rows[_rows(shape)] == shape:
+                _, history_out, raw, _ = compiled.out_info  # shapes and shardings the forward gives
+                inputs = place(StepInputs.empty(shape, pages_per_seq, num_slots, config.vocab_size))
+                sampler = sample.lower(raw, history_out, *_sample_args(inputs)).compile()
+            return shape, compiled, sampler
+
+        lowered = [(shape, forward.lower(params, pools, history, *_forward_args(
+            place(StepInputs.empty(shape, pages_per_seq, num_slots, config.vocab_size))))) for shape in shapes]
         self.programs, self.samplers = {}, {}
-        for i, shape in enumerate(sorted(shapes)):
-            inputs = place(StepInputs.empty(shape, pages_per_seq, num_slots, config.vocab_size))
-            self.programs[shape] = forward.lower(params, pools, history, *_forward_args(inputs)).compile()
-            if _rows(shape) not in self.samplers:
-                _, history_out, raw, _ = self.programs[shape].out_info  # shapes and shardings the forward gives
-                self.samplers[_rows(shape)] = sample.lower(raw, history_out, *_sample_args(inputs)).compile()
-            if progress is not None:
-                progress(i + 1, len(shapes), shape)
+        # XLA compiles outside the GIL: one program per core at once.
+        with concurrent.futures.ThreadPoolExecutor(threads or os.cpu_count() or 1) as pool:
+            futures = [pool.submit(compile_shape, shape, program) for shape, program in lowered]
+            for done, future in enumerate(concurrent.futures.as_completed(futures), 1):
+                shape, compiled, sampler = future.result()
+                self.programs[shape] = compiled
+                if sampler is not None:
+                    self.samplers[_rows(shape)] = sampler
+                if progress is not None:
+                    progress(done, len(shapes), shape)
 
     @property
     def shapes(self) -> list[StepShape]:
