@@ -17,7 +17,9 @@ environment variables carry both settings into the programs tests start.
 
 Training runs started again, and models jitted anew, compile programs identical to ones compiled
 before in the same process: JAX's compilation cache, in a directory of this process's own that is
-removed when it ends, reads those back. Nothing carries over from one test run to the next.
+removed when it ends, reads those back; the programs a test starts (train.serve, train.sample,
+train.tiny_lm, which keep theirs through `jaxattn.program_cache`) are pointed there too
+(JAXATTN_CACHE_DIR), never at the user's cache. Nothing carries over from one test run to the next.
 
 When a test module is done, what it compiled is let go (`_let_go_of_compiled_programs`): JAX's
 in-memory caches are cleared and the module's `functools.lru_cache`s emptied (they hold engines and
@@ -47,6 +49,7 @@ import jax
 import pytest
 
 from browser import chromium, offline_page  # noqa: F401  (the browser tests' fixtures, shared: tests/browser.py)
+from jaxattn.program_cache import MIN_COMPILE_SECONDS, machine_key
 
 OPTIMISATION_LEVEL = "--xla_backend_optimization_level"
 
@@ -57,15 +60,17 @@ if OPTIMISATION_LEVEL not in os.environ.get("XLA_FLAGS", ""):  # read when JAX s
 
 PROGRAMS_KEPT_BYTES = 1 << 30  # a whole fast tier's programs are about 70 MB
 _kept = os.environ.get("JAXATTN_TEST_PROGRAMS")
-if _kept:
-    Path(_kept).mkdir(parents=True, exist_ok=True)  # pruned at the end even if nothing was compiled
-    jax.config.update("jax_compilation_cache_dir", _kept)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)  # read back on later runs: keep all
-else:
-    _compiled = tempfile.mkdtemp(prefix="jaxattn-tests-compiled-")  # one per process: no two writers share it
-    atexit.register(shutil.rmtree, _compiled, ignore_errors=True)
-    jax.config.update("jax_compilation_cache_dir", _compiled)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.1)  # dearer to compile than to read
+_programs = Path(_kept or tempfile.mkdtemp(prefix="jaxattn-tests-compiled-"))  # one per process: no two writers
+if not _kept:
+    atexit.register(shutil.rmtree, _programs, ignore_errors=True)
+# The programs tests start (train.serve, sample, tiny_lm: jaxattn.program_cache) keep theirs here too, never
+# in the user's cache, in the folder this process uses, so one started in this process changes nothing.
+os.environ["JAXATTN_CACHE_DIR"] = str(_programs)
+_folder = _programs / machine_key()
+_folder.mkdir(parents=True, exist_ok=True)  # pruned at the end even if nothing was compiled
+jax.config.update("jax_compilation_cache_dir", str(_folder))
+# All kept where they carry over to later runs; else those dearer to compile than to read.
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0 if _kept else MIN_COMPILE_SECONDS)
 
 
 def _prune(directory: Path, keep_bytes: int) -> None:
@@ -98,4 +103,4 @@ def _let_go_of_compiled_programs(request):
 
 def pytest_sessionfinish(session):
     if _kept and not hasattr(session.config, "workerinput"):  # once, in the process that started the workers
-        _prune(Path(_kept), PROGRAMS_KEPT_BYTES)
+        _prune(_folder, PROGRAMS_KEPT_BYTES)

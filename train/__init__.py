@@ -14,6 +14,7 @@ What the programs share:
   outputs: every path a program will write, checked before any work starts.
   models: the one loader of a model from any source (`load_model`) and the model-source flags.
   decode: many samples drawn call by call and window by window, and the memory they take.
+  kept_programs: compiled programs kept between runs (`--no-program-cache`), and the line saying so.
 
 The training machinery, in rooms:
   config: the experiment's config: [model] (a `jaxattn.config.ModelConfig`), [train], [runtime], [lora].

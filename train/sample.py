@@ -42,6 +42,7 @@ import psutil
 from jaxattn import Kernels, axes, prepare_weights, resolve_kernels
 from jaxattn.cache.containers import KV_CACHES
 from jaxattn.config import ModelConfig
+from train import kept_programs
 from train.checkpoints.meta import CheckpointError
 from train.cli import ArgumentParser, Stopped, UsageError, guard
 from train.config import RuntimeConfig
@@ -72,6 +73,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=1337, help="the draws' seed (and with --random-init the "
                         "parameters')")
     parser.add_argument("--mesh", help="sample on a device mesh, e.g. data:2,tensor:4 (product = device count)")
+    kept_programs.add_flag(parser)
     parser.add_argument("--cpu-devices", type=int, metavar="N", help="make N host devices on a CPU (before JAX "
                         "starts) for --mesh")
     parser.add_argument("--kv-cache", choices=KV_CACHES, default="auto", help="the KV cache's storage: auto (the "
@@ -179,6 +181,7 @@ def run(argv=None) -> int:
     _check_knobs(args)
     if args.cpu_devices is not None:
         jax.config.update("jax_num_cpu_devices", args.cpu_devices)  # before anything starts JAX
+    kept = kept_programs.KeptPrograms(args)
     prompt = read_prompt(args.prompt)
     loaded = load_model(args.model_source)
     loaded.print_notes()
@@ -198,6 +201,7 @@ def run(argv=None) -> int:
     draw = calls.Draw(num_samples=args.num_samples, max_new_tokens=args.max_new_tokens, seed=args.seed,
                       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, kv_cache=args.kv_cache)
     ids, stopped = calls.sample(params, config, prompt_ids, draw, kernels, mesh, plan.rows)
+    kept.report()
     print_samples(prompt, ids, tokenizer)
     if stopped:
         raise Stopped(f"{stopped} after {ids.shape[1]} of {args.max_new_tokens} new tokens per sample: what was "

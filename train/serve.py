@@ -44,6 +44,7 @@ from jaxattn.serving.api.runner import EngineRunner
 from jaxattn.serving.api.server import DrainingServer, listen_socket  # a ListenError is an OSError: exit 1
 from jaxattn.serving.embedding import POOLINGS
 from jaxattn.serving.structured import GuideCompiler
+from train import kept_programs
 from train.checkpoints.store import CheckpointError
 from train.cli import ArgumentParser, UsageError, guard
 from train.data.errors import DataError
@@ -91,6 +92,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--embedding-pooling", choices=POOLINGS, default="last", help="/v1/embeddings: the last "
                         "token's final state (vLLM's default for a decoder) or the mean of every token's (default last)")
     parser.add_argument("--mesh", help="serve on a device mesh, e.g. tensor:2 (product = device count)")
+    kept_programs.add_flag(parser)
     parser.add_argument("--cpu-devices", type=int, metavar="N", help="make N host devices on a CPU for --mesh")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     args = parser.parse_args(argv)
@@ -197,6 +199,7 @@ def run(argv=None) -> int:
                         stream=sys.stderr)
     if args.cpu_devices is not None:
         jax.config.update("jax_num_cpu_devices", args.cpu_devices)
+    kept = kept_programs.KeptPrograms(args)
     sock = listen_socket(args.host, args.port)
     try:
         loaded = load_model(args.model_source)
@@ -210,6 +213,7 @@ def run(argv=None) -> int:
         params = prepare_weights(params, kernels)  # e.g. quantized weights in the native kernel's panels
         started = time.perf_counter()
         engine, compile_seconds = build_engine(args, params, config, tokenizer, kernels, mesh)
+        kept.report()
         served = served_model(args, tokenizer, engine.max_model_len, config.vocab_size)
         embedder = Embedder(engine.params, engine.config, kernels=engine.kernels, max_len=engine.max_model_len,
                             pooling=args.embedding_pooling)

@@ -1,16 +1,15 @@
 """Train the tiny character-level LM: `python -m train.tiny_lm [--config NAME] [--set TABLE.FIELD=VALUE ...]`.
 
-The default is nanoGPT's CPU "baby" Shakespeare run (configs/shakespeare_char_baby.toml).
-A directory that already holds a run is never replaced without --overwrite (--resume
-continues it); Ctrl-C or SIGTERM stops where nothing is lost and exits 130, and --resume
-also finishes a run stopped during its final save or sample. The run prints its resolved
-config and runtime (kernels and devices, with the reason for each "auto"), a progress bar
-with loss and tokens/s, the evaluations, and at the end the final val loss, speed, peak
-memory and a sample; it writes config.json, metrics.jsonl, loss.png, result.json and
-checkpoints (latest and best) under train.out_dir.
+The default is nanoGPT's CPU "baby" Shakespeare run (configs/shakespeare_char_baby.toml). A directory
+that already holds a run is never replaced without --overwrite (--resume continues it); Ctrl-C or
+SIGTERM stops where nothing is lost and exits 130, and --resume also finishes a run stopped during its
+final save or sample. The run prints its resolved config and runtime (kernels and devices, with the
+reason for each "auto"), a progress bar with loss and tokens/s, the evaluations, and at the end the
+final val loss, speed, peak memory and a sample; it writes config.json, metrics.jsonl, loss.png,
+result.json and checkpoints (latest and best) under train.out_dir, and keeps its compiled programs.
 
 Where the work is done: train.run (the run: experiment, loop, steps, runtime, resume, finish), train.data
-(the corpus and its batches), train.checkpoints (the checkpoint store and its meta).
+(its corpus and batches), train.checkpoints (the checkpoint store and its meta).
 """
 
 from __future__ import annotations
@@ -18,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from train import kept_programs
 from train.checkpoints import init_from
 from train.checkpoints.store import CheckpointError
 from train.cli import ArgumentParser, Stopped, UsageError, guard
@@ -52,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--overwrite", action="store_true", help="replace the run already in out_dir")
     parser.add_argument("--loss-plot", help="where to write the loss curve PNG (default out_dir/loss.png)")
     parser.add_argument("--quiet", action="store_true")
+    kept_programs.add_flag(parser)
     mesh = parser.add_argument_group("devices and processes (docs/meshes.md)")
     mesh.add_argument("--mesh", help="= runtime.mesh, e.g. data:2,fsdp:2,tensor:2 (product = device count)")
     mesh.add_argument("--cpu-devices", type=int, metavar="N", help="= runtime.cpu_devices: N host devices on a CPU")
@@ -88,6 +89,7 @@ def run(argv: list[str] | None) -> RunResult:
     args = build_parser().parse_args(argv)
     if args.resume and args.overwrite:
         raise UsageError(RESUME_OR_OVERWRITE)
+    kept = kept_programs.KeptPrograms(args)  # before anything compiles
     try:
         config, processes = load_config(args.config, overrides(args)), cluster(args)
         config = init_from.with_checkpoint_model(config, overrides(args))  # before JAX starts: kernels for it
@@ -109,6 +111,7 @@ def run(argv: list[str] | None) -> RunResult:
         raise Stopped(str(stop)) from None
     if distributed.is_main():
         print(final_line(result))
+        kept.report(quiet=args.quiet)
     if result.stopped:
         raise Stopped(result.stopped)
     return result

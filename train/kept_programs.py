@@ -1,0 +1,39 @@
+"""The programs' compiled programs kept between runs (`jaxattn.program_cache`): the `--no-program-cache`
+flag, and the part of a start-up line that says how many were read back and how many compiled."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from jaxattn import program_cache
+
+
+def add_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--no-program-cache", action="store_true",
+                        help="compile every program anew and keep none (default: keep them in $JAXATTN_CACHE_DIR, "
+                             "else ~/.cache/jaxattn/programs, and read them back on the next start)")
+
+
+class KeptPrograms:
+    """Started before the program compiles anything: the cache enabled (unless `--no-program-cache`)
+    and its reads and writes counted."""
+
+    def __init__(self, args: argparse.Namespace):
+        self.folder: Path | None = None if args.no_program_cache else program_cache.enable()
+        self.counts = program_cache.ProgramCounts.start() if self.folder is not None else None
+
+    def describe(self) -> str:
+        """"programs: 14 read back from the cache, 0 compiled (~/.cache/jaxattn/programs/...)", or
+        "programs: not kept (--no-program-cache)"."""
+        if self.counts is None:
+            return "programs: not kept (--no-program-cache)"
+        home = Path.home()
+        folder = f"~/{self.folder.relative_to(home)}" if self.folder.is_relative_to(home) else str(self.folder)
+        return f"programs: {self.counts.describe()} ({folder})"
+
+    def report(self, quiet: bool = False) -> None:
+        """Prints `describe()` on stderr, unless `quiet`."""
+        if not quiet:
+            print(self.describe(), file=sys.stderr)
