@@ -67,7 +67,8 @@ def enable(directory: Path | None = None) -> Path:
     """Keeps every compiled program dearer than `MIN_COMPILE_SECONDS` in `directory` (default
     `program_dir()`) / `machine_key()`, and reads them back; returns that folder (created).
 
-    Call it before the first compile: JAX fixes its cache the first time it compiles."""
+    Call it before the first compile: JAX fixes its cache the first time it compiles. OSError when
+    the folder cannot be made (nothing is changed then)."""
     folder = (directory or program_dir()) / machine_key()
     folder.mkdir(parents=True, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", str(folder))

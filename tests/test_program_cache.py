@@ -1,7 +1,9 @@
 """Compiled programs kept between runs (`jaxattn.program_cache`): a second process reads back what the
 first compiled; another config or kernel choice compiles anew; a damaged entry is compiled again with
-a warning; `--no-program-cache` keeps nothing; and the key's folder names the machine."""
+a warning; `--no-program-cache` keeps nothing, nor does a folder that cannot be made; and the key's
+folder names the machine."""
 
+import argparse
 import os
 import re
 import subprocess
@@ -13,6 +15,7 @@ import pytest
 from programs import tiny_sampling_config
 
 from jaxattn import program_cache
+from train import kept_programs
 
 ROOT = Path(__file__).resolve().parents[1]
 PROGRAMS_LINE = re.compile(r"programs: (\d+) programs? read back from the cache, (\d+) compiled")
@@ -77,3 +80,13 @@ def test_a_second_process_reads_back_what_the_first_compiled(tmp_path, monkeypat
     kept_none, counts = sample(cache, tiny, "--no-program-cache")
     assert counts is None and "programs: not kept (--no-program-cache)" in kept_none.stderr
     assert sorted(path.stat().st_mtime_ns for path in entries(cache)) == before
+
+
+def test_a_cache_folder_that_cannot_be_made_keeps_nothing_and_says_why(monkeypatch, tmp_path):
+    blocker = tmp_path / "a file"
+    blocker.write_text("")
+    monkeypatch.setenv("JAXATTN_CACHE_DIR", str(blocker / "programs"))  # below a file: mkdir fails
+    before = jax.config.jax_compilation_cache_dir
+    kept = kept_programs.KeptPrograms(argparse.Namespace(no_program_cache=False))
+    assert kept.counts is None and jax.config.jax_compilation_cache_dir == before
+    assert kept.describe().startswith(f"programs: not kept (cannot write {blocker / 'programs'}: ")

@@ -21,14 +21,20 @@ class KeptPrograms:
     and its reads and writes counted."""
 
     def __init__(self, args: argparse.Namespace):
-        self.folder: Path | None = None if args.no_program_cache else program_cache.enable()
+        self.folder: Path | None = None
+        self.why_not = "--no-program-cache"
+        if not args.no_program_cache:
+            try:
+                self.folder = program_cache.enable()
+            except OSError as err:  # a cache that cannot be written costs the run its reuse, nothing more
+                self.why_not = f"cannot write {program_cache.program_dir()}: {err.strerror or err}"
         self.counts = program_cache.ProgramCounts.start() if self.folder is not None else None
 
     def describe(self) -> str:
         """"programs: 14 read back from the cache, 0 compiled (~/.cache/jaxattn/programs/...)", or
-        "programs: not kept (--no-program-cache)"."""
+        "programs: not kept (--no-program-cache)" (or the reason the folder could not be made)."""
         if self.counts is None:
-            return "programs: not kept (--no-program-cache)"
+            return f"programs: not kept ({self.why_not})"
         home = Path.home()
         folder = f"~/{self.folder.relative_to(home)}" if self.folder.is_relative_to(home) else str(self.folder)
         return f"programs: {self.counts.describe()} ({folder})"
