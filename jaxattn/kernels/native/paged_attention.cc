@@ -11,11 +11,14 @@
 // Why by hand: XLA:CPU runs this shape (one query row per head group against a few hundred
 // slots) as many tiny batched dots, at about a fifth of the memory bandwidth (docs/performance.md
 // §14). Here each key and value vector is read once per row and kv head, and used by the G query
-// heads that share it, a page of slots at a time with an online softmax.
+// heads that share it, a page of slots at a time with an online softmax. The queries are shared out
+// among up to `threads` workers of XLA's intra-op thread pool (the call's own thread first).
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <memory>
 #include <thread>
 #include <vector>
 
@@ -105,7 +108,33 @@ void AttendQuery(const Shape& s, const float* q, const float* kp, const float* v
   }
 }
 
-ffi::Error PagedAttentionImpl(ffi::Buffer<ffi::F32> queries, ffi::Buffer<ffi::F32> key_pages,
+// One call's work, shared with the helpers it schedules on XLA's intra-op pool: each takes the next
+// query until none is left. A helper holds the state itself, so one that starts after the call has
+// returned finds no query left and touches nothing else.
+struct Shared {
+  Shape s;
+  const float *q, *kp, *vp, *sink_logits;
+  const int32_t *table, *positions;
+  float* o;
+  float scale, cap;
+  int32_t window;
+  int64_t queries;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+};
+
+void Work(Shared& w) {
+  const Shape& s = w.s;
+  std::vector<float> scratch;
+  for (int64_t rc = w.next.fetch_add(1); rc < w.queries; rc = w.next.fetch_add(1)) {
+    if (scratch.empty()) scratch.resize(s.N * (s.ps + s.Hv + 3));
+    AttendQuery(s, w.q + rc * s.N * s.H, w.kp, w.vp, w.table, w.positions[rc], w.sink_logits, w.scale, w.window,
+                w.cap, rc / s.C, w.o + rc * s.N * s.Hv, scratch);
+    w.done.fetch_add(1);
+  }
+}
+
+ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> queries, ffi::Buffer<ffi::F32> key_pages,
                               ffi::Buffer<ffi::F32> value_pages, ffi::Buffer<ffi::S32> block_table,
                               ffi::Buffer<ffi::S32> query_positions, ffi::Buffer<ffi::F32> sinks,
                               ffi::ResultBuffer<ffi::F32> out, float scale, int32_t window, float cap,
@@ -117,29 +146,22 @@ ffi::Error PagedAttentionImpl(ffi::Buffer<ffi::F32> queries, ffi::Buffer<ffi::F3
   const Shape s{qd[0], qd[1], qd[2], qd[3], vd[3], kd[0], kd[1], kd[2], td[1]};
   if (s.K == 0 || s.N % s.K != 0 || kd[3] != s.H)
     return ffi::Error::InvalidArgument("paged attention: N must be a multiple of K, keys' H the queries'");
-  const float* q = queries.typed_data();
-  const float* kp = key_pages.typed_data();
-  const float* vp = value_pages.typed_data();
   const int32_t* table = block_table.typed_data();
-  const int32_t* positions = query_positions.typed_data();
-  const float* sink_logits = has_sinks ? sinks.typed_data() : nullptr;
-  float* o = out->typed_data();
   for (int64_t i = 0; i < s.R * s.Pr; ++i)  // a page outside the pool would be read out of bounds
     if (table[i] < 0 || table[i] >= s.P)
       return ffi::Error::InvalidArgument("paged attention: a block table entry is outside the pool");
-  const int64_t queries_count = s.R * s.C;
-  // Thread w takes queries w, w + workers, ...: padding rows (nothing to read) spread evenly.
-  auto run = [&](int64_t w, int64_t workers) {
-    std::vector<float> scratch(s.N * (s.ps + s.Hv + 3));
-    for (int64_t rc = w; rc < queries_count; rc += workers)
-      AttendQuery(s, q + rc * s.N * s.H, kp, vp, table, positions[rc], sink_logits, scale, window, cap, rc / s.C,
-                  o + rc * s.N * s.Hv, scratch);
-  };
-  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(threads, queries_count));
-  std::vector<std::thread> pool;
-  for (int64_t w = 1; w < workers; ++w) pool.emplace_back(run, w, workers);
-  run(0, workers);
-  for (auto& t : pool) t.join();
+  auto shared = std::make_shared<Shared>();
+  Shared& w = *shared;
+  w.s = s;
+  w.q = queries.typed_data(), w.kp = key_pages.typed_data(), w.vp = value_pages.typed_data();
+  w.sink_logits = has_sinks ? sinks.typed_data() : nullptr;
+  w.table = table, w.positions = query_positions.typed_data(), w.o = out->typed_data();
+  w.scale = scale, w.cap = cap, w.window = window, w.queries = s.R * s.C;
+  // XLA's pool's threads live as long as the process: nothing is started per call.
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(threads, w.queries));
+  for (int64_t i = 1; i < workers; ++i) pool.Schedule([shared] { Work(*shared); });
+  Work(w);
+  while (w.done.load() < w.queries) std::this_thread::yield();
   return ffi::Error::Success();
 }
 
@@ -147,6 +169,7 @@ ffi::Error PagedAttentionImpl(ffi::Buffer<ffi::F32> queries, ffi::Buffer<ffi::F3
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxattnPagedAttention, PagedAttentionImpl,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // queries [R, C, N, H]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // key_pages [P, ps, K, H]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // value_pages [P, ps, K, Hv]
