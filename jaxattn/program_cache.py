@@ -44,22 +44,9 @@ def program_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "jaxattn" / "programs"
 
 
-def _cpu_features(cpuinfo: str = "/proc/cpuinfo") -> str:
-    """The CPU's feature flags (x86 `flags`, ARM `Features`), sorted, or "" where nothing says."""
-    flags = read_cpu_flags(cpuinfo)
-    if not flags:
-        try:
-            text = Path(cpuinfo).read_text()
-        except OSError:
-            return ""
-        line = next((line for line in text.splitlines() if line.startswith("Features")), "")
-        flags = frozenset(line.partition(":")[2].split())
-    return " ".join(sorted(flags))
-
-
 def machine_key(cpuinfo: str = "/proc/cpuinfo") -> str:
     """The folder a machine's programs go in: "jax-0.10.2-x86_64-<12 hex of the CPU's flags>"."""
-    digest = hashlib.sha256(_cpu_features(cpuinfo).encode()).hexdigest()[:12]
+    digest = hashlib.sha256(" ".join(sorted(read_cpu_flags(cpuinfo))).encode()).hexdigest()[:12]
     return f"jax-{jax.__version__}-{platform.machine() or 'unknown'}-{digest}"
 
 
@@ -96,9 +83,6 @@ class ProgramCounts:
         counts = ProgramCounts()
         jax.monitoring.register_event_listener(counts._listen)
         return counts
-
-    def stop(self) -> None:
-        jax.monitoring.unregister_event_listener(self._listen)
 
     def describe(self) -> str:
         """"12 programs read back from the cache, 2 compiled"."""

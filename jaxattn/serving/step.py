@@ -20,7 +20,7 @@ Log-probabilities, for the rows that ask (`LogprobKnobs`): the drawn token's and
 there (prompt log-probabilities: the head then runs on every prefill token, one row of `chunk`
 tokens at a time). Both are the model's raw log-softmax in float32, before temperature or any
 filter; each runs under a `jax.lax.cond` on "some row asks", so a step where none asks computes
-neither, and they stay on the device for whoever reads them (`StepPrograms.__call__`).
+neither, and they stay on the device for whoever reads them (`StepPrograms.sample`).
 
 The forward needs nothing of the draws, and the draws' program is small: between the two the host
 fills the guided rows' masks (`StepPrograms.forward`, then `.sample`) while the device runs the forward,
@@ -300,21 +300,21 @@ class StepPrograms:
         # Each rows' sampler is compiled after the first forward of those rows: it takes that forward's outputs.
         first_of_rows = {_rows(shape): shape for shape in reversed(shapes)}
 
-        def compile_shape(shape: StepShape, lowered):
-            compiled = lowered.compile()
+        empty = {shape: place(StepInputs.empty(shape, pages_per_seq, num_slots, config.vocab_size)) for shape in shapes}
+        lowered = {shape: forward.lower(params, pools, history, *_forward_args(empty[shape])) for shape in shapes}
+
+        def compile_shape(shape: StepShape):
+            compiled = lowered[shape].compile()
             sampler = None
             if first_of_rows[_rows(shape)] == shape:
                 _, history_out, raw, _ = compiled.out_info  # shapes and shardings the forward gives
-                inputs = place(StepInputs.empty(shape, pages_per_seq, num_slots, config.vocab_size))
-                sampler = sample.lower(raw, history_out, *_sample_args(inputs)).compile()
+                sampler = sample.lower(raw, history_out, *_sample_args(empty[shape])).compile()
             return shape, compiled, sampler
 
-        lowered = [(shape, forward.lower(params, pools, history, *_forward_args(
-            place(StepInputs.empty(shape, pages_per_seq, num_slots, config.vocab_size))))) for shape in shapes]
         self.programs, self.samplers = {}, {}
         # XLA compiles outside the GIL: one program per core at once.
         with concurrent.futures.ThreadPoolExecutor(threads or os.cpu_count() or 1) as pool:
-            futures = [pool.submit(compile_shape, shape, program) for shape, program in lowered]
+            futures = [pool.submit(compile_shape, shape) for shape in shapes]
             for done, future in enumerate(concurrent.futures.as_completed(futures), 1):
                 shape, compiled, sampler = future.result()
                 self.programs[shape] = compiled
@@ -339,9 +339,3 @@ class StepPrograms:
         the log-probabilities are copied to the host only by whoever reads them."""
         tokens, finite, drawn = self.samplers[_rows(shape)](pending.raw, history, *self._place(_sample_args(inputs)))
         return np.asarray(tokens), np.asarray(finite), Logprobs(*drawn, *pending.prompt)
-
-    def __call__(self, shape: StepShape, params, pools, history, inputs: StepInputs):
-        """One whole step (`forward` then `sample`, `inputs` filled beforehand) -> `(pools, history,
-        tokens, finite, Logprobs)`."""
-        pools, history, pending = self.forward(shape, params, pools, history, inputs)
-        return (pools, history, *self.sample(shape, pending, history, inputs))

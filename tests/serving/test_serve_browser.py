@@ -101,6 +101,14 @@ def reply(page) -> dict | None:
     return page.evaluate(STATE)
 
 
+def send(page, prompt: str) -> dict:
+    """Types `prompt`, sends it with Enter and waits for the reply to end -> `reply(page)`."""
+    page.locator("#prompt").fill(prompt)
+    page.keyboard.press("Enter")
+    page.wait_for_function(FINISHED, timeout=30_000)
+    return reply(page)
+
+
 def slice_until(page, held: Held, done, timeout: float = 60) -> list[dict]:
     """Runs the held server a slice at a time until `done(seen)`, `seen` the last reply after each slice
     (None before there is one); returns `seen`. Playwright answers the page's requests while it reads it."""
@@ -276,10 +284,7 @@ def test_completion_mode_posts_the_text_as_a_prompt(view, server):
     page.get_by_label("Mode", exact=True).select_option("completion")
     assert page.get_by_label("System prompt").is_disabled()  # a plain prompt has no system message
     set_knobs(page, **{"Max tokens": 12, "Seed": 1})
-    page.locator("#prompt").fill("ROMEO:")
-    page.keyboard.press("Enter")
-    page.wait_for_function(FINISHED, timeout=30_000)
-    shown = reply(page)
+    shown = send(page, "ROMEO:")
     assert shown["state"] == "done", shown
     (url, body), = view.posted
     assert url == f"{server.url}/v1/completions"
@@ -301,10 +306,7 @@ def test_log_probabilities_colour_each_token_and_a_json_schema_constrains_the_re
               "required": ["n"], "additionalProperties": False}
     page.get_by_label("JSON schema").fill(json.dumps(schema))
     set_knobs(page, **{"Max tokens": 40, "Seed": 3})
-    page.locator("#prompt").fill("A number, as JSON")
-    page.keyboard.press("Enter")
-    page.wait_for_function(FINISHED, timeout=30_000)
-    shown = reply(page)
+    shown = send(page, "A number, as JSON")
     assert shown["state"] == "done", shown
     (url, body), = view.posted
     assert url == f"{server.url}/v1/chat/completions" and body["logprobs"] is True and body["top_logprobs"] == 5
@@ -334,10 +336,7 @@ def test_a_model_without_a_chat_template_is_used_through_completions(chromium, t
             assert page.get_by_label("Mode", exact=True).input_value() == "completion"
             assert "no chat template" in page.locator("#notice").text_content()
             page.get_by_label("Mode", exact=True).select_option("chat")
-            page.locator("#prompt").fill("Hi")
-            page.keyboard.press("Enter")
-            page.wait_for_function(FINISHED, timeout=30_000)
-            shown = reply(page)
+            shown = send(page, "Hi")
             assert shown["state"] == "error", shown
             assert "no chat template" in page.locator(".assistant .problem").text_content()
             assert page.get_by_label("Mode", exact=True).input_value() == "completion"
