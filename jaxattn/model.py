@@ -49,7 +49,7 @@ from jaxattn.layers.primitives import check_config, logical, make_linear, make_n
 from jaxattn.lora.weight import is_lora
 from jaxattn.masks import check_segment_ids, segment_positions
 from jaxattn.model_checks import check_cache, check_capacity, check_length, check_paged, check_token_range, check_tokens
-from jaxattn.quantization import TIED_HEAD, is_quantized
+from jaxattn.quantization import TIED_HEAD, is_quantized, take_columns
 from jaxattn.scan_plan import SCANNED, plan_layers
 from jaxattn.softmax import soft_cap
 
@@ -88,11 +88,15 @@ class DecoderLM(nn.Module):
     def embed(self, tokens, positions, *, deterministic=True):
         """tokens `[B, T]`, positions `[B, T]` or `[T]` -> `[B, T, D]`: the token rows, scaled, plus
         the absolute positions (`jaxattn.layers.absolute_positions`; RoPE and none add nothing here)."""
-        # nn.Embed's lookup, with the table gathered first on a mesh (FSDP splits it along D; looking
-        # rows up in a split table would give activations split along D, not by rows).
-        table = nn.with_logical_constraint(self.wte.embedding, (ACTIVATION_VOCAB, ACTIVATION_EMBED))
-        x = jnp.take(table.astype(self.wte.dtype), tokens, axis=0)
         c = self.config
+        head = self.get_variable("params", TIED_HEAD)
+        if is_quantized(head) and "wte" not in self.variables["params"]:  # the table only as the head's copy
+            x = take_columns(head, tokens.reshape(-1)).reshape(*tokens.shape, -1).astype(self.wte.dtype)
+        else:
+            # nn.Embed's lookup, with the table gathered first on a mesh (FSDP splits it along D; looking
+            # rows up in a split table would give activations split along D, not by rows).
+            table = nn.with_logical_constraint(self.wte.embedding, (ACTIVATION_VOCAB, ACTIVATION_EMBED))
+            x = jnp.take(table.astype(self.wte.dtype), tokens, axis=0)
         if c.embed_multiplier != 1.0:  # Gemma's sqrt(D), rounded to the compute dtype as Gemma does
             x = x * jnp.asarray(c.embed_multiplier, x.dtype)
         return self.embed_dropout(self.wpe.add_to(x, positions), deterministic=deterministic)

@@ -24,7 +24,7 @@ from tiny_models import drawn_params, tiny_config
 
 HAS_CXX = native_build.compiler() is not None
 needs_cxx = pytest.mark.skipif(not HAS_CXX, reason="no C++ compiler for the native kernel")
-MODES = ("int8", "int8:32", "int4", "int4:64")
+MODES = ("int8", "int8:32", "int4", "int4:64", "int4:asym")
 
 
 def weight(K, N, seed=0):
@@ -41,10 +41,21 @@ def test_round_trip_is_within_half_a_scale(mode):
         bits, group, (128, 40), jnp.int8 if bits == 8 else jnp.int32, jnp.float32)
     assert q.values.shape == ((128, 40) if bits == 8 else (16, 40)) and q.scales.shape == (128 // group, 40)
     err = np.abs(np.asarray(dequantize(q)) - w).reshape(128 // group, group, 40)
-    assert (err <= np.asarray(q.scales)[:, None, :] / 2 * (1 + 1e-6)).all()
+    scale = np.abs(np.asarray(q.scales))[:, None, :]
+    if mode.endswith("asym"):  # the scale rounded to float16: the largest value up to 15 * 2**-11 scales below
+        bound = scale * (0.5 + 15 * 2.0**-11)
+    elif bits == 4:  # Q4_0's rule: the extreme at -8, so a value of the other sign past 7.5 scales is clipped to 7
+        bound = np.maximum(scale / 2, np.abs(w).reshape(err.shape) - 7 * scale)
+    else:
+        bound = scale / 2
+    assert (err <= bound * (1 + 1e-6)).all()
     values = np.asarray(unpack(q))
     assert values.min() >= (-127 if bits == 8 else -8) and values.max() <= (127 if bits == 8 else 7)
-    assert np.abs(values).max() == (127 if bits == 8 else 7)  # the largest magnitude uses the full range
+    if mode.endswith("asym"):  # each group's minimum at nibble 0 (value -8), its maximum at 15 (value 7)
+        grouped = values.reshape(128 // group, group, 40)
+        assert (grouped.min(axis=1) == -8).all() and (grouped.max(axis=1) == 7).all()
+    else:  # the largest magnitude uses the full range: +-127, or -8 (Q4_0's rule)
+        assert (np.abs(values).max(axis=0) == (127 if bits == 8 else 8)).all()
 
 
 def test_an_all_zero_column_stays_zero():
@@ -238,8 +249,26 @@ def test_a_tied_head_is_quantized_beside_the_float_table(mode):
     assert float(jnp.max(jnp.abs(logits - model.apply({"params": float_head}, tokens)))) > 0  # the head was used
 
 
+@pytest.mark.parametrize("layout", ["rows", "panels"])
+@pytest.mark.parametrize("mode", ["int8:32", "int4:asym"])
+def test_a_tied_head_without_its_float_table_is_the_lookup_table(mode, layout):
+    """`drop_tied_table`: tokens are looked up in the quantized head's columns, the numbers the table would
+    hold were it the head dequantized (a GGUF file's quantized embedding kept once)."""
+    config, params = tiny()
+    q = quantization.with_layout(quantize(params, config, mode), layout, fits=lambda w: w.shape[-1] % 16 == 0)
+    head = q[quantization.TIED_HEAD]
+    assert head.layout == layout
+    dropped = quantization.drop_tied_table(q)
+    assert "wte" not in dropped and quantization.drop_tied_table(params) is params  # nothing to drop without a copy
+    tokens = jnp.asarray(np.random.default_rng(6).integers(0, 32, (2, 7)))
+    np.testing.assert_array_equal(quantization.take_columns(head, tokens[0]), dequantize(head).T[tokens[0]])
+    as_table = dict(q, wte={"embedding": dequantize(head).T})  # the float table the head stands for
+    model = ja.DecoderLM(config)
+    np.testing.assert_array_equal(model.apply({"params": dropped}, tokens), model.apply({"params": as_table}, tokens))
+
+
 @needs_cxx
-@pytest.mark.parametrize("mode", ["int8", "int4", "int4:64"])
+@pytest.mark.parametrize("mode", ["int8", "int4", "int4:64", "int4:asym"])
 @pytest.mark.parametrize("M", [1, 5])
 # 531: vector loops and a tail; 4096: rows a multiple of 4 KiB apart (int8 reads them four at a time)
 @pytest.mark.parametrize("K, N", [(64, 17), (192, 72), (128, 531), (64, 4096)])
@@ -320,7 +349,7 @@ def test_the_panels_layout_holds_the_same_weight(mode):
 
 
 @needs_cxx
-@pytest.mark.parametrize("mode", ["int8", "int8:32", "int4", "int4:64"])
+@pytest.mark.parametrize("mode", ["int8", "int8:32", "int4", "int4:64", "int4:asym"])
 @pytest.mark.parametrize("M", [1, 3, 9])  # up to 4 rows a pass over a panel: one pass, one short, three
 @pytest.mark.parametrize("K, N", [(64, 16), (192, 80), (128, 4096)])
 def test_native_q8act_reads_panels_as_it_reads_rows(mode, M, K, N):

@@ -11,8 +11,9 @@ trained). Each equals its reference to float32 summation order (tests/test_quant
   which is a matmul XLA does well. CPU only; built by `jaxattn.kernels.native_build`.
 * "native_cpu_q8act": as "native_cpu", except that x is rounded to int8 in groups of 32
   (`quantize_rows`, as llama.cpp's Q8_0 activations) and multiplied with integer dots (one path per
-  instruction set, chosen at build time: `native_path()` names it; `native/quant_dot.h`), for int4 weights in groups of
-  a multiple of 32 rows, int8 weights per output channel, and int8 weights in such groups (llama.cpp's
+  instruction set, chosen at build time: `native_path()` names it; `native/quant_dot.h`), for int4
+  weights in groups of a multiple of 32 rows (with minimums too, "int4:asym": the group's sum of xq
+  times the minimum added), int8 weights per output channel, and int8 weights in such groups (llama.cpp's
   Q8_0, as a GGUF file's are kept) whose `out` is a multiple of 16, K a multiple of 32: a different
   result, the reference of which is `matmul_q8act` (x rounded so, then the "xla" reference). The
   rounding moves each x by at most half its group's scale `max|x_group| / 127`, so each output by
@@ -137,14 +138,16 @@ def native_matmul(x, weight: QuantizedWeight, q8act: bool = False):
     out = jax.ShapeDtypeStruct((x.shape[0], weight.shape[1]), jnp.float32)
     if q8act and weight.bits == 8 and weight.group != weight.shape[0]:
         weight = to_panels(weight)  # int8 in groups: integer dots in panels only (a copy each call in rows)
-    if weight.layout == "panels" and q8act:
-        call = jax.ffi.ffi_call(PANEL_TARGETS[weight.bits], out, vmap_method="sequential")
-        return call(x.astype(jnp.float32), weight.values, weight.scales.astype(jnp.float32),
-                    threads=np.int32(native_build.threads()))
-    weight = to_rows(weight)  # the float loops read rows
+    if weight.layout != "panels" or not q8act:
+        weight = to_rows(weight)  # the float loops read rows
+    operands = [x.astype(jnp.float32), weight.values, weight.scales.astype(jnp.float32)]
+    if weight.bits == 4:  # the minimums (llama.cpp's Q4_1), or an empty array for none
+        operands.append(jnp.zeros((0,), jnp.float32) if weight.minimums is None else weight.minimums.astype(jnp.float32))
+    threads = np.int32(native_build.threads())
+    if weight.layout == "panels":
+        return jax.ffi.ffi_call(PANEL_TARGETS[weight.bits], out, vmap_method="sequential")(*operands, threads=threads)
     call = jax.ffi.ffi_call(TARGETS[weight.bits], out, vmap_method="sequential")
-    return call(x.astype(jnp.float32), weight.values, weight.scales.astype(jnp.float32),
-                q8act=np.int32(q8act), threads=np.int32(native_build.threads()))
+    return call(*operands, q8act=np.int32(q8act), threads=threads)
 
 
 def matmul_cpu(x, weight: QuantizedWeight):

@@ -6,7 +6,8 @@
 // one per group of K / G input rows and column (G = 1: one per column);
 //  * bits 8 (target JaxattnQuantMatmul8): values [K, N] int8, W = values * scale;
 //  * bits 4 (target JaxattnQuantMatmul4): values [K / 8, N] int32, word [t, j] holds rows 8t .. 8t + 7
-//    of column j, row 8t + i in bits 4i .. 4i + 3 as an unsigned nibble u, W = (u - 8) * scale.
+//    of column j, row 8t + i in bits 4i .. 4i + 3 as an unsigned nibble u, W = (u - 8) * scale; or, with
+//    minimums (shaped as scales; an empty buffer: none), W = u * scale + minimum (llama.cpp's Q4_1).
 // out [M, N] = x @ W. With q8act = 1 (int4 in groups of a multiple of 32 rows, or int8 with one scale
 // per column, or in panels in groups of a multiple of 32 rows; K a multiple of 32), x is first rounded
 // to int8 per row in groups of 32 (`xs = max|x| / 127` per group, `xq = round(x / xs)`, as
@@ -60,6 +61,7 @@ struct Problem {
   const float* x;
   const void* w;
   const float* scales;
+  const float* mins;  // int4 with minimums (W = u * scale + minimum), laid out as scales; else nullptr
   int64_t M, K, N, bits, G;
   int64_t group;  // input rows per weight scale (K when G == 1)
   bool q8;
@@ -150,8 +152,8 @@ void Int4Float(const Problem& p, int64_t m0, int64_t m1, int64_t j0, int64_t j1,
       const uint32_t* __restrict src = w + t * p.N + j0;
       for (int64_t m = 0; m < M; ++m) {
         const float* xk = p.x + (m0 + m) * p.K + 8 * t;
-        float x[8], offset = 0.0f;  // sum_i x_i (u_i - 8) = sum_i x_i u_i - 8 sum_i x_i
-        for (int i = 0; i < 8; ++i) x[i] = xk[i], offset += 8.0f * xk[i];
+        float x[8], offset = 0.0f;  // sum_i x_i (u_i - 8) = sum_i x_i u_i - 8 sum_i x_i (minimums: added below)
+        for (int i = 0; i < 8; ++i) x[i] = xk[i], offset += p.mins ? 0.0f : 8.0f * xk[i];
         float* __restrict a = sums + m * n;
         for (int64_t j = 0; j < n; ++j) {
           const uint32_t v = src[j];
@@ -165,6 +167,11 @@ void Int4Float(const Problem& p, int64_t m0, int64_t m1, int64_t j0, int64_t j1,
     for (int64_t m = 0; m < M; ++m) {
       float* __restrict o = out + (m0 + m) * p.N + j0;
       for (int64_t j = 0; j < n; ++j) o[j] += sums[m * n + j] * s[j];
+      if (!p.mins) continue;
+      float xsum = 0.0f;  // sum_k x_k minimum_j over the group
+      for (int64_t k = g * p.group; k < (g + 1) * p.group; ++k) xsum += p.x[(m0 + m) * p.K + k];
+      const float* __restrict mn = p.mins + g * p.N + j0;
+      for (int64_t j = 0; j < n; ++j) o[j] += xsum * mn[j];
     }
   }
 }
@@ -174,6 +181,16 @@ inline void AddScaled(float* out, const jaxattn_dot::Acc16& acc, int32_t offset,
   int32_t sums[16];
   jaxattn_dot::Lanes(acc, sums);
   for (int c = 0; c < 16; ++c) out[c] += static_cast<float>(sums[c] - offset) * ((scale ? scale[c] : 1.0f) * xs);
+}
+
+// The int4 form: without minimums as AddScaled with 8 * the group's sum of xq taken off; with them
+// (W = u * scale + minimum), out[c] += xs * (sum_k xq_k u_k * scale[c] + sum_k xq_k * minimum[c]).
+inline void AddScaled4(float* out, const jaxattn_dot::Acc16& acc, int32_t xsum, const float* scale, const float* mins,
+                       float xs) {
+  if (!mins) return AddScaled(out, acc, 8 * xsum, scale, xs);
+  int32_t sums[16];
+  jaxattn_dot::Lanes(acc, sums);
+  for (int c = 0; c < 16; ++c) out[c] += xs * (static_cast<float>(sums[c]) * scale[c] + static_cast<float>(xsum) * mins[c]);
 }
 
 // out[m0:m1, j0:j1] for int4 words and int8 activations: integer dots per group of 32 rows. The rows
@@ -188,6 +205,7 @@ void Int4Q8(const Problem& p, int64_t m0, int64_t m1, int64_t j0, int64_t j1, fl
   for (int64_t m = m0; m < m1; ++m) std::fill(out + m * p.N + j0, out + m * p.N + j1, 0.0f);
   for (int64_t a = 0; a < A; ++a) {
     const float* sa = p.scales + (a * kActGroup / p.group) * p.N;
+    const float* ma = p.mins ? p.mins + (a * kActGroup / p.group) * p.N : nullptr;
     for (int64_t j = j0; j < rest; j += 16) {
       Acc16 acc[kMaxRows];
       for (int64_t m = 0; m < M; ++m) acc[m] = Zero();
@@ -196,7 +214,8 @@ void Int4Q8(const Problem& p, int64_t m0, int64_t m1, int64_t j0, int64_t j1, fl
         for (int64_t m = 0; m < M; ++m) DotU4(acc[m], v, p.even[(m0 + m) * T + t], p.odd[(m0 + m) * T + t]);
       }
       for (int64_t m = 0; m < M; ++m)
-        AddScaled(out + (m0 + m) * p.N + j, acc[m], 8 * p.xsum[(m0 + m) * A + a], sa + j, p.xs[(m0 + m) * A + a]);
+        AddScaled4(out + (m0 + m) * p.N + j, acc[m], p.xsum[(m0 + m) * A + a], sa + j, ma ? ma + j : nullptr,
+                   p.xs[(m0 + m) * A + a]);
     }
   }
   const int64_t left = j1 - rest;
@@ -222,8 +241,14 @@ void Int4Q8(const Problem& p, int64_t m0, int64_t m1, int64_t j0, int64_t j1, fl
       }
       const float* __restrict s = p.scales + (a * kActGroup / p.group) * p.N + rest;
       const float xs = p.xs[m * A + a];
-      const int32_t offset = 8 * p.xsum[m * A + a];
-      for (int64_t c = 0; c < left; ++c) o[c] += static_cast<float>(acc[c] - offset) * (s[c] * xs);
+      const int32_t xsum = p.xsum[m * A + a];
+      if (p.mins) {
+        const float* __restrict mn = p.mins + (a * kActGroup / p.group) * p.N + rest;
+        for (int64_t c = 0; c < left; ++c)
+          o[c] += xs * (static_cast<float>(acc[c]) * s[c] + static_cast<float>(xsum) * mn[c]);
+        continue;
+      }
+      for (int64_t c = 0; c < left; ++c) o[c] += static_cast<float>(acc[c] - 8 * xsum) * (s[c] * xs);
     }
   }
 }
@@ -388,6 +413,7 @@ void Int4Q8Panel(const Problem& p, int64_t m0, int64_t panel, float* out) {
   const int64_t A = p.K / kActGroup, T = p.K / 8;
   const uint32_t* w = static_cast<const uint32_t*>(p.w) + panel * T * 16;
   const float* s = p.scales + panel * p.G * 16;
+  const float* mn = p.mins ? p.mins + panel * p.G * 16 : nullptr;
   float f[R][16] = {};
   for (int64_t a = 0; a < A; ++a) {
     Acc16 acc[R];
@@ -396,8 +422,9 @@ void Int4Q8Panel(const Problem& p, int64_t m0, int64_t panel, float* out) {
       const U4 v = LoadU4(w + t * 16);
       for (int r = 0; r < R; ++r) DotU4(acc[r], v, p.even[(m0 + r) * T + t], p.odd[(m0 + r) * T + t]);
     }
-    const float* sa = s + (a * kActGroup / p.group) * 16;
-    for (int r = 0; r < R; ++r) AddScaled(f[r], acc[r], 8 * p.xsum[(m0 + r) * A + a], sa, p.xs[(m0 + r) * A + a]);
+    const int64_t g = a * kActGroup / p.group;
+    for (int r = 0; r < R; ++r)
+      AddScaled4(f[r], acc[r], p.xsum[(m0 + r) * A + a], s + g * 16, mn ? mn + g * 16 : nullptr, p.xs[(m0 + r) * A + a]);
   }
   for (int r = 0; r < R; ++r) std::copy(f[r], f[r] + 16, out + (m0 + r) * p.N + panel * 16);
 }
@@ -454,14 +481,15 @@ void Work(Shared& s) {
   }
 }
 
-ffi::Error Run(ffi::ThreadPool& pool, const float* x, const void* w, const float* scales, float* out, int64_t M,
-               int64_t K, int64_t N, int64_t G, int32_t bits, int32_t q8act, int32_t threads, bool panels = false) {
+ffi::Error Run(ffi::ThreadPool& pool, const float* x, const void* w, const float* scales, const float* mins, float* out,
+               int64_t M, int64_t K, int64_t N, int64_t G, int32_t bits, int32_t q8act, int32_t threads,
+               bool panels = false) {
   if (M == 0 || N == 0) return ffi::Error::Success();
   if (q8act && (K % kActGroup != 0 || (K / G) % kActGroup != 0 || (bits == 8 && G != 1 && !panels)))
     return ffi::Error::InvalidArgument("quantized matmul: q8act takes weights in groups of a multiple of 32 rows "
                                        "(int8 in rows: per column), K a multiple of 32");
   auto shared = std::make_shared<Shared>();
-  shared->p = Problem{x, w, scales, M, K, N, bits, G, K / G, q8act != 0, panels, {}, {}, {}, {}, {}};
+  shared->p = Problem{x, w, scales, mins, M, K, N, bits, G, K / G, q8act != 0, panels, {}, {}, {}, {}, {}};
   if (q8act) QuantizeRows(shared->p);
   shared->out = out;
   // A worker for each kMinWeights weights, up to `threads`: waking one costs more than a small product.
@@ -490,27 +518,34 @@ ffi::Error QuantMatmul8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
   const int64_t M = xd[0], K = xd[1], N = vd[1], G = sd[0];
   if (vd[0] != K || sd[1] != N || G < 1 || K % G != 0)
     return ffi::Error::InvalidArgument("quantized matmul: int8 shapes do not match (K a multiple of G)");
-  return Run(pool, x.typed_data(), values.typed_data(), scales.typed_data(), out->typed_data(), M, K, N, G, 8, q8act,
-             threads);
+  return Run(pool, x.typed_data(), values.typed_data(), scales.typed_data(), nullptr, out->typed_data(), M, K, N, G, 8,
+             q8act, threads);
 }
 
+// Minimums: an empty buffer (none) or shaped as scales.
+const float* Minimums(ffi::Buffer<ffi::F32>& mins) { return mins.element_count() == 0 ? nullptr : mins.typed_data(); }
+
 ffi::Error QuantMatmul4(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> values,
-                        ffi::Buffer<ffi::F32> scales, ffi::ResultBuffer<ffi::F32> out, int32_t q8act, int32_t threads) {
+                        ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::F32> mins, ffi::ResultBuffer<ffi::F32> out,
+                        int32_t q8act, int32_t threads) {
   const auto xd = x.dimensions(), vd = values.dimensions(), sd = scales.dimensions();
   if (xd.size() != 2 || vd.size() != 2 || sd.size() != 2)
     return ffi::Error::InvalidArgument("quantized matmul: x [M, K], values [K / 8, N], scales [G, N]");
   const int64_t M = xd[0], K = xd[1], N = vd[1], G = sd[0];
   if (vd[0] * 8 != K || sd[1] != N || G < 1 || K % G != 0 || (K / G) % 8 != 0)
     return ffi::Error::InvalidArgument("quantized matmul: int4 shapes do not match (groups of a multiple of 8 rows)");
-  return Run(pool, x.typed_data(), values.typed_data(), scales.typed_data(), out->typed_data(), M, K, N, G, 4, q8act,
-             threads);
+  if (mins.element_count() != 0 && mins.element_count() != scales.element_count())
+    return ffi::Error::InvalidArgument("quantized matmul: minimums are shaped as scales (or empty)");
+  return Run(pool, x.typed_data(), values.typed_data(), scales.typed_data(), Minimums(mins), out->typed_data(), M, K, N,
+             G, 4, q8act, threads);
 }
 
 // The panels layout's shapes (see the contract): values [N / 16, K / 4, 64] int8 or [N / 16, K / 8, 16] int32,
 // scales [N / 16, G, 16]; q8act only.
 template <ffi::DataType V>
 ffi::Error QuantMatmulPanels(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<V> values,
-                             ffi::Buffer<ffi::F32> scales, ffi::ResultBuffer<ffi::F32> out, int32_t threads) {
+                             ffi::Buffer<ffi::F32> scales, const float* mins, ffi::ResultBuffer<ffi::F32> out,
+                             int32_t threads) {
   constexpr int32_t bits = V == ffi::DataType::S8 ? 8 : 4;
   const auto xd = x.dimensions(), vd = values.dimensions(), sd = scales.dimensions();
   if (xd.size() != 2 || vd.size() != 3 || sd.size() != 3)
@@ -520,18 +555,21 @@ ffi::Error QuantMatmulPanels(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi:
   const bool fits = bits == 8 ? vd[1] * 4 == K && vd[2] == 64 : vd[1] * 8 == K && vd[2] == 16;
   if (!fits || sd[0] != vd[0] || sd[2] != 16 || G < 1 || K % G != 0)
     return ffi::Error::InvalidArgument("quantized matmul (panels): shapes do not match");
-  return Run(pool, x.typed_data(), values.typed_data(), scales.typed_data(), out->typed_data(), M, K, N, G, bits, 1,
-             threads, true);
+  return Run(pool, x.typed_data(), values.typed_data(), scales.typed_data(), mins, out->typed_data(), M, K, N, G, bits,
+             1, threads, true);
 }
 
 ffi::Error QuantMatmul8Panels(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> values,
                               ffi::Buffer<ffi::F32> scales, ffi::ResultBuffer<ffi::F32> out, int32_t threads) {
-  return QuantMatmulPanels<ffi::DataType::S8>(pool, x, values, scales, out, threads);
+  return QuantMatmulPanels<ffi::DataType::S8>(pool, x, values, scales, nullptr, out, threads);
 }
 
 ffi::Error QuantMatmul4Panels(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> values,
-                              ffi::Buffer<ffi::F32> scales, ffi::ResultBuffer<ffi::F32> out, int32_t threads) {
-  return QuantMatmulPanels<ffi::DataType::S32>(pool, x, values, scales, out, threads);
+                              ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::F32> mins, ffi::ResultBuffer<ffi::F32> out,
+                              int32_t threads) {
+  if (mins.element_count() != 0 && mins.element_count() != scales.element_count())
+    return ffi::Error::InvalidArgument("quantized matmul (panels): minimums are shaped as scales (or empty)");
+  return QuantMatmulPanels<ffi::DataType::S32>(pool, x, values, scales, Minimums(mins), out, threads);
 }
 
 }  // namespace
@@ -551,6 +589,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxattnQuantMatmul4Panels, QuantMatmul4Panels,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // values [N / 16, K / 8, 16]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // scales [N / 16, G, 16]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // minimums as scales, or empty
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out [M, N]
                                   .Attr<int32_t>("threads"));
 
@@ -570,6 +609,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxattnQuantMatmul4, QuantMatmul4,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // values [K / 8, N]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // scales [G, N]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // minimums as scales, or empty
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out [M, N]
                                   .Attr<int32_t>("q8act")
                                   .Attr<int32_t>("threads"));
