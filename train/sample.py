@@ -195,7 +195,7 @@ def run(argv=None) -> int:
     kernels, reasons = resolve_kernels(Kernels.auto())
     print(f"kernels: decode {kernels.decode!r} ({reasons['decode']}), matmul {kernels.matmul!r} "
           f"({reasons['matmul']})" + (f"; mesh {axes.MeshShape.of(mesh)}" if mesh is not None else "")
-          + quant_line(loaded.quant, kernels, reasons), file=sys.stderr)
+          + quant_line(loaded.quant, kernels, reasons, loaded.head_quant), file=sys.stderr)
     plan = plan_sampling(args, config, len(prompt_ids), kernels, mesh)
     params = prepare_weights(params, kernels)  # e.g. quantized weights in the native kernel's panels
     draw = calls.Draw(num_samples=args.num_samples, max_new_tokens=args.max_new_tokens, seed=args.seed,

@@ -209,7 +209,7 @@ def run(argv=None) -> int:
         kernels, reasons = resolve_kernels(Kernels.auto())
         print(f"kernels: paged {kernels.paged!r} ({reasons['paged']}), matmul {kernels.matmul!r} "
               f"({reasons['matmul']})" + (f"; mesh {axes.MeshShape.of(mesh)}" if mesh is not None else "")
-              + quant_line(loaded.quant, kernels, reasons), file=sys.stderr)
+              + quant_line(loaded.quant, kernels, reasons, loaded.head_quant), file=sys.stderr)
         params = prepare_weights(params, kernels)  # e.g. quantized weights in the native kernel's panels
         started = time.perf_counter()
         engine, compile_seconds = build_engine(args, params, config, tokenizer, kernels, mesh)

@@ -19,10 +19,10 @@ Architectures (`general.architecture`, one record each in `jaxattn.gguf.architec
 `llama` (Llama 1/2/3, SmolLM; Mistral 7B's files, which llama.cpp writes as `llama`), `qwen2`,
 `qwen3`, `phi3`, `gemma2`, `gemma3` (text). Tensor types (`TENSOR_TYPES`): F32, F16, BF16 and
 llama.cpp's block formats Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K and Q6_K, all
-dequantized to float32 by `gguf.quants.dequantize` and then cast to `dtype`. Q8_0 (int8 with a
-float16 scale per 32 values) is dequantized too, and can be kept as int8 afterwards:
-`GGUFModel.kept_quantization()` says when `jaxattn.quantize(params, config, "int8:32")` gives back
-the file's own int8 values and scales (`train.sample` and `train.serve --gguf` do so by default).
+dequantized to float32 by `gguf.quants.dequantize` and then cast to `dtype`. The block formats can
+be kept quantized afterwards: `GGUFModel.kept_quantization()` names the `jaxattn.quantize` modes that
+give back the file's own numbers (Q8_0, Q4_0, Q4_1) or the nearest native format (the others), for
+the layers and the head (`jaxattn.gguf.kept`; `train.sample` and `train.serve --gguf` do so by default).
 
 Errors: every failure is a `jaxattn.hf.HFCheckpointError` (a ValueError), its message naming the
 file: `UnsupportedCheckpoint` for an architecture, tensor type, tokenizer kind, RoPE scaling or
@@ -45,6 +45,10 @@ Contracts:
   `metadata`, `hf_config()` (the config.json dict), `tokenizer()`, `chat_template`,
   `special_tokens` (`{"bos_token": ..., ...}` for the template), `load(dtype)` and
   `kept_quantization()`.
+
+Modules: `reader` (the file, its tensors dequantized), `hf_config` (metadata -> config.json),
+`tokenizer`, `architecture` and `architectures` (one record per architecture), `kept` (block
+formats -> quantize modes).
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ from typing import Any
 from jaxattn.config import ModelConfig
 from jaxattn.gguf.architectures import ARCHITECTURES
 from jaxattn.gguf.hf_config import hf_config
+from jaxattn.gguf.kept import KeptQuantization, kept_quantization
 from jaxattn.gguf.reader import TENSOR_TYPES, GGUFFile, GGUFTensors
 from jaxattn.gguf.tokenizer import build_tokenizer, special_tokens
 from jaxattn.hf.checkpoint import load_state_dict
@@ -63,7 +68,7 @@ from jaxattn.hf.errors import HFCheckpointError, InvalidCheckpoint, UnsupportedC
 from jaxattn.hf.fields import Fields
 from jaxattn.hf.tokenizer import HFTokenizer
 
-__all__ = ["ARCHITECTURES", "GGUFModel", "HFCheckpointError", "InvalidCheckpoint", "TENSOR_TYPES",
+__all__ = ["ARCHITECTURES", "GGUFModel", "HFCheckpointError", "InvalidCheckpoint", "KeptQuantization", "TENSOR_TYPES",
            "UnsupportedCheckpoint", "load_gguf"]
 
 
@@ -113,24 +118,10 @@ class GGUFModel:
         """The named special tokens the file gives (`bos_token`, `eos_token`, `unk_token`, `pad_token`)."""
         return special_tokens(self.metadata, self.path)
 
-    def kept_quantization(self) -> str | None:
-        """"int8:32" when every matmul weight of the model is stored as Q8_0, else None.
-
-        The matmul weights are the file's 2-D tensors but the token embedding (a lookup table, left
-        float by `jaxattn.quantize`), and the embedding too where it is the head (no `output.weight`).
-        Then `jaxattn.quantize(params, config, "int8:32")` of `load()`'s float32 params holds the
-        file's int8 values and float16 scales d exactly (laid out `[in, out]`): llama.cpp writes each
-        block's largest value as q = +-127, so its group's max|q * d| / 127 is d again in float32,
-        and the loader only reorders and splits output rows (the q/k permutation, fused projections),
-        which keeps each group of 32 input values whole. (A block whose largest |q| is below 127,
-        which llama.cpp's quantizer does not write, is quantized again with a smaller scale.)
-        """
-        architecture, tied = self.file.architecture, "output.weight" not in self.file.tensors
-        matmuls = [name for name in self.file.tensors if name not in architecture.config_tensors
-                   and len(self.file.shape(name)) == 2 and (tied or name != "token_embd.weight")]
-        if matmuls and all(self.file.type_name(name) == "Q8_0" for name in matmuls):
-            return "int8:32"
-        return None
+    def kept_quantization(self) -> KeptQuantization | None:
+        """The `jaxattn.quantize` modes that keep the file's matmul weights quantized (its layers' and its
+        head's), or None when they are float: `jaxattn.gguf.kept`."""
+        return kept_quantization(self.file)
 
     def load(self, dtype: str = "float32", *, allow_nonfinite: bool = False) -> tuple[ModelConfig, dict]:
         """`(ModelConfig, DecoderLM params)`, each tensor dequantized as it is loaded."""

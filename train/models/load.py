@@ -12,10 +12,10 @@ a config with fresh parameters (`train.models.fresh`). Then, in this order: a PE
 (`--adapter`), q, k and v fused into one projection (`jaxattn.with_fused_qkv`: the same numbers, a
 faster token; not with `--allow-nonfinite`, so that a damaged weight is named as the checkpoint names
 it), the layers stacked or unrolled (`--scan-layers`: a checkpoint of either layout loads as either),
-the weights quantized (`--quant`, `jaxattn.quantize`). A GGUF file whose matmul weights are all Q8_0
-keeps them int8 (quantized "int8:32", which gives back the file's own values and scales) when neither
-`--quant` nor a mesh is asked for, with a note. `ModelSource.as_saved` (export, attention maps) keeps
-the weights as the source saved them.
+the weights quantized (`--quant`, `jaxattn.quantize`). A GGUF file's quantized weights stay quantized
+(`jaxattn.gguf.kept`: Q8_0, Q4_0 and Q4_1 as the file's own numbers, the other block formats in the
+nearest native format) unless `--quant`, `--dtype float32` or a mesh is asked for, with a note naming
+what was kept; a tied head kept as the file's own numbers is then the embedding table too (no float copy). `ModelSource.as_saved` (export, attention maps) keeps the weights as the source saved them.
 
 Failures: CheckpointError (a source or adapter that cannot be read), DataError (`--data`),
 UsageError (an unknown config, a `--quant` mode the model's widths do not fit), each one line.
@@ -35,14 +35,14 @@ from jaxattn.config import ModelConfig
 from jaxattn.hf import peft as hf_peft
 from jaxattn.hf.errors import HFCheckpointError
 from jaxattn.kernels import quant_matmul
-from jaxattn.quantization import quantize
+from jaxattn.quantization import drop_tied_table, quantize
 from jaxattn.scan_plan import relayout
 from train.checkpoints.meta import CheckpointError
 from train.cli import UsageError, describe
 from train.models import fresh, pretrained, runs
 from train.models.source import ModelSource
 
-KEPT_GGUF_NOTE = "{path} stores its weights as Q8_0: kept as int8 (groups of 32); --quant int8 for per-channel"
+KEPT_GGUF_NOTE = "{path} stores its weights as {kept}; --dtype float32 to dequantize them"
 
 
 @dataclass(frozen=True)
@@ -55,8 +55,8 @@ class LoadedModel:
       tokenizer: `encode(text) -> ids`, `decode(ids) -> str`; a transformers or GGUF one also has
         `eos_token_id` (int or None).
       source: where it came from.
-      quant: the `jaxattn.quantize` mode of its weights (`--quant`, or "int8:32" for a GGUF file's Q8_0
-        weights kept as int8); None for float weights.
+      quant: the `jaxattn.quantize` mode of its weights (`--quant`, or a GGUF file's kept); None for float weights.
+      head_quant: the head's mode where it differs from `quant` (a GGUF file's head stored otherwise).
       notes: what the program says on stderr after "note: ", one line each.
     """
 
@@ -66,6 +66,7 @@ class LoadedModel:
     source: ModelSource
     quant: str | None = None
     notes: tuple[str, ...] = ()
+    head_quant: str | None = None
 
     @property
     def name(self) -> str:
@@ -87,7 +88,8 @@ def load_model(source: ModelSource) -> LoadedModel:
 
     CheckpointError, DataError or UsageError (one line each) when it cannot be."""
     params, config, tokenizer = _read(source)
-    quant, notes = _quantization(source)
+    quant, head, notes = _quantization(source)
+    kept_table = bool(notes) and pretrained.gguf_kept_quantization(source.gguf).exact
     if source.adapter is not None:
         params = with_adapter(source.adapter, config, params)
     if not (source.allow_nonfinite or source.as_saved):  # a damaged model keeps its layout: errors name its weights
@@ -96,11 +98,13 @@ def load_model(source: ModelSource) -> LoadedModel:
         params, config = relayout(nn.unbox(params), config, source.scan_layers)
     if quant is not None:
         try:
-            params = quantize(params, config, quant)
+            params = quantize(params, config, quant, head=head)
         except ValueError as err:
             raise UsageError(f"--quant {quant}: {err}") from None
+        if kept_table:  # a tied head holding the file's own table: no float copy of it beside
+            params = drop_tied_table(params)
     return LoadedModel(params=params, config=config, tokenizer=tokenizer, source=source, quant=quant,
-                       notes=notes)
+                       notes=notes, head_quant=None if head == quant else head)
 
 
 def _read(source: ModelSource) -> tuple[Any, ModelConfig, Any]:
@@ -115,14 +119,17 @@ def _read(source: ModelSource) -> tuple[Any, ModelConfig, Any]:
     return pretrained.read(source.kind, source.path, allow_nonfinite=source.allow_nonfinite)
 
 
-def _quantization(source: ModelSource) -> tuple[str | None, tuple[str, ...]]:
-    """(the quantize mode of the weights, the notes that say why): `--quant`, else a GGUF file's Q8_0
-    weights kept as int8 when the model runs on one device (the float32 they were dequantized to takes
-    3.5 times the memory)."""
-    if source.quant is not None or source.kind != "gguf" or source.on_mesh or source.as_saved:
-        return source.quant, ()
+def _quantization(source: ModelSource) -> tuple[str | None, str | None, tuple[str, ...]]:
+    """(the quantize mode of the layers, the head's, the notes that say why): `--quant` for both, else a
+    GGUF file's quantized weights kept so when the model runs on one device (the float32 they were
+    dequantized to takes 4 to 7 times the memory)."""
+    if (source.quant is not None or source.kind != "gguf" or source.on_mesh or source.as_saved
+            or source.dtype == "float32"):
+        return source.quant, source.quant, ()
     kept = pretrained.gguf_kept_quantization(source.gguf)
-    return kept, (() if kept is None else (KEPT_GGUF_NOTE.format(path=source.gguf),))
+    if kept is None or kept.layers is None:  # float layers: nothing is kept (a quantized head alone is not)
+        return None, None, ()
+    return kept.layers, kept.head, (KEPT_GGUF_NOTE.format(path=source.gguf, kept=kept.describe()),)
 
 
 def with_adapter(directory: str, config: ModelConfig, params) -> dict:
@@ -146,13 +153,14 @@ def read_chat(source: ModelSource, *, template: bool = True) -> tuple[str | None
     return pretrained.read_chat(source.kind, source.path, template=template)
 
 
-def quant_line(quant: str | None, kernels: Kernels, reasons: dict[str, str]) -> str:
+def quant_line(quant: str | None, kernels: Kernels, reasons: dict[str, str], head: str | None = None) -> str:
     """The programs' `kernels:` line's part for quantized weights ("" for float ones), naming the native
     loop's instruction-set path (`quant_matmul.native_path()`, e.g. "avx2") when it runs one."""
     if quant is None:
         return ""
     path = f", {quant_matmul.native_path()} path" if kernels.quantized.startswith("native") else ""
-    return f"; weights {quant}, quantized {kernels.quantized!r}{path} ({reasons['quantized']})"
+    head = "" if head is None else f" (head {head})"
+    return f"; weights {quant}{head}, quantized {kernels.quantized!r}{path} ({reasons['quantized']})"
 
 
 def device_mesh(spec: str | None, config: ModelConfig):

@@ -5,7 +5,7 @@ The one reader of both kinds, for `train.models.load.load_model` (`--hf DIR`, `-
 fine-tuning run's start (`train.checkpoints.init_from`, `train.init_from = "hf:DIR"` or
 `"gguf:FILE"`): `read(kind, path)` gives (params, model config, tokenizer), `read_config` the config
 alone, `read_chat` the chat template and the named special tokens, `gguf_kept_quantization` how a GGUF
-file's int8 weights are kept as the file stores them.
+file's quantized weights are kept so.
 
 Every failure is a `CheckpointError` of one line naming the file and the key, tensor, architecture
 or tensor type.
@@ -13,6 +13,7 @@ or tensor type.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -52,11 +53,24 @@ def read_chat(kind: str, path: str | Path, *, template: bool = True) -> tuple[st
 
 
 def open_gguf(path: str | Path) -> gguf.GGUFModel:
-    """The `jaxattn.gguf.GGUFModel` of `path`; CheckpointError (one line, naming the file) when it cannot be read."""
+    """The `jaxattn.gguf.GGUFModel` of `path`; CheckpointError (one line, naming the file) when it cannot be read.
+
+    Opened once per program however often it is asked for (the weights, the kept quantization, the chat
+    template): reading a file's metadata takes seconds for a large vocabulary. A file changed since is
+    opened again."""
     try:
-        return gguf.GGUFModel.open(path)
+        stat = Path(path).stat()
+    except OSError:
+        stat = None  # GGUFModel.open names what is wrong
+    try:
+        return _open_gguf(str(path), None if stat is None else (stat.st_mtime_ns, stat.st_size))
     except hf.HFCheckpointError as err:
         raise CheckpointError(f"cannot load {one_line(err)}") from err
+
+
+@functools.lru_cache(maxsize=4)
+def _open_gguf(path: str, version) -> gguf.GGUFModel:
+    return gguf.GGUFModel.open(path)
 
 
 def load_gguf_model(model: gguf.GGUFModel, allow_nonfinite: bool) -> tuple[Any, ModelConfig, Any]:
@@ -81,13 +95,11 @@ def load_gguf(path: str | Path, *, allow_nonfinite: bool = False) -> tuple[Any, 
     return load_gguf_model(open_gguf(path), allow_nonfinite)
 
 
-def gguf_kept_quantization(path: str | Path) -> str | None:
-    """The `jaxattn.quantize` mode that keeps a GGUF file's weights as the file stores them, or None.
-
-    "int8:32" when its matmul weights are all Q8_0 (`jaxattn.gguf.GGUFModel.kept_quantization`:
-    quantizing `load_gguf`'s float32 params so gives back the file's int8 values and scales
-    exactly); None for any other file. A separate step from `load_gguf`, whose params stay float32.
-    CheckpointError as `load_gguf` raises it.
+def gguf_kept_quantization(path: str | Path) -> gguf.KeptQuantization | None:
+    """The `jaxattn.quantize` modes that keep a GGUF file's weights quantized (its layers' and its head's:
+    the file's own numbers for Q8_0, Q4_0 and Q4_1, the nearest native format for the others;
+    `jaxattn.gguf.kept`), or None for a file of float weights. A separate step from `load_gguf`,
+    whose params stay float32. CheckpointError as `load_gguf` raises it.
     """
     return open_gguf(path).kept_quantization()
 

@@ -26,8 +26,9 @@ SOURCE_HELP = {
     "checkpoint": ("DIR", "a training run directory (or its checkpoints/...)"),
     "hf": ("DIR", "a transformers directory with a tokenizer.json (e.g. written by python -m train.export; its "
                   "chat template from chat_template.jinja or tokenizer_config.json)"),
-    "gguf": ("FILE", "a llama.cpp GGUF file (weights dequantized to float32, all-Q8_0 ones kept as int8 where "
-                     "the model runs; the tokenizer and chat template from its metadata)"),
+    "gguf": ("FILE", "a llama.cpp GGUF file (its quantized weights kept so, in the nearest native format where "
+                     "the file's has none, unless --dtype float32; the tokenizer and chat template from its "
+                     "metadata)"),
     "random_init": ("CONFIG", "a config name from configs/ (or a .toml file), randomly initialised"),
 }
 DATA_HELP = {
@@ -55,6 +56,7 @@ class ModelSource:
       allow_nonfinite: with hf or gguf, load weights holding NaN or infinity.
       adapter: a PEFT LoRA adapter directory merged into the model.
       quant: a `jaxattn.quantize` mode for the weights (None: as loaded).
+      dtype: "float32": a GGUF file's quantized weights dequantized to float32 rather than kept quantized.
       scan_layers: the repeated layers stacked under one scan (True), one by one (False), or as saved.
       on_mesh: the model will be laid out on a device mesh: a GGUF file's Q8_0 weights are not kept int8.
       as_saved: the float weights in the source's own layout and names, nothing fused or kept int8
@@ -72,6 +74,7 @@ class ModelSource:
     allow_nonfinite: bool = False
     adapter: str | None = None
     quant: str | None = None
+    dtype: str | None = None
     scan_layers: bool | None = None
     on_mesh: bool = False
     as_saved: bool = False
@@ -145,6 +148,8 @@ class SourceFlags:
             parser.add_argument("--quant", choices=QUANT_MODES, help="store the weights as int8 (per output "
                                 "channel) or int4 (groups of 32, or :64) and multiply by them so (jaxattn.quantize; "
                                 "the lookup tables, norms and the router stay float)")
+            parser.add_argument("--dtype", choices=("float32",), help="with --gguf: the file's quantized weights "
+                                "dequantized to float32 (they are kept quantized otherwise)")
         if self.adapter:
             parser.add_argument("--adapter", metavar="DIR", help="a PEFT LoRA adapter directory "
                                 "(adapter_config.json, adapter_model.safetensors; python -m train.export of a LoRA "
@@ -163,6 +168,8 @@ class SourceFlags:
             parser.error("--seed goes with --random-init")
         if self.init_seed and args.seed is not None and not 0 <= args.seed < SEED_LIMIT:
             parser.error(f"--seed must be in [0, 2**32), got {args.seed}")
+        if taken.get("dtype") is not None and taken["gguf"] is None:
+            parser.error("--dtype goes with --gguf (other sources' weights are float as they load)")
         if taken.get("quant") is not None and getattr(args, "mesh", None) is not None:
             parser.error("--quant does not go with --mesh: quantized weights are laid out on one device")
         return self.source(args)
@@ -179,7 +186,7 @@ class SourceFlags:
         """The values in `args` of the flags this program takes from here (by `ModelSource` field): a flag
         of the same name that the program defines for itself (`train.export`'s refusing `--quant`) is
         not read."""
-        names = [*SOURCES] + [name for name in OPTIONS if getattr(self, name)]
+        names = [*SOURCES] + [name for name in OPTIONS if getattr(self, name)] + (["dtype"] if self.quant else [])
         return {name: getattr(args, name, None) for name in names}
 
     def _pretrained(self) -> str:
