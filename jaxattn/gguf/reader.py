@@ -39,6 +39,22 @@ def _supported() -> str:
     return ", ".join(sorted(ARCHITECTURES))
 
 
+class _PlainReader(GGUFReader):
+    """`GGUFReader`, its metadata parsed from a plain ndarray view of the file's map instead of the
+    `numpy.memmap` itself: the same bytes and fields (tests/gguf/test_gguf.py compares them), but a
+    large vocabulary's hundred thousand strings parse in 2.5 s instead of 7 (SmolLM2's 49,152 tokens
+    and 48,900 merges): slicing a memmap runs its `__array_finalize__` each time, about 70% of the
+    parse. Overrides the reader's one slicing method, `_get`, with its own body."""
+
+    def _get(self, offset: int, dtype, count: int = 1, override_order=None) -> np.ndarray:
+        plain = self.__dict__.get("_plain")
+        if plain is None:
+            plain = self.__dict__["_plain"] = self.data.view(np.ndarray)
+        count = int(count)
+        array = plain[offset:offset + np.dtype(dtype).itemsize * count].view(dtype=dtype)[:count]
+        return array.view(array.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
+
+
 class GGUFFile:
     """A GGUF file's metadata and tensor directory, checked; the tensors stay on disk until read.
 
@@ -56,7 +72,7 @@ class GGUFFile:
             raise InvalidCheckpoint(self.path, None, "is a directory, not a GGUF file" if self.path.is_dir()
                                     else "does not exist")
         try:
-            reader = GGUFReader(self.path)
+            reader = _PlainReader(self.path)
         except OSError as err:
             raise InvalidCheckpoint(self.path, None, f"cannot be read ({err.strerror or err})") from None
         except Exception as err:  # noqa: BLE001 (GGUFReader raises ValueError, KeyError, IndexError, ...)

@@ -625,3 +625,15 @@ def test_serve_takes_the_name_and_the_chat_template_from_a_gguf_file(tiny_gguf):
     template = serve.chat_template(args, None)
     assert template.render([{"role": "user", "content": "hi"}]) == "<|im_start|>user\nhi<|im_end|>\n"
     assert template.special_tokens["bos_token"] == "<|begin_of_text|>"
+
+
+def test_the_quicker_reader_parses_what_the_gguf_packages_reader_parses(tiny_gguf):
+    from gguf import GGUFReader
+
+    from jaxattn.gguf.reader import _PlainReader
+    stock, plain = GGUFReader(tiny_gguf), _PlainReader(tiny_gguf)
+    assert {k: v.contents() for k, v in stock.fields.items()} == {k: v.contents() for k, v in plain.fields.items()}
+    assert [(t.name, t.tensor_type, t.shape.tolist()) for t in stock.tensors] == \
+        [(t.name, t.tensor_type, t.shape.tolist()) for t in plain.tensors]
+    for theirs, ours in zip(stock.tensors, plain.tensors):
+        np.testing.assert_array_equal(np.asarray(theirs.data), np.asarray(ours.data))
