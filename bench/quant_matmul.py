@@ -69,9 +69,9 @@ def main() -> None:
                 for name, shape in SHAPES.items()} for _ in range(args.layers)]
     if args.head:
         weights.append({"head": jnp.asarray(rng.normal(scale=0.05, size=HEAD).astype(np.float32))})
-    formats = {"float32": lambda w: w, "int8": lambda w: quantize_weight(w, "int8"),
+    formats = {"float32": lambda w: w, "int8": lambda w: quantize_weight(w, "int8:channel"),
                "int4 (groups of 32)": lambda w: quantize_weight(w, "int4"),
-               "int8 in panels": lambda w: to_panels(quantize_weight(w, "int8")),
+               "int8 in panels": lambda w: to_panels(quantize_weight(w, "int8:channel")),
                "int4 (groups of 32) in panels": lambda w: to_panels(quantize_weight(w, "int4"))}
     stored = {name: jax.block_until_ready([{k: f(w) for k, w in layer.items()} for layer in weights])
               for name, f in formats.items()}

@@ -1,8 +1,10 @@
 """Weight-only quantization: the model's matmul weights stored as int8 or int4 values with float32 scales.
 
-* int8, per output channel: `values [in, out]` int8 in [-127, 127], `scales [1, out]`,
-  `scale = max|W[:, j]| / 127`; each weight is off by at most half its column's scale. "int8:32":
-  the same in groups of 32 input rows, `scales [in / 32, out]` (llama.cpp's Q8_0).
+* int8 ("int8", or "int8:32"), in groups of 32 consecutive input rows, as llama.cpp's Q8_0:
+  `values [in, out]` int8 in [-127, 127], `scales [in / 32, out]`, `scale = max|group| / 127`; each
+  weight is off by at most half its group's scale. "int8:channel": one scale per output channel
+  instead, `scales [1, out]`, `scale = max|W[:, j]| / 127` (any `in`; one large weight coarsens its
+  whole column, so a model's outputs move more).
 * int4, in groups of `group` (32 or 64) consecutive input rows: values in [-8, 7], as llama.cpp's Q4_0:
   the group's value of largest magnitude maps to -8 (`scale = -that value / 8`, so a scale may be
   negative; all 16 levels are used), stored as unsigned nibbles `u = v + 8` eight to a 32-bit word
@@ -49,7 +51,7 @@ import jax.numpy as jnp
 
 from jaxattn.config import ModelConfig
 
-MODES = ("int8", "int8:32", "int4", "int4:32", "int4:64", "int4:asym")
+MODES = ("int8", "int8:32", "int8:channel", "int4", "int4:32", "int4:64", "int4:asym")
 LAYOUTS = ("rows", "panels")
 PANEL = 16  # columns per panel of the "panels" layout
 TIED_HEAD = "tied_head"  # the quantized copy of a tied head, beside "wte" at the top of the params
@@ -95,15 +97,15 @@ class QuantizedWeight:
 
 
 def parse_mode(mode: str) -> tuple[int, int | None]:
-    """`(bits, group)` for a mode: "int8" -> (8, None: per channel), "int8:32" -> (8, 32), "int4" /
-    "int4:32" -> (4, 32), "int4:64" -> (4, 64); ValueError for anything else."""
+    """`(bits, group)` for a mode: "int8" / "int8:32" -> (8, 32), "int8:channel" -> (8, None: per output
+    channel), "int4" / "int4:32" / "int4:asym" -> (4, 32), "int4:64" -> (4, 64); ValueError for anything else."""
     if mode not in MODES:
         raise ValueError(f"quantization mode must be one of {MODES}, got {mode!r}")
     bits, _, group = mode.partition(":")
-    if bits == "int8":
-        return 8, int(group) if group else None
-    group = group.removesuffix("asym").rstrip(":")
-    return 4, int(group or 32)
+    if group == "channel":
+        return 8, None
+    group = group.removesuffix("asym")  # "int4:asym": groups of 32
+    return (8 if bits == "int8" else 4), int(group or 32)
 
 
 def quantize_weight(w: jax.Array, mode: str) -> QuantizedWeight:
@@ -297,7 +299,9 @@ def quantize(params: Any, config: ModelConfig, mode: str, *, head: str | None = 
       params: the model's parameters (`{"params": ...}` or the inner tree); returned unboxed. A
         parameter with leading axes (layers stacked for a scan) is quantized slice by slice.
       config: the model's config (checked to be a `ModelConfig`).
-      mode: "int8" (per output channel), "int8:32", "int4" (groups of 32), "int4:64" or "int4:asym".
+      mode: "int8" (groups of 32, as llama.cpp's Q8_0; "int8:32" the same), "int8:channel" (a scale per
+        output channel), "int4" (groups of 32; "int4:32" the same), "int4:64" or "int4:asym" (Q4_1's
+        groups of 32 with a minimum).
       head: the head's mode (an untied `lm_head`, or a tied head's copy): the layers' by default, None
         to leave it float (a GGUF file's head may be stored otherwise than its layers: `jaxattn.gguf`).
 

@@ -95,7 +95,7 @@ def test_model_token_losses_fused_equal_unfused_with_gradients(changes):
 
 def test_a_quantized_head_is_read_through_the_logits():
     config = tiny_config(positions="rope")
-    params = quantize(drawn_params(config, seed=5), config, "int8")
+    params = quantize(drawn_params(config, seed=5), config, "int8:channel")
     model = DecoderLM(config, Kernels())
     assert model.apply({"params": params}, method=DecoderLM.head_matrix) is None
     tokens = jax.random.randint(jax.random.PRNGKey(6), (2, 8), 0, config.vocab_size)

@@ -24,7 +24,7 @@ from tiny_models import drawn_params, tiny_config
 
 HAS_CXX = native_build.compiler() is not None
 needs_cxx = pytest.mark.skipif(not HAS_CXX, reason="no C++ compiler for the native kernel")
-MODES = ("int8", "int8:32", "int4", "int4:64", "int4:asym")
+MODES = ("int8", "int8:channel", "int4", "int4:64", "int4:asym")
 
 
 def weight(K, N, seed=0):
@@ -58,6 +58,17 @@ def test_round_trip_is_within_half_a_scale(mode):
         assert (np.abs(values).max(axis=0) == (127 if bits == 8 else 8)).all()
 
 
+def test_int8_is_in_groups_of_32_as_q8_0_and_per_channel_is_named_so():
+    assert quantization.parse_mode("int8") == quantization.parse_mode("int8:32") == (8, 32)
+    assert quantization.parse_mode("int8:channel") == (8, None)
+    w = weight(96, 24)
+    grouped, synonym, per_channel = (quantize_weight(w, mode) for mode in ("int8", "int8:32", "int8:channel"))
+    assert (grouped.group, grouped.scales.shape, per_channel.group, per_channel.scales.shape) == (32, (3, 24), 96,
+                                                                                                   (1, 24))
+    np.testing.assert_array_equal(grouped.values, synonym.values)
+    np.testing.assert_array_equal(grouped.scales, synonym.scales)
+
+
 def test_an_all_zero_column_stays_zero():
     w = weight(64, 3)
     w[:, 1] = 0.0
@@ -73,6 +84,9 @@ def test_refusals_name_the_mode_or_the_parameter():
     with pytest.raises(ValueError, match=r"blocks_0/attn/\w+/kernel: int4 quantizes in groups of 32 input rows: "
                                          r"the in-dimension 16 is not a multiple"):
         quantize(params, config, "int4")
+    with pytest.raises(ValueError, match=r"int8 quantizes in groups of 32 input rows: the in-dimension 16"):
+        quantize(params, config, "int8")  # groups of 32 by default, as llama.cpp's Q8_0
+    assert quantize(params, config, "int8:channel")["blocks_0"]["mlp"]["c_fc"]["kernel"].group == 16
     with pytest.raises(TypeError, match="ModelConfig"):
         quantize(params, {"d_model": 16}, "int8")
     assert "native_cpu" in choices("quantized") and Kernels().quantized == "xla"
@@ -96,7 +110,7 @@ def test_every_linear_kernel_and_only_those_are_quantized():
     assert any("embed" in n or "wte" in n for n in names if n not in quantized)  # embeddings stay float
 
 
-@pytest.mark.parametrize("mode, tolerance", [("int8", 0.03), ("int4", 0.3)])
+@pytest.mark.parametrize("mode, tolerance", [("int8", 0.03), ("int8:channel", 0.03), ("int4", 0.3)])
 def test_a_quantized_model_is_close_to_float32_under_jit(mode, tolerance):
     config, params = tiny()
     q = quantize(params, config, mode)
@@ -133,11 +147,11 @@ def test_the_serving_engine_steps_with_quantized_weights():
     engine_config = EngineConfig(max_seqs=2, page_size=4, chunk=8, prefill_rows=2, num_pages=12)
     prompts = [[3, 1, 4, 1, 5], [2, 7, 1]]
     greedy = SamplingParams(temperature=0.0, max_tokens=4)
-    expected = Engine(q, config, engine_config).generate(prompts, greedy)
+    expected = Engine(q, config, engine_config, kernels=Kernels()).generate(prompts, greedy)
     native = Engine(q, config, engine_config, kernels=Kernels(quantized="native_cpu")).generate(prompts, greedy)
     assert native == expected
     direct = [ja.generate(q, config, np.array([p]), np.array([len(p)]), max_new_tokens=4, rng=jax.random.PRNGKey(0),
-                          temperature=0.0).tokens[0].tolist() for p in prompts]
+                          temperature=0.0, kernels=Kernels()).tokens[0].tolist() for p in prompts]
     assert expected == direct
 
 
@@ -177,7 +191,7 @@ def test_int4_generate_native_equals_the_reference(mode):
     q = quantize(params, config, mode)
     prompt, lengths = np.array([[3, 1, 4, 1, 5, 9], [2, 7, 1, 8, 0, 0]]), np.array([6, 4])
     run = dict(max_new_tokens=5, rng=jax.random.PRNGKey(0), temperature=0.0, return_logits=True)
-    expected = ja.generate(q, config, prompt, lengths, **run)
+    expected = ja.generate(q, config, prompt, lengths, kernels=Kernels(), **run)
     got = ja.generate(q, config, prompt, lengths, kernels=Kernels(quantized="native_cpu"), **run)
     np.testing.assert_array_equal(got.tokens, expected.tokens)
     np.testing.assert_allclose(got.logits, expected.logits, rtol=1e-4, atol=1e-4)
@@ -186,7 +200,7 @@ def test_int4_generate_native_equals_the_reference(mode):
 def test_mla_projections_are_quantized_and_decode():
     config = tiny_config("mla_absorb", positions="rope", d_model=32, mlp_hidden=64, vocab_size=32, max_seq_len=16)
     params = drawn_params(config, seed=4, std=0.05)
-    q = quantize(params, config, "int8")
+    q = quantize(params, config, "int8:channel")  # the latent's rank (8) is no multiple of 32
     leaves = jax.tree_util.tree_leaves(q["blocks_0"]["attn"], is_leaf=lambda x: isinstance(x, QuantizedWeight))
     assert sum(isinstance(x, QuantizedWeight) for x in leaves) == 5  # wq_a, wq_b, wkv_a, wo and wkv_b
     R, N, PV = params["blocks_0"]["attn"]["wkv_b"].shape
@@ -268,7 +282,7 @@ def test_a_tied_head_without_its_float_table_is_the_lookup_table(mode, layout):
 
 
 @needs_cxx
-@pytest.mark.parametrize("mode", ["int8", "int4", "int4:64", "int4:asym"])
+@pytest.mark.parametrize("mode", ["int8:channel", "int4", "int4:64", "int4:asym"])  # int8 in groups: in panels, below
 @pytest.mark.parametrize("M", [1, 5])
 # 531: vector loops and a tail; 4096: rows a multiple of 4 KiB apart (int8 reads them four at a time)
 @pytest.mark.parametrize("K, N", [(64, 17), (192, 72), (128, 531), (64, 4096)])
@@ -294,16 +308,16 @@ def test_native_q8act_equals_its_reference_and_stays_within_the_rounding_bound(m
 def test_native_cpu_q8act_rounds_x_only_where_the_weight_allows():
     x = np.random.default_rng(0).normal(size=(2, 64)).astype(np.float32)
     lower = jax.jit(quant_matmul.matmul_cpu_q8act).lower
-    for mode in ("int4", "int8"):
+    for mode in ("int4", "int8:channel"):
         q = quantize_weight(weight(64, 24), mode)
         assert "q8act = 1" in lower(x, q).as_text()
         np.testing.assert_allclose(quant_matmul.matmul_cpu_q8act(x, q), quant_matmul.matmul_q8act(x, q), rtol=1e-5,
                                    atol=1e-5)
-    q8_0 = quantize_weight(weight(64, 32), "int8:32")  # int8 in groups of 32 (Q8_0): integer dots in panels
+    q8_0 = quantize_weight(weight(64, 32), "int8")  # int8 in groups of 32 (Q8_0): integer dots in panels
     assert "jaxattn_quant_matmul_int8_panels" in lower(x, q8_0).as_text()
     np.testing.assert_allclose(quant_matmul.matmul_cpu_q8act(x, q8_0), quant_matmul.matmul_q8act(x, q8_0), rtol=1e-5,
                                atol=1e-5)
-    grouped = quantize_weight(weight(64, 24), "int8:32")  # in groups, out not a multiple of 16: the exact loop
+    grouped = quantize_weight(weight(64, 24), "int8")  # in groups, out not a multiple of 16: the exact loop
     assert "q8act = 0" in lower(x, grouped).as_text()
     np.testing.assert_allclose(quant_matmul.matmul_cpu_q8act(x, grouped), quant_matmul.matmul(x, grouped),
                                rtol=1e-5, atol=1e-5)
@@ -319,13 +333,13 @@ def test_generate_with_q8act_stays_close_to_the_reference():
     q = quantize(params, config, "int4")
     prompt, lengths = np.array([[3, 1, 4, 1, 5, 9]]), np.array([6])
     run = dict(max_new_tokens=4, rng=jax.random.PRNGKey(0), temperature=0.0, return_logits=True)
-    expected = ja.generate(q, config, prompt, lengths, **run)
+    expected = ja.generate(q, config, prompt, lengths, kernels=Kernels(), **run)
     got = ja.generate(q, config, prompt, lengths, kernels=Kernels(quantized="native_cpu_q8act"), **run)
     scale = float(jnp.max(jnp.abs(expected.logits)))
     assert 0 < float(jnp.max(jnp.abs(got.logits - expected.logits))) <= 0.03 * scale
 
 
-@pytest.mark.parametrize("mode", ["int8", "int8:32", "int4", "int4:64"])
+@pytest.mark.parametrize("mode", MODES)
 def test_the_panels_layout_holds_the_same_weight(mode):
     rows = quantize_weight(np.stack([weight(64, 48, seed=s) for s in range(3)]), mode)  # leading axes too
     panels = quantization.to_panels(rows)
@@ -349,7 +363,7 @@ def test_the_panels_layout_holds_the_same_weight(mode):
 
 
 @needs_cxx
-@pytest.mark.parametrize("mode", ["int8", "int8:32", "int4", "int4:64", "int4:asym"])
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("M", [1, 3, 9])  # up to 4 rows a pass over a panel: one pass, one short, three
 @pytest.mark.parametrize("K, N", [(64, 16), (192, 80), (128, 4096)])
 def test_native_q8act_reads_panels_as_it_reads_rows(mode, M, K, N):
@@ -394,16 +408,16 @@ def test_prepared_weights_decode_as_the_weights_they_came_from(scan_layers):
     got = ja.generate(prepared, config, prompt, lengths, kernels=kernels, **run)
     np.testing.assert_array_equal(got.tokens, expected.tokens)
     np.testing.assert_allclose(got.logits, expected.logits, rtol=1e-5, atol=1e-5)
-    reference = ja.generate(prepared, config, prompt, lengths, **run)  # "xla" on the prepared weights
-    np.testing.assert_allclose(reference.logits, ja.generate(q, config, prompt, lengths, **run).logits, rtol=1e-6,
-                               atol=1e-6)
+    reference = ja.generate(prepared, config, prompt, lengths, kernels=Kernels(), **run)  # "xla" on the panels
+    np.testing.assert_allclose(reference.logits, ja.generate(q, config, prompt, lengths, kernels=Kernels(),
+                                                             **run).logits, rtol=1e-6, atol=1e-6)
 
 
 def test_moe_experts_are_quantized_per_expert_and_run():
     moe = ja.MoEConfig(num_experts=4, experts_per_token=2, expert_hidden=32)
     config = tiny_config("gqa", positions="rope", d_model=32, mlp_hidden=64, vocab_size=32, max_seq_len=16, moe=moe)
     params = drawn_params(config, seed=6, std=0.05)
-    q = quantize(params, config, "int8")
+    q = quantize(params, config, "int8:channel")
     mlp = q["blocks_1"]["mlp"]
     assert isinstance(mlp["experts_gate_up"], QuantizedWeight) and mlp["experts_gate_up"].shape == (4, 32, 64)
     assert mlp["experts_down"].scales.shape == (4, 1, 32)  # per expert, per output channel
@@ -421,7 +435,7 @@ from jaxattn.quantization import quantize_weight, to_panels
 native_build.FLAGS = tuple("-march=x86-64-v3" if f == "-march=native" else f for f in native_build.FLAGS)
 rng = np.random.default_rng(0)
 x = rng.normal(size=(3, 96)).astype(np.float32)
-for mode in ("int8", "int4"):
+for mode in ("int8:channel", "int4"):
     q = quantize_weight(rng.normal(size=(96, 83)).astype(np.float32), mode)
     for q8act, reference in ((False, quant_matmul.matmul), (True, quant_matmul.matmul_q8act)):
         expected = np.asarray(reference(x, q))

@@ -11,14 +11,15 @@ trained). Each equals its reference to float32 summation order (tests/test_quant
   which is a matmul XLA does well. CPU only; built by `jaxattn.kernels.native_build`.
 * "native_cpu_q8act": as "native_cpu", except that x is rounded to int8 in groups of 32
   (`quantize_rows`, as llama.cpp's Q8_0 activations) and multiplied with integer dots (one path per
-  instruction set, chosen at build time: `native_path()` names it; `native/quant_dot.h`), for int4
-  weights in groups of a multiple of 32 rows (with minimums too, "int4:asym": the group's sum of xq
-  times the minimum added), int8 weights per output channel, and int8 weights in such groups (llama.cpp's
-  Q8_0, as a GGUF file's are kept) whose `out` is a multiple of 16, K a multiple of 32: a different
-  result, the reference of which is `matmul_q8act` (x rounded so, then the "xla" reference). The
-  rounding moves each x by at most half its group's scale `max|x_group| / 127`, so each output by
-  at most `sum_k |x_k - xq_k xs_k| |W_kj|` (tests/test_quantize.py bounds it so). Other weights
-  and more rows than `NATIVE_UP_TO` run as "native_cpu".
+  instruction set, chosen at build time: `native_path()` names it; `native/quant_dot.h`), for K a
+  multiple of 32 and int4 weights in groups of a multiple of 32 rows (with minimums too, "int4:asym":
+  the group's sum of xq times the minimum added), int8 weights in such groups (`quantize`'s "int8",
+  llama.cpp's Q8_0, as a GGUF file's are kept) whose `out` is a multiple of 16, and int8 weights per
+  output channel ("int8:channel"): a different result, the reference of which is `matmul_q8act` (x
+  rounded so, then the "xla" reference). The rounding moves each x by at most half its group's scale
+  `max|x_group| / 127`, so each output by at most `sum_k |x_k - xq_k xs_k| |W_kj|`
+  (tests/test_quantize.py bounds it so). Other weights and more rows than `NATIVE_UP_TO` run as
+  "native_cpu".
 
   Its weights are read fastest in the "panels" layout (`jaxattn.quantization.to_panels`: each 16
   columns' rows contiguous, one stream through memory per piece of work, and int8 rows already the
@@ -76,8 +77,9 @@ def matmul_q8act(x, weight: QuantizedWeight):
 
 
 def _takes_q8act(weight: QuantizedWeight) -> bool:
-    """K (the weight's in) a multiple of 32 and the weight: int4 in groups of a multiple of 32 rows; int8 per
-    output channel; int8 in such groups (llama.cpp's Q8_0) with `out` a multiple of `PANEL` (read in panels)."""
+    """K (the weight's in) a multiple of 32 and the weight: int4 in groups of a multiple of 32 rows; int8 in
+    such groups ("int8", llama.cpp's Q8_0) with `out` a multiple of `PANEL` (read in panels only); int8 per
+    output channel ("int8:channel")."""
     K, N = weight.shape[-2:]
     per_channel = weight.group == K
     grouped = weight.group % ACT_GROUP == 0
@@ -123,8 +125,8 @@ def prepare_weights(params):
 
 
 def native_matmul(x, weight: QuantizedWeight, q8act: bool = False):
-    """The whole call in the native loop (any number of rows); `q8act` (K a multiple of 32; int4 weights
-    in groups of a multiple of 32, or int8 per output channel): x rounded to int8 as `quantize_rows` first."""
+    """The whole call in the native loop (any number of rows); `q8act` (a weight `_takes_q8act` takes): x
+    rounded to int8 as `quantize_rows` first."""
     if len(weight.shape) != 2:
         raise ValueError(f"quantized matmul: the weight must be [in, out], got shape {weight.shape}")
     if x.ndim != 2 or x.shape[1] != weight.shape[0]:

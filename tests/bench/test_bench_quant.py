@@ -62,7 +62,7 @@ def test_a_token_reads_every_weight_but_the_rows_of_a_table_it_only_looks_up(tie
     every = sum(x.nbytes for x in jax.tree.leaves(params))
     expected = every if tied else every - table.nbytes + table.nbytes // table.shape[0]
     assert quant.weight_bytes_per_token(params, config) == expected
-    q = quantize(params, config, "int8")
+    q = quantize(params, config, "int8:channel")
     kernels = [x for path, x in jax.tree_util.tree_leaves_with_path(params) if path[-1].key == "kernel"]
     saved = sum(k.nbytes - k.size - 4 * k.shape[1] for k in kernels)  # int8 values and a scale per column
     if tied:  # the head reads its int8 copy [D, V] (a scale per column), the table one row

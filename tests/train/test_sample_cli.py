@@ -229,16 +229,17 @@ def test_random_init_takes_its_characters_from_data(tmp_path, capsys, monkeypatc
 
 def test_quant_int8_samples_with_quantized_weights_and_says_so(tiny, capsys):
     code, out, err = run(capsys, "--random-init", tiny, "--prompt", "ROMEO:", "--max-new-tokens", "4", "--quant",
-                         "int8", "--temperature", "0")
+                         "int8:channel", "--temperature", "0")  # d_model 16: per channel (int8 is groups of 32)
     assert code == 0, err
     assert out.startswith("ROMEO:") and len(out) == len("ROMEO:") + 4 + 1
-    assert "weights int8, quantized '" in err
+    assert "weights int8:channel, quantized '" in err
     if "quantized 'native" in err:  # the native loop names the instruction-set path it was compiled to
         assert f"', {quant_matmul.native_path()} path (" in err
 
 
 @pytest.mark.parametrize("argv, message", [
     (["--quant", "int4"], "--quant int4: blocks_0/attn/"),  # d_model 16: no whole group of 32 rows
+    (["--quant", "int8"], "--quant int8: blocks_0/attn/"),  # int8 is in groups of 32 too (llama.cpp's Q8_0)
     (["--quant", "int3"], "argument --quant: invalid choice: 'int3'"),
     (["--quant", "int8", "--mesh", "data:1"], "--quant does not go with --mesh"),
 ])
@@ -252,7 +253,7 @@ def test_serve_takes_quant_as_sample_does(tiny):
     from train import serve
     from train.cli import UsageError
     from train.models.load import load_model
-    params = load_model(serve.parse_args(["--random-init", tiny, "--quant", "int8"]).model_source).params
+    params = load_model(serve.parse_args(["--random-init", tiny, "--quant", "int8:channel"]).model_source).params
     assert all(isinstance(layer["kernel"], QuantizedWeight) for layer in params["blocks_0"]["attn"].values())
     assert isinstance(params["tied_head"], QuantizedWeight)
     with pytest.raises(UsageError, match="--quant does not go with --mesh"):

@@ -18,7 +18,7 @@ from pathlib import Path
 
 SOURCES = ("checkpoint", "hf", "gguf", "random_init")  # where a model comes from: exactly one is given
 PRETRAINED = ("hf", "gguf")  # made elsewhere: the sources whose weights may hold NaN or infinity
-QUANT_MODES = ("int8", "int4", "int4:64")  # --quant
+QUANT_MODES = ("int8", "int8:channel", "int4", "int4:64")  # --quant
 OPTIONS = ("data", "allow_nonfinite", "scan_layers", "quant", "adapter")  # the flags a program may take or not
 SEED_LIMIT = 2 ** 32  # a --seed of the random init alone (train.attention_maps): jax.random.PRNGKey's range
 
@@ -145,9 +145,10 @@ class SourceFlags:
                                 help="compile the repeated layers once under a scan (a faster start, a slower "
                                      "token on a CPU) or each layer on its own; default: as the model was saved")
         if self.quant:
-            parser.add_argument("--quant", choices=QUANT_MODES, help="store the weights as int8 (per output "
-                                "channel) or int4 (groups of 32, or :64) and multiply by them so (jaxattn.quantize; "
-                                "the lookup tables, norms and the router stay float)")
+            parser.add_argument("--quant", choices=QUANT_MODES, help="store the weights as int8 (groups of 32, as "
+                                "llama.cpp's Q8_0; int8:channel: a scale per output channel) or int4 (groups of 32, "
+                                "or :64) and multiply by them so (jaxattn.quantize; the lookup tables, norms and the "
+                                "router stay float)")
             parser.add_argument("--dtype", choices=("float32",), help="with --gguf: the file's quantized weights "
                                 "dequantized to float32 (they are kept quantized otherwise)")
         if self.adapter:
