@@ -10,9 +10,9 @@ Llama, 30 layers, d 576, 9 query / 3 kv heads of 64, MLP 1536, vocab 49152, tied
 written once with `jaxattn.hf.save_pretrained` under --cache-dir), every runner reading those weights:
 
 * `jax`: `jaxattn.generate` at batch 1 for weights float32, bfloat16 (`hf.load_pretrained(dtype=
-  "bfloat16")`: the compute dtype too), int8 (per output channel) and int4 (groups of 32)
-  (`jaxattn.quantize`), each with the KV cache in the model's float compute dtype ("float") and in int8;
-  the kernels "auto" resolves to on this machine (`Kernels.quantized`: the native loop on a CPU).
+  "bfloat16")`: the compute dtype too), int8 and int4 (groups of 32 each; `jaxattn.quantize`), each
+  with the KV cache in the model's float compute dtype ("float") and in int8; the kernels "auto"
+  resolves to on this machine (`Kernels.quantized`: the native loop on a CPU).
 * `engine`: `jaxattn.serving.Engine` with --engine-batch (32) sequences at once, all added together,
   for float32, int8 and int4 weights and both caches: output tokens/s over the whole run (prefill
   included), after an untimed warm-up of other prompts; no prefix caching.
@@ -38,19 +38,23 @@ the machine's streaming read bandwidth (`bench.quant_matmul.streaming_read` on a
 the float32 weights, in its own process each round).
 
 Perplexity (--checkpoint RUN_DIR: a run of `python -m train.tiny_lm`, e.g. the baby model of `make
-train`; no weights are committed): the run's best checkpoint in float32, bfloat16, int8, int4 (groups
-of 32) and int4:64, on the last 10% of Tiny Shakespeare (the split the run held out; --data, else
-$JAXATTN_SHAKESPEARE, else ../shared/data/tinyshakespeare.txt beside the repository, else the cache),
-in windows of the model's max_seq_len, each window's tokens after its first predicted from those
-before them in it: exp(mean negative log-likelihood) over every predicted token (at most
---ppl-tokens of them). A random model's perplexity says nothing: without --checkpoint it is not
-measured.
+train`; or --ppl-gguf FILE: a real model, e.g. SmolLM2-135M-Instruct, its float32 the file's weights
+as dequantized on loading, q, k and v fused as the programs load it; no weights are committed): the
+model in float32, bfloat16, int8 (groups of 32), int8:channel (a scale per output channel), int4
+(groups of 32) and int4:64, on the last 10% of Tiny Shakespeare (the split the run held out; the
+file's own tokenizer for --ppl-gguf; --data, else $JAXATTN_SHAKESPEARE, else
+../shared/data/tinyshakespeare.txt beside the repository, else the cache), in windows of the
+model's max_seq_len (--ppl-window: at most that many), each window's tokens after its first
+predicted from those before them in it: exp(mean negative log-likelihood) over every predicted
+token (at most --ppl-tokens of them), the kernels "auto" resolves to. A random model's perplexity
+says nothing: without --checkpoint or --ppl-gguf it is not measured (`--runners none --ppl-gguf
+FILE` measures it alone).
 
 The int8 KV cache: where this tree's `jaxattn.generate` takes `CACHE_KEYWORD` and `EngineConfig` has
 a field of that name, its cells run with it set to "int8"; elsewhere they are reported unavailable
 with the reason (`cache_options`). Writes --out.json and --out.md (default bench/results/quant) with
 the CPU named, the command and the checks of the targets (int8 >= 2.5x and int4 >= 4x our float32
-at batch 1; beside llama.cpp at equal threads; perplexity of int8 within 1% of float32, int4 within 5%).
+at batch 1; beside llama.cpp at equal threads; perplexity of int8 within 0.2% of float32, int4 within 5%).
 
     python -m bench.fresh bench.quant:run_case SPEC_JSON     # one cell, what each fresh process runs
 """
@@ -76,10 +80,11 @@ RESULTS = ROOT / "bench" / "results"
 WEIGHTS = ("float32", "bfloat16", "int8", "int4")
 ENGINE_WEIGHTS = ("float32", "int8", "int4")
 CACHES = ("float", "int8")
-PPL_FORMATS = ("float32", "bfloat16", "int8", "int4", "int4:64")
+PPL_FORMATS = ("float32", "bfloat16", "int8", "int8:channel", "int4", "int4:64")
 GGUF_TYPES = ("Q8_0", "Q4_0")
 RUNNERS = ("jax", "engine", "hf", "llamacpp")
-WEIGHT_NAMES = {"int4": "int4 (groups of 32)", "int4:64": "int4 (groups of 64)"}
+WEIGHT_NAMES = {"int8": "int8 (groups of 32)", "int8:channel": "int8 (per channel)", "int4": "int4 (groups of 32)",
+                "int4:64": "int4 (groups of 64)"}
 # The int8 KV cache's switch: the keyword of `jaxattn.generate` and the field of `EngineConfig` that
 # take "int8" (an older tree without it reports those cells unavailable).
 CACHE_KEYWORD = "kv_cache"
@@ -389,10 +394,11 @@ def run_stream(spec: dict) -> dict:
             "times_s": timing.times_s}
 
 
-def perplexity(params, config, ids, *, kernels=None, batch: int = 32) -> dict:
+def perplexity(params, config, ids, *, kernels=None, batch: int = 32, window: int | None = None) -> dict:
     """exp(mean negative log-likelihood) of `ids` (a 1-D int array) under the model: windows of
-    `config.max_seq_len` tokens, each token after a window's first predicted from those before it in
-    the window (the tail shorter than two tokens dropped). {"perplexity", "nll", "tokens"}."""
+    `window` (default `config.max_seq_len`) tokens, each token after a window's first predicted from
+    those before it in the window (the tail shorter than two tokens dropped), at most `batch` windows
+    a call. {"perplexity", "nll", "tokens"}."""
     import functools
 
     import jax
@@ -401,9 +407,10 @@ def perplexity(params, config, ids, *, kernels=None, batch: int = 32) -> dict:
 
     from jaxattn.kernels import Kernels
     from jaxattn.model import DecoderLM
-    L = config.max_seq_len
+    L = min(window or config.max_seq_len, config.max_seq_len)
     ids = np.asarray(ids, np.int32)
     windows = [ids[i:i + L] for i in range(0, len(ids) - 1, L) if len(ids[i:i + L]) >= 2]
+    batch = min(batch, len(windows))  # no rows of padding alone
     model = DecoderLM(config, kernels or Kernels())
 
     @functools.partial(jax.jit)
@@ -426,9 +433,25 @@ def perplexity(params, config, ids, *, kernels=None, batch: int = 32) -> dict:
     return {"perplexity": float(np.exp(nll)), "nll": nll, "tokens": count}
 
 
-def run_perplexity(spec: dict) -> dict:
-    """Each of `spec["formats"]` of a run's checkpoint on its corpus's val split."""
+def perplexity_model(spec: dict) -> tuple:
+    """(params, config, tokenizer) of `spec["gguf"]` (a GGUF file, float32 as dequantized on loading, q, k
+    and v fused as the programs load it) or else of `spec["checkpoint"]` (a run's best checkpoint)."""
     import flax.linen as nn
+
+    from jaxattn import with_fused_qkv
+    from jaxattn.gguf import load_gguf
+    from train.models.runs import load_for_sampling
+    if spec.get("gguf"):
+        config, params, tokenizer, _ = load_gguf(spec["gguf"])
+        params, config = with_fused_qkv(params, config)
+        return params, config, tokenizer
+    params, config, tokenizer = load_for_sampling(spec["checkpoint"])
+    return nn.unbox(params), config, tokenizer
+
+
+def run_perplexity(spec: dict) -> dict:
+    """Each of `spec["formats"]` of a model (`perplexity_model`) on its corpus's val split, in windows
+    of at most `spec["window"]` tokens (None: the model's context)."""
     import jax
     import numpy as np
 
@@ -436,9 +459,7 @@ def run_perplexity(spec: dict) -> dict:
     from jaxattn.kernels import resolve_kernels
     from jaxattn.quantization import quantize
     from train.data.corpus import load_corpus
-    from train.models.runs import load_for_sampling
-    params, config, tokenizer = load_for_sampling(spec["checkpoint"])
-    params = nn.unbox(params)
+    params, config, tokenizer = perplexity_model(spec)
     corpus = load_corpus(corpus_path(spec.get("data")), tokenizer=tokenizer)
     val = np.asarray(corpus.val)[:spec["max_tokens"] + 1] if spec.get("max_tokens") else np.asarray(corpus.val)
     kernels = resolve_kernels()[0]
@@ -449,10 +470,11 @@ def run_perplexity(spec: dict) -> dict:
             p = jax.tree.map(lambda x: np.asarray(x).astype(jax.numpy.bfloat16), params)
         else:
             cfg, p = config, params if fmt == "float32" else quantize(params, config, fmt)
-        results[fmt] = perplexity(p, cfg, val, kernels=kernels)
+        results[fmt] = perplexity(p, cfg, val, kernels=kernels, window=spec.get("window"))
     return {"available": True, "results": results, "model": {
         "d_model": config.d_model, "num_layers": config.num_layers, "num_heads": config.num_heads,
-        "vocab_size": config.vocab_size, "max_seq_len": config.max_seq_len, "tie_embeddings": config.tie_embeddings},
+        "vocab_size": config.vocab_size, "max_seq_len": config.max_seq_len, "tie_embeddings": config.tie_embeddings,
+        "window": min(spec.get("window") or config.max_seq_len, config.max_seq_len)},
         "val_tokens": int(len(val)), "kernels": kernels.to_dict()}
 
 
@@ -588,7 +610,7 @@ def checks(rows: list[dict], ppl: dict | None) -> list[dict]:
                     "value": value, "target": ">= 1x", "holds": None if value is None else value >= 1.0})
     results = (ppl or {}).get("results", {})
     base = results.get("float32", {}).get("perplexity")
-    for fmt, limit in (("int8", 0.01), ("int4", 0.05)):
+    for fmt, limit in (("int8", 0.002), ("int4", 0.05)):
         value = ratio(results.get(fmt, {}).get("perplexity"), base)
         out.append({"what": f"perplexity of {WEIGHT_NAMES.get(fmt, fmt)} weights over float32's", "value": value,
                     "target": f"<= {1 + limit:g}x", "holds": None if value is None else value <= 1 + limit})
@@ -605,16 +627,19 @@ def markdown(record: dict) -> str:
     lines = [f"# Quantized decoding on {meta['machine_line']}", ""]
     if meta.get("note"):
         lines += [f"**{meta['note']}**", ""]
-    lines += [f"{meta['model']}; greedy, prompt {meta['prompt_len']} tokens, {meta['new_tokens']} new tokens per "
-              f"sequence; {meta['threads']} thread(s) for every runner (each process on {meta['threads']} core(s); "
-              f"torch threads and llama.cpp's n_threads the same); each cell in a fresh process per round, cells in "
-              f"turns, {meta['calls']} timed call(s) after a warm-up in each; medians of {meta['rounds']} round(s). "
-              f"Cache \"float\": the model's compute dtype (bfloat16 for the bfloat16 weights). tok/s: sequences x "
-              f"new tokens over the call (the prompt's prefill included). MB/token: the weights one token reads at "
-              f"batch 1; GB/s: that times tok/s, beside the machine's streaming read of "
-              f"{fmt(meta['stream_gb_per_s'], '.1f')} GB/s.", "",
-              "| runner | weights | cache | batch | tok/s | vs our float32 (same batch) | MB/token | GB/s "
-              "| of stream |", "|" + " --- |" * 9]
+    if not rows:
+        lines += ["No decoding cells were run (--runners none)."]
+    else:
+        lines += [f"{meta['model']}; greedy, prompt {meta['prompt_len']} tokens, {meta['new_tokens']} new tokens "
+                  f"per sequence; {meta['threads']} thread(s) for every runner (each process on {meta['threads']} "
+                  f"core(s); torch threads and llama.cpp's n_threads the same); each cell in a fresh process per "
+                  f"round, cells in turns, {meta['calls']} timed call(s) after a warm-up in each; medians of "
+                  f"{meta['rounds']} round(s). Cache \"float\": the model's compute dtype (bfloat16 for the bfloat16 "
+                  f"weights). tok/s: sequences x new tokens over the call (the prompt's prefill included). MB/token: "
+                  f"the weights one token reads at batch 1; GB/s: that times tok/s, beside the machine's streaming "
+                  f"read of {fmt(meta['stream_gb_per_s'], '.1f')} GB/s.", "",
+                  "| runner | weights | cache | batch | tok/s | vs our float32 (same batch) | MB/token | GB/s "
+                  "| of stream |", "|" + " --- |" * 9]
     for r in rows:
         what = {"jax": "jaxattn generate", "engine": "jaxattn engine", "hf": "transformers generate (sdpa)",
                 "llamacpp": "llama.cpp"}[r["runner"]]
@@ -635,10 +660,14 @@ def markdown(record: dict) -> str:
         lines.append(f"Not measured: {(ppl or {}).get('reason', 'no --checkpoint given')}.")
     else:
         m = ppl["model"]
-        lines += [f"The trained checkpoint `{meta['perplexity_checkpoint']}` (d {m['d_model']}, {m['num_layers']} "
-                  f"layers, {m['num_heads']} heads, vocab {m['vocab_size']}, tied {m['tie_embeddings']}) on the "
+        kind = meta.get("perplexity_kind", "trained checkpoint")
+        float32 = "; float32: its weights as dequantized on loading" if kind == "GGUF file" else ""
+        lines += [f"The {kind} `{meta['perplexity_checkpoint']}` (d {m['d_model']}, {m['num_layers']} "
+                  f"layers, {m['num_heads']} heads, vocab {m['vocab_size']}, tied {m['tie_embeddings']}{float32}) on "
+                  f"the "
                   f"last 10% of Tiny Shakespeare ({ppl['results']['float32']['tokens']:,} predicted tokens, windows "
-                  f"of {m['max_seq_len']}).", "", "| weights | perplexity | vs float32 |", "| --- | --- | --- |"]
+                  f"of {m.get('window', m['max_seq_len'])}).", "", "| weights | perplexity | vs float32 |",
+                  "| --- | --- | --- |"]
         base = ppl["results"]["float32"]["perplexity"]
         for name, result in ppl["results"].items():
             lines.append(f"| {WEIGHT_NAMES.get(name, name)} | {result['perplexity']:.4f} | "
@@ -653,8 +682,14 @@ def markdown(record: dict) -> str:
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--checkpoint", help="a trained run directory (python -m train.tiny_lm) for the perplexity")
-    parser.add_argument("--runners", default=",".join(RUNNERS), help="comma-separated subset of %(default)s")
+    ppl_model = parser.add_mutually_exclusive_group()
+    ppl_model.add_argument("--checkpoint", help="a trained run directory (python -m train.tiny_lm) for the perplexity")
+    ppl_model.add_argument("--ppl-gguf", metavar="FILE", help="a GGUF file's model for the perplexity (its float32: "
+                           "the weights as dequantized on loading)")
+    parser.add_argument("--ppl-window", type=int, default=None, help="perplexity windows of at most this many tokens "
+                        "(default: the model's context)")
+    parser.add_argument("--runners", default=",".join(RUNNERS),
+                        help="comma-separated subset of %(default)s, or none (the perplexity alone)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--calls", type=int, default=2, help="timed calls per process after its warm-up")
     parser.add_argument("--prompt-len", type=int, default=16)
@@ -678,11 +713,12 @@ def parse_args(argv=None):
     if args.quick:
         args.rounds, args.calls, args.new_tokens, args.engine_batch = 1, 1, 8, 4
         args.ppl_tokens = args.ppl_tokens or 2048
-    args.runners = [r for r in args.runners.split(",") if r]
+    args.runners = [] if args.runners == "none" else [r for r in args.runners.split(",") if r]
     if not set(args.runners) <= set(RUNNERS):
         parser.error(f"--runners: choose from {', '.join(RUNNERS)}")
-    for name in ("rounds", "calls", "prompt_len", "new_tokens", "engine_batch", "threads", "llama_n_batch"):
-        if getattr(args, name) < 1:
+    for name in ("rounds", "calls", "prompt_len", "new_tokens", "engine_batch", "threads", "llama_n_batch",
+                 "ppl_window"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
     return args
 
@@ -706,9 +742,11 @@ def main(argv=None) -> int:
     cells = measure(cases(args, checkpoint, ggufs, stream_bytes), args.rounds, args.timeout)
     rows, stream_gbs = summarize(cells, ggufs)
     ppl = None
-    if args.checkpoint:
-        spec = {"runner": "perplexity", "checkpoint": str(Path(args.checkpoint).resolve()), "data": args.data,
-                "formats": list(PPL_FORMATS), "max_tokens": args.ppl_tokens, "threads": args.threads}
+    ppl_source = args.ppl_gguf or args.checkpoint
+    if ppl_source:
+        spec = {"runner": "perplexity", "gguf" if args.ppl_gguf else "checkpoint": str(Path(ppl_source).resolve()),
+                "data": args.data, "formats": list(PPL_FORMATS), "max_tokens": args.ppl_tokens,
+                "window": args.ppl_window, "threads": args.threads}
         try:
             ppl = fresh.call("bench.quant:run_case", spec, threads=args.threads, timeout=args.timeout)
         except fresh.FreshProcessError as err:
@@ -720,9 +758,11 @@ def main(argv=None) -> int:
             "engine_batch": args.engine_batch, "rounds": args.rounds, "calls": args.calls,
             "llama_n_batch": args.llama_n_batch, "stream_gb_per_s": stream_gbs, "note": args.note,
             "cache_keyword": CACHE_KEYWORD, "load_average_end": load_average(),
-            "perplexity_checkpoint": Path(args.checkpoint).name if args.checkpoint else None,
+            "perplexity_checkpoint": Path(ppl_source).name if ppl_source else None,
+            "perplexity_kind": "GGUF file" if args.ppl_gguf else "trained checkpoint",
             "command": "PYTHONPATH=$PWD python bench/quant.py " + portable_command(
-                ["", *map(shlex.quote, argv)], ("--checkpoint", "--data", "--cache-dir", "--out")).strip()}
+                ["", *map(shlex.quote, argv)],
+                ("--checkpoint", "--ppl-gguf", "--data", "--cache-dir", "--out")).strip()}
     record = {"meta": meta, "rows": rows, "perplexity": ppl, "checks": checks(rows, ppl)}
     out = args.out or (Path(tempfile.gettempdir()) / "jaxattn-quant-quick" / "quant" if args.quick
                        else RESULTS / "quant")

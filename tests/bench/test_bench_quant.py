@@ -86,6 +86,27 @@ def test_perplexity_is_the_exponent_of_the_mean_cross_entropy_of_each_window():
         got["perplexity"], rel=1e-2)
 
 
+def test_the_perplexity_of_a_gguf_files_model_in_each_format_on_the_held_out_text(checkpoint, tmp_path):
+    from jaxattn import with_fused_qkv
+    from jaxattn.gguf import load_gguf
+    path = quant.write_gguf(checkpoint, tmp_path / "m-F32.gguf", "F32")
+    text = tmp_path / "text.txt"
+    text.write_text("First Citizen: before we proceed any further, hear me speak. " * 8)
+    spec = {"gguf": str(path), "data": str(text), "formats": ["float32", "int8", "int8:channel"], "max_tokens": 40,
+            "window": 8}
+    got = quant.run_perplexity(spec)
+    assert got["model"]["window"] == 8 and list(got["results"]) == ["float32", "int8", "int8:channel"]
+    config, params, tokenizer, _ = load_gguf(path)  # float32: the file's weights as loaded, q, k and v fused
+    params, config = with_fused_qkv(params, config)
+    ids = tokenizer.encode(text.read_text())
+    val = np.asarray(ids[int(len(ids) * 0.9):][:41])  # the last 10% (the corpus's val split), 40 predicted at most
+    expected = quant.perplexity(params, config, val, window=8)
+    assert got["val_tokens"] == 41 and got["results"]["float32"]["tokens"] == expected["tokens"] == 5 * 7
+    assert got["results"]["float32"]["perplexity"] == pytest.approx(expected["perplexity"], rel=1e-6)
+    grouped, per_channel = (got["results"][mode]["perplexity"] for mode in ("int8", "int8:channel"))
+    assert grouped != per_channel and grouped == pytest.approx(expected["perplexity"], rel=1e-2)
+
+
 @pytest.mark.parametrize("target", [generate, EngineConfig])
 def test_the_int8_cache_is_asked_for_by_one_keyword(target):
     assert quant.cache_options("float", target) == ({}, None)
@@ -125,7 +146,8 @@ def test_the_report_holds_every_cell_and_the_checks(tmp_path):
            "results": {"float32": {"perplexity": 5.0, "tokens": 100}, "int8": {"perplexity": 5.06, "tokens": 100},
                        "int4": {"perplexity": 5.2, "tokens": 100}}}
     checks = {c["what"].split(":")[0]: c for c in quant.checks(rows, ppl)}
-    assert checks["int8 weights, batch 1"]["value"] == pytest.approx(3.0) and checks["int8 weights, batch 1"]["holds"]
+    int8 = checks["int8 (groups of 32) weights, batch 1"]
+    assert int8["value"] == pytest.approx(3.0) and int8["holds"]
     assert checks["int4 (groups of 32) weights, batch 1"]["holds"]  # 4.1x
     assert [c["value"] for c in quant.checks(rows, ppl) if c["what"].startswith("moonshot")] == [
         pytest.approx(1.5), None]  # int8 over Q8_0; no Q4_0 cell
@@ -136,6 +158,6 @@ def test_the_report_holds_every_cell_and_the_checks(tmp_path):
             "rounds": 1, "stream_gb_per_s": 20.0, "perplexity_checkpoint": "run", "command": "python bench/quant.py"}
     text = quant.markdown({"meta": meta, "rows": rows, "perplexity": ppl, "checks": quant.checks(rows, ppl)})
     assert "# Quantized decoding on a CPU" in text and "unavailable: no int8 cache" in text
-    assert "| jaxattn generate | int8 | float | 1 | 30.0 | 3.00x |" in text
-    assert "| int8 | 5.0600 | +1.20% |" in text
+    assert "| jaxattn generate | int8 (groups of 32) | float | 1 | 30.0 | 3.00x |" in text
+    assert "| int8 (groups of 32) | 5.0600 | +1.20% |" in text
     json.dumps(quant.checks(rows, ppl))  # JSON-able
