@@ -81,7 +81,8 @@ class Kernels:
         dequantize, then a float32 dot), "native_cpu" (`jaxattn.kernels.quant_matmul`: up to 32
         rows in a native loop built with the host's C++ compiler, more rows the reference; CPU only)
         or "native_cpu_q8act" (as native_cpu, but the activations rounded to int8 in groups of 32
-        and integer dots, for int4 and per-channel int8 weights: an approximation of its own).
+        and integer dots, for int4 and int8 weights in groups of 32 and per-channel int8 weights, as
+        `quant_matmul` says which: an approximation of its own).
 
     Any field may be "auto" in a request; `resolve_kernels` replaces it for a platform.
     """
