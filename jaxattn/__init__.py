@@ -35,8 +35,10 @@ Many requests at once: `jaxattn.serving` (`Engine`, `EngineConfig`, `SamplingPar
 KV cache, continuous batching, prefix caching and preemption (docs/serving.md).
 
 Weight-only quantization: `quantize` (every `Linear` kernel, a tied head, a mixture's experts and
-MLA's `wkv_b` as int8 per output channel or int4 in groups, a `QuantizedWeight`), `dequantize`
-(`jaxattn.quantization`); its matmul is `Kernels.quantized`.
+MLA's `wkv_b` as int8 or int4 in groups of 32 input rows, or int8 per output channel, a
+`QuantizedWeight`), `dequantize` (`jaxattn.quantization`); its matmul is `Kernels.quantized`, which
+`generate` and the `Engine` given no kernels take on this machine's fast path
+(`jaxattn.kernels.default_kernels`).
 
 Implementations: `Kernels`, `resolve_kernels` and the formulations behind
 them live in `jaxattn.kernels`, the one seam between maths and machine.

@@ -35,7 +35,7 @@ from jaxattn.axes import MeshShape
 from jaxattn.cache.containers import KV_CACHES, DecodeCache
 from jaxattn.cache.build import init_cache
 from jaxattn.config import ModelConfig
-from jaxattn.kernels import Kernels
+from jaxattn.kernels import Kernels, call_kernels
 from jaxattn.model import DecoderLM
 
 
@@ -304,7 +304,7 @@ def _prepare(config, kernels, prompt_tokens, prompt_lengths, max_new_tokens, tem
 
 def generate(params, config: ModelConfig, prompt_tokens, prompt_lengths, *, max_new_tokens: int, rng: jax.Array,
              temperature=1.0, top_k=0, top_p=1.0, stop_token: int | None = None, pad_token: int = 0,
-             return_logits: bool = False, kernels: Kernels = Kernels(), mesh: Mesh | None = None,
+             return_logits: bool = False, kernels: Kernels | None = None, mesh: Mesh | None = None,
              kv_cache: str = "auto") -> GenerateOutput:
     """Generates `max_new_tokens` tokens after each prompt with a KV cache.
 
@@ -321,7 +321,9 @@ def generate(params, config: ModelConfig, prompt_tokens, prompt_lengths, *, max_
       stop_token: id that ends a row (it is emitted, then padding); None = never.
       pad_token: id written after a row's stop token (and used to pad prompts).
       return_logits: also return the `[B, max_new_tokens, V]` logits of each draw.
-      kernels: which implementations run the model (static; default the reference).
+      kernels: which implementations run the model (static). None: the reference, except that a
+        quantized model's matmuls take the platform's fast path (`jaxattn.kernels.default_kernels`,
+        its weights laid out for it each call: `call_kernels`); `Kernels()`: the reference throughout.
       mesh: a device mesh over `jaxattn.axes.MESH_AXES` (`jaxattn.axes.make_mesh`) to
         run on: the parameters are laid out by `jaxattn.axes.RULES` and the cache
         is split by rows and kv heads; the tokens equal one device's (up to float
@@ -335,6 +337,7 @@ def generate(params, config: ModelConfig, prompt_tokens, prompt_lengths, *, max_
     """
     if kv_cache not in KV_CACHES:
         raise ValueError(f"kv_cache must be one of {KV_CACHES}, got {kv_cache!r}")
+    kernels, params = call_kernels(params, kernels, on_mesh=mesh is not None)
     prompt, lengths, knobs, cache_len = _prepare(config, kernels, prompt_tokens, prompt_lengths, max_new_tokens,
                                                  temperature, top_k, top_p, stop_token, pad_token)
     if mesh is not None:

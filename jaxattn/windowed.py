@@ -19,7 +19,7 @@ from jaxattn._validate import require_positive_int
 from jaxattn.cache.containers import KV_CACHES
 from jaxattn.config import ModelConfig
 from jaxattn.decoding import generate
-from jaxattn.kernels import Kernels
+from jaxattn.kernels import Kernels, call_kernels
 
 
 class NonFiniteLogits(FloatingPointError):
@@ -39,7 +39,7 @@ class NonFiniteLogits(FloatingPointError):
 
 
 def windows(params, config: ModelConfig, prompt_ids, *, max_new_tokens: int, rng: jax.Array,
-            num_samples: int = 1, temperature=1.0, top_k=0, top_p=1.0, kernels: Kernels = Kernels(),
+            num_samples: int = 1, temperature=1.0, top_k=0, top_p=1.0, kernels: Kernels | None = None,
             mesh: Mesh | None = None, check_finite: bool = False, kv_cache: str = "auto") -> Iterator[np.ndarray]:
     """`generate_windowed` as a stream: yields `[num_samples, n]` ids, one window at a time.
 
@@ -61,6 +61,7 @@ def windows(params, config: ModelConfig, prompt_ids, *, max_new_tokens: int, rng
     prompt = prompt.astype(np.int32)[-(context - 1):]  # room for one new token
     if kv_cache not in KV_CACHES:
         raise ValueError(f"kv_cache must be one of {KV_CACHES}, got {kv_cache!r}")
+    kernels, params = call_kernels(params, kernels, on_mesh=mesh is not None)  # None: resolved and laid out once
     knobs = dict(temperature=temperature, top_k=top_k, top_p=top_p, kernels=kernels, mesh=mesh, kv_cache=kv_cache)
     return _windows(params, config, np.tile(prompt, (num_samples, 1)), int(max_new_tokens), rng, knobs,
                     check_finite)
@@ -115,7 +116,7 @@ def _check_finite(nonfinite_from: np.ndarray, kept: int, rows: np.ndarray, token
 
 def generate_windowed(params, config: ModelConfig, prompt_ids, *, max_new_tokens: int, rng: jax.Array,
                       num_samples: int = 1, temperature=1.0, top_k=0, top_p=1.0,
-                      kernels: Kernels = Kernels(), mesh: Mesh | None = None, kv_cache: str = "auto") -> np.ndarray:
+                      kernels: Kernels | None = None, mesh: Mesh | None = None, kv_cache: str = "auto") -> np.ndarray:
     """`[num_samples, max_new_tokens]` ids continuing one prompt, past the model's context if need be.
 
     Within the context this is `generate` (the same draws for the same `rng`).

@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 
 import jaxattn as ja
-from jaxattn import quantization
-from jaxattn.kernels import Kernels, choices, native_build, quant_matmul
+from jaxattn import decoding, quantization
+from jaxattn.kernels import (IMPLEMENTATIONS, Kernels, Platform, call_kernels, choices, default_kernels,
+                             native_build, quant_matmul, resolve_kernels)
 from jaxattn.quantization import QuantizedWeight, dequantize, quantize, quantize_weight, unpack
 from jaxattn.serving import Engine, EngineConfig, SamplingParams
 from tiny_models import drawn_params, tiny_config
@@ -140,19 +141,74 @@ def test_greedy_generate_with_int8_weights_equals_float32(kernels):
     assert float(jnp.max(jnp.abs(got.logits - expected.logits))) <= 0.03 * scale
 
 
+def native_here() -> str:
+    """What "auto" makes `Kernels.quantized` on this machine (a native loop on a CPU with a C++ compiler)."""
+    return resolve_kernels(Kernels.auto())[0].quantized
+
+
 @needs_cxx
-def test_the_serving_engine_steps_with_quantized_weights():
+def test_the_serving_engine_steps_with_quantized_weights_on_the_native_path_unasked():
     config, params = tiny()
     q = quantize(params, config, "int8")
     engine_config = EngineConfig(max_seqs=2, page_size=4, chunk=8, prefill_rows=2, num_pages=12)
     prompts = [[3, 1, 4, 1, 5], [2, 7, 1]]
     greedy = SamplingParams(temperature=0.0, max_tokens=4)
-    expected = Engine(q, config, engine_config, kernels=Kernels()).generate(prompts, greedy)
-    native = Engine(q, config, engine_config, kernels=Kernels(quantized="native_cpu")).generate(prompts, greedy)
-    assert native == expected
-    direct = [ja.generate(q, config, np.array([p]), np.array([len(p)]), max_new_tokens=4, rng=jax.random.PRNGKey(0),
-                          temperature=0.0, kernels=Kernels()).tokens[0].tolist() for p in prompts]
-    assert expected == direct
+    reference = Engine(q, config, engine_config, kernels=Kernels())
+    unasked = Engine(q, config, engine_config)
+    native = native_here()
+    assert native.startswith("native_cpu") and unasked.kernels == Kernels(quantized=native)
+    assert reference.kernels == Kernels()
+    for engine in (reference, unasked):  # each engine's tokens are generate's with the same kernels
+        direct = [ja.generate(q, config, np.array([p]), np.array([len(p)]), max_new_tokens=4, temperature=0.0,
+                              rng=jax.random.PRNGKey(0), kernels=engine.kernels).tokens[0].tolist() for p in prompts]
+        assert engine.generate(prompts, greedy) == direct
+
+
+def test_unasked_kernels_are_the_reference_but_for_a_quantized_models_matmuls_by_the_platforms_rule():
+    config, params = tiny()
+    q = quantize(params, config, "int4")
+    vnni = Platform("cpu", frozenset({"avx512_vnni"}), cxx=True)
+    assert default_kernels(q, vnni) == Kernels(quantized="native_cpu_q8act")
+    assert default_kernels(q, Platform("cpu", cxx=True)) == Kernels(quantized="native_cpu")
+    assert default_kernels(q, Platform("cpu")) == default_kernels(q, Platform("gpu")) == Kernels()  # no native loop
+    assert default_kernels(params, vnni) == Kernels()  # float weights: the reference throughout
+    kernels, same = call_kernels(q, None, on_mesh=True)  # on a mesh: the reference, the weights as given
+    assert kernels == Kernels() and same is q
+    asked = Kernels(quantized="native_cpu_q8act")
+    assert call_kernels(q, asked)[0] is asked and call_kernels(q, asked)[1] is q  # asked for: nothing moves
+
+
+@needs_cxx
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_generate_runs_a_quantized_model_on_the_native_path_unasked(mode, monkeypatch):
+    config, params = tiny()
+    q = quantize(params, config, mode)
+    native = native_here()
+    assert native.startswith("native_cpu") and default_kernels(q) == Kernels(quantized=native)
+    kernels, prepared = call_kernels(q, None)
+    assert kernels == Kernels(quantized=native)  # and the weights laid out for it (the layouts are in the treedef)
+    assert jax.tree.structure(prepared) == jax.tree.structure(ja.prepare_weights(q, kernels))
+    # Float weights: exactly the reference and the params as given, so the same programs as before.
+    assert default_kernels(params) == Kernels() and call_kernels(params, None)[1] is params
+    ran = []  # a spy on every quantized kernel: which one each freshly traced program calls
+    for name in choices("quantized"):
+        monkeypatch.setitem(IMPLEMENTATIONS["quantized"], name, lambda x, w, name=name, kernel=(
+            IMPLEMENTATIONS["quantized"][name]): (ran.append(name), kernel(x, w))[1])
+    prompt, lengths = np.array([[3, 1, 4, 1, 5, 9], [2, 7, 1, 8, 0, 0]]), np.array([6, 4])
+    run = dict(max_new_tokens=5, rng=jax.random.PRNGKey(0), temperature=0.0, return_logits=True)
+    outputs = {}
+    try:
+        for what, asked in (("unasked", None), ("asked", Kernels(quantized=native)), ("reference", Kernels())):
+            decoding._generate_cached.clear_cache()  # traced anew: the spies see it
+            ran.clear()
+            outputs[what] = ja.generate(q, config, prompt, lengths, kernels=asked, **run)
+            assert set(ran) == {"xla" if what == "reference" else native}, what
+    finally:
+        decoding._generate_cached.clear_cache()  # no program holding a spy outlives the test
+    np.testing.assert_array_equal(outputs["unasked"].tokens, outputs["asked"].tokens)
+    np.testing.assert_allclose(outputs["unasked"].logits, outputs["asked"].logits, rtol=1e-5, atol=1e-5)
+    scale = float(jnp.max(jnp.abs(outputs["reference"].logits)))
+    assert float(jnp.max(jnp.abs(outputs["unasked"].logits - outputs["reference"].logits))) <= 0.03 * scale
 
 
 @needs_cxx

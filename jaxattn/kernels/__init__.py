@@ -35,7 +35,11 @@ The choice is made once, when a program resolves a run for its platform
 (`resolve_kernels`, which also says why); building or applying a model never
 looks at the hardware, and a field left at "auto" raises until resolved. An
 implementation that reads weights fastest in a layout of its own gets them so
-from `prepare_weights(params, kernels)`, called once after loading.
+from `prepare_weights(params, kernels)`, called once after loading. The library's
+own callers given no kernels (`jaxattn.generate`, the serving `Engine`, `kernels=None`)
+run `default_kernels(params)`: the reference, except a quantized model's `quantized`
+field, which is the platform's fast path (its weights laid out for it); `Kernels()`
+asks for the reference everywhere.
 
 The modules, one formulation or one rule each:
 
@@ -60,8 +64,9 @@ from jaxattn.kernels._call import KernelFallbackWarning
 from jaxattn.kernels.registry import (AUTO, IMPLEMENTATIONS, Kernels, attention_kernel, cache_writer,
                                       cached_attention_kernel, check_mla_path, check_paged, choices, matmul_kernel,
                                       moe_kernel, paged_attention_kernel, prepare_weights, quantized_matmul_kernel)
-from jaxattn.kernels.select import Platform, resolve_kernels
+from jaxattn.kernels.select import Platform, call_kernels, default_kernels, resolve_kernels
 
 __all__ = ["AUTO", "IMPLEMENTATIONS", "KernelFallbackWarning", "Kernels", "Platform", "attention_kernel",
-           "cache_writer", "cached_attention_kernel", "check_mla_path", "check_paged", "choices", "matmul_kernel",
-           "moe_kernel", "paged_attention_kernel", "prepare_weights", "quantized_matmul_kernel", "resolve_kernels"]
+           "cache_writer", "cached_attention_kernel", "call_kernels", "check_mla_path", "check_paged", "choices",
+           "default_kernels", "matmul_kernel", "moe_kernel", "paged_attention_kernel", "prepare_weights",
+           "quantized_matmul_kernel", "resolve_kernels"]

@@ -4,8 +4,9 @@
 (backend name and CPU feature flags), so every rule is testable on any
 machine; only `Platform.detect()` looks at the real one, and only programs
 call it (`python -m train.tiny_lm` prints the result and the reasons), besides
-a direct `scaled_dot_product_attention(..., implementation="auto")` (once per
-process, `this_platform`); models take resolved names. The CPU
+a direct `scaled_dot_product_attention(..., implementation="auto")` and a library
+call given no kernels on a quantized model (`default_kernels`: `generate`, the
+serving `Engine`), each once per process (`this_platform`); models take resolved names. The CPU
 rules follow side-by-side measurements on x86 CPUs with and without AVX-512
 and AMX-BF16 (docs/performance.md; `bench/kernel_choices.py` and
 `bench/attention.py` repeat them on any machine). Attention resolves to its
@@ -27,7 +28,8 @@ import jax
 
 from jaxattn.kernels import auto, moe, native_paged, paged_select
 from jaxattn.kernels.host import read_cpu_flags
-from jaxattn.kernels.registry import AUTO, IMPLEMENTATIONS, Kernels
+from jaxattn.kernels.registry import AUTO, IMPLEMENTATIONS, Kernels, prepare_weights
+from jaxattn.quantization import is_quantized
 
 ACCELERATORS = ("gpu", "cuda", "rocm", "tpu")
 
@@ -147,3 +149,28 @@ def resolve_kernels(requested: Kernels | None = None,
             reason = "asked for"
         chosen[field], reasons[field] = value, reason
     return Kernels(**chosen), reasons
+
+
+def default_kernels(params, platform: Platform | None = None) -> Kernels:
+    """The kernels `jaxattn.generate` and the serving `Engine` run when given none (`kernels=None`).
+
+    The reference (`Kernels()`) for every field, except that where `params` hold a `QuantizedWeight`
+    (`jaxattn.quantize`), `quantized` is what "auto" resolves it to on `platform` (default: this
+    process's, `this_platform`): the native loop on a CPU with a C++ compiler, so that quantized
+    weights are faster than float ones without asking. A model without quantized weights gets exactly
+    `Kernels()` (the same programs as before); `Kernels()` given explicitly runs the reference.
+    """
+    if not any(is_quantized(leaf) for leaf in jax.tree_util.tree_leaves(params, is_leaf=is_quantized)):
+        return Kernels()
+    return Kernels(quantized=_quantized(this_platform() if platform is None else platform)[0])
+
+
+def call_kernels(params, kernels: Kernels | None, on_mesh: bool = False):
+    """`(kernels, params)` that a library call given `kernels` runs: those and `params` as they are; for
+    None, `default_kernels(params)` (`Kernels()` `on_mesh`: the native loops run on one device) with
+    `params` laid out for them (`prepare_weights`: a copy of the quantized weights whose layout moves,
+    none where the layout is already theirs)."""
+    if kernels is not None:
+        return kernels, params
+    kernels = Kernels() if on_mesh else default_kernels(params)
+    return kernels, prepare_weights(params, kernels)

@@ -43,7 +43,7 @@ from jax.sharding import Mesh
 
 from jaxattn.cache.build import cache_bytes_per_token
 from jaxattn.config import ModelConfig
-from jaxattn.kernels import Kernels
+from jaxattn.kernels import Kernels, call_kernels
 from jaxattn.serving import validation
 from jaxattn.serving.engine_config import EngineConfig
 from jaxattn.serving.kv_cache_manager import KVCacheManager, local_window, pool_pages
@@ -59,7 +59,9 @@ class Engine:
       params: `DecoderLM(config)` parameters.
       config: the model.
       engine_config: rows, pages, budget, buckets, the queue's limit.
-      kernels: which implementations run the model (`kernels.paged` the paged attention).
+      kernels: which implementations run the model (`kernels.paged` the paged attention). None: the
+        reference, except that a quantized model's matmuls take the platform's fast path, its weights
+        laid out for it once here (`jaxattn.kernels.call_kernels`); `Kernels()`: the reference throughout.
       mesh: a device mesh (`jaxattn.axes.make_mesh`): parameters laid out by `jaxattn.axes.RULES`,
         the pools split over kv heads (tensor parallelism over heads); tokens equal one device's.
       detokenize: ids -> text, for streamed text and stop strings (None: tokens only).
@@ -74,7 +76,7 @@ class Engine:
     """
 
     def __init__(self, params, config: ModelConfig, engine_config: EngineConfig = EngineConfig(), *,
-                 kernels: Kernels = Kernels(), mesh: Mesh | None = None,
+                 kernels: Kernels | None = None, mesh: Mesh | None = None,
                  detokenize: Callable[[list[int]], str] | None = None, seed: int = 0,
                  progress: Callable | None = None, guide_compiler: GuideCompiler | None = None):
         if not isinstance(config, ModelConfig):
@@ -82,6 +84,7 @@ class Engine:
         if not isinstance(engine_config, EngineConfig):
             raise TypeError(f"engine_config must be an EngineConfig, got {type(engine_config).__name__}")
         ec = self.engine_config = engine_config
+        kernels, params = call_kernels(params, kernels, on_mesh=mesh is not None)
         self.detokenize, self.stats = detokenize, collections.Counter()
         self.max_model_len = min(ec.max_model_len or config.max_seq_len, config.max_seq_len)
         self.token_bytes = cache_bytes_per_token(config, ec.kv_cache)["bytes"]
