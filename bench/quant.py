@@ -41,7 +41,7 @@ Perplexity (--checkpoint RUN_DIR: a run of `python -m train.tiny_lm`, e.g. the b
 train`; or --ppl-gguf FILE: a real model, e.g. SmolLM2-135M-Instruct, its float32 the file's weights
 as dequantized on loading, q, k and v fused as the programs load it; no weights are committed): the
 model in float32, bfloat16, int8 (groups of 32), int8:channel (a scale per output channel), int4
-(groups of 32) and int4:64, on the last 10% of Tiny Shakespeare (the split the run held out; the
+(groups of 32), int4:64 and int4:asym (groups of 32 with a minimum, as llama.cpp's Q4_1), on the last 10% of Tiny Shakespeare (the split the run held out; the
 file's own tokenizer for --ppl-gguf; --data, else $JAXATTN_SHAKESPEARE, else
 ../shared/data/tinyshakespeare.txt beside the repository, else the cache), in windows of the
 model's max_seq_len (--ppl-window: at most that many), each window's tokens after its first
@@ -80,11 +80,11 @@ RESULTS = ROOT / "bench" / "results"
 WEIGHTS = ("float32", "bfloat16", "int8", "int4")
 ENGINE_WEIGHTS = ("float32", "int8", "int4")
 CACHES = ("float", "int8")
-PPL_FORMATS = ("float32", "bfloat16", "int8", "int8:channel", "int4", "int4:64")
+PPL_FORMATS = ("float32", "bfloat16", "int8", "int8:channel", "int4", "int4:64", "int4:asym")
 GGUF_TYPES = ("Q8_0", "Q4_0")
 RUNNERS = ("jax", "engine", "hf", "llamacpp")
 WEIGHT_NAMES = {"int8": "int8 (groups of 32)", "int8:channel": "int8 (per channel)", "int4": "int4 (groups of 32)",
-                "int4:64": "int4 (groups of 64)"}
+                "int4:64": "int4 (groups of 64)", "int4:asym": "int4 with minimums (groups of 32, as Q4_1)"}
 # The int8 KV cache's switch: the keyword of `jaxattn.generate` and the field of `EngineConfig` that
 # take "int8" (an older tree without it reports those cells unavailable).
 CACHE_KEYWORD = "kv_cache"
