@@ -8,6 +8,8 @@ Cells, each in a fresh process (`bench.fresh`) pinned to --threads cores, once p
 * `jaxattn kept`: `train.models.load.load_model` of the file as `train.sample --gguf FILE` loads it (the
   file's blocks kept quantized, `jaxattn.gguf.kept`), the kernels "auto" resolves to on this machine and
   the weights laid out for them (`prepare_weights`);
+* `jaxattn kept, native_cpu`: the same with the activations left float32 (`Kernels.quantized`
+  "native_cpu"), the formulation "auto" chose before integer-dot paths beyond AVX512-VNNI;
 * `jaxattn float32`: the same with `--dtype float32` (every weight dequantized);
 * `llama.cpp`: `llama-cpp-python` on the same file (bench/quant.py's `run_llamacpp`), n_threads =
   n_threads_batch = --threads. Unavailable, with the reason, where `llama_cpp` does not import.
@@ -33,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 from bench import fresh  # noqa: E402
 from bench.machine import cpu_cores, describe_machine, pin_to_cores, machine_line, portable_command, write_results  # noqa: E402
 
-CELLS = ("jaxattn kept", "jaxattn float32", "llama.cpp")
+CELLS = ("jaxattn kept", "jaxattn kept, native_cpu", "jaxattn float32", "llama.cpp")
 DECODE_PROMPT = 16
 
 
@@ -57,6 +59,8 @@ def run_jaxattn(spec: dict) -> dict:
     from train.models.source import ModelSource
     loaded = load_model(ModelSource(gguf=spec["gguf"], dtype=spec["dtype"]))
     kernels = resolve_kernels()[0]
+    if spec["cell"].endswith("native_cpu"):
+        kernels = kernels.replace(quantized="native_cpu")
     params, config = prepare_weights(loaded.params, kernels), loaded.config
     prompt = np.asarray(prompts(1, DECODE_PROMPT, config.vocab_size), np.int32)
 

@@ -109,11 +109,21 @@ def _mla(platform: Platform) -> tuple[str, str]:
     return "naive", "one decompression matmul per layer suits full sequences; decoding always absorbs"
 
 
+# CPU flags (x86's /proc/cpuinfo names, ARM's Features) -> the integer-dot path quant_dot.h compiles for them,
+# beside AVX512-VNNI's (the first rule); in the order the compiler's macros choose.
+INTEGER_DOTS = {"avx_vnni": "AVX-VNNI", "avx2": "AVX2", "asimddp": "NEON dot-product", "asimd": "NEON"}
+
+
 def _quantized(platform: Platform) -> tuple[str, str]:
     if platform.is_cpu and platform.cxx and "avx512_vnni" in platform.cpu_flags:
         return "native_cpu_q8act", ("up to 32 rows in a native loop, the activations rounded to int8 in groups of "
                                     "32 (as llama.cpp's Q8_0) for AVX512-VNNI integer dots: converting each "
                                     "weight to float32 is the bottleneck otherwise")
+    dots = next((name for flag, name in INTEGER_DOTS.items() if flag in platform.cpu_flags), None)
+    if platform.is_cpu and platform.cxx and dots:
+        return "native_cpu_q8act", (f"up to 32 rows in a native loop, the activations rounded to int8 in groups of "
+                                    f"32 for {dots} integer dots on the weights in panels (on an AVX2 EPYC twice "
+                                    f"the tokens/s of float activations: docs/performance.md §21)")
     if platform.is_cpu and platform.cxx:
         return "native_cpu", "up to 32 rows in a native loop: XLA:CPU converts the whole weight to float32 first"
     where = "no C++ compiler for the native loop" if platform.is_cpu else f"{platform.backend}: no native kernel"

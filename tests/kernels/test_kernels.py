@@ -333,7 +333,7 @@ AMX = frozenset({"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"})
 AVX512 = frozenset({"avx2", "avx512f", "avx512_bf16"})
 AVX2 = frozenset({"avx2", "fma"})
 CPU_AUTO = dict(attention="auto_cpu", decode="auto_cpu", moe="auto_cpu", paged="ragged")  # every CPU alike
-# (without a C++ compiler: with one, paged is "ragged_cpu" and quantized "native_cpu")
+# (without a C++ compiler: with one, paged is "ragged_cpu" and quantized a native loop)
 
 
 @pytest.mark.parametrize("platform, expected", [
@@ -342,13 +342,17 @@ CPU_AUTO = dict(attention="auto_cpu", decode="auto_cpu", moe="auto_cpu", paged="
     (Platform("cpu", AVX2), Kernels(**CPU_AUTO, matmul="xla")),
     (Platform("cpu"), Kernels(**CPU_AUTO, matmul="xla")),
     (Platform("cpu", AVX2, cxx=True), Kernels(**{**CPU_AUTO, "paged": "ragged_cpu"}, matmul="xla",
-                                              quantized="native_cpu")),
+                                              quantized="native_cpu_q8act")),  # AVX2's integer dots
+    (Platform("cpu", frozenset({"sse4_2"}), cxx=True), Kernels(**{**CPU_AUTO, "paged": "ragged_cpu"}, matmul="xla",
+                                                               quantized="native_cpu")),  # no integer-dot path
+    (Platform("cpu", frozenset({"fp", "asimd", "asimddp"}), cxx=True),
+     Kernels(**{**CPU_AUTO, "paged": "ragged_cpu"}, matmul="xla", quantized="native_cpu_q8act")),  # ARM's
     (Platform("cpu", AVX512 | {"avx512_vnni"}, cxx=True), Kernels(**{**CPU_AUTO, "paged": "ragged_cpu"},
                                                                    matmul="xla", quantized="native_cpu_q8act")),
     (Platform("gpu", AMX, cxx=True), Kernels(attention="auto_gpu", matmul="bfloat16", moe="grouped")),  # the host's AMX: no matter
     (Platform("tpu"), Kernels(attention="auto_tpu", matmul="bfloat16", moe="grouped")),
-], ids=["cpu-amx", "cpu-avx512-no-amx", "cpu-amd-avx2", "cpu-unknown", "cpu-with-cxx", "cpu-vnni-with-cxx", "gpu",
-                                    "tpu"])
+], ids=["cpu-amx", "cpu-avx512-no-amx", "cpu-amd-avx2", "cpu-unknown", "cpu-avx2-with-cxx", "cpu-sse-with-cxx",
+       "cpu-arm-dotprod-with-cxx", "cpu-vnni-with-cxx", "gpu", "tpu"])
 def test_auto_follows_the_rules_for_each_platform(platform, expected):
     chosen, reasons = resolve_kernels(Kernels.auto(), platform)
     assert chosen == expected
