@@ -179,7 +179,7 @@ def main(argv=None) -> int:
         return 2
     file_bytes = os.path.getsize(args.gguf)
     rows = summarize(measure(args), file_bytes)
-    record = {"gguf": str(args.gguf), "file_bytes": file_bytes, "threads": args.threads, "rounds": args.rounds,
+    record = {"gguf": args.gguf.name, "file_bytes": file_bytes, "threads": args.threads, "rounds": args.rounds,
               "new_tokens": args.new_tokens, "prompt_len": args.prompt_len, "rows": rows,
               "machine": describe_machine(), "command": portable_command(sys.argv, ("--gguf", "--out"))}
     out = args.out or ROOT / "bench" / "results" / f"gguf_kept_{args.gguf.stem.replace('.', '_')}"
