@@ -135,7 +135,7 @@ def quantize_weight(w: jax.Array, mode: str) -> QuantizedWeight:
 
 # One compiled program per weight shape and mode (a model has a handful): op by op, quantizing a model's
 # weights dispatches thousands of small operations.
-_quantize_compiled = jax.jit(lambda w, mode: quantize_weight(w, mode), static_argnums=1)
+_quantize_compiled = jax.jit(quantize_weight, static_argnums=1)
 
 
 def _rounded(grouped: jax.Array, scales: jax.Array, low: float, high: float) -> jax.Array:

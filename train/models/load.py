@@ -30,7 +30,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 
-from jaxattn import Kernels, axes, lora, with_fused_qkv
+from jaxattn import Kernels, axes, gguf, lora, with_fused_qkv
 from jaxattn.config import ModelConfig
 from jaxattn.hf import peft as hf_peft
 from jaxattn.hf.errors import HFCheckpointError
@@ -88,8 +88,8 @@ def load_model(source: ModelSource) -> LoadedModel:
 
     CheckpointError, DataError or UsageError (one line each) when it cannot be."""
     params, config, tokenizer = _read(source)
-    quant, head, notes = _quantization(source)
-    kept_table = bool(notes) and pretrained.gguf_kept_quantization(source.gguf).exact
+    quant, head, kept = _quantization(source)
+    notes = () if kept is None else (KEPT_GGUF_NOTE.format(path=source.gguf, kept=kept.describe()),)
     if source.adapter is not None:
         params = with_adapter(source.adapter, config, params)
     if not (source.allow_nonfinite or source.as_saved):  # a damaged model keeps its layout: errors name its weights
@@ -101,7 +101,7 @@ def load_model(source: ModelSource) -> LoadedModel:
             params = quantize(params, config, quant, head=head)
         except ValueError as err:
             raise UsageError(f"--quant {quant}: {err}") from None
-        if kept_table:  # a tied head holding the file's own table: no float copy of it beside
+        if kept is not None and kept.exact:  # a tied head holding the file's own table: no float copy of it beside
             params = drop_tied_table(params)
     return LoadedModel(params=params, config=config, tokenizer=tokenizer, source=source, quant=quant,
                        notes=notes, head_quant=None if head == quant else head)
@@ -119,17 +119,17 @@ def _read(source: ModelSource) -> tuple[Any, ModelConfig, Any]:
     return pretrained.read(source.kind, source.path, allow_nonfinite=source.allow_nonfinite)
 
 
-def _quantization(source: ModelSource) -> tuple[str | None, str | None, tuple[str, ...]]:
-    """(the quantize mode of the layers, the head's, the notes that say why): `--quant` for both, else a
+def _quantization(source: ModelSource) -> tuple[str | None, str | None, gguf.KeptQuantization | None]:
+    """(the quantize mode of the layers, the head's, what a GGUF file keeps or None): `--quant` for both, else a
     GGUF file's quantized weights kept so when the model runs on one device (the float32 they were
     dequantized to takes 4 to 7 times the memory)."""
     if (source.quant is not None or source.kind != "gguf" or source.on_mesh or source.as_saved
             or source.dtype == "float32"):
-        return source.quant, source.quant, ()
+        return source.quant, source.quant, None
     kept = pretrained.gguf_kept_quantization(source.gguf)
     if kept is None or kept.layers is None:  # float layers: nothing is kept (a quantized head alone is not)
-        return None, None, ()
-    return kept.layers, kept.head, (KEPT_GGUF_NOTE.format(path=source.gguf, kept=kept.describe()),)
+        return None, None, None
+    return kept.layers, kept.head, kept
 
 
 def with_adapter(directory: str, config: ModelConfig, params) -> dict:
