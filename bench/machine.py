@@ -45,6 +45,25 @@ def load_average() -> float | None:
         return None
 
 
+# The CPU classes the native kernels have a path for (jaxattn/kernels/native/quant_dot.h), widest first:
+# (a flag of /proc/cpuinfo, the class's file-name slug, the class in words).
+CPU_CLASSES = (("amx_int8", "amx", "AMX (with AVX-512 and VNNI)"),
+               ("avx512_vnni", "avx512_vnni", "AVX-512 with VNNI"),
+               ("avx512f", "avx512", "AVX-512 without VNNI"),
+               ("avx_vnni", "avx_vnni", "AVX2 with AVX-VNNI"),
+               ("avx2", "avx2", "AVX2 only (no AVX-512)"),
+               ("asimddp", "arm_dotprod", "ARM NEON with the dot-product extension"),
+               ("asimd", "arm_neon", "ARM NEON"))
+
+
+def cpu_class(flags) -> tuple[str, str]:
+    """(slug, words) of the widest class of `CPU_CLASSES` whose flag `flags` holds; ("scalar", ...) for none.
+
+    A speed measured on one class holds for that class: results files are kept per class."""
+    return next(((slug, words) for flag, slug, words in CPU_CLASSES if flag in flags),
+                ("scalar", "no vector extension the kernels use"))
+
+
 def describe_machine() -> dict:
     """A JSON-able record of the machine (starts JAX's backends)."""
     import jax
@@ -52,7 +71,8 @@ def describe_machine() -> dict:
     from jaxattn.kernels import Platform
     detected = Platform.detect()
     return {"cpu": cpu_model(), "cpus": os.cpu_count(), "cores": cpu_cores(), "platform": detected.describe(),
-            "amx_bf16": "amx_bf16" in detected.cpu_flags, "jax": jax.__version__,
+            "amx_bf16": "amx_bf16" in detected.cpu_flags, "cpu_class": cpu_class(detected.cpu_flags)[1],
+            "cpu_class_slug": cpu_class(detected.cpu_flags)[0], "jax": jax.__version__,
             "python": platform.python_version(), "XLA_FLAGS": os.environ.get("XLA_FLAGS", "")}
 
 

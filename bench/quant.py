@@ -1,7 +1,7 @@
 """Quantized decoding: jaxattn's weight and KV-cache formats beside transformers and llama.cpp, and their perplexity.
 
     PYTHONPATH=$PWD python bench/quant.py [--checkpoint RUN_DIR] [--rounds 3] [--new-tokens 128]
-        [--threads N] [--runners jax,engine,hf,llamacpp] [--out bench/results/quant]
+        [--threads N] [--runners jax,engine,hf,llamacpp] [--caches float,int8] [--out DIR/NAME]
     PYTHONPATH=$PWD python bench/quant.py --quick      # a smoke run: a tiny Llama, a few tokens, one round
 
 Decode tokens/s, greedy, after a prompt of --prompt-len (16) tokens, --new-tokens (128) new tokens per
@@ -10,16 +10,17 @@ Llama, 30 layers, d 576, 9 query / 3 kv heads of 64, MLP 1536, vocab 49152, tied
 written once with `jaxattn.hf.save_pretrained` under --cache-dir), every runner reading those weights:
 
 * `jax`: `jaxattn.generate` at batch 1 for weights float32, bfloat16 (`hf.load_pretrained(dtype=
-  "bfloat16")`: the compute dtype too), int8 and int4 (groups of 32 each; `jaxattn.quantize`), each
-  with the KV cache in the model's float compute dtype ("float") and in int8; the kernels "auto"
+  "bfloat16")`: the compute dtype too), int8, int4 (groups of 32 each) and int4:asym (groups of 32
+  with a minimum, llama.cpp's Q4_1; `jaxattn.quantize`), each
+  with the KV cache in the model's float compute dtype ("float") and in int8 (--caches); the kernels "auto"
   resolves to on this machine (`Kernels.quantized`: the native loop on a CPU).
 * `engine`: `jaxattn.serving.Engine` with --engine-batch (32) sequences at once, all added together,
-  for float32, int8 and int4 weights and both caches: output tokens/s over the whole run (prefill
+  for float32, int8 and int4 weights and each --caches: output tokens/s over the whole run (prefill
   included), after an untimed warm-up of other prompts; no prefix caching.
 * `hf`: transformers' `generate` (attn_implementation "sdpa", float32, KV cache) at batch 1 and at
   --engine-batch (one static batch), torch threads = --threads.
 * `llamacpp`: llama.cpp through `llama-cpp-python` (a bench-only dependency, never a test's: `pip
-  install llama-cpp-python` builds it from source) on a Q8_0 and a Q4_0 GGUF of the same weights,
+  install llama-cpp-python` builds it from source) on a Q8_0, a Q4_0 and a Q4_1 GGUF of the same weights,
   written here with the `gguf` package (every 2-D tensor in that type, norms float32: llama.cpp's
   "pure" quantization), batch 1, n_threads = n_threads_batch = --threads, its KV cache float16 (its
   default). `--llama-n-batch` sets n_batch (default 1: a llama.cpp built here from source with
@@ -41,7 +42,8 @@ Perplexity (--checkpoint RUN_DIR: a run of `python -m train.tiny_lm`, e.g. the b
 train`; or --ppl-gguf FILE: a real model, e.g. SmolLM2-135M-Instruct, its float32 the file's weights
 as dequantized on loading, q, k and v fused as the programs load it; no weights are committed): the
 model in float32, bfloat16, int8 (groups of 32), int8:channel (a scale per output channel), int4
-(groups of 32), int4:64 and int4:asym (groups of 32 with a minimum, as llama.cpp's Q4_1), on the last 10% of Tiny Shakespeare (the split the run held out; the
+(groups of 32), int4:64 and int4:asym (groups of 32 with a minimum, as llama.cpp's Q4_1), and for
+--ppl-gguf the file's own blocks kept (`jaxattn.gguf.kept`, as `train.sample --gguf` runs it), on the last 10% of Tiny Shakespeare (the split the run held out; the
 file's own tokenizer for --ppl-gguf; --data, else $JAXATTN_SHAKESPEARE, else
 ../shared/data/tinyshakespeare.txt beside the repository, else the cache), in windows of the
 model's max_seq_len (--ppl-window: at most that many), each window's tokens after its first
@@ -52,9 +54,11 @@ FILE` measures it alone).
 
 The int8 KV cache: where this tree's `jaxattn.generate` takes `CACHE_KEYWORD` and `EngineConfig` has
 a field of that name, its cells run with it set to "int8"; elsewhere they are reported unavailable
-with the reason (`cache_options`). Writes --out.json and --out.md (default bench/results/quant) with
-the CPU named, the command and the checks of the targets (int8 >= 2.5x and int4 >= 4x our float32
-at batch 1; beside llama.cpp at equal threads; perplexity of int8 within 0.2% of float32, int4 within 5%).
+with the reason (`cache_options`). Writes --out.json and --out.md (default bench/results/quant_<CPU
+class>, `bench.machine.cpu_class`: a speed holds for its class; bench/results/quant.md then gathers
+every class's table) with the CPU named, the command and the checks of the targets (int8 >= 2.5x and
+int4 >= 4x our float32 at batch 1; our int8, int4 and int4:asym beside llama.cpp's Q8_0, Q4_0 and Q4_1
+of the same weights at equal threads; perplexity of int8 within 0.2% of float32, int4 within 5%).
 
     python -m bench.fresh bench.quant:run_case SPEC_JSON     # one cell, what each fresh process runs
 """
@@ -63,6 +67,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import json
 import os
 import shlex
 import statistics
@@ -74,17 +79,21 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench import fresh  # noqa: E402
-from bench.machine import cpu_cores, load_average, pin_to_cores, portable_command, write_results  # noqa: E402
+from bench.machine import (CPU_CLASSES, cpu_cores, load_average, pin_to_cores, portable_command,  # noqa: E402
+                           write_results)
 
 RESULTS = ROOT / "bench" / "results"
-WEIGHTS = ("float32", "bfloat16", "int8", "int4")
+WEIGHTS = ("float32", "bfloat16", "int8", "int4", "int4:asym")
 ENGINE_WEIGHTS = ("float32", "int8", "int4")
 CACHES = ("float", "int8")
 PPL_FORMATS = ("float32", "bfloat16", "int8", "int8:channel", "int4", "int4:64", "int4:asym")
-GGUF_TYPES = ("Q8_0", "Q4_0")
+GGUF_TYPES = ("Q8_0", "Q4_0", "Q4_1")
+# Our batch-1 weights beside llama.cpp's format of the same numbers (the moonshot checks).
+LLAMA_PEERS = (("int8", "Q8_0"), ("int4", "Q4_0"), ("int4:asym", "Q4_1"))
 RUNNERS = ("jax", "engine", "hf", "llamacpp")
 WEIGHT_NAMES = {"int8": "int8 (groups of 32)", "int8:channel": "int8 (per channel)", "int4": "int4 (groups of 32)",
-                "int4:64": "int4 (groups of 64)", "int4:asym": "int4 with minimums (groups of 32, as Q4_1)"}
+                "int4:64": "int4 (groups of 64)", "int4:asym": "int4 with minimums (groups of 32, as Q4_1)",
+                "kept": "the file's own blocks, kept (`train.sample --gguf`'s default)"}
 # The int8 KV cache's switch: the keyword of `jaxattn.generate` and the field of `EngineConfig` that
 # take "int8" (an older tree without it reports those cells unavailable).
 CACHE_KEYWORD = "kv_cache"
@@ -177,7 +186,7 @@ def llama_cpp_tensors(state: dict, config) -> dict:
 
 def write_gguf(checkpoint: str | Path, path: str | Path, qtype: str) -> Path:
     """The transformers Llama checkpoint `checkpoint` as a llama.cpp GGUF file at `path`: every 2-D
-    tensor in `qtype` ("Q8_0", "Q4_0", "F32"), the norms float32, and a SentencePiece-kind vocabulary
+    tensor in `qtype` ("Q8_0", "Q4_0", "Q4_1", "F32"), the norms float32, and a SentencePiece-kind vocabulary
     of placeholder pieces (`<unk>`, `<s>`, `</s>`, the 256 byte tokens, then `t{id}`: the bench feeds
     ids, never text). Written to a scratch name, then renamed into place."""
     import gguf
@@ -207,7 +216,7 @@ def write_gguf(checkpoint: str | Path, path: str | Path, qtype: str) -> Path:
     w.add_layer_norm_rms_eps(config.norm_eps)
     w.add_vocab_size(config.vocab_size)
     w.add_file_type({"Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "Q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
-                     "F32": gguf.LlamaFileType.ALL_F32}[qtype])
+                     "Q4_1": gguf.LlamaFileType.MOSTLY_Q4_1, "F32": gguf.LlamaFileType.ALL_F32}[qtype])
     specials = ["<unk>", "<s>", "</s>"]
     pieces = (specials + [f"<0x{b:02X}>" for b in range(256)])[:config.vocab_size]
     pieces += [f"t{i}" for i in range(len(pieces), config.vocab_size)]
@@ -456,6 +465,7 @@ def run_perplexity(spec: dict) -> dict:
     import numpy as np
 
     from bench.serve import corpus_path
+    from jaxattn.gguf import GGUFModel
     from jaxattn.kernels import resolve_kernels
     from jaxattn.quantization import quantize
     from train.data.corpus import load_corpus
@@ -464,8 +474,13 @@ def run_perplexity(spec: dict) -> dict:
     val = np.asarray(corpus.val)[:spec["max_tokens"] + 1] if spec.get("max_tokens") else np.asarray(corpus.val)
     kernels = resolve_kernels()[0]
     results = {}
+    kept = GGUFModel.open(spec["gguf"]).kept_quantization() if spec.get("gguf") else None
     for fmt in spec["formats"]:
-        if fmt == "bfloat16":
+        if fmt == "kept" and kept is None:  # a checkpoint, or a file of float weights: nothing kept
+            continue
+        if fmt == "kept":
+            cfg, p = config, quantize(params, config, kept.layers, head=kept.head)
+        elif fmt == "bfloat16":
             cfg = config.replace(dtype="bfloat16", param_dtype="bfloat16")
             p = jax.tree.map(lambda x: np.asarray(x).astype(jax.numpy.bfloat16), params)
         else:
@@ -504,10 +519,10 @@ def cases(args, checkpoint: Path, ggufs: dict[str, Path], stream_bytes: int) -> 
             "prompt_len": args.prompt_len, "new_tokens": args.new_tokens}
     out = []
     if "jax" in args.runners:
-        out += [{**base, "runner": "jax", "weights": w, "cache": c, "batch": 1} for w in WEIGHTS for c in CACHES]
+        out += [{**base, "runner": "jax", "weights": w, "cache": c, "batch": 1} for w in WEIGHTS for c in args.caches]
     if "engine" in args.runners:
         out += [{**base, "runner": "engine", "weights": w, "cache": c, "batch": args.engine_batch}
-                for w in ENGINE_WEIGHTS for c in CACHES]
+                for w in ENGINE_WEIGHTS for c in args.caches]
     if "hf" in args.runners:
         out += [{**base, "runner": "hf", "weights": "float32", "cache": "float", "batch": b}
                 for b in (1, args.engine_batch)]
@@ -604,7 +619,7 @@ def checks(rows: list[dict], ppl: dict | None) -> list[dict]:
         value = ratio(tokens_per_s(rows, "jax", weights), f32)
         out.append({"what": f"{WEIGHT_NAMES.get(weights, weights)} weights, batch 1: tok/s over our float32's",
                     "value": value, "target": f">= {target}x", "holds": None if value is None else value >= target})
-    for weights, qtype in (("int8", "Q8_0"), ("int4", "Q4_0")):
+    for weights, qtype in LLAMA_PEERS:
         value = ratio(tokens_per_s(rows, "jax", weights), tokens_per_s(rows, "llamacpp", qtype, "float16"))
         out.append({"what": f"moonshot: our {weights} over llama.cpp's {qtype}, batch 1, equal threads",
                     "value": value, "target": ">= 1x", "holds": None if value is None else value >= 1.0})
@@ -680,6 +695,28 @@ def markdown(record: dict) -> str:
     return "\n".join(lines)
 
 
+def class_results(results: Path = RESULTS) -> list[dict]:
+    """The records of `results`/quant_<class>.json, one per CPU class measured, in `CPU_CLASSES`' order."""
+    slugs = [slug for _, slug, _ in CPU_CLASSES] + ["scalar"]
+    paths = [results / f"quant_{slug}.json" for slug in slugs]
+    return [json.loads(path.read_text()) for path in paths if path.is_file()]
+
+
+def class_tables(records: list[dict]) -> str:
+    """quant.md: one section per CPU class measured (each record's report, its headings a level down), and
+    the classes with no measurement named."""
+    measured = {r["meta"]["machine"]["cpu_class"] for r in records}
+    missing = [words for _, _, words in CPU_CLASSES if words not in measured]
+    lines = ["# Quantized decoding, one table per CPU class", "",
+             "A speed holds for the CPU class it was measured on (`bench.machine.CPU_CLASSES`, from /proc/cpuinfo's "
+             "flags); each class's run is kept in `quant_<class>.json`. Not measured: " + "; ".join(missing) + ".", ""]
+    for record in records:
+        text = markdown(record).replace("\n## ", "\n### ").replace("# Quantized decoding on ",
+                                                                      f"## {record['meta']['machine']['cpu_class']}: ", 1)
+        lines += [text, ""]
+    return "\n".join(lines)
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ppl_model = parser.add_mutually_exclusive_group()
@@ -690,6 +727,8 @@ def parse_args(argv=None):
                         "(default: the model's context)")
     parser.add_argument("--runners", default=",".join(RUNNERS),
                         help="comma-separated subset of %(default)s, or none (the perplexity alone)")
+    parser.add_argument("--caches", default=",".join(CACHES),
+                        help="comma-separated KV caches of the jaxattn cells, of %(default)s")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--calls", type=int, default=2, help="timed calls per process after its warm-up")
     parser.add_argument("--prompt-len", type=int, default=16)
@@ -704,7 +743,8 @@ def parse_args(argv=None):
                         help="where the random checkpoint and its GGUF files are written once "
                              "(default: bench/serve.py's, ~/.cache/jaxattn/bench-serve)")
     parser.add_argument("--out", type=Path, default=None, help="writes OUT.json and OUT.md (default "
-                        "bench/results/quant; --quick: a temporary directory's)")
+                        "bench/results/quant_<CPU class>, and bench/results/quant.md gathers every class's table; "
+                        "--quick: a temporary directory's)")
     parser.add_argument("--note", help="a line set in bold above the table (e.g. how noisy the machine was)")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per process")
     parser.add_argument("--quick", action="store_true",
@@ -716,6 +756,9 @@ def parse_args(argv=None):
     args.runners = [] if args.runners == "none" else [r for r in args.runners.split(",") if r]
     if not set(args.runners) <= set(RUNNERS):
         parser.error(f"--runners: choose from {', '.join(RUNNERS)}")
+    args.caches = [c for c in args.caches.split(",") if c]
+    if not args.caches or not set(args.caches) <= set(CACHES):
+        parser.error(f"--caches: choose from {', '.join(CACHES)}")
     for name in ("rounds", "calls", "prompt_len", "new_tokens", "engine_batch", "threads", "llama_n_batch",
                  "ppl_window"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
@@ -745,7 +788,8 @@ def main(argv=None) -> int:
     ppl_source = args.ppl_gguf or args.checkpoint
     if ppl_source:
         spec = {"runner": "perplexity", "gguf" if args.ppl_gguf else "checkpoint": str(Path(ppl_source).resolve()),
-                "data": args.data, "formats": list(PPL_FORMATS), "max_tokens": args.ppl_tokens,
+                "data": args.data, "formats": list(PPL_FORMATS) + ["kept"] * bool(args.ppl_gguf),
+                "max_tokens": args.ppl_tokens,
                 "window": args.ppl_window, "threads": args.threads}
         try:
             ppl = fresh.call("bench.quant:run_case", spec, threads=args.threads, timeout=args.timeout)
@@ -765,8 +809,10 @@ def main(argv=None) -> int:
                 ("--checkpoint", "--ppl-gguf", "--data", "--cache-dir", "--out")).strip()}
     record = {"meta": meta, "rows": rows, "perplexity": ppl, "checks": checks(rows, ppl)}
     out = args.out or (Path(tempfile.gettempdir()) / "jaxattn-quant-quick" / "quant" if args.quick
-                       else RESULTS / "quant")
+                       else RESULTS / f"quant_{machine['cpu_class_slug']}")
     write_results(out.parent, out.name, record, markdown(record))
+    if args.out is None and not args.quick:  # the table of this class beside the others measured
+        (RESULTS / "quant.md").write_text(class_tables(class_results()))
     failed = [f"{r['runner']} {r['weights']} {r['cache']}: {r['failed']}" for r in rows if "failed" in r]
     if ppl is not None and not ppl.get("available"):
         failed.append(f"perplexity: {ppl.get('reason')}")

@@ -89,13 +89,13 @@ def test_perplexity_is_the_exponent_of_the_mean_cross_entropy_of_each_window():
 def test_the_perplexity_of_a_gguf_files_model_in_each_format_on_the_held_out_text(checkpoint, tmp_path):
     from jaxattn import with_fused_qkv
     from jaxattn.gguf import load_gguf
-    path = quant.write_gguf(checkpoint, tmp_path / "m-F32.gguf", "F32")
+    path = quant.write_gguf(checkpoint, tmp_path / "m-Q8_0.gguf", "Q8_0")
     text = tmp_path / "text.txt"
     text.write_text("First Citizen: before we proceed any further, hear me speak. " * 8)
-    spec = {"gguf": str(path), "data": str(text), "formats": ["float32", "int8", "int8:channel"], "max_tokens": 40,
-            "window": 8}
+    spec = {"gguf": str(path), "data": str(text), "formats": ["float32", "int8", "int8:channel", "kept"],
+            "max_tokens": 40, "window": 8}
     got = quant.run_perplexity(spec)
-    assert got["model"]["window"] == 8 and list(got["results"]) == ["float32", "int8", "int8:channel"]
+    assert got["model"]["window"] == 8 and list(got["results"]) == ["float32", "int8", "int8:channel", "kept"]
     config, params, tokenizer, _ = load_gguf(path)  # float32: the file's weights as loaded, q, k and v fused
     params, config = with_fused_qkv(params, config)
     ids = tokenizer.encode(text.read_text())
@@ -105,6 +105,8 @@ def test_the_perplexity_of_a_gguf_files_model_in_each_format_on_the_held_out_tex
     assert got["results"]["float32"]["perplexity"] == pytest.approx(expected["perplexity"], rel=1e-6)
     grouped, per_channel = (got["results"][mode]["perplexity"] for mode in ("int8", "int8:channel"))
     assert grouped != per_channel and grouped == pytest.approx(expected["perplexity"], rel=1e-2)
+    # the Q8_0 blocks kept are int8 in groups of 32 with the file's own numbers: the same weights again
+    assert got["results"]["kept"]["perplexity"] == pytest.approx(grouped, rel=1e-6)
 
 
 @pytest.mark.parametrize("target", [generate, EngineConfig])
@@ -150,7 +152,7 @@ def test_the_report_holds_every_cell_and_the_checks(tmp_path):
     assert int8["value"] == pytest.approx(3.0) and int8["holds"]
     assert checks["int4 (groups of 32) weights, batch 1"]["holds"]  # 4.1x
     assert [c["value"] for c in quant.checks(rows, ppl) if c["what"].startswith("moonshot")] == [
-        pytest.approx(1.5), None]  # int8 over Q8_0; no Q4_0 cell
+        pytest.approx(1.5), None, None]  # int8 over Q8_0; no Q4_0 or Q4_1 cell
     assert [c["holds"] for c in quant.checks(rows, ppl) if "perplexity" in c["what"]] == [False, True]
     assert [c["holds"] for c in quant.checks(rows, None) if "Q4_0" in c["what"] or "perplexity" in c["what"]] == [
         None] * 3
@@ -161,3 +163,24 @@ def test_the_report_holds_every_cell_and_the_checks(tmp_path):
     assert "| jaxattn generate | int8 (groups of 32) | float | 1 | 30.0 | 3.00x |" in text
     assert "| int8 (groups of 32) | 5.0600 | +1.20% |" in text
     json.dumps(quant.checks(rows, ppl))  # JSON-able
+
+
+def test_each_cpu_class_keeps_its_own_table_and_the_classes_not_measured_are_named(tmp_path):
+    from bench.machine import cpu_class
+    assert cpu_class({"avx2", "fma"}) == ("avx2", "AVX2 only (no AVX-512)")
+    assert cpu_class({"avx2", "avx_vnni"})[0] == "avx_vnni"
+    assert cpu_class({"avx2", "avx512f", "avx512_vnni", "amx_int8"})[0] == "amx"
+    assert cpu_class({"asimd", "asimddp"})[0] == "arm_dotprod" and cpu_class(set())[0] == "scalar"
+    rows = [{"runner": "jax", "weights": "float32", "cache": "float", "batch": 1, "tokens_per_s": 10.0}]
+    for slug, words, speed in (("avx2", "AVX2 only (no AVX-512)", 10.0), ("avx512_vnni", "AVX-512 with VNNI", 20.0)):
+        meta = {"machine_line": f"a {slug} CPU", "machine": {"cpu_class": words}, "model": "m", "prompt_len": 16,
+                "new_tokens": 8, "threads": 2, "calls": 1, "rounds": 1, "stream_gb_per_s": 20.0,
+                "command": "python bench/quant.py"}
+        record = {"meta": meta, "rows": [{**rows[0], "tokens_per_s": speed}], "perplexity": None, "checks": []}
+        (tmp_path / f"quant_{slug}.json").write_text(json.dumps(record))
+    (tmp_path / "quant_matmul.json").write_text("{}")  # another benchmark's file is not a class
+    records = quant.class_tables(quant.class_results(tmp_path))
+    assert records.index("## AVX-512 with VNNI: a avx512_vnni CPU") < records.index("## AVX2 only (no AVX-512): a avx2")
+    assert "| jaxattn generate | float32 | float | 1 | 20.0 |" in records and "### Checks against the targets" in records
+    not_measured = records.split("Not measured: ")[1].split("\n")[0]
+    assert "ARM NEON with the dot-product extension" in not_measured and "AVX2 only" not in not_measured
