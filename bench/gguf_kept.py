@@ -16,8 +16,10 @@ Cells, each in a fresh process (`bench.fresh`) pinned to --threads cores, once p
 
 Each cell measures: decode tokens/s at batch 1 (a 16-token prompt, --new-tokens greedy tokens, the
 median of --calls calls after a warm-up); prompt processing tokens/s (llama.cpp's `pp512`: one
-evaluation of a --prompt-len-token prompt, the median of --calls); the process's resident size once
-the model is ready (and its peak), beside the file's size. Reported: each cell's median over rounds.
+evaluation of a --prompt-len-token prompt, the median of --calls); the process's resident size before
+the model (the runtime alone), once it is loaded, and once it is ready (compiled and run, the C heap's
+freed pages given back as `train.serve` gives them), and its peak, beside the file's size. Reported:
+each cell's median over rounds.
 Writes --out.json and --out.md with the CPU named and the command.
 """
 
@@ -57,7 +59,11 @@ def run_jaxattn(spec: dict) -> dict:
     from jaxattn.quantization import weight_bytes
     from train.models.load import load_model
     from train.models.source import ModelSource
+    from train.run.host_memory import release_freed_memory
+    jax.devices()  # the runtime started: what any JAX program holds before a model
+    runtime_rss = resident_bytes()
     loaded = load_model(ModelSource(gguf=spec["gguf"], dtype=spec["dtype"]))
+    loaded_rss = resident_bytes()
     kernels = resolve_kernels()[0]
     if spec["cell"].endswith("native_cpu"):
         kernels = kernels.replace(quantized="native_cpu")
@@ -72,8 +78,10 @@ def run_jaxattn(spec: dict) -> dict:
     forward = jax.jit(lambda p, ids: DecoderLM(config, kernels).apply({"params": p}, ids)[:, -1])
     decode_time = time_call(decode, spec["calls"])
     prompt_time = time_call(lambda: forward(params, long_prompt), spec["calls"])
+    release_freed_memory()  # as train.serve does once its programs are compiled
     return {"available": True, "decode_tokens_per_s": spec["new_tokens"] / decode_time.median_s,
             "prompt_tokens_per_s": spec["prompt_len"] / prompt_time.median_s, "rss_bytes": resident_bytes(),
+            "runtime_rss_bytes": runtime_rss, "loaded_rss_bytes": loaded_rss,
             "weight_bytes": weight_bytes(params), "quant": loaded.quant, "head_quant": loaded.head_quant,
             "kernels": kernels.to_dict(), "notes": list(loaded.notes)}
 
@@ -82,6 +90,7 @@ def run_llamacpp(spec: dict) -> dict:
     """llama.cpp on the file: decode as bench/quant.py's `run_llamacpp`, then a --prompt-len prompt in one batch."""
     from bench import quant
     from bench.timing import time_call
+    runtime_rss = resident_bytes()
     decode = quant.run_llamacpp({**spec, "prompt_len": DECODE_PROMPT, "n_batch": 1})
     if not decode.get("available"):
         return decode
@@ -96,7 +105,7 @@ def run_llamacpp(spec: dict) -> dict:
         llm.eval(prompt)
     prompt_time = time_call(evaluate, spec["calls"])
     return {"available": True, "decode_tokens_per_s": decode["tokens_per_s"], "prompt_tokens_per_s": n / prompt_time.median_s,
-            "rss_bytes": resident_bytes(), "system_info": decode["system_info"],
+            "rss_bytes": resident_bytes(), "runtime_rss_bytes": runtime_rss, "system_info": decode["system_info"],
             "llama_cpp_python": decode["llama_cpp_python"]}
 
 
@@ -133,6 +142,8 @@ def summarize(results: dict[str, list[dict]], file_bytes: int) -> list[dict]:
         rows.append({"cell": cell, "available": True, "decode_tokens_per_s": median("decode_tokens_per_s"),
                      "prompt_tokens_per_s": median("prompt_tokens_per_s"), "rss_bytes": median("rss_bytes"),
                      "peak_rss_bytes": median("peak_rss_bytes"), "weight_bytes": ok[0].get("weight_bytes"),
+                     "runtime_rss_bytes": median("runtime_rss_bytes"),
+                     "loaded_rss_bytes": statistics.median(r.get("loaded_rss_bytes") or 0 for r in ok) or None,
                      "quant": ok[0].get("quant"), "head_quant": ok[0].get("head_quant"),
                      "file_bytes": file_bytes})
     return rows
@@ -145,17 +156,24 @@ def markdown(record: dict) -> str:
              f"File: {mb(record['file_bytes'])} MiB. Batch 1, {record['threads']} threads, decode after a "
              f"{DECODE_PROMPT}-token prompt, {record['new_tokens']} new tokens; pp{record['prompt_len']}: one "
              f"{record['prompt_len']}-token prompt. Median over {record['rounds']} rounds (fresh processes, in turns).",
-             "", f"| runner | weights | decode tok/s | pp{record['prompt_len']} tok/s | weights MiB | RSS MiB | peak RSS MiB |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+             "RSS: the process's resident size, MiB. Runtime: before the model (Python, JAX's runtime, llama.cpp's "
+             "library). Loaded: once the model is read. Ready: after compiling and running both measurements, the C "
+             "heap's freed pages given back (as `train.serve` does once its programs are compiled). Peak: the "
+             "process's highest.",
+             "", f"| runner | weights | decode tok/s | pp{record['prompt_len']} tok/s | weights MiB | RSS runtime "
+             "| RSS loaded | RSS ready | ready - runtime | peak RSS |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for row in record["rows"]:
         if not row["available"]:
-            lines.append(f"| {row['cell']} | unavailable: {row['reason']} | | | | | |")
+            lines.append(f"| {row['cell']} | unavailable: {row['reason']} |" + " |" * 8)
             continue
         weights = row["quant"] or ("the file's" if row["cell"] == "llama.cpp" else "float32")
         if row.get("head_quant"):
             weights += f" (head {row['head_quant']})"
         lines.append(f"| {row['cell']} | {weights} | {row['decode_tokens_per_s']:.1f} | {row['prompt_tokens_per_s']:.1f} "
-                     f"| {mb(row['weight_bytes'])} | {mb(row['rss_bytes'])} | {mb(row['peak_rss_bytes'])} |")
+                     f"| {mb(row['weight_bytes'])} | {mb(row.get('runtime_rss_bytes'))} | {mb(row.get('loaded_rss_bytes'))} "
+                     f"| {mb(row['rss_bytes'])} | {mb(row['rss_bytes'] - (row.get('runtime_rss_bytes') or 0))} "
+                     f"| {mb(row['peak_rss_bytes'])} |")
     return "\n".join(lines) + "\n"
 
 

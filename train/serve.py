@@ -51,6 +51,7 @@ from train.data.errors import DataError
 from train.data.tokenizer import CharTokenizer, to_hf_tokenizer
 from train.models.load import device_mesh, load_model, quant_line, read_chat
 from train.models.source import SourceFlags
+from train.run.host_memory import release_freed_memory
 
 PROGRAM = "python -m train.serve"
 FLAGS = SourceFlags(quant=True, adapter=True)  # every model source; its --seed is its own
@@ -213,6 +214,7 @@ def run(argv=None) -> int:
         params = prepare_weights(params, kernels)  # e.g. quantized weights in the native kernel's panels
         started = time.perf_counter()
         engine, compile_seconds = build_engine(args, params, config, tokenizer, kernels, mesh)
+        release_freed_memory()  # the compiler's freed heap: not resident while serving
         kept.report()
         served = served_model(args, tokenizer, engine.max_model_len, config.vocab_size)
         embedder = Embedder(engine.params, engine.config, kernels=engine.kernels, max_len=engine.max_model_len,

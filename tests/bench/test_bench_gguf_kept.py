@@ -20,6 +20,8 @@ def test_a_jaxattn_cell_measures_the_kept_file_and_the_report_names_every_cell(t
     kept = gguf_kept.run_jaxattn(spec)
     assert kept["quant"] == "int4:asym" and kept["decode_tokens_per_s"] > 0 and kept["prompt_tokens_per_s"] > 0
     assert kept["rss_bytes"] > kept["weight_bytes"] > 0 and kept["notes"]
+    # the runtime alone, then the model read (in a test process whose heap earlier tests grew: no order between them)
+    assert kept["runtime_rss_bytes"] > 0 and kept["loaded_rss_bytes"] > 0
     floats = gguf_kept.run_jaxattn({**spec, "cell": "jaxattn float32", "dtype": "float32"})
     assert floats["quant"] is None and floats["weight_bytes"] > 3 * kept["weight_bytes"]
     results = {"jaxattn kept": [{**kept, "peak_rss_bytes": 2}], "jaxattn kept, native_cpu": [],
@@ -31,4 +33,4 @@ def test_a_jaxattn_cell_measures_the_kept_file_and_the_report_names_every_cell(t
               "command": "bench/gguf_kept.py"}
     table = gguf_kept.markdown(record)
     assert "| jaxattn kept | int4:asym |" in table and "| llama.cpp | unavailable: llama-cpp-python" in table
-    assert "| jaxattn kept, native_cpu | unavailable" in table
+    assert "| jaxattn kept, native_cpu | unavailable" in table and "| ready - runtime |" in table

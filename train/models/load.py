@@ -41,6 +41,7 @@ from train.checkpoints.meta import CheckpointError
 from train.cli import UsageError, describe
 from train.models import fresh, pretrained, runs
 from train.models.source import ModelSource
+from train.run.host_memory import release_freed_memory
 
 KEPT_GGUF_NOTE = "{path} stores its weights as {kept}; --dtype float32 to dequantize them"
 
@@ -103,6 +104,7 @@ def load_model(source: ModelSource) -> LoadedModel:
             raise UsageError(f"--quant {quant}: {err}") from None
         if kept is not None and kept.exact:  # a tied head holding the file's own table: no float copy of it beside
             params = drop_tied_table(params)
+        release_freed_memory()  # the float32 weights quantized from: not resident beside the quantized ones
     return LoadedModel(params=params, config=config, tokenizer=tokenizer, source=source, quant=quant,
                        notes=notes, head_quant=None if head == quant else head)
 
