@@ -109,7 +109,7 @@ def main(argv=None) -> int:
     machine = describe_machine()
     command = "PYTHONPATH=$PWD python bench/serve_startup.py " + " ".join(
         a if not a.startswith("/") else "/path/to/" + Path(a).name for a in (argv or sys.argv[1:]))
-    lines = [f"# `python -m train.serve`: start to ready, first and second", "",
+    lines = ["# `python -m train.serve`: start to ready, first and second", "",
              f"{machine_line(machine)}; defaults (`--max-seqs 32`); medians of {args.repeats} fresh processes each. "
              "First: an empty program cache; second: the programs the first kept (`jaxattn.program_cache`).", "",
              "| model | layers | step programs | start | start to ready s | of it compiling s | programs read back "

@@ -11,7 +11,6 @@ goes to Muon; embeddings, the head, norms, biases and sinks go to AdamW.
 from __future__ import annotations
 
 import math
-from functools import partial
 from typing import Any, Callable
 
 import jax
