@@ -49,7 +49,7 @@ from train.checkpoints.store import CheckpointError
 from train.cli import ArgumentParser, UsageError, guard
 from train.data.errors import DataError
 from train.data.tokenizer import CharTokenizer, to_hf_tokenizer
-from train.models.load import device_mesh, load_model, quant_line, read_chat
+from train.models.load import device_mesh, load_model, paged_part, quant_line, read_chat
 from train.models.source import SourceFlags
 from train.run.host_memory import release_freed_memory
 
@@ -208,7 +208,7 @@ def run(argv=None) -> int:
         params, config, tokenizer = loaded.params, loaded.config, loaded.tokenizer
         mesh = device_mesh(args.mesh, config)
         kernels, reasons = resolve_kernels(Kernels.auto())
-        print(f"kernels: paged {kernels.paged!r} ({reasons['paged']}), matmul {kernels.matmul!r} "
+        print(f"kernels: {paged_part(kernels, reasons)}, matmul {kernels.matmul!r} "
               f"({reasons['matmul']})" + (f"; mesh {axes.MeshShape.of(mesh)}" if mesh is not None else "")
               + quant_line(loaded.quant, kernels, reasons, loaded.head_quant), file=sys.stderr)
         params = prepare_weights(params, kernels)  # e.g. quantized weights in the native kernel's panels

@@ -6,7 +6,8 @@ XLA:CPU runs a decode row's attention against pages (a few queries per key/value
 few hundred slots) as many tiny batched dots, reading the cache at about a fifth of the memory
 bandwidth (docs/performance.md §14). `native/paged_attention.cc` reads each key and value vector
 once per row and kv head, for the G query heads that share it, a page at a time with an online
-softmax in float32, its rows split over the CPU's cores.
+softmax in float32, its rows split over the CPU's cores; its dots and weighted sums run one path per
+instruction set (`native/float_vec.h`, named by `native_path()`).
 
 What the loop takes (`refusal` says what it does not): one key part (not MLA's two), everything
 float32, and, to be worth it, at most `NATIVE_UP_TO` queries per row and kv head (C * G): decoding. A
@@ -45,6 +46,12 @@ def library_path() -> Path:
     if cxx is None:
         raise native_build.no_compiler("paged='ragged_cpu'", WAY_OUT)
     return build(cxx)
+
+
+def native_path() -> str:
+    """The instruction-set path of the loop's float dots and weighted sums this machine's build runs
+    ("avx512", "avx2", "neon" or "scalar": `native/float_vec.h`), built now unless the cache has it."""
+    return native_build.text(library_path(), "JaxattnPagedAttentionPath", "the native paged attention", WAY_OUT)
 
 
 @functools.cache

@@ -1,18 +1,24 @@
-// Checks the quantized matmul's integer dots (jaxattn/kernels/native/quant_dot.h) for the instruction
-// set this file is compiled for against a scalar reference computed here, without JAX: compiled natively
-// and cross-compiled for ARM (run under qemu-user) by tests/kernels/test_native_paths.py.
+// Checks the quantized matmul's integer dots (jaxattn/kernels/native/quant_dot.h) and the paged attention's
+// float loops (float_vec.h) for the instruction set this file is compiled for against a scalar reference
+// computed here, without JAX: compiled natively and cross-compiled for ARM (run under qemu-user) by
+// tests/kernels/test_native_paths.py.
 //
 // For random int8 and int4 panels (fixed seed) of 16 columns and K rows, and rows of int8 activations,
 // each path's int32 sums must equal the reference exactly: int8 with every value -128 .. 127 in the
 // weights (the extremes included) and activations -127 .. 127 (the kernel's rounding range), int4 with
-// every nibble 0 .. 15. Prints the path, the cases and the largest difference; exits 1 on a mismatch.
+// every nibble 0 .. 15. The float dots and weighted sums, for lengths around each path's vector widths
+// (odd ones included), must equal a double-precision reference within 1e-5 of the sum of the terms'
+// magnitudes (only the order of float additions differs). Prints each header's path, the cases and the
+// largest difference; exits 1 on a mismatch.
 
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <random>
 #include <vector>
 
+#include "float_vec.h"
 #include "quant_dot.h"
 
 namespace {
@@ -82,6 +88,29 @@ int64_t CheckInt4(std::mt19937& rng, int K, int R) {
 
 }  // namespace
 
+// The largest error of Dot and WeightedSum over lengths n and `count` slots of `stride` floats, relative
+// to the sum of the terms' magnitudes.
+double CheckFloat(std::mt19937& rng, int n, int count) {
+  std::uniform_real_distribution<float> value(-2.0f, 2.0f);
+  const int stride = n + 3;  // the values of a slot are not adjacent to the next slot's
+  std::vector<float> a(n), b(n), w(count), v(count * stride), acc(n);
+  for (auto* x : {&a, &b, &w, &v, &acc})
+    for (auto& e : *x) e = value(rng);
+  double exact = 0.0, size = 0.0;
+  for (int h = 0; h < n; ++h) exact += double(a[h]) * b[h], size += std::fabs(double(a[h]) * b[h]);
+  double worst = std::fabs(jaxattn_vec::Dot(a.data(), b.data(), n) - exact) / std::max(size, 1e-30);
+  std::vector<double> expected(acc.begin(), acc.end()), sizes(n);
+  for (int j = 0; j < count; ++j)
+    for (int h = 0; h < n; ++h) {
+      expected[h] += double(w[j]) * v[j * stride + h];
+      sizes[h] += std::fabs(double(w[j]) * v[j * stride + h]);
+    }
+  for (int h = 0; h < n; ++h) sizes[h] += std::fabs(acc[h]);
+  jaxattn_vec::WeightedSum(acc.data(), w.data(), v.data(), stride, count, n);
+  for (int h = 0; h < n; ++h) worst = std::max(worst, std::fabs(acc[h] - expected[h]) / std::max(sizes[h], 1e-30));
+  return worst;
+}
+
 int main() {
   std::mt19937 rng(58);
   int64_t worst = 0, cases = 0;
@@ -93,5 +122,15 @@ int main() {
     }
   std::printf("path %s: %lld cases, max |error| %lld\n", kPath, static_cast<long long>(cases),
               static_cast<long long>(worst));
-  return worst == 0 ? 0 : 1;
+  double float_worst = 0.0;
+  int float_cases = 0;
+  for (int n : {1, 3, 4, 7, 8, 15, 16, 17, 31, 32, 33, 64, 65, 128, 200})
+    for (int count : {0, 1, 5, 16}) {
+      float_worst = std::max(float_worst, CheckFloat(rng, n, count));
+      ++float_cases;
+    }
+  const bool floats_ok = float_worst <= 1e-5;
+  std::printf("float path %s: %d cases, max relative error %s 1e-5 (%.1e)\n", jaxattn_vec::kPath, float_cases,
+              floats_ok ? "within" : "above", float_worst);
+  return worst == 0 && floats_ok ? 0 : 1;
 }

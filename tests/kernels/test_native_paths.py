@@ -1,9 +1,11 @@
-"""The native quantized matmul's instruction-set paths (jaxattn/kernels/native/quant_dot.h), each checked
-against a reference whatever path `-march=native` picks on this machine.
+"""The native kernels' instruction-set paths (the quantized matmul's integer dots, jaxattn/kernels/native/
+quant_dot.h; the paged attention's float loops, float_vec.h), each checked against a reference whatever
+path `-march=native` picks on this machine.
 
-* The integer dots alone: tests/kernels/native_driver.cc compiled for each path and run where this
-  machine can (x86 natively; ARM NEON with and without the dot-product extension cross-compiled with
-  g++-aarch64-linux-gnu and run under qemu-aarch64, marked `qemu`), exactly equal to a scalar reference.
+* The integer dots and float loops alone: tests/kernels/native_driver.cc compiled for each path and run
+  where this machine can (x86 natively; ARM NEON with and without the dot-product extension
+  cross-compiled with g++-aarch64-linux-gnu and run under qemu-aarch64, marked `qemu`): the integer sums
+  exactly equal to a scalar reference, the float ones within 1e-5 of a double-precision one.
 * The whole kernel through JAX: the library built for the scalar and the AVX2 paths (x86) in a process
   of its own each, equal to `matmul_q8act` / `matmul` on odd shapes (N not a multiple of 16, K of 64,
   one row and 33 rows) to the tolerance tests/test_quantize.py holds the native build to.
@@ -35,6 +37,9 @@ X86_PATHS = {"scalar": (["-march=x86-64"], None), "avx2": (["-march=x86-64-v3"],
              "avxvnni": (["-march=x86-64-v3", "-mavxvnni"], "avx_vnni"),
              "avx512vnni": (["-march=x86-64-v4", "-mavx512vnni"], "avx512_vnni")}
 ARM_PATHS = {"neon-dotprod": "-march=armv8.2-a+dotprod", "neon": "-march=armv8-a"}
+# The paged attention's float path (native/float_vec.h) each of those builds takes.
+FLOAT_PATHS = {"scalar": "scalar", "avx2": "avx2", "avxvnni": "avx2", "avx512vnni": "avx512", "neon-dotprod": "neon",
+               "neon": "neon"}
 ARM_CXX, QEMU = shutil.which("aarch64-linux-gnu-g++"), shutil.which("qemu-aarch64")
 
 
@@ -49,6 +54,8 @@ def run_driver(command: list[str], path: str) -> None:
     result = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr[-2000:]
     assert result.stdout.startswith(f"path {path}: 24 cases, max |error| 0"), result.stdout
+    float_line = result.stdout.splitlines()[1]
+    assert float_line.startswith(f"float path {FLOAT_PATHS[path]}: 60 cases, max relative error within 1e-5"), float_line
 
 
 def runnable(path: str) -> bool:
@@ -66,7 +73,7 @@ def test_each_x86_path_compiles_and_names_itself(path, tmp_path):
     """Every path builds on any x86 machine, and the binary is the path it says (the paths this CPU
     cannot run are checked this far only)."""
     binary = compile_driver(CXX, X86_PATHS[path][0], tmp_path / "driver")
-    assert f"\0{path}\0".encode() in binary.read_bytes()
+    assert f"\0{path}\0".encode() in binary.read_bytes() and f"\0{FLOAT_PATHS[path]}\0".encode() in binary.read_bytes()
 
 
 @needs_x86

@@ -34,7 +34,7 @@ from jaxattn import Kernels, axes, gguf, lora, with_fused_qkv
 from jaxattn.config import ModelConfig
 from jaxattn.hf import peft as hf_peft
 from jaxattn.hf.errors import HFCheckpointError
-from jaxattn.kernels import quant_matmul
+from jaxattn.kernels import native_paged, quant_matmul
 from jaxattn.quantization import drop_tied_table, quantize
 from jaxattn.scan_plan import relayout
 from train.checkpoints.meta import CheckpointError
@@ -153,6 +153,13 @@ def read_chat(source: ModelSource, *, template: bool = True) -> tuple[str | None
     if source.kind not in pretrained.KINDS:
         return None, {}
     return pretrained.read_chat(source.kind, source.path, template=template)
+
+
+def paged_part(kernels: Kernels, reasons: dict[str, str]) -> str:
+    """The serving program's `kernels:` line's part for the paged attention, naming the native loop's
+    instruction-set path (`native_paged.native_path()`, e.g. "avx2") when it runs one."""
+    path = f", {native_paged.native_path()} path" if kernels.paged == "ragged_cpu" else ""
+    return f"paged {kernels.paged!r}{path} ({reasons['paged']})"
 
 
 def quant_line(quant: str | None, kernels: Kernels, reasons: dict[str, str], head: str | None = None) -> str:

@@ -12,7 +12,8 @@
 // slots) as many tiny batched dots, at about a fifth of the memory bandwidth (docs/performance.md
 // §14). Here each key and value vector is read once per row and kv head, and used by the G query
 // heads that share it, a page of slots at a time with an online softmax. The queries are shared out
-// among up to `threads` workers of XLA's intra-op thread pool (the call's own thread first).
+// among up to `threads` workers of XLA's intra-op thread pool (the call's own thread first). The dots
+// and the weighted sums of values run float_vec.h's path for this CPU (`JaxattnPagedAttentionPath`).
 
 #include <algorithm>
 #include <atomic>
@@ -22,6 +23,7 @@
 #include <thread>
 #include <vector>
 
+#include "float_vec.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -31,18 +33,6 @@ namespace {
 struct Shape {
   int64_t R, C, N, H, Hv, P, ps, K, Pr;
 };
-
-// q . k over H, in 16 partial sums (one vector register's worth) so the compiler vectorizes it.
-inline float Dot(const float* a, const float* b, int64_t n) {
-  float partial[16] = {0.0f};
-  int64_t h = 0;
-  for (; h + 16 <= n; h += 16)
-    for (int i = 0; i < 16; ++i) partial[i] += a[h + i] * b[h + i];
-  float sum = 0.0f;
-  for (int i = 0; i < 16; ++i) sum += partial[i];
-  for (; h < n; ++h) sum += a[h] * b[h];
-  return sum;
-}
 
 // One query column of one row, all N heads: an online softmax over the slots it sees, a page at a
 // time. Each slot's keys and values for the K heads are one contiguous run, read once for the N
@@ -74,7 +64,7 @@ void AttendQuery(const Shape& s, const float* q, const float* kp, const float* v
       const float* values = vp + (page * ps + from) * s.K * Hv;  // [count, K, Hv]
       for (int64_t j = 0; j < count; ++j)
         for (int64_t n = 0; n < N; ++n)
-          logits[n * ps + j] = Dot(q + n * H, keys + (j * s.K + n / G) * H, H) * scale;
+          logits[n * ps + j] = jaxattn_vec::Dot(q + n * H, keys + (j * s.K + n / G) * H, H) * scale;
       for (int64_t n = 0; n < N; ++n) {
         float* l = logits + n * ps;
         if (cap > 0.0f)
@@ -90,12 +80,7 @@ void AttendQuery(const Shape& s, const float* q, const float* kp, const float* v
         }
         float* a = acc + n * Hv;
         for (int64_t h = 0; h < Hv; ++h) a[h] *= rescale;
-        const float* value = values + (n / G) * Hv;
-        for (int64_t j = 0; j < count; ++j) {
-          const float w = l[j];
-          const float* v = value + j * s.K * Hv;
-          for (int64_t h = 0; h < Hv; ++h) a[h] += w * v[h];
-        }
+        jaxattn_vec::WeightedSum(a, l, values + (n / G) * Hv, s.K * Hv, count, Hv);  // a += l . values
         total[n] = total[n] * rescale + sum;
         running_max[n] = new_max;
         seen[n] = 1.0f;
@@ -182,3 +167,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxattnPagedAttention, PagedAttentionImpl,
                                   .Attr<float>("cap")       // 0: none
                                   .Attr<int32_t>("has_sinks")
                                   .Attr<int32_t>("threads"));
+
+// The instruction-set path of the float loops this library was built with (float_vec.h), for the kernels line.
+extern "C" const char* JaxattnPagedAttentionPath() { return jaxattn_vec::kPath; }

@@ -142,3 +142,13 @@ def test_a_program_takes_the_flags_it_asks_for_and_reads_them_back():
     args = sample.parse_args(["--gguf", "m.gguf", "--quant", "int4", "--scan-layers", "--adapter", "a", "--seed", "5"])
     assert args.model_source == ModelSource(gguf="m.gguf", quant="int4", scan_layers=True, adapter="a", seed=5)
     assert serve.parse_args(["--hf", "d", "--mesh", "tensor:2"]).model_source == ModelSource(hf="d", on_mesh=True)
+
+
+def test_the_kernels_line_names_the_paged_loops_instruction_set_path_when_it_runs_native():
+    from jaxattn.kernels import Kernels, native_paged, resolve_kernels
+    from train.models.load import paged_part
+    _, reasons = resolve_kernels(Kernels.auto())
+    assert paged_part(Kernels(paged="ragged"), reasons) == f"paged 'ragged' ({reasons['paged']})"
+    native = paged_part(Kernels(paged="ragged_cpu"), reasons)
+    assert native == f"paged 'ragged_cpu', {native_paged.native_path()} path ({reasons['paged']})"
+    assert native_paged.native_path() in ("avx512", "avx2", "neon", "scalar")
