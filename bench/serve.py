@@ -374,6 +374,7 @@ def run_engine(spec: dict, guided: bool = False) -> dict:
     while engine.has_unfinished():
         engine.step()
     warmup_s = time.perf_counter() - start
+    engine.clock.reset()  # the timed run's steps alone: where their time goes (jaxattn.serving.step_clock)
 
     pending = collections.deque(enumerate(load.requests))
     added: dict[int, object] = {}
@@ -413,7 +414,8 @@ def run_engine(spec: dict, guided: bool = False) -> dict:
             "settings": {**asdict(engine_config), "kernels": kernels.to_dict()},
             "guides": {"mask_seconds": runner.mask_seconds - masks_before[0],
                        "masked_rows": runner.masked_rows - masks_before[1], "guided_steps": guided_steps,
-                       "masks_late": runner.masks_late - masks_before[2], "steps": engine.stats["steps"]}}
+                       "masks_late": runner.masks_late - masks_before[2], "steps": engine.stats["steps"]},
+            "step_ms": engine.clock.per_step_ms(), "steps": engine.clock.steps}
 
 
 def run_static(spec: dict) -> dict:
@@ -751,7 +753,7 @@ def measure_load(load: Load, args, checkpoint: Path, scratch: Path, unavailable:
     spec_path = scratch / f"spec-{load.kind}-{load.concurrency or load.rate}.json"
     spec_path.write_text(json.dumps(spec))
     runs = {name: [] for name in args.runners}
-    failures, settings, memory, compile_s, same, guides = {}, {}, {}, {}, {}, {}
+    failures, settings, memory, compile_s, same, guides, step_ms = {}, {}, {}, {}, {}, {}, {}
     load_before = load_average()
     for repeat in range(args.repeats):
         order = args.runners if repeat % 2 == 0 else args.runners[::-1]
@@ -775,6 +777,8 @@ def measure_load(load: Load, args, checkpoint: Path, scratch: Path, unavailable:
             if "guides" in record and record["guides"]["masked_rows"]:
                 guides.setdefault(name, []).append(record["guides"])
             compile_s.setdefault(name, []).append(record.get("compile_s"))
+            if record.get("step_ms"):
+                step_ms.setdefault(name, []).append({**record["step_ms"], "steps": record["steps"]})
         for name, count in agreement(records, args.runners).items():
             same.setdefault(name, []).append(count)
     rows = []
@@ -791,6 +795,8 @@ def measure_load(load: Load, args, checkpoint: Path, scratch: Path, unavailable:
                        memory={key: max((m[key] for m in peaks if m.get(key) is not None), default=None)
                                for key in ("pool_bytes", "reserved_peak_bytes", "used_peak_bytes")},
                        same_tokens_as_reference=min(same.get(name, [0])), requests=len(load.requests))
+            if name in step_ms:  # each phase's median over the repeats
+                row["step_ms"] = {key: median([r[key] for r in step_ms[name]]) for key in step_ms[name][0]}
             if name in guides:
                 g = guides[name]
                 row["mask"] = {"per_row_s": median([r["mask_seconds"] / r["masked_rows"] for r in g]),
@@ -866,6 +872,18 @@ def markdown(record: dict) -> str:
                               f"step's forward ran: it had already ended when the masks were ready in "
                               f"{mask['late_fraction']:.0%} of those steps; "
                               f"{row['median']['output_tokens']:,} output tokens (the guided may end early)."]
+    steps = [row for load in record["loads"] for row in load["rows"] if row.get("step_ms")]
+    if steps:
+        lines += ["", "Where an engine step's time goes (`Engine.clock`, `jaxattn.serving.step_clock`), ms per step of "
+                      "the timed run: host = every phase but the wait for the device; on a CPU the device's work is the "
+                      "model's arithmetic on the same cores.", "",
+                  "| load | runner | steps | host | device | schedule | inputs | dispatch | outputs | update |",
+                  "|" + " --- |" * 10]
+        for row in steps:
+            ms = row["step_ms"]
+            lines.append(f"| {row['load']} | {row['runner']} | {ms['steps']:,.0f} | " + " | ".join(
+                f"{ms[key]:.2f}" for key in ("host", "device", "schedule", "inputs", "dispatch", "outputs", "update"))
+                + " |")
     lines += ["", "How each runner's times are taken:", ""]
     lines += [f"* `{name}`: {TIMING_NOTES[name]}." for name in meta["runners"]]
     loads = [f"{load['load']} {load['load_average']}" for load in record["loads"] if load["load_average"] is not None]

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import time
 from typing import Callable
 
 import numpy as np
@@ -50,6 +51,7 @@ from jaxattn.serving.kv_cache_manager import KVCacheManager, local_window, pool_
 from jaxattn.serving.model_runner import ModelRunner
 from jaxattn.serving.requests import Request, SamplingParams
 from jaxattn.serving.scheduler import Scheduler
+from jaxattn.serving.step_clock import StepClock
 from jaxattn.serving.structured import GuideCompiler
 
 class Engine:
@@ -92,6 +94,7 @@ class Engine:
         self.kv_cache_manager = KVCacheManager(num_pages, ec.page_size, prefix_caching=ec.prefix_caching,
                                                window=local_window(config), stats=self.stats)
         self.scheduler = Scheduler(ec, self.kv_cache_manager, self.max_model_len, self.stats)
+        self.clock = StepClock()  # where the steps' time goes (jaxattn.serving.step_clock)
         self.model_runner = ModelRunner(params, config, ec, num_pages=num_pages, max_model_len=self.max_model_len,
                                         kernels=kernels, mesh=mesh, progress=progress,
                                         guide_compiler=guide_compiler)
@@ -172,12 +175,17 @@ class Engine:
 
     def step(self) -> list[Request]:
         """Schedules, runs one compiled step, hands out the tokens; returns the requests that got one
-        or ended (cancelled ones included)."""
+        or ended (cancelled ones included). `clock` adds up where the step's time went."""
+        clock, started = self.clock, time.perf_counter()
         output = self.scheduler.schedule()
-        if output.empty:
+        if output.empty:  # not a step: not counted
             return output.ended
-        tokens, finite, logprobs = self.model_runner.execute(output)
-        return self.scheduler.update(output, tokens, finite, logprobs)
+        clock.seconds["schedule"] += time.perf_counter() - started
+        tokens, finite, logprobs = self.model_runner.execute(output, clock)
+        with clock.phase("update"):
+            ended = self.scheduler.update(output, tokens, finite, logprobs)
+        clock.steps += 1
+        return ended
 
     def run(self) -> None:
         """Steps until every request has finished."""

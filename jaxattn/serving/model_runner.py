@@ -46,6 +46,7 @@ from jaxattn.serving.logit_knobs import fill_logit_knobs
 from jaxattn.serving.requests import Request, StepLogprobs
 from jaxattn.serving.scheduler import SchedulerOutput
 from jaxattn.serving.step import LogprobKnobs, Logprobs, Pending, StepInputs, StepPrograms, StepShape
+from jaxattn.serving.step_clock import StepClock
 from jaxattn.serving.structured import GuideCompiler
 
 
@@ -160,20 +161,28 @@ class ModelRunner:
                                      pages_per_seq=self.pages_per_seq, num_slots=self.num_slots, place=place,
                                      progress=progress)
 
-    def execute(self, output: SchedulerOutput) -> tuple[list[int], list[bool], StepLogprobsOut | None]:
+    def execute(self, output: SchedulerOutput, clock: StepClock | None = None
+                ) -> tuple[list[int], list[bool], StepLogprobsOut | None]:
         """Runs the step -> `(tokens, finite, logprobs)`: one entry per decode row, then one per prompt
         chunk (a chunk that does not reach its prompt's end has a draw nobody takes); `logprobs` None
-        when no row asked for any. The guided rows' masks are filled while the forward runs."""
+        when no row asked for any. The guided rows' masks are filled while the forward runs. `clock`
+        (a `StepClock`) takes the phases' times: inputs, dispatch, device, outputs."""
+        clock = StepClock() if clock is None else clock
         decode, prefill = output.decode, output.prefill
-        shape = self.shape(len(decode), prefill)
-        inputs, guided = self.inputs(shape, output)
-        self.pools, self.history, pending = self.programs.forward(shape, self.params, self.pools, self.history,
-                                                                  inputs)
-        self.fill_guides(inputs, guided, pending)
-        drawn, finite, logprobs = self.programs.sample(shape, pending, self.history, inputs)
-        rows = list(range(len(decode))) + list(range(shape.decode_rows, shape.decode_rows + len(prefill)))
-        logprobs = read_logprobs(logprobs, inputs, rows, [(start, count) for _, start, count in prefill])
-        drawn, finite = drawn.tolist(), finite.tolist()
+        with clock.phase("inputs"):
+            shape = self.shape(len(decode), prefill)
+            inputs, guided = self.inputs(shape, output)
+        with clock.phase("dispatch"):
+            self.pools, self.history, pending = self.programs.forward(shape, self.params, self.pools, self.history,
+                                                                      inputs)
+            self.fill_guides(inputs, guided, pending)
+            drawn, finite, logprobs = self.programs.sample(shape, pending, self.history, inputs)
+        with clock.phase("device"):
+            jax.block_until_ready((drawn, finite, logprobs))
+        with clock.phase("outputs"):
+            rows = list(range(len(decode))) + list(range(shape.decode_rows, shape.decode_rows + len(prefill)))
+            logprobs = read_logprobs(logprobs, inputs, rows, [(start, count) for _, start, count in prefill])
+            drawn, finite = drawn.tolist(), finite.tolist()
         return [drawn[r] for r in rows], [finite[r] for r in rows], logprobs
 
     def shape(self, decoding: int, prefill: list) -> StepShape:

@@ -215,4 +215,10 @@ def test_the_guided_engine_runs_beside_the_engine_and_states_the_mask_s_cost(tmp
     record = smoke(tmp_path, "engine,engine_guided", text=CORPUS + "$&3x")
     guided = record["loads"][0]["rows"][1]
     assert guided["mask"]["per_row_s"] > 0 and guided["mask"]["rows_per_guided_step"] >= 1
-    assert "the host filled the guided rows' masks in" in (tmp_path / "out" / "serve.md").read_text()
+    markdown = (tmp_path / "out" / "serve.md").read_text()
+    assert "the host filled the guided rows' masks in" in markdown
+    for row in record["loads"][0]["rows"]:  # each engine's step: the host's phases and the device's wait
+        ms = row["step_ms"]
+        assert ms["steps"] >= 2 and ms["host"] > 0 and ms["device"] > 0
+        assert ms["total"] == pytest.approx(ms["host"] + ms["device"])
+        assert f"| concurrency 2 | {row['runner']} | {ms['steps']:,.0f} | {ms['host']:.2f} |" in markdown
