@@ -182,7 +182,7 @@ class ModelRunner:
         with clock.phase("outputs"):
             rows = list(range(len(decode))) + list(range(shape.decode_rows, shape.decode_rows + len(prefill)))
             logprobs = read_logprobs(logprobs, inputs, rows, [(start, count) for _, start, count in prefill])
-            drawn, finite = drawn.tolist(), finite.tolist()
+            drawn, finite = np.asarray(drawn).tolist(), np.asarray(finite).tolist()
         return [drawn[r] for r in rows], [finite[r] for r in rows], logprobs
 
     def shape(self, decoding: int, prefill: list) -> StepShape:

@@ -335,7 +335,7 @@ class StepPrograms:
         return pools, history, Pending(raw, prompt)
 
     def sample(self, shape: StepShape, pending: Pending, history, inputs: StepInputs):
-        """The draws after `forward` -> `(tokens [M] numpy, finite [M] numpy, Logprobs on the device)`:
-        the log-probabilities are copied to the host only by whoever reads them."""
+        """Dispatches the draws after `forward` -> `(tokens [M], finite [M], Logprobs)`, all on the device,
+        returned before the program ends: the caller waits for them and copies what it reads."""
         tokens, finite, drawn = self.samplers[_rows(shape)](pending.raw, history, *self._place(_sample_args(inputs)))
-        return np.asarray(tokens), np.asarray(finite), Logprobs(*drawn, *pending.prompt)
+        return tokens, finite, Logprobs(*drawn, *pending.prompt)
