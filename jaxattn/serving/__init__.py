@@ -12,6 +12,8 @@ The engine, in parts that each do one job (vLLM V1's split):
 * `PageAllocator` (`jaxattn.serving.pages`): the pool's pages, refcounts, the prefix cache;
 * `ModelRunner` (`jaxattn.serving.model_runner`): placed parameters and pools, a step's arrays, the run;
 * `jaxattn.serving.step`: the compiled step programs, one per shape bucket;
+* `StepClock` (`jaxattn.serving.step_clock`): where each step's time goes, host phase by phase and the
+  device's wait;
 * `jaxattn.serving.logit_knobs`: logit bias, the penalties and min-p on the device, per drawn row;
 * `Guide` (`jaxattn.serving.guides`): what a request's output must match (a schema, a regex, a grammar);
 * `GuideCompiler` (`jaxattn.serving.structured`): guides compiled by llguidance for the model's
@@ -34,10 +36,11 @@ from jaxattn.serving.pages import PageAllocator, page_keys
 from jaxattn.serving.requests import Request, SamplingParams, Status
 from jaxattn.serving.scheduler import QueueFull, Scheduler, SchedulerOutput
 from jaxattn.serving.step import StepShape
+from jaxattn.serving.step_clock import StepClock
 from jaxattn.serving.structured import GuideCompiler
 from jaxattn.serving.text import TextStream
 from jaxattn.serving.validation import RequestError, RequestLimits
 
 __all__ = ["Embedder", "Engine", "EngineConfig", "Guide", "GuideCompiler", "KVCacheManager", "ModelRunner",
            "PageAllocator", "QueueFull", "Request", "RequestError", "RequestLimits", "SamplingParams", "Scheduler",
-           "SchedulerOutput", "Status", "StepShape", "TextStream", "page_keys"]
+           "SchedulerOutput", "Status", "StepClock", "StepShape", "TextStream", "page_keys"]
