@@ -17,7 +17,6 @@ from jaxattn.cache.build import init_cache
 from jaxattn.decoding import generate
 from jaxattn.layer_losses import COLLECTION, mean_over_layers
 from jaxattn.model import DecoderLM, attention_weights
-from jaxattn.quantization import quantize
 from jaxattn.scan_plan import LayerPlan, plan_layers, stack_caches, stack_params, unstack_caches, unstack_params
 from train.config import TrainConfig
 from train.run import optim

@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import re
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -33,7 +32,6 @@ from jaxattn.gguf.architectures import ARCHITECTURES  # noqa: E402
 from jaxattn.gguf.reader import TENSOR_TYPES, reverse_permute  # noqa: E402
 from programs import call  # noqa: E402
 from train import sample  # noqa: E402
-from train.models.load import load_model  # noqa: E402
 
 # The f16 scales inside each K-quant block (byte offsets), set small so that random blocks are weights.
 K_SCALES = {Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}

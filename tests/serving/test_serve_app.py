@@ -14,7 +14,7 @@ import uvicorn
 import pytest
 
 from jaxattn.hf.chat_template import ChatTemplate
-from jaxattn.serving import Request, SamplingParams, Status
+from jaxattn.serving import Request, Status
 from jaxattn.serving.api.app import Limits, ServedModel, create_app
 from jaxattn.serving.api.metrics import ServerMetrics
 from jaxattn.serving.api.runner import EngineRunner
