@@ -53,7 +53,7 @@ The modules, one job each. The maths: `attention` (its checks `attention_checks`
 runs), `head_loss` (next-token losses without `[M, V]` logits), `layer_losses` (the losses layers
 sow). Decoding: `cache`, `decoding`, `windowed` (past the context), `sampling`, `serving`. Weights:
 `lora` (LoRA adapters), `quantization`; implementations: `kernels`; meshes: `axes`, `sharding`;
-compiled programs kept between runs: `program_cache`.
+compiled programs kept between runs: `program_cache`, and traced ones beside them: `program_store`.
 Checkpoints in and out: `hf` (Hugging Face), `gguf` (llama.cpp's files). `viewer`: the interactive
 attention viewer.
 """

@@ -16,6 +16,9 @@ JAX version, the machine's architecture and a hash of its CPU feature flags.
 A damaged entry is JAX's to handle: it warns ("Error reading persistent compilation cache entry"),
 compiles the program and writes the entry again; a run never fails on it.
 
+Beside the compiled programs, in `exported/`, `jaxattn.program_store` keeps the engine's step programs
+as traced and lowered (`jax.export`), so a second start neither traces nor compiles them.
+
 `ProgramCounts` counts, from JAX's monitoring events, the programs read back and the programs compiled
 and written since it was made, for the programs' start-up lines.
 """
@@ -34,6 +37,8 @@ from jaxattn.kernels.host import read_cpu_flags
 
 # A program cheaper to compile than this is not written: reading an entry back costs about a millisecond.
 MIN_COMPILE_SECONDS = 0.1
+
+_enabled: Path | None = None  # what enable() chose, for the traced programs kept beside (jaxattn.program_store)
 
 
 def program_dir() -> Path:
@@ -56,12 +61,19 @@ def enable(directory: Path | None = None) -> Path:
 
     Call it before the first compile: JAX fixes its cache the first time it compiles. OSError when
     the folder cannot be made (nothing is changed then)."""
+    global _enabled
     folder = (directory or program_dir()) / machine_key()
     folder.mkdir(parents=True, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", str(folder))
+    _enabled = folder
     jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_SECONDS)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     return folder
+
+
+def enabled_folder() -> Path | None:
+    """The folder `enable()` pointed this process's cache at, or None when it was not called."""
+    return _enabled
 
 
 @dataclasses.dataclass

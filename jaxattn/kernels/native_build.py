@@ -18,6 +18,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 import jax
 
@@ -76,6 +77,12 @@ def build(source: Path, cxx: str, way_out: str) -> Path:
 def no_compiler(what: str, way_out: str) -> NativeBuildError:
     """The error for a kernel `what` (e.g. "paged='ragged_cpu'") when `compiler()` found none."""
     return NativeBuildError(f"{what} needs a C++ compiler ($CXX, c++, g++ or clang++), and none was found; {way_out}")
+
+
+# Every FFI target this library's kernels call, declared by their modules with the function that builds (or
+# finds) and registers it: a program exported with them (`jaxattn.program_store`) is read back by a process
+# that never traced the kernels, so it registers the targets the program names itself.
+FFI_TARGETS: dict[str, Callable[[], object]] = {}
 
 
 def register(path: Path, symbol: str, target: str, what: str, way_out: str) -> None:

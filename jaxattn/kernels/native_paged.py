@@ -61,6 +61,9 @@ def _registered() -> bool:
     return True
 
 
+native_build.FFI_TARGETS[TARGET] = _registered
+
+
 def refusal(call: paged.PagedCall) -> str | None:
     """Why the native loop should not take a call (`paged.PagedCall`), or None where it should."""
     if call.parts != 1:

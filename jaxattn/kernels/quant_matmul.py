@@ -106,6 +106,9 @@ def _registered() -> bool:
     return True
 
 
+native_build.FFI_TARGETS.update(dict.fromkeys([*TARGETS.values(), *PANEL_TARGETS.values()], _registered))
+
+
 @functools.cache
 def native_path() -> str:
     """The instruction-set path of the native loop's integer dots, chosen when the library was compiled
