@@ -38,7 +38,8 @@ from bench.serve_http import ensure_tokenizer  # noqa: E402
 READY = re.compile(r"^ready: (\S+) .*?(\d+) step programs compiled in ([\d.]+) s")
 
 
-PROGRAMS = re.compile(r"programs: (\d+) programs? read back from the cache, (\d+) compiled")
+PROGRAMS = re.compile(r"programs: (\d+) programs? read back from the cache, (\d+) compiled"
+                      r"(?:; traced programs: (\d+) read back, (\d+) traced and kept)?")
 
 
 def once(source: list[str], cache: Path) -> dict:
@@ -71,7 +72,9 @@ def once(source: list[str], cache: Path) -> dict:
         kept = PROGRAMS.search(stderr.read())
     return {"ready_s": ready_s, "compile_s": float(match.group(3)), "programs": int(match.group(2)),
             "health": health, "first_request_s": first_s, "exit_code": code,
-            "read_back": int(kept[1]) if kept else None, "compiled": int(kept[2]) if kept else None}
+            "read_back": int(kept[1]) if kept else None, "compiled": int(kept[2]) if kept else None,
+            "traced_read_back": int(kept[3]) if kept and kept[3] else 0,
+            "traced": int(kept[4]) if kept and kept[4] else 0}
 
 
 def first_and_second(source: list[str], repeats: int) -> dict:
@@ -81,7 +84,7 @@ def first_and_second(source: list[str], repeats: int) -> dict:
         with tempfile.TemporaryDirectory(prefix="jaxattn-programs-") as cache:
             runs["first"].append(once(source, Path(cache)))
             runs["second"].append(once(source, Path(cache)))
-    keys = ("ready_s", "compile_s", "first_request_s", "read_back", "compiled")
+    keys = ("ready_s", "compile_s", "first_request_s", "read_back", "compiled", "traced_read_back", "traced")
     return {start: {"runs": r, "median": {key: statistics.median(run[key] for run in r) for key in keys},
                     "health": {run["health"] for run in r} == {200}, "exit_codes": [run["exit_code"] for run in r]}
             for start, r in runs.items()}
@@ -111,14 +114,17 @@ def main(argv=None) -> int:
         a if not a.startswith("/") else "/path/to/" + Path(a).name for a in (argv or sys.argv[1:]))
     lines = ["# `python -m train.serve`: start to ready, first and second", "",
              f"{machine_line(machine)}; defaults (`--max-seqs 32`); medians of {args.repeats} fresh processes each. "
-             "First: an empty program cache; second: the programs the first kept (`jaxattn.program_cache`).", "",
-             "| model | layers | step programs | start | start to ready s | of it compiling s | programs read back "
-             "/ compiled | /health | first request ms | exit on SIGTERM |", "|" + " --- |" * 10]
+             "First: an empty program cache; second: the programs the first kept, compiled (`jaxattn.program_cache`) "
+             "and traced (`jaxattn.program_store`).", "",
+             "| model | layers | step programs | start | start to ready s | of it step programs s | compiled: read back "
+             "/ compiled | traced: read back / traced | /health | first request ms | exit on SIGTERM |",
+             "|" + " --- |" * 11]
     for row in rows:
         for start in ("first", "second"):
             m, r = row[start]["median"], row[start]
             lines.append(f"| {row['model']} | {row['layers'] or ''} | {row['programs']} | {start} | {m['ready_s']:.1f} "
                          f"| {m['compile_s']:.1f} | {m['read_back']:.0f} / {m['compiled']:.0f} "
+                         f"| {m['traced_read_back']:.0f} / {m['traced']:.0f} "
                          f"| {'200' if r['health'] else 'not 200'} | {m['first_request_s'] * 1e3:.0f} "
                          f"| {', '.join(map(str, r['exit_codes']))} |")
     lines += ["", f"Command: `{command.strip()}`", ""]

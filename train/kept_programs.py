@@ -7,7 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from jaxattn import program_cache
+from jaxattn import program_cache, program_store
 
 
 def add_flag(parser: argparse.ArgumentParser) -> None:
@@ -31,13 +31,17 @@ class KeptPrograms:
         self.counts = program_cache.ProgramCounts.start() if self.folder is not None else None
 
     def describe(self) -> str:
-        """"programs: 14 read back from the cache, 0 compiled (~/.cache/jaxattn/programs/...)", or
+        """"programs: 14 read back from the cache, 0 compiled (~/.cache/jaxattn/programs/...)" (with "; traced
+        programs: 14 read back, 0 traced and kept" where the engine's were kept traced too), or
         "programs: not kept (--no-program-cache)" (or the reason the folder could not be made)."""
         if self.counts is None:
             return f"programs: not kept ({self.why_not})"
         home = Path.home()
         folder = f"~/{self.folder.relative_to(home)}" if self.folder.is_relative_to(home) else str(self.folder)
-        return f"programs: {self.counts.describe()} ({folder})"
+        traced = program_store.default_store().counts  # the engine's step programs; none elsewhere
+        kept_traced = (f"; traced programs: {traced['read']} read back, {traced['written']} traced and kept"
+                       if any(traced.values()) else "")
+        return f"programs: {self.counts.describe()}{kept_traced} ({folder})"
 
     def report(self, quiet: bool = False) -> None:
         """Prints `describe()` on stderr, unless `quiet`."""

@@ -45,6 +45,7 @@ from jax.sharding import Mesh
 from jaxattn.cache.build import cache_bytes_per_token
 from jaxattn.config import ModelConfig
 from jaxattn.kernels import Kernels, call_kernels
+from jaxattn.program_store import ProgramStore
 from jaxattn.serving import validation
 from jaxattn.serving.engine_config import EngineConfig
 from jaxattn.serving.kv_cache_manager import KVCacheManager, local_window, pool_pages
@@ -71,6 +72,8 @@ class Engine:
       progress: called `(done, total, shape)` as each step program compiles.
       guide_compiler: compiles requests' guides for the model's tokenizer and fills their masks
         (`jaxattn.serving.structured.GuideCompiler`); None: a guided request is refused.
+      store: where the step programs are kept traced between runs (`jaxattn.program_store`); None: beside
+        the program cache this process enabled (`jaxattn.program_cache.enable`), else nowhere.
 
     Attributes:
       scheduler, kv_cache_manager, model_runner: the parts; `stats` their counters (steps, tokens,
@@ -80,7 +83,8 @@ class Engine:
     def __init__(self, params, config: ModelConfig, engine_config: EngineConfig = EngineConfig(), *,
                  kernels: Kernels | None = None, mesh: Mesh | None = None,
                  detokenize: Callable[[list[int]], str] | None = None, seed: int = 0,
-                 progress: Callable | None = None, guide_compiler: GuideCompiler | None = None):
+                 progress: Callable | None = None, guide_compiler: GuideCompiler | None = None,
+                 store: ProgramStore | None = None):
         if not isinstance(config, ModelConfig):
             raise TypeError(f"config must be a ModelConfig, got {type(config).__name__}")
         if not isinstance(engine_config, EngineConfig):
@@ -97,7 +101,7 @@ class Engine:
         self.clock = StepClock()  # where the steps' time goes (jaxattn.serving.step_clock)
         self.model_runner = ModelRunner(params, config, ec, num_pages=num_pages, max_model_len=self.max_model_len,
                                         kernels=kernels, mesh=mesh, progress=progress,
-                                        guide_compiler=guide_compiler)
+                                        guide_compiler=guide_compiler, store=store)
         self.guide_compiler = guide_compiler
         self.limits = validation.RequestLimits(config.vocab_size, self.max_model_len, num_pages, ec.page_size,
                                                detokenizer=detokenize is not None,

@@ -40,6 +40,7 @@ from jaxattn.axes import MeshShape
 from jaxattn.cache.build import init_pools
 from jaxattn.config import ModelConfig
 from jaxattn.kernels import Kernels
+from jaxattn.program_store import ProgramStore
 from jaxattn.scan_plan import relayout
 from jaxattn.serving.engine_config import EngineConfig
 from jaxattn.serving.logit_knobs import fill_logit_knobs
@@ -143,7 +144,7 @@ class ModelRunner:
 
     def __init__(self, params, config: ModelConfig, engine_config: EngineConfig, *, num_pages: int,
                  max_model_len: int, kernels: Kernels = Kernels(), mesh: Mesh | None = None, progress=None,
-                 guide_compiler: GuideCompiler | None = None):
+                 guide_compiler: GuideCompiler | None = None, store: ProgramStore | None = None):
         # A paged step runs its layers unrolled: a scan would copy each layer's pool out of the stack
         # and back on every step (`jaxattn.scan_plan`), so stacked parameters are unstacked once here.
         params, config = relayout(nn.unbox(params), config, scan_layers=False)
@@ -159,7 +160,7 @@ class ModelRunner:
         self.history = place(jnp.zeros((num_pages, ec.page_size), jnp.int32))
         self.programs = StepPrograms(config, kernels, self.params, self.pools, self.history, step_shapes(ec),
                                      pages_per_seq=self.pages_per_seq, num_slots=self.num_slots, place=place,
-                                     progress=progress)
+                                     progress=progress, store=store)
 
     def execute(self, output: SchedulerOutput, clock: StepClock | None = None
                 ) -> tuple[list[int], list[bool], StepLogprobsOut | None]:

@@ -43,6 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxattn import program_store
 from jaxattn.cache.containers import PagedBatch, RowGroup
 from jaxattn.config import ModelConfig
 from jaxattn.kernels import Kernels
@@ -287,28 +288,33 @@ class StepPrograms:
     A step is `forward`, which returns as soon as the program is dispatched, then `sample`, whose
     inputs (the guided rows' masks above all) the host may fill while the forward runs.
 
-    The programs are traced one after another and compiled on `threads` threads (default: one per
+    The programs are traced one after another (or read back from `store`, default the one beside the
+    enabled program cache: `jaxattn.program_store`) and compiled on `threads` threads (default: one per
     core); `progress(done, total, shape)` is called as each shape's programs are ready."""
 
     def __init__(self, config: ModelConfig, kernels: Kernels, params, pools, history, shapes, *,
                  pages_per_seq: int, num_slots: int, place=lambda tree: tree, progress=None,
-                 threads: int | None = None):
+                 threads: int | None = None, store: program_store.ProgramStore | None = None):
         self.pages_per_seq, self.num_slots, self._place = pages_per_seq, num_slots, place
-        forward = jax.jit(functools.partial(_forward, model=DecoderLM(config, kernels)), donate_argnums=(1, 2))
-        sample = jax.jit(_sample)
+        store = program_store.default_store() if store is None else store
+        forward, context = functools.partial(_forward, model=DecoderLM(config, kernels)), f"{config!r} {kernels!r}"
         shapes = sorted(shapes)
         # Each rows' sampler is compiled after the first forward of those rows: it takes that forward's outputs.
         first_of_rows = {_rows(shape): shape for shape in reversed(shapes)}
 
         empty = {shape: place(StepInputs.empty(shape, pages_per_seq, num_slots, config.vocab_size)) for shape in shapes}
-        lowered = {shape: forward.lower(params, pools, history, *_forward_args(empty[shape])) for shape in shapes}
+        forward_args = {shape: (params, pools, history, *_forward_args(empty[shape])) for shape in shapes}
+        # Traced here, or read back from the store; the pools and the history are donated.
+        lowered = {shape: store.program("serving-forward", context, forward, args, donate_argnums=(1, 2)).lower(*args)
+                   for shape, args in forward_args.items()}
 
         def compile_shape(shape: StepShape):
             compiled = lowered[shape].compile()
             sampler = None
             if first_of_rows[_rows(shape)] == shape:
                 _, history_out, raw, _ = compiled.out_info  # shapes and shardings the forward gives
-                sampler = sample.lower(raw, history_out, *_sample_args(empty[shape])).compile()
+                args = (raw, history_out, *_sample_args(empty[shape]))
+                sampler = store.program("serving-sample", "", _sample, args).lower(*args).compile()
             return shape, compiled, sampler
 
         self.programs, self.samplers = {}, {}
