@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import signal
 import statistics
 import subprocess
@@ -95,6 +96,7 @@ def main(argv=None) -> int:
     parser.add_argument("--model", default="baby,smollm2", help="comma-separated: baby, smollm2, tiny")
     parser.add_argument("--gguf", type=Path, help="also a GGUF file (e.g. SmolLM2-135M-Instruct's Q4_1)")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--serve-args", default="", help="more train.serve flags, e.g. '--kv-memory 2'")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "serve_startup")
     args = parser.parse_args(argv)
     sources = []
@@ -104,20 +106,22 @@ def main(argv=None) -> int:
         sources.append((model, facts["num_layers"], ["--hf", str(checkpoint)]))
     if args.gguf:
         sources.append((f"{args.gguf.name} (real weights)", None, ["--gguf", str(args.gguf)]))
+    sources = [(name, layers, source + args.serve_args.split()) for name, layers, source in sources]
     rows = []
     for name, layers, source in sources:
         print(f"{name}: {args.repeats} first and second starts", file=sys.stderr, flush=True)
         starts = first_and_second(source, args.repeats)
         rows.append({"model": name, "layers": layers, "programs": starts["first"]["runs"][0]["programs"], **starts})
     machine = describe_machine()
-    command = "PYTHONPATH=$PWD python bench/serve_startup.py " + " ".join(
+    command = "PYTHONPATH=$PWD python bench/serve_startup.py " + shlex.join(
         a if not a.startswith("/") else "/path/to/" + Path(a).name for a in (argv or sys.argv[1:]))
+    extra = f" and `{args.serve_args}`" if args.serve_args else ""
     lines = ["# `python -m train.serve`: start to ready, first and second", "",
-             f"{machine_line(machine)}; defaults (`--max-seqs 32`); medians of {args.repeats} fresh processes each. "
-             "First: an empty program cache; second: the programs the first kept, compiled (`jaxattn.program_cache`) "
-             "and traced (`jaxattn.program_store`).", "",
-             "| model | layers | step programs | start | start to ready s | of it step programs s | compiled: read back "
-             "/ compiled | traced: read back / traced | /health | first request ms | exit on SIGTERM |",
+             f"{machine_line(machine)}; defaults (`--max-seqs 32`){extra}; medians of {args.repeats} fresh "
+             "processes each. First: an empty program cache; second: the programs the first kept, compiled "
+             "(`jaxattn.program_cache`) and traced (`jaxattn.program_store`).", "",
+             "| model | layers | step programs | start | start to ready s | of it step programs s | compiled: read "
+             "back / compiled | traced: read back / traced | /health | first request ms | exit on SIGTERM |",
              "|" + " --- |" * 11]
     for row in rows:
         for start in ("first", "second"):
