@@ -88,12 +88,16 @@ def empty_knobs(M: int) -> dict:
                 bias_values=np.zeros((M, MAX_LOGIT_BIAS), np.float32))
 
 
-def fill_logit_knobs(knobs, draw: int, request) -> None:
-    """Writes `request`'s bias, penalties and min_p into row `draw` of the step's knobs (`jaxattn.serving.step.DrawKnobs`)."""
-    sampling = request.sampling
-    knobs.presence[draw], knobs.frequency[draw] = sampling.presence_penalty, sampling.frequency_penalty
-    knobs.repetition[draw], knobs.min_p[draw] = sampling.repetition_penalty, sampling.min_p
-    knobs.prompt_len[draw] = len(request.prompt_ids)
-    if sampling.logit_bias:
-        ids, values = zip(*sampling.logit_bias)
-        knobs.bias_ids[draw, :len(ids)], knobs.bias_values[draw, :len(ids)] = ids, values
+def fill_logit_knobs(knobs, draws: list[int], requests: list) -> None:
+    """Writes each request's bias, penalties and min_p into its row `draws[i]` of the step's knobs
+    (`jaxattn.serving.step.DrawKnobs`): one array write per knob for all rows (the bias row by row)."""
+    samplings = [request.sampling for request in requests]
+    knobs.presence[draws] = [sampling.presence_penalty for sampling in samplings]
+    knobs.frequency[draws] = [sampling.frequency_penalty for sampling in samplings]
+    knobs.repetition[draws] = [sampling.repetition_penalty for sampling in samplings]
+    knobs.min_p[draws] = [sampling.min_p for sampling in samplings]
+    knobs.prompt_len[draws] = [len(request.prompt_ids) for request in requests]
+    for draw, sampling in zip(draws, samplings):
+        if sampling.logit_bias:
+            ids, values = zip(*sampling.logit_bias)
+            knobs.bias_ids[draw, :len(ids)], knobs.bias_values[draw, :len(ids)] = ids, values

@@ -66,14 +66,16 @@ class StepLogprobsOut(NamedTuple):
 
 
 def logprob_knobs(knobs: LogprobKnobs, request: Request, draw: int, prefill_row: int | None,
-                  positions: np.ndarray) -> None:
+                  start: int, count: int) -> None:
     """Writes which log-probabilities a row asks for: its draw's (`sampling.logprobs`), and for a prompt
-    chunk (`prefill_row`), each prompt token after its tokens (`sampling.prompt_logprobs`; the prompt
-    only, before anything is drawn: a preempted request's recomputed prompt is not scored again)."""
+    chunk (`prefill_row`: its tokens at positions start ... start + count - 1), each prompt token after
+    its tokens (`sampling.prompt_logprobs`; the prompt only, before anything is drawn: a preempted
+    request's recomputed prompt is not scored again)."""
     sampling = request.sampling
     knobs.drawn[draw] = sampling.logprobs is not None or request.wants_logprob  # best_of ranks by it
     if prefill_row is None or sampling.prompt_logprobs is None or request.output_ids:
         return
+    positions = start + np.arange(count)
     prompt = request.prompt_ids
     scored = positions + 1 < len(prompt)
     knobs.prompt_targets[prefill_row, :len(positions)] = np.where(
@@ -195,12 +197,6 @@ class ModelRunner:
                            if r >= len(prefill) and c >= max(n for _, _, n in prefill))
         return StepShape(0 if decoding == 0 else decode_rows, rows, chunk)
 
-    def block_table(self, request: Request) -> np.ndarray:
-        """The request's pages as one row of the block table (pages given back: 0, never visible again)."""
-        table = np.zeros(self.pages_per_seq, np.int32)
-        table[:len(request.pages)] = np.maximum(request.pages, 0)
-        return table
-
     def inputs(self, shape: StepShape, output: SchedulerOutput) -> tuple[StepInputs, list[tuple[Request, int]]]:
         """The step's host arrays (flat tokens, positions and slots, the rows' groups, the draws' knobs;
         the guided rows' masks left for `fill_guides`) and the guided rows: (request, its logit row)."""
@@ -212,25 +208,36 @@ class ModelRunner:
         rows = [(request, request.num_computed, 1, row, row, decode_group) for row, request in enumerate(output.decode)]
         rows += [(request, start, count, row, shape.decode_rows + row * shape.chunk, prefill_group)
                  for row, (request, start, count) in enumerate(output.prefill)]
+        page_size, draws = self.page_size, []
         for request, start, count, row, first, group in rows:
-            positions = start + np.arange(count)
-            flat = first + np.arange(count)
-            inputs.tokens[flat] = request.tokens[positions[0]:positions[-1] + 1]
-            inputs.batch.positions[flat] = positions
-            pages = np.asarray(request.pages)[positions // self.page_size]
-            inputs.batch.slots[flat] = pages * self.page_size + positions % self.page_size
-            group.positions[row, :count] = positions
-            group.block_table[row] = self.block_table(request)
+            pages = request.pages
+            if count == 1:  # a decode row: plain ints, no arrays to make
+                inputs.tokens[first] = request.token_at(start)
+                inputs.batch.positions[first] = group.positions[row, 0] = start
+                inputs.batch.slots[first] = pages[start // page_size] * page_size + start % page_size
+            else:
+                positions = start + np.arange(count)
+                flat = first + np.arange(count)
+                inputs.tokens[flat] = request.tokens[start:start + count]
+                inputs.batch.positions[flat] = group.positions[row, :count] = positions
+                inputs.batch.slots[flat] = np.asarray(pages)[positions // page_size] * page_size + positions % page_size
+            group.block_table[row, :len(pages)] = pages  # pages given back are -1: 0 below, never visible again
             draw = row if group is decode_group else shape.decode_rows + row  # the row's logits
-            inputs.batch.logit_tokens[draw] = flat[-1]
-            knobs, sampling = inputs.knobs, request.sampling
-            knobs.temperature[draw], knobs.top_k[draw], knobs.top_p[draw] = (
-                sampling.temperature, sampling.top_k, sampling.top_p)
-            knobs.seed[draw], knobs.position[draw] = request.seed, request.num_tokens  # the drawn token's position
-            fill_logit_knobs(knobs, draw, request)
-            logprob_knobs(inputs.logprobs, request, draw, None if group is decode_group else row, positions)
+            inputs.batch.logit_tokens[draw] = first + count - 1
+            draws.append(draw)
+            logprob_knobs(inputs.logprobs, request, draw, None if group is decode_group else row, start, count)
             if request.guide_state is not None and start + count == request.num_tokens:  # a draw it takes
                 guided.append((request, draw))
+        requests = [request for request, *_ in rows]
+        for table in (group.block_table for group in inputs.batch.groups):
+            np.maximum(table, 0, out=table)
+        knobs = inputs.knobs
+        knobs.temperature[draws] = [request.sampling.temperature for request in requests]
+        knobs.top_k[draws] = [request.sampling.top_k for request in requests]
+        knobs.top_p[draws] = [request.sampling.top_p for request in requests]
+        knobs.seed[draws] = [request.seed for request in requests]
+        knobs.position[draws] = [request.num_tokens for request in requests]  # the drawn token's position
+        fill_logit_knobs(knobs, draws, requests)
         return inputs, guided
 
     def fill_guides(self, inputs: StepInputs, guided: list[tuple[Request, int]], pending: Pending) -> None:

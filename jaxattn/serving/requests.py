@@ -151,6 +151,11 @@ class Request:
         """Prompt and output so far: what the cache must hold to draw the next token."""
         return list(self.prompt_ids) + self.output_ids
 
+    def token_at(self, position: int) -> int:
+        """`tokens[position]` without making the list."""
+        prompt = len(self.prompt_ids)
+        return self.prompt_ids[position] if position < prompt else self.output_ids[position - prompt]
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
