@@ -9,8 +9,9 @@ then found in the persistent cache as before.
 
 What is in a key (the file's name). Everything that could change the program: the caller's `name` and
 `context` (the model's config, the kernels chosen), the arguments' tree, shapes, dtypes and shardings,
-the donated arguments, the JAX and jaxlib versions and backend, and a digest of the library's own source
-(every .py, .cc and .h file under `jaxattn/`), so an edit to the maths never reads an old program.
+the donated arguments, the JAX, jaxlib and Flax versions (Flax traces the modules) and backend, and a
+digest of the library's own source (every .py, .cc and .h file under `jaxattn/`), so an edit to the maths
+never reads an old program.
 
 Exported programs take and give flat lists of arrays; the store keeps the output's tree beside it and
 wraps the program in a `jax.jit` that takes and gives the original trees, with the same donation, so a
@@ -35,6 +36,7 @@ import warnings
 from pathlib import Path
 from typing import Callable, Sequence
 
+import flax
 import jax
 import jaxlib
 
@@ -71,7 +73,7 @@ def program_key(name: str, context: str, args: tuple, donate_argnums: Sequence[i
     """The file name (without suffix) a program is kept under: a hash of everything that changes it."""
     leaves, tree = jax.tree.flatten(args)
     parts = [name, context, str(tree), repr(tuple(donate_argnums)), jax.__version__, jaxlib.__version__,
-             jax.default_backend(), source_digest()]
+             flax.__version__, jax.default_backend(), source_digest()]
     parts += [f"{s.shape}{s.dtype}{s.sharding}" for s in map(_spec, leaves)]
     return f"{name}-{hashlib.sha256(chr(0).join(parts).encode()).hexdigest()[:24]}"
 
@@ -80,8 +82,6 @@ class StoredProgram:
     """A program as a `jax.jit` of its exported form: `lower(*args)` as a jitted function's."""
 
     def __init__(self, exported: jax.export.Exported, out_tree, donate_argnums: Sequence[int]):
-        self.exported, self.out_tree = exported, out_tree
-
         def call(*args):
             return jax.tree.unflatten(out_tree, exported.call(*jax.tree.leaves(args)))
 

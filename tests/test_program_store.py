@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -64,9 +65,11 @@ def test_the_key_holds_the_context_shapes_donation_and_library_source(monkeypatc
               program_key("toy-step", "config A", (args[0], jnp.zeros(17), args[2]), (1,)),
               program_key("toy-step", "config A", (args[0], args[1], args[2].astype(jnp.bfloat16)), (1,)),
               program_key("toy-step", "config A", args, ())}
+    monkeypatch.setattr(flax, "__version__", "another flax")  # Flax traces the modules
+    others.add(program_key("toy-step", "config A", args, (1,)))
     monkeypatch.setattr(program_store, "source_digest", lambda: "an edited library")
     others.add(program_key("toy-step", "config A", args, (1,)))
-    assert key not in others and len(others) == 5
+    assert key not in others and len(others) == 6
 
 
 def test_the_source_digest_follows_the_library_s_files(tmp_path):
