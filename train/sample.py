@@ -12,8 +12,8 @@ The text goes to stdout; the kernels, compile time and steady-state tokens/s go 
 stderr, with a progress bar on a terminal. Generation is `jaxattn.generate_windowed`:
 the KV-cached `generate`, continued in windows past the model's context (`max_seq_len`),
 as nanoGPT crops its context; a prompt longer than the context is cropped to its last
-`max_seq_len - 1` tokens. Ctrl-C (or SIGTERM) stops between windows and prints what was
-generated (exit 130). With --hf (what `python -m train.export` writes, or any supported
+`max_seq_len - 1` tokens. The samples are printed as each call of them is drawn; Ctrl-C (or SIGTERM)
+stops the call in hand after its window, keeps what was drawn and draws nothing more (exit 130). With --hf (what `python -m train.export` writes, or any supported
 transformers save with a tokenizer.json) or --gguf (a llama.cpp GGUF file, its weights
 dequantized to float32, or kept as int8 when they are all Q8_0, its tokenizer built from its
 metadata) a sample ends at the tokenizer's end-of-sequence token, when it has one. With --mesh
@@ -150,13 +150,35 @@ def _check_cpu_devices(cpu_devices: int, mesh: str | None, num_samples: int) -> 
         print(f"warning: {warning}", file=sys.stderr)
 
 
-def print_samples(prompt: str, ids: np.ndarray, tokenizer) -> None:
-    """The samples on stdout, prompt + text, between separator lines: decoded one at a time."""
-    eos = getattr(tokenizer, "eos_token_id", None)
-    for i, row in enumerate(ids):
-        sys.stdout.write(("\n---------------\n" if i else "") + prompt + tokenizer.decode(until_eos(row, eos)))
-    sys.stdout.write("\n")
-    sys.stdout.flush()
+class SamplePrinter:
+    """Prints samples on stdout as they come, prompt + text, between separator lines, each decoded alone;
+    `close()` ends the last line."""
+
+    def __init__(self, prompt: str, tokenizer):
+        self.prompt, self.tokenizer, self.printed = prompt, tokenizer, 0
+        self.eos = getattr(tokenizer, "eos_token_id", None)
+
+    def __call__(self, ids: np.ndarray) -> None:
+        for row in ids:
+            text = self.prompt + self.tokenizer.decode(until_eos(row, self.eos))
+            sys.stdout.write(("\n---------------\n" if self.printed else "") + text)
+            self.printed += 1
+        sys.stdout.flush()
+
+    def close(self) -> None:
+        if self.printed:
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+
+
+def stop_line(sampled: calls.Sampled, draw: calls.Draw) -> str:
+    """What a stopped run says it kept."""
+    kept = f"{sampled.stopped} after {sampled.complete} of {draw.num_samples} samples"
+    if sampled.cut:
+        kept += (f" and {sampled.cut} cut at {sampled.cut_tokens} of {draw.max_new_tokens} new tokens"
+                 if draw.num_samples > 1 else f" ({sampled.cut_tokens} of {draw.max_new_tokens} new tokens)")
+    return kept + ": what was generated is printed above" + (
+        "; the others were never drawn" if sampled.complete + sampled.cut < draw.num_samples else "")
 
 
 def plan_sampling(args, config: ModelConfig, prompt_len: int, kernels, mesh) -> memory.MemoryEstimate:
@@ -200,12 +222,14 @@ def run(argv=None) -> int:
     params = prepare_weights(params, kernels)  # e.g. quantized weights in the native kernel's panels
     draw = calls.Draw(num_samples=args.num_samples, max_new_tokens=args.max_new_tokens, seed=args.seed,
                       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, kv_cache=args.kv_cache)
-    ids, stopped = calls.sample(params, config, prompt_ids, draw, kernels, mesh, plan.rows)
+    printer = SamplePrinter(prompt, tokenizer)
+    try:
+        sampled = calls.sample(params, config, prompt_ids, draw, kernels, mesh, plan.rows, emit=printer)
+    finally:
+        printer.close()
     kept.report()
-    print_samples(prompt, ids, tokenizer)
-    if stopped:
-        raise Stopped(f"{stopped} after {ids.shape[1]} of {args.max_new_tokens} new tokens per sample: what was "
-                      "generated is printed above")
+    if sampled.stopped:
+        raise Stopped(stop_line(sampled, draw))
     return 0
 
 

@@ -187,10 +187,41 @@ def test_ctrl_c_prints_what_was_generated_and_exits_130(tiny, tmp_path):
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 130 and "Traceback" not in err
-    stopped = re.fullmatch(r"stopped: SIGINT after (\d+) of 200000 new tokens per sample: what was generated is "
-                           r"printed above", err.strip().splitlines()[-1])
-    assert stopped and 0 < int(stopped.group(1)) < 200000
+    stopped = re.fullmatch(r"stopped: SIGINT after 0 of 1 samples \((\d+) of 200000 new tokens\): what was "
+                           r"generated is printed above", err.strip().splitlines()[-1])
+    assert stopped and 0 < int(stopped.group(1)) < 200000, err[-500:]
     assert out.startswith("ROMEO:") and len(out) == len("ROMEO:") + int(stopped.group(1)) + 1
+
+
+@pytest.mark.slow
+def test_ctrl_c_among_many_samples_keeps_those_drawn_and_makes_up_none(tiny, tmp_path):
+    """200,000 samples of 50 tokens, the signal once the first call's samples are out: they and every sample
+    drawn since are printed whole, none holding only its prompt (every sample did, and a window spanning
+    all 12,500 calls kept nothing)."""
+    import os
+    import re
+    import signal
+    import subprocess
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.Popen([sys.executable, "-m", "train.sample", "--random-init", tiny, "--prompt", "ROMEO:",
+                             "--max-new-tokens", "50", "--num-samples", "200000"], cwd=root, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(root)})
+    first = proc.stdout.readline()  # the first call's samples are printed as soon as they are drawn
+    proc.send_signal(signal.SIGINT)
+    rest, err = proc.stdout.read(), proc.stderr.read()  # the rest of what readline buffered, then the end
+    proc.wait(timeout=120)
+    assert proc.returncode == 130 and "Traceback" not in err
+    line = err.strip().splitlines()[-1]
+    stopped = re.fullmatch(r"stopped: SIGINT after (\d+) of 200000 samples(?: and (\d+) cut at (\d+) of 50 new "
+                           r"tokens)?: what was generated is printed above; the others were never drawn", line)
+    assert stopped, line
+    complete, cut, cut_at = (int(g or 0) for g in stopped.groups())
+    samples = (first + rest).rstrip("\n").split("\n---------------\n")  # the call in hand may be cut short
+    assert 0 < complete < 200000 and len(samples) == complete + cut
+    assert all(s.startswith("ROMEO:") and len(s) == len("ROMEO:") + 50 for s in samples[:complete]), [
+        (len(s), s) for s in samples[:complete] if len(s) != 56][:3]
+    assert all(len(s) == len("ROMEO:") + cut_at for s in samples[complete:])
 
 
 @pytest.mark.parametrize("argv, message", [

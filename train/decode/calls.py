@@ -5,8 +5,10 @@ the model's context) is drawn by calls of `rows` samples, so what one call holds
 the number of samples (`train.decode.memory` plans `rows`). One call draws the tokens
 `jaxattn.generate_windowed` draws with the seed's key; several calls each get a key of their own
 (`call_keys`). A warm-up call compiles every program first, so the time reported is the steady
-state's. A stop signal (Ctrl-C, SIGTERM) ends the run between calls, keeping the windows every sample
-has finished; a token drawn from logits that are not finite ends it with a `NonFiniteError` that
+state's. The calls run one after another, each drawing all its windows, and hand their samples out as
+they end, so a long run's first samples are out long before its last. A stop signal (Ctrl-C, SIGTERM)
+ends the call in hand after its current window and starts no other: the samples drawn are kept (those
+of the call in hand as far as they go), none is made up for the samples never drawn; a token drawn from logits that are not finite ends it with a `NonFiniteError` that
 names the first layer whose output is not finite (`train.models.nonfinite`).
 """
 
@@ -15,7 +17,7 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 import jax
 import numpy as np
@@ -93,39 +95,46 @@ class Calls:
         except NonFiniteLogits as err:
             raise nonfinite_error(err, self.params, self.config, i * self.rows) from None
 
-    def fill(self, ids: np.ndarray, signals: StopSignals, bar: tqdm) -> int:
-        """Draws every call's windows into `ids` `[num_samples, max_new_tokens]`, window after window,
-        until they are full or a signal has come; the new tokens every sample has (a window unfinished
-        when the signal came is dropped)."""
-        num_samples, max_new = ids.shape
-        done, streams = 0, [None] * len(self.keys)  # each made at its first window and dropped after its last
-        while done < max_new:  # the window in hand when a signal comes is finished, as `until_requested` does
-            for i in range(len(streams)):
-                if i and signals.requested:
-                    break  # between calls of a window drawn by several: it is unfinished, and dropped
-                if done == 0:
-                    streams[i] = self.stream(i, max_new)
-                chunk = next(streams[i])
-                low, high = i * self.rows, min(num_samples, (i + 1) * self.rows)
-                ids[low:high, done:done + chunk.shape[1]] = chunk[:high - low]
-                bar.update((high - low) * chunk.shape[1])
-                if done + chunk.shape[1] == max_new:
-                    streams[i] = None  # its last window: what it holds can go
-            else:
+    def each(self, signals: StopSignals, bar: tqdm) -> Iterator[np.ndarray]:
+        """Each call's samples as soon as the call has drawn them, `[rows, max_new_tokens]` ids, call after
+        call. After a stop signal the call in hand ends after its current window (its samples as far as
+        they go, `[rows, n]`) and no other call starts; the first call's first window is always drawn."""
+        num_samples, max_new = self.draw.num_samples, self.draw.max_new_tokens
+        for i in range(len(self.keys)):
+            if i and signals.requested:
+                return
+            low, high = i * self.rows, min(num_samples, (i + 1) * self.rows)
+            ids, done = np.empty((high - low, max_new), np.int32), 0
+            for chunk in self.stream(i, max_new):
+                ids[:, done:done + chunk.shape[1]] = chunk[:high - low]
                 done += chunk.shape[1]
-            if signals.requested:
-                break
-        return done
+                bar.update((high - low) * chunk.shape[1])
+                if signals.requested and done < max_new:
+                    break  # the window in hand is finished, as `until_requested` does; the rest never drawn
+            yield ids[:, :done]
 
 
-def sample(params, config: ModelConfig, prompt_ids: np.ndarray, draw: Draw, kernels, mesh, rows: int | None = None
-           ) -> tuple[np.ndarray, str | None]:
-    """(`[num_samples, n]` ids, the stop signal's name or None): a warm-up call (compiling, its time on
-    stderr), then the timed run (its tokens/s on stderr, with a progress bar on a terminal), window by
-    window, each window drawn by calls of `rows` samples (default: all of them). A stop signal ends it
-    between calls, keeping the n tokens of the windows every sample has finished (`Stopped` while
-    compiling); `NonFiniteError` when a token's logits are not finite."""
+@dataclass(frozen=True)
+class Sampled:
+    """What a run drew: `complete` samples of every new token, then `cut` samples of `cut_tokens` (a stop
+    signal ended their call early; 0 without one), and the signal's name or None."""
+
+    complete: int
+    cut: int = 0
+    cut_tokens: int = 0
+    stopped: str | None = None
+
+
+def sample(params, config: ModelConfig, prompt_ids: np.ndarray, draw: Draw, kernels, mesh, rows: int | None = None,
+           emit: Callable[[np.ndarray], None] = lambda ids: None) -> Sampled:
+    """Draws the samples, handing each call's to `emit` (`[rows, n]` ids) as soon as it is drawn: a warm-up
+    call (compiling, its time on stderr), then the timed run (its tokens/s on stderr, with a progress bar
+    on a terminal), call by call, each call of `rows` samples (default: all of them) drawing its windows.
+    A stop signal ends the call in hand after its window and starts no other (`Stopped` while compiling):
+    nothing drawn is lost, and nothing is made up for samples never drawn. `NonFiniteError` when a
+    token's logits are not finite."""
     calls = Calls(params, config, prompt_ids, draw, kernels, mesh, draw.num_samples if rows is None else rows)
+    complete, cut, tokens = 0, (0, 0), 0
     with StopSignals() as signals:
         start, warm = time.perf_counter(), warmup_tokens(config, len(prompt_ids), draw.max_new_tokens)
         for _ in calls.stream(0, warm):  # compiles every program the run needs
@@ -135,10 +144,17 @@ def sample(params, config: ModelConfig, prompt_ids: np.ndarray, draw: Draw, kern
         print(f"compile: {time.perf_counter() - start:.2f} s (a warm-up call of {warm} token(s) per sample, "
               "compiling)", file=sys.stderr, flush=True)
         start = time.perf_counter()
-        ids = np.empty((draw.num_samples, draw.max_new_tokens), np.int32)  # pages are taken as they are written
-        with tqdm(total=ids.size, unit="tok", desc="sampling", file=sys.stderr, disable=None, leave=False) as bar:
-            ids = ids[:, :calls.fill(ids, signals, bar)]
+        total = draw.num_samples * draw.max_new_tokens
+        with tqdm(total=total, unit="tok", desc="sampling", file=sys.stderr, disable=None, leave=False) as bar:
+            for ids in calls.each(signals, bar):
+                emit(ids)
+                tokens += ids.size
+                if ids.shape[1] == draw.max_new_tokens:
+                    complete += len(ids)
+                else:
+                    cut = (len(ids), ids.shape[1])
     steady = time.perf_counter() - start
-    print(f"decode: {ids.size} tokens ({draw.num_samples} x {ids.shape[1]}) in {steady:.3f} s "
-          f"= {ids.size / steady:,.0f} tokens/s", file=sys.stderr)
-    return ids, signals.requested if ids.shape[1] < draw.max_new_tokens else None
+    print(f"decode: {tokens} tokens ({complete} x {draw.max_new_tokens}"
+          + (f" and {cut[0]} x {cut[1]}" if cut[0] else "") + f") in {steady:.3f} s = {tokens / steady:,.0f} tokens/s",
+          file=sys.stderr)
+    return Sampled(complete, *cut, signals.requested if complete < draw.num_samples else None)
