@@ -29,6 +29,7 @@ not transformers.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Mapping
 from datetime import datetime
 from functools import lru_cache
@@ -199,7 +200,8 @@ class ChatTemplate:
         source = find_chat_template(directory)
         return None if source is None else cls(source, special_tokens(directory))
 
-    def render(self, messages: list[dict], *, add_generation_prompt: bool = True, **extra: Any) -> str:
+    def render(self, messages: list[dict], *, add_generation_prompt: bool = True, max_chars: int | None = None,
+               max_seconds: float | None = None, **extra: Any) -> str:
         """The text of `messages` in this template, as transformers renders it.
 
         `messages` is a non-empty list of dicts, each with a str `role` and a `content` that is a str,
@@ -208,21 +210,45 @@ class ChatTemplate:
         audio) are refused. Other keys pass through (keys whose value is None are dropped).
         `add_generation_prompt` asks the template for the header that starts the assistant's reply.
         `extra` reaches the template as variables: `tools`, `documents`, `enable_thinking` and the like.
+        `max_chars` and `max_seconds` bound what a server renders for a client: the text is rendered
+        piece by piece (Jinja's `generate`) and abandoned past either (None: unbounded); the time is
+        checked between pieces, so a template spinning without output is not stopped by it.
 
-        ChatTemplateError names the index of the first bad message, or gives the template's own
-        message when it calls `raise_exception` or fails while rendering.
+        ChatTemplateError names the index of the first bad message, gives the template's own message
+        when it calls `raise_exception` or fails while rendering, or says which bound it passed.
         """
         chat = _alias_reasoning(_plain(_checked_messages(messages)))
         variables = _plain({**self.special_tokens, **extra})
         variables.setdefault("tools", None)
         variables.setdefault("documents", None)
         try:
-            return self._compiled.render(**variables, messages=chat, add_generation_prompt=add_generation_prompt)
+            pieces = self._compiled.generate(**variables, messages=chat, add_generation_prompt=add_generation_prompt)
+            return _bounded("".join, pieces, max_chars, max_seconds)
+        except ChatTemplateError:
+            raise
         except _TemplateRaised as err:
             raise ChatTemplateError(f"the chat template raised an exception: {err.message}") from None
         except Exception as err:  # noqa: BLE001 - any failure of a model's template code is the template's
             raise ChatTemplateError(f"the chat template failed while rendering: {type(err).__name__}: {err}") \
                 from None
+
+
+def _bounded(join, pieces, max_chars: int | None, max_seconds: float | None) -> str:
+    """The rendered `pieces` joined; ChatTemplateError once they pass `max_chars` or `max_seconds`."""
+    if max_chars is None and max_seconds is None:
+        return join(pieces)
+    deadline = None if max_seconds is None else time.monotonic() + max_seconds
+    kept, size = [], 0
+    for piece in pieces:
+        kept.append(piece)
+        size += len(piece)
+        if max_chars is not None and size > max_chars:
+            raise ChatTemplateError(f"the chat template rendered more than {max_chars:,} characters from these "
+                                    "messages; the most this server renders")
+        if deadline is not None and time.monotonic() > deadline:
+            raise ChatTemplateError(f"the chat template took more than {max_seconds:g} s to render these "
+                                    "messages; the most this server waits")
+    return join(kept)
 
 
 def _compile(source: str) -> jinja2.Template:

@@ -13,6 +13,25 @@ from __future__ import annotations
 from typing import Callable
 
 
+def _held(ready: str, stops: tuple[str, ...]) -> int:
+    """The length of the longest tail of `ready` that begins a stop string (it may still become one).
+
+    Only the places where a stop string holds `ready`'s last character can end such a tail: `rfind` finds
+    them at C speed, longest first, so a long stop string costs little more than a short one."""
+    last, best = ready[-1:], 0
+    for stop in stops:
+        upper = min(len(stop) - 1, len(ready))  # a whole stop string would have been found, not held
+        while upper > best:
+            k = stop.rfind(last, 0, upper) + 1  # stop[k - 1] == last
+            if k <= best:
+                break
+            if ready.endswith(stop[:k]):
+                best = k
+                break
+            upper = k - 1
+    return best
+
+
 class TextStream:
     """The text of a growing list of ids, released in whole characters, cut at stop strings."""
 
@@ -34,8 +53,7 @@ class TextStream:
         if cut >= 0:
             self.text, self.stopped = ready[:cut], True
             return True
-        # Hold back what could still become a stop string: the longest tail that starts one.
-        hold = max((k for s in self._stop for k in range(1, len(s)) if ready.endswith(s[:k])), default=0)
+        hold = _held(ready, self._stop)
         self.text = ready[:len(ready) - hold] if not final else ready
         return False
 

@@ -25,6 +25,10 @@ CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # OpenAI's code for a promp
 MAX_LOGPROBS = 20  # the most top log-probabilities a token may ask for (OpenAI's limit; one static top-k per step)
 MAX_LOGIT_BIAS = 256  # entries of one request's logit_bias: the step's bias arrays are [M, MAX_LOGIT_BIAS]
 MAX_CHOICES = 16  # the most sequences one request may ask for (n, best_of)
+MAX_TOP_K = 2**31 - 1  # top_k is an int32 on the device (any k past the vocabulary keeps every token)
+# Stop strings are matched against the text as each token arrives, on the engine's loop: bounded so that one
+# request's cannot stall the others' steps (OpenAI takes 4 of them; vLLM does not bound them).
+MAX_STOPS, MAX_STOP_CHARS = 16, 1024
 
 
 class RequestError(ValueError):
@@ -75,8 +79,9 @@ def check_sampling(sampling) -> None:
     if not (_number(sampling.temperature) and math.isfinite(sampling.temperature) and sampling.temperature >= 0):
         raise RequestError(f"temperature must be a finite number >= 0, got {sampling.temperature!r}",
                            param="temperature")
-    if not is_int(sampling.top_k, numpy=False) or sampling.top_k < 0:
-        raise RequestError(f"top_k must be an int >= 0 (0 = off), got {sampling.top_k!r}", param="top_k")
+    if not is_int(sampling.top_k, numpy=False) or not 0 <= sampling.top_k <= MAX_TOP_K:
+        raise RequestError(f"top_k must be an int in [0, {MAX_TOP_K}] (0 = off), got {sampling.top_k!r}",
+                           param="top_k")
     if not (_number(sampling.top_p) and 0.0 < sampling.top_p <= 1.0):
         raise RequestError(f"top_p must be in (0, 1], got {sampling.top_p!r}", param="top_p")
     if sampling.max_tokens is not None and (not is_int(sampling.max_tokens, numpy=False) or sampling.max_tokens < 0):
@@ -86,11 +91,21 @@ def check_sampling(sampling) -> None:
     _check_logprobs(sampling)
     if sampling.seed is not None and not is_int(sampling.seed, numpy=False):
         raise RequestError(f"seed must be an int or None, got {sampling.seed!r}", param="seed")
-    if any(not isinstance(s, str) or not s for s in sampling.stop):
-        raise RequestError(f"stop must hold non-empty strings, got {sampling.stop!r}", param="stop")
+    _check_stop(sampling.stop)
     if any(not is_int(t) for t in sampling.stop_token_ids):
         raise RequestError(f"stop_token_ids must be ints, got {sampling.stop_token_ids!r}", param="stop_token_ids")
     _check_logit_knobs(sampling)
+
+
+def _check_stop(stop: tuple) -> None:
+    if any(not isinstance(s, str) or not s for s in stop):
+        raise RequestError(f"stop must hold non-empty strings, got {str(stop)[:200]}", param="stop")
+    if len(stop) > MAX_STOPS:
+        raise RequestError(f"stop may hold at most {MAX_STOPS} strings, got {len(stop)}", param="stop")
+    longest = max(map(len, stop), default=0)
+    if longest > MAX_STOP_CHARS:
+        raise RequestError(f"a stop string may be at most {MAX_STOP_CHARS} characters, got one of {longest:,}",
+                           param="stop")
 
 
 def _in_range(value, low: float, high: float) -> bool:

@@ -6,6 +6,7 @@ template (chat_template.jinja over tokenizer_config.json, the named-list form) a
 """
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -205,3 +206,19 @@ def test_a_template_that_fails_while_rendering_says_so():
 def test_bad_messages_name_the_index(messages, match):
     with pytest.raises(ChatTemplateError, match=match):
         ChatTemplate(SMOLLM2).render(messages)
+
+
+def test_a_render_past_its_bounds_is_refused_in_one_line_without_rendering_it_all():
+    """A template that multiplies a client's text (it once rendered 200 MB in 3.7 s) stops at `max_chars`;
+    one that takes long between its pieces stops at `max_seconds`; within both, the text is the plain render's."""
+    big = ChatTemplate("{% for i in range(100000) %}{{ messages[0]['content'] * 1000 }}{% endfor %}")
+    started = time.perf_counter()
+    with pytest.raises(ChatTemplateError, match="more than 1,048,576 characters"):
+        big.render([{"role": "user", "content": "abcd"}], max_chars=2**20)
+    assert time.perf_counter() - started < 2  # 400 MB were never rendered
+    slow = ChatTemplate("{% for i in range(200) %}{{ i }}{% for j in range(20000) %}{% endfor %}{% endfor %}")
+    with pytest.raises(ChatTemplateError, match="more than 0.05 s to render"):
+        slow.render([{"role": "user", "content": "a"}], max_seconds=0.05)
+    small = ChatTemplate("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}")
+    chat = [{"role": "user", "content": "hi"}]
+    assert small.render(chat, max_chars=100, max_seconds=5) == small.render(chat) == "<user>hi"

@@ -83,13 +83,13 @@ def served(**changes) -> ServedModel:
 class InProcessServer:
     """The app over a stand-in engine, served by `DrainingServer` on a thread (port 0)."""
 
-    def __init__(self, engine, model: ServedModel, drain_seconds=30.0):
+    def __init__(self, engine, model: ServedModel, drain_seconds=30.0, http="auto"):
         self.runner = EngineRunner(engine)
         metrics = ServerMetrics(engine)
         app = create_app(self.runner, model, metrics, Limits())
         self.sock = listen_socket("127.0.0.1", 0)
         self.url = "http://127.0.0.1:%d" % self.sock.getsockname()[1]
-        config = uvicorn.Config(app, log_level="critical", lifespan="off", timeout_graceful_shutdown=2)
+        config = uvicorn.Config(app, log_level="critical", lifespan="off", timeout_graceful_shutdown=2, http=http)
         self.server = DrainingServer(config, self.runner, drain_seconds, lambda: "ready")
         self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=30)
 

@@ -21,7 +21,7 @@ from typing import Literal
 import numpy as np
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, StrictInt
 
 from jaxattn.serving.api import protocol
 from jaxattn.serving.api.handlers import check_model, encode, read_json, state_of
@@ -32,9 +32,9 @@ from jaxattn.serving.api.runner import Draining
 class EmbeddingRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: str
-    input: str | list[str] | list[int] | list[list[int]]
+    input: str | list[str] | list[StrictInt] | list[list[StrictInt]]
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = None
+    dimensions: StrictInt | None = None
     add_special_tokens: bool = True  # an extension (vLLM's)
     normalize: bool = True  # an extension: false gives the pooled state as it is
 

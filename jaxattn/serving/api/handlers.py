@@ -102,6 +102,11 @@ async def chat(request: Request) -> Response:
                         guide=tool_plan.guide)
 
 
+# What a chat's rendering may take (a template given a client's messages once rendered 200 MB in 3.7 s):
+# more characters than any prompt that fits the context could be, or more time than a render ever needs.
+RENDER_CHARS, RENDER_CHARS_PER_TOKEN, RENDER_SECONDS = 2**20, 32, 5.0
+
+
 def render_chat(state: ApiState, body, *, add_generation_prompt: bool = True) -> tuple[str, tools.ToolPlan]:
     """The messages (and tools) rendered by the model's chat template, and what the tools ask; a 400 where
     the model has no template, or the template or the tools refuse the request."""
@@ -113,7 +118,8 @@ def render_chat(state: ApiState, body, *, add_generation_prompt: bool = True) ->
     tool_plan = tools.plan(body, served.chat_template)
     try:
         text = served.chat_template.render(tools.messages(body), add_generation_prompt=add_generation_prompt,
-                                           **tool_plan.render)
+                                           max_chars=max(RENDER_CHARS, RENDER_CHARS_PER_TOKEN * served.max_model_len),
+                                           max_seconds=RENDER_SECONDS, **tool_plan.render)
     except ChatTemplateError as err:
         raise bad_request(str(err), "messages") from None
     return text, tool_plan
@@ -331,6 +337,8 @@ async def read_json(request: Request, limit: int):
         return json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise bad_request(f"the body is not valid JSON: {err}") from None
+    except RecursionError:  # the decoder recurses once per level of nesting
+        raise bad_request("the body nests arrays or objects too deeply to read") from None
 
 
 async def client_gone(request: Request) -> None:

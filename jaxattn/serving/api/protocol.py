@@ -66,16 +66,17 @@ class _Sampled(BaseModel):
 
     model_config = ConfigDict(extra="ignore", strict=False)
 
+    # Counts are StrictInt: a JSON true or 2.0 is not a count (pydantic's lax mode would read them as 1 and 2).
     model: str
-    max_tokens: int | None = None
+    max_tokens: StrictInt | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
-    seed: int | None = None
+    top_k: StrictInt | None = None
+    seed: StrictInt | None = None
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int | None = None
+    n: StrictInt | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None  # an extension (vLLM's, transformers' definition)
@@ -143,10 +144,10 @@ class _Sampled(BaseModel):
 class CompletionRequest(_Sampled):
     """`POST /v1/completions`: a prompt as text or token ids (one prompt; a list of one is taken)."""
 
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
     echo: bool = False
     logprobs: StrictInt | None = None
-    best_of: int | None = None
+    best_of: StrictInt | None = None
     suffix: str | None = None
 
     def logprob_settings(self, max_tokens: int | None) -> dict:
@@ -198,7 +199,7 @@ class ChatRequest(_Sampled):
     """`POST /v1/chat/completions`: messages rendered with the model's chat template."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool | None = None
     top_logprobs: StrictInt | None = None
     tools: list | None = None
@@ -296,6 +297,12 @@ def _response_format(value: dict) -> Guide:
     return Guide("json_schema", json.dumps(spec["schema"]))
 
 
+def _union_member(part) -> bool:
+    """A part of a pydantic error's location that names which member of a union was tried ("str",
+    "list[int]"), not a field."""
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool", "dict", "list") or "[" in part)
+
+
 def parse(model: type[BaseModel], body: Any):
     """`model` validated from a JSON value; a 400 naming the first bad field."""
     if not isinstance(body, dict):
@@ -304,7 +311,9 @@ def parse(model: type[BaseModel], body: Any):
         request = model.model_validate(body)
     except pydantic.ValidationError as err:
         first = err.errors()[0]
-        param = ".".join(str(p) for p in first["loc"]) or None
-        raise bad_request(f"{param}: {first['msg']}" if param else first["msg"], param) from None
+        param = ".".join(str(p) for p in first["loc"] if not _union_member(p)) or None
+        forms = sum(1 for e in err.errors() if e["loc"][:1] == first["loc"][:1])
+        detail = f"none of its {forms} accepted forms matches ({first['msg']})" if forms > 1 else first["msg"]
+        raise bad_request(f"{param}: {detail}" if param else detail, param) from None
     request.check_supported()
     return request

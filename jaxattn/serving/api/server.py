@@ -5,6 +5,9 @@
 * `DrainingServer`: uvicorn, whose SIGTERM or SIGINT drains the engine first (new requests get a 503,
   running ones get `drain_seconds` to finish, then are cancelled) and exits 0; a second signal exits at
   once. It prints its ready line once it listens.
+* `HeadersTimeout`: uvicorn's HTTP/1.1 protocol, closing a connection whose request line and headers have
+  not all arrived `HEADERS_SECONDS` after it opened (or after its last answer): uvicorn waits for them
+  forever, so connections that send part of their headers and stop would use up the server's.
 """
 
 from __future__ import annotations
@@ -16,7 +19,9 @@ import socket
 import time
 from typing import Callable
 
+import h11
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from jaxattn.serving.api.runner import EngineRunner
 
@@ -44,6 +49,47 @@ def listen_socket(host: str, port: int) -> socket.socket:
         why = {errno.EADDRINUSE: "the port is in use", errno.EADDRNOTAVAIL: "the address is not this machine's"}
         raise ListenError(f"cannot listen on {host}:{port}: {why.get(err.errno, err.strerror)}") from None
     return sock
+
+
+HEADERS_SECONDS = 10.0  # Node's and nginx's bounds are 60 s; a client's headers arrive in milliseconds
+
+
+class HeadersTimeout(H11Protocol):
+    """uvicorn's h11 protocol with a deadline on each request's headers (see the module docstring);
+    `seconds` is the class attribute (`headers_timeout(seconds)` makes one with another)."""
+
+    seconds = HEADERS_SECONDS
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._headers_deadline = self.loop.call_later(self.seconds, self._headers_late)
+
+    def handle_events(self) -> None:
+        super().handle_events()
+        if self.cycle is not None and not self.cycle.response_complete:  # the headers are in: a request runs
+            self._headers_deadline.cancel()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing():  # kept alive: the next request's headers have a deadline too
+            self._headers_deadline.cancel()
+            self._headers_deadline = self.loop.call_later(self.seconds, self._headers_late)
+
+    def connection_lost(self, exc) -> None:
+        self._headers_deadline.cancel()
+        super().connection_lost(exc)
+
+    def _headers_late(self) -> None:
+        if (self.cycle is None or self.cycle.response_complete) and not self.transport.is_closing():
+            log.info("closing a connection whose request headers did not arrive within %.0f s", self.seconds)
+            if self.conn.our_state not in (h11.ERROR, h11.CLOSED, h11.MUST_CLOSE):
+                self.conn.send(h11.ConnectionClosed())
+            self.transport.close()
+
+
+def headers_timeout(seconds: float) -> type[HeadersTimeout]:
+    """`HeadersTimeout` with a deadline of `seconds` (uvicorn.Config's `http=` takes the class)."""
+    return type("HeadersTimeout", (HeadersTimeout,), {"seconds": seconds})
 
 
 class DrainingServer(uvicorn.Server):
