@@ -41,7 +41,7 @@ from jaxattn.serving import Embedder, Engine, EngineConfig
 from jaxattn.serving.api.app import Limits, ServedModel, create_app
 from jaxattn.serving.api.metrics import ServerMetrics
 from jaxattn.serving.api.runner import EngineRunner
-from jaxattn.serving.api.server import DrainingServer, listen_socket  # a ListenError is an OSError: exit 1
+from jaxattn.serving.api.server import DrainingServer, HeadersTimeout, listen_socket  # a ListenError is an OSError: exit 1
 from jaxattn.serving.embedding import POOLINGS
 from jaxattn.serving.structured import GuideCompiler
 from train import kept_programs
@@ -84,6 +84,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "times float32's pages in --kv-memory; default auto)")
     parser.add_argument("--token-budget", type=int, help="tokens per engine step, decoding first (default: "
                         "--max-seqs + two prompt chunks of 128)")
+    parser.add_argument("--decode-steps", type=int, metavar="K", help="the most decode steps one program call "
+                        "runs while every running request only decodes (default: 8 on an accelerator, 1 on a CPU)")
     parser.add_argument("--max-waiting", type=int, default=256, help="requests queued for a row; one more "
                         "gets a 429 (default 256)")
     parser.add_argument("--drain-seconds", type=float, default=30.0, help="on SIGTERM, how long running "
@@ -101,6 +103,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name in ("max_seqs", "page_size", "max_waiting", "max_body"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.decode_steps is not None and args.decode_steps < 1:
+        parser.error(f"--decode-steps must be >= 1, got {args.decode_steps}")
     if not 0 <= args.port < 2**16:
         parser.error(f"--port must be in [0, 65535], got {args.port}")
     if args.drain_seconds < 0:
@@ -172,7 +176,7 @@ def build_engine(args, params, config, tokenizer, kernels, mesh) -> tuple[Engine
     """The engine with every step program compiled (a progress bar on stderr); its compile seconds."""
     engine_config = EngineConfig(max_seqs=args.max_seqs, page_size=args.page_size, num_pages=args.num_pages,
                                  kv_memory_gib=args.kv_memory, token_budget=args.token_budget,
-                                 kv_cache=args.kv_cache, max_waiting=args.max_waiting)
+                                 kv_cache=args.kv_cache, max_waiting=args.max_waiting, decode_steps=args.decode_steps)
     bar = tqdm(total=0, desc="compiling the step programs", unit="program", file=sys.stderr, leave=False,
                disable=None)
 
@@ -229,12 +233,14 @@ def run(argv=None) -> int:
 
         def ready_line() -> str:
             return (f"ready: {url} (model {served.name!r}; {memory['pages_total']:,} pages of {engine.page_size} "
-                    f"tokens, {memory['pool_bytes'] / 2**20:,.1f} MiB of KV cache; {len(engine.programs.shapes)} "
-                    f"step programs compiled in {compile_seconds:.1f} s; ready {time.perf_counter() - started:.1f} s "
+                    f"tokens, {memory['pool_bytes'] / 2**20:,.1f} MiB of KV cache: each of {args.max_seqs} rows "
+                    f"reaches {engine.pool.per_row:,} tokens at once, {engine.pool.reason}; "
+                    f"{len(engine.programs.shapes)} step programs compiled in {compile_seconds:.1f} s; {engine.steps_per_call} decode step"
+                    f"{'s' if engine.steps_per_call > 1 else ''} per call; ready {time.perf_counter() - started:.1f} s "
                     f"after loading; chat {'on' if served.chat_template else 'off: no chat template'})")
 
         config_uv = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
-                                   timeout_graceful_shutdown=5, timeout_keep_alive=5)
+                                   timeout_graceful_shutdown=5, timeout_keep_alive=5, http=HeadersTimeout)
         server = DrainingServer(config_uv, runner, args.drain_seconds, ready_line)
         runner.start()
         try:

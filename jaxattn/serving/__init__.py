@@ -9,9 +9,11 @@ The engine, in parts that each do one job (vLLM V1's split):
 * `Scheduler` (`jaxattn.serving.scheduler`): admission, the queue's limit (`QueueFull`), the token
   budget, preemption; each step as a `SchedulerOutput`;
 * `KVCacheManager` (`jaxattn.serving.kv_cache_manager`): each request's pages;
+* `jaxattn.serving.kv_memory`: the pool's size, checked against the memory available before it is taken;
 * `PageAllocator` (`jaxattn.serving.pages`): the pool's pages, refcounts, the prefix cache;
 * `ModelRunner` (`jaxattn.serving.model_runner`): placed parameters and pools, a step's arrays, the run;
 * `jaxattn.serving.step`: the compiled step programs, one per shape bucket;
+* `jaxattn.serving.multi_step`: several decode steps in one program call, one program per decode bucket;
 * `StepClock` (`jaxattn.serving.step_clock`): where each step's time goes, host phase by phase and the
   device's wait;
 * `jaxattn.serving.logit_knobs`: logit bias, the penalties and min-p on the device, per drawn row;

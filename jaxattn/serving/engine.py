@@ -26,9 +26,11 @@ runner fills each guided row's mask of allowed tokens on the host and the step p
 before the draw; the scheduler advances the guide by each token drawn and ends the request when the
 guide is complete.
 
-Where the next features land (each part's docstring says how): several decode steps per program call
-in the model runner (one program, k steps; the scheduler and the KV-cache manager reserve k tokens'
-pages); many LoRA adapters per step in the model runner (stacked adapters, each row's index among the
+When every running row only decodes, one `step()` may run several decode steps in one program call
+(`EngineConfig.decode_steps`, by default 8 on an accelerator and 1 on a CPU: `jaxattn.serving.multi_step`);
+the tokens are those of one step at a time.
+
+Where the next features land (each part's docstring says how): many LoRA adapters per step in the model runner (stacked adapters, each row's index among the
 step's inputs; validation checks the adapter named, the scheduler bounds the adapters a step holds).
 """
 
@@ -39,6 +41,7 @@ import dataclasses
 import time
 from typing import Callable
 
+import jax
 import numpy as np
 from jax.sharding import Mesh
 
@@ -48,7 +51,8 @@ from jaxattn.kernels import Kernels, call_kernels
 from jaxattn.program_store import ProgramStore
 from jaxattn.serving import validation
 from jaxattn.serving.engine_config import EngineConfig
-from jaxattn.serving.kv_cache_manager import KVCacheManager, local_window, pool_pages
+from jaxattn.serving.kv_cache_manager import KVCacheManager, local_window
+from jaxattn.serving.kv_memory import available_bytes, pool_plan
 from jaxattn.serving.model_runner import ModelRunner
 from jaxattn.serving.requests import Request, SamplingParams
 from jaxattn.serving.scheduler import Scheduler
@@ -78,6 +82,10 @@ class Engine:
     Attributes:
       scheduler, kv_cache_manager, model_runner: the parts; `stats` their counters (steps, tokens,
         prefix hits, preemptions, pages given back behind a window).
+      pool: the KV pool's size and why (`jaxattn.serving.kv_memory.PoolPlan`: a size given, or the
+        smaller of the full need and a share of the memory available).
+      steps_per_call, steps_reason: the most decode steps one program call runs, and why
+        (`EngineConfig.steps_per_call`).
     """
 
     def __init__(self, params, config: ModelConfig, engine_config: EngineConfig = EngineConfig(), *,
@@ -94,14 +102,18 @@ class Engine:
         self.detokenize, self.stats = detokenize, collections.Counter()
         self.max_model_len = min(ec.max_model_len or config.max_seq_len, config.max_seq_len)
         self.token_bytes = cache_bytes_per_token(config, ec.kv_cache)["bytes"]
-        num_pages = pool_pages(ec, self.token_bytes, self.max_model_len)
+        device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
+        # Checked against the memory there is before any of it is taken (`jaxattn.serving.kv_memory`).
+        self.pool = pool_plan(ec, self.token_bytes, self.max_model_len, available_bytes(device), device.platform)
+        num_pages = self.pool.pages
         self.kv_cache_manager = KVCacheManager(num_pages, ec.page_size, prefix_caching=ec.prefix_caching,
                                                window=local_window(config), stats=self.stats)
-        self.scheduler = Scheduler(ec, self.kv_cache_manager, self.max_model_len, self.stats)
+        self.steps_per_call, self.steps_reason = ec.steps_per_call(device.platform)
+        self.scheduler = Scheduler(ec, self.kv_cache_manager, self.max_model_len, self.stats, self.steps_per_call)
         self.clock = StepClock()  # where the steps' time goes (jaxattn.serving.step_clock)
         self.model_runner = ModelRunner(params, config, ec, num_pages=num_pages, max_model_len=self.max_model_len,
                                         kernels=kernels, mesh=mesh, progress=progress,
-                                        guide_compiler=guide_compiler, store=store)
+                                        guide_compiler=guide_compiler, store=store, max_steps=self.steps_per_call)
         self.guide_compiler = guide_compiler
         self.limits = validation.RequestLimits(config.vocab_size, self.max_model_len, num_pages, ec.page_size,
                                                detokenizer=detokenize is not None,
@@ -178,13 +190,20 @@ class Engine:
     # -- steps --------------------------------------------------------------------------------
 
     def step(self) -> list[Request]:
-        """Schedules, runs one compiled step, hands out the tokens; returns the requests that got one
-        or ended (cancelled ones included). `clock` adds up where the step's time went."""
+        """Schedules, runs one compiled step (or, when every row only decodes, one call of several decode
+        steps), hands out the tokens; returns the requests that got any or ended (cancelled ones included).
+        `clock` adds up where the step's time went."""
         clock, started = self.clock, time.perf_counter()
         output = self.scheduler.schedule()
         if output.empty:  # not a step: not counted
             return output.ended
         clock.seconds["schedule"] += time.perf_counter() - started
+        if output.steps > 1:
+            tokens, finite, logprobs = self.model_runner.execute_run(output, clock)
+            with clock.phase("update"):
+                ended = self.scheduler.update_run(output, tokens, finite, logprobs)
+            clock.steps += max(map(len, tokens), default=1)
+            return ended
         tokens, finite, logprobs = self.model_runner.execute(output, clock)
         with clock.phase("update"):
             ended = self.scheduler.update(output, tokens, finite, logprobs)

@@ -1,8 +1,8 @@
 """The engine's shape and memory: one frozen value, checked when it is built.
 
 `EngineConfig` is read by every part of the engine: the scheduler (`max_seqs`, `max_waiting`, `chunk`,
-`prefill_rows`, `token_budget`), the KV-cache manager (`page_size`, the pool, `prefix_caching`) and the
-model runner (the compiled shapes: `buckets()`, `prefill_shapes()`; `kv_cache`).
+`prefill_rows`, `token_budget`, `decode_steps`), the KV-cache manager (`page_size`, the pool, `prefix_caching`)
+and the model runner (the compiled shapes: `buckets()`, `prefill_shapes()`, `steps_per_call()`; `kv_cache`).
 """
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ class EngineConfig:
       max_waiting: the most requests waiting beyond the rows the next step can fill; one more is
         refused (`jaxattn.serving.scheduler.QueueFull`; None: no limit).
       page_size: slots per page.
-      num_pages: pages in the pool (None: enough for every running sequence to reach the
-        context, `max_seqs * ceil(max_seq_len / page_size)`; or from `kv_memory_gib`).
+      num_pages: pages in the pool (None: from `kv_memory_gib`, else enough for every running sequence
+        to reach the context, `max_seqs * ceil(max_seq_len / page_size)`, bounded by a share of the
+        memory available: `jaxattn.serving.kv_memory`).
       kv_memory_gib: the pool's size in GiB instead of `num_pages`.
       chunk: prompt tokens per prefill row per step.
       prefill_rows: prompt chunks per step.
@@ -37,6 +38,8 @@ class EngineConfig:
       kv_cache: the pages' storage: "auto" (the compute dtype) or "int8" (int8 values and a float32
         scale per token and head: about a quarter of float32's bytes, so `kv_memory_gib` holds about
         four times the pages; `jaxattn.cache.build.cache_bytes_per_token`).
+      decode_steps: the most decode steps one program call runs when every running row only decodes
+        (`jaxattn.serving.multi_step`; 1: a call per step); None: the platform's (`steps_per_call`).
     """
 
     max_seqs: int = 8
@@ -52,6 +55,7 @@ class EngineConfig:
     short_chunk: int | None = None
     kv_cache: str = "auto"
     max_waiting: int | None = None
+    decode_steps: int | None = None
 
     def __post_init__(self):
         if self.kv_cache not in KV_CACHES:
@@ -60,7 +64,7 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"EngineConfig.{name} must be a positive int, got {value!r}")
-        for name in ("num_pages", "token_budget", "max_model_len", "max_waiting"):
+        for name in ("num_pages", "token_budget", "max_model_len", "max_waiting", "decode_steps"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"EngineConfig.{name} must be a positive int or None, got {value!r}")
@@ -79,6 +83,19 @@ class EngineConfig:
     def budget(self) -> int:
         """Tokens per step: `token_budget`, or room for every decode row and every prefill row."""
         return self.token_budget or self.max_seqs + self.prefill_rows * self.chunk
+
+    def steps_per_call(self, platform: str) -> tuple[int, str]:
+        """The most decode steps a program call runs on `platform` (a JAX backend name), and why.
+
+        A call costs the host a fixed time (scheduling, inputs, reading the tokens back), which an
+        accelerator's step is short enough to make the bottleneck: there 8 steps share it. A CPU's step
+        of a real model takes tens of milliseconds against about one of the host, so one step a call
+        keeps the programs (and the start) fewer there."""
+        if self.decode_steps is not None:
+            return self.decode_steps, "decode_steps given"
+        if platform == "cpu":
+            return 1, "cpu: the host's time is small beside a step's; fewer programs to compile"
+        return 8, f"{platform}: the host's time per call is shared by 8 steps"
 
     def prefill_shapes(self) -> tuple[tuple[int, int], ...]:
         """The (rows, chunk) prefill shapes compiled: the full one and, unless 0, one short row."""

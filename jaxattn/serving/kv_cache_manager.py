@@ -10,13 +10,13 @@ runs: the scheduler asks it whether pages can be had and, when they cannot, pree
   chain (`page_keys`): those found are shared, the rest allocated; all or nothing. A request asking for
   prompt log-probabilities looks nothing up (each of its prompt tokens must be computed, to be scored).
 * Decoding (`needs_page`, `append_page`): a page for slot `num_computed` once the last one is full.
+* Several decode steps in one call (`reserve`): the pages of the call's slots ahead, as many as can be
+  had without preempting anyone.
 * After a step (`computed`): pages that are now full are keyed for later prompts; in a model whose
   every layer has a sliding window, pages no query can see again are given back (-1 in the table).
 * `free`: every page back to the pool (a request that ended, or was preempted).
 
-vLLM V1's KVCacheManager is the model (read for its shape). What lands here next: several decode
-steps per program call reserve the pages of their k tokens at once (`needs_page` for slot
-`num_computed + k - 1`).
+vLLM V1's KVCacheManager is the model (read for its shape).
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from __future__ import annotations
 import collections
 
 from jaxattn.config import ModelConfig
-from jaxattn.serving.engine_config import EngineConfig
 from jaxattn.serving.pages import PageAllocator, page_keys
 from jaxattn.serving.requests import Request
 
@@ -33,22 +32,6 @@ def local_window(config: ModelConfig) -> int | None:
     """The widest window when every layer is local (its pages before it can be given back), else None."""
     windows = [config.layer_attention(i).window for i in range(config.num_layers)]
     return None if any(w is None for w in windows) else max(windows)
-
-
-def pool_pages(ec: EngineConfig, token_bytes: int, max_model_len: int) -> int:
-    """The pool's pages: `num_pages`, or as many as `kv_memory_gib` holds (ValueError when that is less than
-    one sequence of `max_model_len`), or enough for every running sequence to reach the context."""
-    pages_per_seq = -(-max_model_len // ec.page_size)
-    if ec.num_pages is not None:
-        return ec.num_pages
-    if ec.kv_memory_gib is not None:
-        pages = int(ec.kv_memory_gib * 2**30 // (token_bytes * ec.page_size))
-        if pages < pages_per_seq:
-            raise ValueError(f"kv_memory_gib={ec.kv_memory_gib} holds {pages} pages of {ec.page_size} tokens "
-                             f"({token_bytes * ec.page_size} bytes each); one sequence of "
-                             f"{max_model_len} tokens needs {pages_per_seq}")
-        return pages
-    return ec.max_seqs * pages_per_seq
 
 
 class KVCacheManager:
@@ -108,6 +91,15 @@ class KVCacheManager:
     def append_page(self, request: Request) -> None:
         """One more page for the request (the caller made sure one is `available`)."""
         request.pages += self.allocator.allocate(1)
+
+    def reserve(self, request: Request, count: int) -> int:
+        """Pages for slots `num_computed ... num_computed + count - 1` (the first already held), taken while
+        free ones last -> how many of those slots the request's pages now hold (1 to `count`)."""
+        wanted = -(-(request.num_computed + count) // self.page_size) - len(request.pages)
+        taken = min(max(wanted, 0), self.allocator.available)
+        if taken:
+            request.pages += self.allocator.allocate(taken)
+        return min(count, len(request.pages) * self.page_size - request.num_computed)
 
     # -- after a step -------------------------------------------------------------------------
 

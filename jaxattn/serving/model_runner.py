@@ -19,8 +19,11 @@ host (`fill_guides`, through `jaxattn.serving.structured`) while the device runs
 applied in the step's second program before the draw (`jaxattn.serving.step.StepPrograms`), as vLLM
 fills its grammar bitmask while the model runs.
 
-vLLM V1's GPUModelRunner is the model (read for its shape). What lands here next: several
-decode steps per program call (a program that loops k decode steps on the device); many LoRA adapters
+A step whose decode rows take several turns (`SchedulerOutput.turns`) runs as one call of up to
+`max_steps` decode steps (`jaxattn.serving.multi_step`, compiled per decode bucket when `max_steps` > 1):
+`execute_run` writes its inputs (`run_inputs`) and reads each row's tokens once, at the call's end.
+
+vLLM V1's GPUModelRunner is the model (read for its shape). What lands here next: many LoRA adapters
 per step (the adapters' weights stacked once here, each row's adapter index in the step's inputs).
 """
 
@@ -44,9 +47,10 @@ from jaxattn.program_store import ProgramStore
 from jaxattn.scan_plan import relayout
 from jaxattn.serving.engine_config import EngineConfig
 from jaxattn.serving.logit_knobs import fill_logit_knobs
+from jaxattn.serving.multi_step import MAX_STOP_IDS, DecodeRun, DecodeRunPrograms
 from jaxattn.serving.requests import Request, StepLogprobs
 from jaxattn.serving.scheduler import SchedulerOutput
-from jaxattn.serving.step import LogprobKnobs, Logprobs, Pending, StepInputs, StepPrograms, StepShape
+from jaxattn.serving.step import DrawKnobs, LogprobKnobs, Logprobs, Pending, StepInputs, StepPrograms, StepShape
 from jaxattn.serving.step_clock import StepClock
 from jaxattn.serving.structured import GuideCompiler
 
@@ -106,6 +110,16 @@ def read_logprobs(logprobs: Logprobs, inputs: StepInputs, rows: list[int], chunk
     return StepLogprobsOut(drawn, prompt)
 
 
+def fill_draw_knobs(knobs: DrawKnobs, draws: list[int], requests: list[Request]) -> None:
+    """Writes each request's sampling knobs into its draw's row (the drawn token's position its next)."""
+    knobs.temperature[draws] = [request.sampling.temperature for request in requests]
+    knobs.top_k[draws] = [request.sampling.top_k for request in requests]
+    knobs.top_p[draws] = [request.sampling.top_p for request in requests]
+    knobs.seed[draws] = [request.seed for request in requests]
+    knobs.position[draws] = [request.num_tokens for request in requests]
+    fill_logit_knobs(knobs, draws, requests)
+
+
 def step_shapes(ec: EngineConfig) -> list[StepShape]:
     """Every shape compiled: each decode bucket alone, and with each prefill shape (and prefill alone)."""
     shapes = [StepShape(d, 0, ec.chunk) for d in ec.buckets()]
@@ -132,12 +146,14 @@ class ModelRunner:
       params: `DecoderLM(config)` parameters.
       config: the model.
       engine_config: the compiled shapes and the pages' storage.
-      num_pages: the pool's pages (`jaxattn.serving.kv_cache_manager.pool_pages`).
+      num_pages: the pool's pages (`jaxattn.serving.kv_memory.pool_plan`).
       max_model_len: the longest sequence (the block table's width is its pages).
       kernels: which implementations run the model.
       mesh: a device mesh: parameters laid out by `jaxattn.axes.RULES`, the pools split over kv heads.
       progress: called `(done, total, shape)` as each step program compiles.
       guide_compiler: fills the masks of guided rows (`jaxattn.serving.structured`); None: no guides.
+      max_steps: the most decode steps a call runs (`EngineConfig.steps_per_call`); above 1 a multi-step
+        program is compiled per decode bucket (`runs`).
 
     Attributes:
       mask_seconds, masked_rows: host time spent filling guided rows' masks, and the rows filled.
@@ -146,7 +162,8 @@ class ModelRunner:
 
     def __init__(self, params, config: ModelConfig, engine_config: EngineConfig, *, num_pages: int,
                  max_model_len: int, kernels: Kernels = Kernels(), mesh: Mesh | None = None, progress=None,
-                 guide_compiler: GuideCompiler | None = None, store: ProgramStore | None = None):
+                 guide_compiler: GuideCompiler | None = None, store: ProgramStore | None = None,
+                 max_steps: int = 1):
         # A paged step runs its layers unrolled: a scan would copy each layer's pool out of the stack
         # and back on every step (`jaxattn.scan_plan`), so stacked parameters are unstacked once here.
         params, config = relayout(nn.unbox(params), config, scan_layers=False)
@@ -163,6 +180,10 @@ class ModelRunner:
         self.programs = StepPrograms(config, kernels, self.params, self.pools, self.history, step_shapes(ec),
                                      pages_per_seq=self.pages_per_seq, num_slots=self.num_slots, place=place,
                                      progress=progress, store=store)
+        self.runs = None if max_steps == 1 else DecodeRunPrograms(
+            config, kernels, self.params, self.pools, self.history, self._buckets, max_steps=max_steps,
+            page_size=ec.page_size, pages_per_seq=self.pages_per_seq, num_slots=self.num_slots, place=place,
+            store=store)
 
     def execute(self, output: SchedulerOutput, clock: StepClock | None = None
                 ) -> tuple[list[int], list[bool], StepLogprobsOut | None]:
@@ -228,17 +249,49 @@ class ModelRunner:
             logprob_knobs(inputs.logprobs, request, draw, None if group is decode_group else row, start, count)
             if request.guide_state is not None and start + count == request.num_tokens:  # a draw it takes
                 guided.append((request, draw))
-        requests = [request for request, *_ in rows]
         for table in (group.block_table for group in inputs.batch.groups):
             np.maximum(table, 0, out=table)
-        knobs = inputs.knobs
-        knobs.temperature[draws] = [request.sampling.temperature for request in requests]
-        knobs.top_k[draws] = [request.sampling.top_k for request in requests]
-        knobs.top_p[draws] = [request.sampling.top_p for request in requests]
-        knobs.seed[draws] = [request.seed for request in requests]
-        knobs.position[draws] = [request.num_tokens for request in requests]  # the drawn token's position
-        fill_logit_knobs(knobs, draws, requests)
+        fill_draw_knobs(inputs.knobs, draws, [request for request, *_ in rows])
         return inputs, guided
+
+    def run_inputs(self, output: SchedulerOutput) -> DecodeRun:
+        """A multi-step call's host arrays: each decode row's last token, position, pages, knobs, stop
+        tokens (the first `MAX_STOP_IDS`; the host stops at any of them) and turns."""
+        rows = min(d for d in self._buckets if d >= len(output.decode))
+        run = DecodeRun.empty(rows, self.pages_per_seq, self.config.vocab_size)
+        for row, request in enumerate(output.decode):
+            run.tokens[row], run.positions[row] = request.token_at(request.num_computed), request.num_computed
+            run.block_table[row, :len(request.pages)] = request.pages
+            stop = request.sampling.stop_token_ids[:MAX_STOP_IDS]
+            run.stop_ids[row, :len(stop)] = stop
+            run.logprobs[row] = request.sampling.logprobs is not None or request.wants_logprob
+        np.maximum(run.block_table, 0, out=run.block_table)
+        run.remaining[:len(output.turns)] = output.turns
+        fill_draw_knobs(run.knobs, list(range(len(output.decode))), output.decode)
+        return run.replace(steps=np.int32(output.steps))
+
+    def execute_run(self, output: SchedulerOutput, clock: StepClock | None = None
+                    ) -> tuple[list[list[int]], list[list[bool]], list[list] | None]:
+        """Runs a multi-step call -> per decode row its tokens in order, whether each was drawn from finite
+        logits, and its log-probabilities (`StepLogprobs`, None where not asked; None when no row asked)."""
+        clock = StepClock() if clock is None else clock
+        with clock.phase("inputs"):
+            run = self.run_inputs(output)
+        with clock.phase("dispatch"):
+            self.pools, self.history, out = self.runs.run(len(run.tokens), self.params, self.pools, self.history, run)
+        with clock.phase("device"):
+            jax.block_until_ready(out)
+        with clock.phase("outputs"):
+            rows, turns = len(output.decode), int(out.turns)
+            tokens = np.asarray(out.tokens)[:turns, :rows].T
+            finite = np.asarray(out.finite)[:turns, :rows].T
+            drawn = [[t for t in row if t >= 0] for row in tokens.tolist()]
+            logprobs = None
+            if run.logprobs.any():
+                value, ids, top = (np.asarray(a)[:turns] for a in (out.logprob, out.top_ids, out.top))
+                logprobs = [[StepLogprobs(float(value[j, r]), _top(ids[j, r], top[j, r])) if run.logprobs[r] else None
+                             for j in range(len(drawn[r]))] for r in range(rows)]
+        return drawn, [row[:len(d)] for row, d in zip(finite.tolist(), drawn)], logprobs
 
     def fill_guides(self, inputs: StepInputs, guided: list[tuple[Request, int]], pending: Pending) -> None:
         """Each guided row's mask of allowed tokens (its guide's next step), filled on the host in one

@@ -22,10 +22,16 @@ asked for) and moves each request on. A request that only scores its prompt (`ma
   prompt and what it had drawn as one longer prompt, and goes on. Greedy tokens stay those of
   `jaxattn.generate` on the prompt alone: the cache is exact (docs/theory.md §9, §25).
 
-vLLM V1's Scheduler is the model (read for its shape). What lands here next: several decode steps per
-program call (`schedule` asks for the pages of k tokens per decoding row; `update` takes k tokens a row,
-cut at the first that ends the request); and at most so many LoRA adapters per step
-(`schedule` admits by the adapters already in the step).
+* Several decode steps per program call (`jaxattn.serving.multi_step`): when every running row only
+  decodes, nothing waits and no row is guided, `schedule` gives each decode row its turns (up to
+  `max_steps`, no more than its `max_tokens` and the context leave, nor than the free pages hold:
+  `KVCacheManager.reserve` takes them now, preempting nobody), and `update` takes each row's tokens in
+  order, cut at the first that ends its request (a stop token, a stop string, `max_tokens`).
+* A request cancelled while a step runs is dropped when the step's tokens are handed out: its row and
+  pages are free for the next step.
+
+vLLM V1's Scheduler is the model (read for its shape). What lands here next: at most so many LoRA
+adapters per step (`schedule` admits by the adapters already in the step).
 """
 
 from __future__ import annotations
@@ -64,11 +70,19 @@ class SchedulerOutput:
       decode: requests decoding one token each (their last), in row order.
       prefill: prompt chunks in row order (one request may have several, consecutive).
       ended: requests cancelled since the last step (nothing to compute; they ended here).
+      turns: per decode row, the most tokens it draws in this call (several decode steps in one call);
+        empty: one step.
     """
 
     decode: list[Request]
     prefill: list[PromptChunk]
     ended: list[Request]
+    turns: list[int] = dataclasses.field(default_factory=list)
+
+    @property
+    def steps(self) -> int:
+        """The most decode steps the call runs (1: a plain step)."""
+        return max(self.turns, default=1)
 
     @property
     def empty(self) -> bool:
@@ -84,9 +98,12 @@ class Scheduler:
       kv: the pages of every request.
       max_model_len: a request that reaches it ends ("length").
       stats: the engine's counters (steps, tokens, preemptions are counted here).
+      max_steps: the most decode steps a program call runs (`EngineConfig.steps_per_call`).
     """
 
-    def __init__(self, config: EngineConfig, kv: KVCacheManager, max_model_len: int, stats: collections.Counter):
+    def __init__(self, config: EngineConfig, kv: KVCacheManager, max_model_len: int, stats: collections.Counter,
+                 max_steps: int = 1):
+        self.max_steps = max_steps
         self.max_seqs, self.max_waiting = config.max_seqs, config.max_waiting
         self.chunk, self.prefill_rows, self.token_budget = config.chunk, config.prefill_rows, config.budget
         self.kv, self.max_model_len, self.stats = kv, max_model_len, stats
@@ -131,7 +148,22 @@ class Scheduler:
             if request in decode:  # not preempted for an earlier one's page
                 self._page_for_next(request, decode)
         self._admit()
-        return SchedulerOutput(decode, self._chunks(decode), ended)
+        prefill = self._chunks(decode)
+        return SchedulerOutput(decode, prefill, ended, [] if prefill else self._turns(decode))
+
+    def _turns(self, decode: list[Request]) -> list[int]:
+        """Each decode row's turns in a multi-step call, its pages reserved; empty when the step must be
+        one: some request waits (a row may free up for it), some row is guided (its mask is the host's)."""
+        if self.max_steps == 1 or self.waiting or not decode or any(r.guide_state is not None for r in decode):
+            return []
+        turns = [self.kv.reserve(request, min(self.max_steps, self._left(request))) for request in decode]
+        return turns if max(turns) > 1 else []
+
+    def _left(self, request: Request) -> int:
+        """The tokens a running request may still draw before `max_tokens` or the context ends it."""
+        max_tokens = request.sampling.max_tokens
+        by_tokens = self.max_model_len if max_tokens is None else max_tokens - len(request.output_ids)
+        return max(min(by_tokens, self.max_model_len - request.num_tokens), 1)
 
     def _chunks(self, decode: list[Request]) -> list[PromptChunk]:
         """The prompt chunks that fit the budget beside `decode` (which gains the requests admitted with
@@ -235,7 +267,25 @@ class Scheduler:
             if request.num_computed == request.num_tokens:  # the chunk reached the end: draw
                 self._drawn(request, tokens[row], finite[row], now, drawn[row])
                 touched.append(request)
-        return touched
+        return _with(touched, self._drop_cancelled())
+
+    def update_run(self, output: SchedulerOutput, tokens: list[list[int]], finite: list[list[bool]],
+                   logprobs: list[list] | None = None) -> list[Request]:
+        """Hands a multi-step call's draws to their requests: per decode row its tokens in order (and
+        whether each was drawn from finite logits, its log-probabilities or None), taken until one ends
+        the request; the rest are dropped. Returns the requests that got a token or ended."""
+        now, touched = time.perf_counter(), list(output.ended)
+        self.stats["steps"] += max(map(len, tokens), default=0)
+        self.stats["multi_step_calls"] += 1
+        for row, request in enumerate(output.decode):
+            for turn, token in enumerate(tokens[row]):
+                if request.finished or request in self._cancelled:
+                    break
+                self.kv.computed(request, 1)
+                self.stats["decode_tokens"] += 1
+                self._drawn(request, token, finite[row][turn], now, logprobs[row][turn] if logprobs else None)
+            touched.append(request)
+        return _with(touched, self._drop_cancelled())
 
     def _drawn(self, request: Request, token: int, finite: bool, now: float, logprobs) -> None:
         """A request's prompt and output are computed and a token was drawn: taken, or, for a request
@@ -265,6 +315,11 @@ class Scheduler:
         self.kv.free(request)
         self.running.remove(request)
         _finish(request, reason)
+
+
+def _with(touched: list[Request], ended: list[Request]) -> list[Request]:
+    """`touched` and the requests of `ended` it lacks."""
+    return touched + [request for request in ended if request not in touched]
 
 
 def _finish(request: Request, reason: str) -> None:

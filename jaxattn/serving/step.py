@@ -236,7 +236,7 @@ def prompt_logprobs(head, hidden, targets, vocab_size: int):
                         lambda: _zeros((rows, chunk), k))
 
 
-def _forward(params, pools, history, tokens, batch: PagedBatch, prompt_targets, *, model: DecoderLM):
+def step_forward(params, pools, history, tokens, batch: PagedBatch, prompt_targets, *, model: DecoderLM):
     """The step's first program: the paged forward -> `(pools, history, raw [M, V] float32 logits of the
     drawn rows, prompt log-probabilities)`. It needs nothing of the draws, so the host fills the guided
     rows' masks while it runs."""
@@ -249,7 +249,7 @@ def _forward(params, pools, history, tokens, batch: PagedBatch, prompt_targets, 
     return pools, history, raw, prompt_logprobs(head, hidden, prompt_targets, raw.shape[-1])
 
 
-def _sample(raw, history, knobs: DrawKnobs, block_tables: tuple, logprobs_asked):
+def step_sample(raw, history, knobs: DrawKnobs, block_tables: tuple, logprobs_asked):
     """The step's second program: the raw logits masked, biased, penalised and drawn -> `(tokens [M],
     finite [M], the drawn rows' log-probabilities)`."""
     logits = apply_masks(raw, knobs)  # a guided row with nothing allowed is not finite below
@@ -297,7 +297,7 @@ class StepPrograms:
                  threads: int | None = None, store: program_store.ProgramStore | None = None):
         self.pages_per_seq, self.num_slots, self._place = pages_per_seq, num_slots, place
         store = program_store.default_store() if store is None else store
-        forward, context = functools.partial(_forward, model=DecoderLM(config, kernels)), f"{config!r} {kernels!r}"
+        forward, context = functools.partial(step_forward, model=DecoderLM(config, kernels)), f"{config!r} {kernels!r}"
         shapes = sorted(shapes)
         # Each rows' sampler is compiled after the first forward of those rows: it takes that forward's outputs.
         first_of_rows = {_rows(shape): shape for shape in reversed(shapes)}
@@ -314,7 +314,7 @@ class StepPrograms:
             if first_of_rows[_rows(shape)] == shape:
                 _, history_out, raw, _ = compiled.out_info  # shapes and shardings the forward gives
                 args = (raw, history_out, *_sample_args(empty[shape]))
-                sampler = store.program("serving-sample", "", _sample, args).lower(*args).compile()
+                sampler = store.program("serving-sample", "", step_sample, args).lower(*args).compile()
             return shape, compiled, sampler
 
         self.programs, self.samplers = {}, {}

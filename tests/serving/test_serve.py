@@ -28,7 +28,8 @@ KEY = "test-key"
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     args = tiny_server_args(tmp_path_factory.mktemp("serve")) + [
-        "--api-key", KEY, "--max-seqs", "16", "--max-waiting", "2", "--max-body", "100000", "--seed", "0"]
+        "--api-key", KEY, "--max-seqs", "16", "--max-waiting", "2", "--max-body", "100000", "--seed", "0",
+        "--decode-steps", "4"]  # every test below also runs through calls of several decode steps
     with ServerProcess(args) as process:
         yield process
 
@@ -77,7 +78,9 @@ def complete(client, prompt="The king", **knobs):
 
 def test_the_ready_line_names_the_url_model_pages_and_memory(server):
     assert re.match(r"ready: http://127\.0\.0\.1:\d+ \(model 'tiny'; [\d,]+ pages of 16 tokens, [\d.]+ MiB of KV "
-                    r"cache; \d+ step programs compiled in [\d.]+ s", server.ready_line), server.ready_line
+                    r"cache: each of 16 rows reaches [\d,]+ tokens at once, the full need: every row can reach the "
+                    r"context; \d+ step programs compiled in [\d.]+ s; 4 decode steps per call", server.ready_line), \
+        server.ready_line
 
 
 def test_models_and_health(server, client):
