@@ -44,7 +44,15 @@ class _PlainReader(GGUFReader):
     `numpy.memmap` itself: the same bytes and fields (tests/gguf/test_gguf.py compares them), but a
     large vocabulary's hundred thousand strings parse in 2.5 s instead of 7 (SmolLM2's 49,152 tokens
     and 48,900 merges): slicing a memmap runs its `__array_finalize__` each time, about 70% of the
-    parse. Overrides the reader's one slicing method, `_get`, with its own body."""
+    parse. Overrides the reader's one slicing method, `_get`, with its own body; a slice the file ends
+    inside is a `TruncatedFile` naming the tensor whose data starts there (the reader's own error was
+    numpy's "cannot reshape array")."""
+
+    def _build_tensors(self, start_offs: int, fields) -> None:
+        # Where each tensor's data starts (the parts of a tensor's field: name length, name, dims, ..., offset).
+        self.__dict__["_tensor_at"] = {int(start_offs + field.parts[-1][0]): str(bytes(field.parts[1]), "utf-8")
+                                       for field in fields}
+        super()._build_tensors(start_offs, fields)
 
     def _get(self, offset: int, dtype, count: int = 1, override_order=None) -> np.ndarray:
         plain = self.__dict__.get("_plain")
@@ -52,7 +60,18 @@ class _PlainReader(GGUFReader):
             plain = self.__dict__["_plain"] = self.data.view(np.ndarray)
         count = int(count)
         array = plain[offset:offset + np.dtype(dtype).itemsize * count].view(dtype=dtype)[:count]
+        if array.size < count:
+            raise TruncatedFile(self.__dict__.get("_tensor_at", {}).get(offset), count * np.dtype(dtype).itemsize,
+                                array.nbytes)
         return array.view(array.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
+
+
+class TruncatedFile(ValueError):
+    """The file ends inside what the reader asked for: `tensor`'s data (None: metadata), `had` of `wanted` bytes."""
+
+    def __init__(self, tensor: str | None, wanted: int, had: int):
+        super().__init__(f"{tensor} ({had:,} of {wanted:,} bytes)")
+        self.tensor, self.wanted, self.had = tensor, wanted, had
 
 
 class GGUFFile:
@@ -75,6 +94,12 @@ class GGUFFile:
             reader = _PlainReader(self.path)
         except OSError as err:
             raise InvalidCheckpoint(self.path, None, f"cannot be read ({err.strerror or err})") from None
+        except TruncatedFile as err:
+            if err.tensor is None:
+                raise InvalidCheckpoint(self.path, None, f"ends inside its header ({err.had:,} of the {err.wanted:,} "
+                                        "bytes of a field): truncated, or not a GGUF file?") from None
+            raise InvalidCheckpoint(self.path, err.tensor, f"holds {err.had:,} of its {err.wanted:,} bytes: the file "
+                                    "ends before this tensor's data (truncated? downloaded in part?)") from None
         except Exception as err:  # noqa: BLE001 (GGUFReader raises ValueError, KeyError, IndexError, ...)
             unknown = UNKNOWN_TYPE.search(str(err))
             if unknown:

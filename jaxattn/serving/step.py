@@ -295,7 +295,7 @@ class StepPrograms:
     def __init__(self, config: ModelConfig, kernels: Kernels, params, pools, history, shapes, *,
                  pages_per_seq: int, num_slots: int, place=lambda tree: tree, progress=None,
                  threads: int | None = None, store: program_store.ProgramStore | None = None):
-        self.pages_per_seq, self.num_slots, self._place = pages_per_seq, num_slots, place
+        self.pages_per_seq, self.num_slots, self.place = pages_per_seq, num_slots, place
         store = program_store.default_store() if store is None else store
         forward, context = functools.partial(step_forward, model=DecoderLM(config, kernels)), f"{config!r} {kernels!r}"
         shapes = sorted(shapes)
@@ -337,11 +337,11 @@ class StepPrograms:
         """Dispatches bucket `shape`'s forward -> `(pools, history, Pending)`, all on the device, returned
         before the program ends. Reads `inputs`' tokens, batch and prompt targets, not its knobs."""
         pools, history, raw, prompt = self.programs[shape](params, pools, history,
-                                                           *self._place(_forward_args(inputs)))
+                                                           *self.place(_forward_args(inputs)))
         return pools, history, Pending(raw, prompt)
 
     def sample(self, shape: StepShape, pending: Pending, history, inputs: StepInputs):
         """Dispatches the draws after `forward` -> `(tokens [M], finite [M], Logprobs)`, all on the device,
         returned before the program ends: the caller waits for them and copies what it reads."""
-        tokens, finite, drawn = self.samplers[_rows(shape)](pending.raw, history, *self._place(_sample_args(inputs)))
+        tokens, finite, drawn = self.samplers[_rows(shape)](pending.raw, history, *self.place(_sample_args(inputs)))
         return tokens, finite, Logprobs(*drawn, *pending.prompt)

@@ -549,6 +549,17 @@ def test_a_file_that_is_not_gguf_is_an_invalid_checkpoint_naming_it(tmp_path, co
         load_gguf(tmp_path / "missing.gguf")
 
 
+def test_a_truncated_file_names_itself_the_tensor_and_the_likely_cause(tmp_path):
+    """It said "cannot reshape array of size 399424 into shape (576,960)"."""
+    path = tmp_path / "cut.gguf"
+    write_gguf(path, dataclasses.replace(SPECS["llama"], layers=1), Q.Q8_0)
+    data = path.read_bytes()
+    path.write_bytes(data[:len(data) - 300])  # the last tensor's last bytes are gone
+    with pytest.raises(hf.InvalidCheckpoint, match=re.escape(str(path)) + r".*: holds [\d,]+ of its [\d,]+ bytes: "
+                       r"the file ends before this tensor's data \(truncated\?"):
+        load_gguf(path)
+
+
 def test_every_architecture_reads_as_a_registered_jaxattn_family():
     from jaxattn.hf.families import FAMILIES
     for record in ARCHITECTURES.values():
