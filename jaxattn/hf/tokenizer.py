@@ -24,6 +24,20 @@ from jaxattn._validate import is_int
 from jaxattn.hf.errors import InvalidCheckpoint
 from jaxattn.hf.fields import Fields, read_json_object, read_text
 
+MAX_CHARS_TRIED = 256  # distinct characters tried one by one to name those a text cannot be encoded for
+
+
+def check_unicode(text: str, what: str = "the text") -> None:
+    """ValueError naming the first lone surrogate of `text` (a code point U+D800-U+DFFF alone, which JSON's
+    escapes can carry): it is not a Unicode character, and no tokenizer encodes it."""
+    try:
+        text.encode("utf-8")  # at C speed; UTF-8 has no encoding for a surrogate
+    except UnicodeEncodeError as err:
+        raise ValueError(f"{what} holds a lone surrogate, U+{ord(text[err.start]):04X} at character {err.start}: it "
+                         "is not a Unicode character (a pair of them escapes one in JSON); no tokenizer encodes it") \
+            from None
+
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")  # what `tokenizer_files` writes
 # Conventional end-of-text special tokens (GPT-2, Llama 1/2, Llama 3, Gemma, Qwen, DeepSeek).
 EOS_NAMES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|im_end|>", "<｜end▁of▁sentence｜>")
@@ -50,13 +64,22 @@ class HFTokenizer:
         """
         if not isinstance(text, str):
             raise TypeError(f"text must be a str, got {type(text).__name__}")
+        check_unicode(text)
         try:
             return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
         except Exception as err:  # `tokenizers` raises a bare Exception (e.g. "Missing [UNK] token")
-            vocab = self.tokenizer.get_vocab(with_added_tokens=True)
-            unknown = sorted({c for c in text if c not in vocab})
+            # A character is unknown when it does not encode alone (a byte-level vocabulary spells "\n" as "Ċ":
+            # looking characters up in the vocabulary would name every newline).
+            unknown = [c for c in sorted(set(text))[:MAX_CHARS_TRIED] if not self._encodes(c)]
             known = f"characters {unknown!r} are not in its vocabulary; " if unknown else ""
             raise ValueError(f"the tokenizer cannot encode the text: {known}{err}") from None
+
+    def _encodes(self, char: str) -> bool:
+        try:
+            self.tokenizer.encode(char, add_special_tokens=False)
+        except Exception:  # noqa: BLE001 - the same bare Exception
+            return False
+        return True
 
     def decode(self, ids: Sequence[int] | np.ndarray, skip_special_tokens: bool = True) -> str:
         """Text of a 1-D sequence of ids (a list, numpy or JAX array)."""

@@ -881,3 +881,22 @@ def test_text_the_tokenizer_cannot_encode_is_a_value_error_naming_the_characters
     assert tok.encode("a") == [0]
     with pytest.raises(ValueError, match=r"\['z'\]"):
         tok.encode("z")
+
+
+def test_text_a_tokenizer_cannot_encode_is_named_by_what_it_lacks():
+    """A lone surrogate is named as one (it was refused with a list that also named '\\n': a byte-level
+    vocabulary spells a newline "Ċ", so looking characters up in it named every newline), and a character a
+    vocabulary lacks is named alone."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    byte_level = Tokenizer(models.BPE())
+    byte_level.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    byte_level.decoder = decoders.ByteLevel()
+    byte_level.train_from_iterator(["to be or not\nto be"], trainers.BpeTrainer(
+        vocab_size=270, show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    with pytest.raises(ValueError, match=r"^the text holds a lone surrogate, U\+D800 at character 6: ") as caught:
+        hf.HFTokenizer(byte_level).encode("to be\n\ud800")
+    assert "\\n" not in str(caught.value)
+    chars = Tokenizer(models.WordLevel(vocab={"a": 0, "b": 1, "\n": 2}))  # no unknown token: "z" cannot be encoded
+    chars.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    with pytest.raises(ValueError, match=r"characters \['z'\] are not in its vocabulary"):
+        hf.HFTokenizer(chars).encode("ab\nz")

@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from jaxattn.hf.tokenizer import check_unicode
+
 JSON_KINDS = ("bpe", "hf")  # the kinds a JSONTokenizer holds
 MAX_NAMED = 5  # unencodable pieces named in an error
 
@@ -131,6 +133,7 @@ class JSONTokenizer:
         tokenizer cannot encode (a vocabulary without an unknown token lacks them)."""
         if not isinstance(text, str):
             raise TypeError(f"text must be a str, got {type(text).__name__}")
+        check_unicode(text)
         try:
             return np.asarray(self._hf.encode(text, add_special_tokens=False).ids, dtype=np.int32)
         except Exception as err:  # noqa: BLE001: `tokenizers` raises a bare Exception ("Missing [UNK] token")
