@@ -4,6 +4,8 @@ field (or the body), answered at once, and the server goes on serving (`jaxattn.
 
 import json
 import socket
+import statistics
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -103,3 +105,48 @@ def test_a_connection_that_stops_inside_its_headers_is_closed_at_the_deadline():
         assert answer.usage.completion_tokens == 200
         again = server.client.completions.create(model=MODEL, prompt="ab", max_tokens=2)  # the kept-alive connection
         assert again.usage.completion_tokens == 2
+
+
+def test_normal_requests_keep_their_latency_beside_hostile_ones(server):
+    """A bounded load over loopback: 4 clients send hostile requests (long and many stop strings, huge
+    numbers, booleans, deep nesting) for the whole test while 8 connections sit inside their headers;
+    20 normal completions, one after another, keep their median latency within 2x of the same completions
+    alone (each hostile request is refused at once, so the engine's loop never sees one)."""
+    hostile = [completion(stop=["x" * 100_000]), completion(stop=["y"] * 10_000), completion(top_k=2**63),
+               completion(prompt=[True, False]), b"[" * 50_000 + b"]" * 50_000]
+    port = int(server.url.rsplit(":", 1)[1])
+
+    def normal_latencies() -> list[float]:
+        times = []
+        for _ in range(20):
+            status, _, seconds = post(server, completion(max_tokens=5))
+            assert status == 200
+            times.append(seconds)
+        return times
+
+    alone = normal_latencies()
+    stop = threading.Event()
+    refused = []
+
+    def attack(body: bytes):
+        while not stop.is_set():
+            refused.append(post(server, body)[0])
+
+    stalled = [socket.create_connection(("127.0.0.1", port)) for _ in range(8)]
+    for connection in stalled:
+        connection.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Le")
+    attackers = [threading.Thread(target=attack, args=(hostile[i % len(hostile)],)) for i in range(4)]
+    for thread in attackers:
+        thread.start()
+    try:
+        beside = normal_latencies()
+    finally:
+        stop.set()
+        for thread in attackers:
+            thread.join(30)
+        for connection in stalled:
+            connection.close()
+    print(f"normal completions: median {statistics.median(alone) * 1e3:.1f} ms alone, "
+          f"{statistics.median(beside) * 1e3:.1f} ms beside {len(refused)} hostile requests")
+    assert refused and set(refused) == {400}
+    assert statistics.median(beside) <= 2 * statistics.median(alone), (alone, beside)
