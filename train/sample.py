@@ -202,7 +202,7 @@ def run(argv=None) -> int:
     args = parse_args(argv)
     _check_knobs(args)
     if args.cpu_devices is not None:
-        jax.config.update("jax_num_cpu_devices", args.cpu_devices)  # before anything starts JAX
+        runtime_lib.host_devices(args.cpu_devices)  # before anything starts JAX
     kept = kept_programs.KeptPrograms(args)
     prompt = read_prompt(args.prompt)
     loaded = load_model(args.model_source)

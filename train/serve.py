@@ -51,6 +51,7 @@ from train.data.errors import DataError
 from train.data.tokenizer import CharTokenizer, to_hf_tokenizer
 from train.models.load import device_mesh, load_model, paged_part, quant_line, read_chat
 from train.models.source import SourceFlags
+from train.run import runtime as runtime_lib
 from train.run.host_memory import release_freed_memory
 
 PROGRAM = "python -m train.serve"
@@ -203,7 +204,7 @@ def run(argv=None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
     if args.cpu_devices is not None:
-        jax.config.update("jax_num_cpu_devices", args.cpu_devices)
+        runtime_lib.host_devices(args.cpu_devices)
     kept = kept_programs.KeptPrograms(args)
     sock = listen_socket(args.host, args.port)
     try:

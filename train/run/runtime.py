@@ -100,17 +100,42 @@ def check_cpu_devices(config: RuntimeConfig, batch_size: int, num_processes: int
     return []
 
 
+# XLA:CPU's host devices meet at every collective on threads of one process; one that waits 40 s for another
+# aborts the process (rendezvous.cc's "Termination timeout", a C++ stack and SIGABRT), which a step of a real
+# model on a loaded machine reaches: a LoRA step of a 135M model on 2 busy cores did. An hour instead, and the
+# "may be stuck" warning after 10 minutes rather than 20 s, unless XLA_FLAGS or runtime.xla_flags set them.
+COLLECTIVE_FLAGS = ("--xla_cpu_collective_timeout_seconds=3600", "--xla_cpu_collective_call_terminate_timeout_seconds=3600",
+                    "--xla_cpu_collective_call_warn_stuck_timeout_seconds=600")
+
+
+def add_xla_flags(flags, *, unless_named: bool = False) -> None:
+    """Appends `flags` to XLA_FLAGS (before JAX starts), those not there already (with `unless_named`, those
+    whose flag XLA_FLAGS does not set at all: a default that gives way to the user's)."""
+    current = os.environ.get("XLA_FLAGS", "").split()
+    there = {flag.split("=")[0] for flag in current} if unless_named else set(current)
+    os.environ["XLA_FLAGS"] = " ".join(current + [f for f in flags if (f.split("=")[0] if unless_named else f)
+                                                  not in there])
+
+
+def host_devices(count: int) -> None:
+    """Makes `count` CPU host devices, their collectives' timeouts raised (`COLLECTIVE_FLAGS`), before JAX
+    starts; RuntimeError once it has."""
+    if count > 1:
+        add_xla_flags(COLLECTIVE_FLAGS, unless_named=True)
+    jax.config.update("jax_num_cpu_devices", count)
+
+
 def prepare_jax(config: RuntimeConfig, batch_size: int, num_processes: int = 1) -> list[str]:
-    """Applies XLA flags and the CPU host device count (`cpu_devices_wanted`) before JAX starts;
-    returns warnings. ValueError for host devices the mesh would leave idle (`check_cpu_devices`)."""
+    """Applies XLA flags and the CPU host device count (`cpu_devices_wanted`, with `COLLECTIVE_FLAGS` when
+    several) before JAX starts; returns warnings. ValueError for host devices the mesh would leave idle
+    (`check_cpu_devices`)."""
     warnings = check_cpu_devices(config, batch_size, num_processes)
     if config.xla_flags:
-        current = os.environ.get("XLA_FLAGS", "").split()
-        os.environ["XLA_FLAGS"] = " ".join(current + [f for f in config.xla_flags.split() if f not in current])
+        add_xla_flags(config.xla_flags.split())
     devices = cpu_devices_wanted(config, batch_size, num_processes)
     if devices > 1 or config.xla_flags:
         try:  # only affects the CPU backend; harmless where the default backend is a GPU or TPU
-            jax.config.update("jax_num_cpu_devices", devices)
+            host_devices(devices)
         except RuntimeError:
             warnings.append(f"JAX had started before this run could set {devices} CPU device(s) and "
                             f"runtime.xla_flags={config.xla_flags!r}; it keeps its own "
