@@ -23,8 +23,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-READY = re.compile(r"^ready: http://([\d.]+):(\d+) .*?([\d,]+) pages of (\d+) tokens, ([\d.,]+) MiB of KV cache; "
-                   r"\d+ step programs compiled in ([\d.]+) s")
+READY = re.compile(r"^ready: http://([\d.]+):(\d+) .*?([\d,]+) pages of (\d+) tokens, ([\d.,]+) MiB of KV cache"
+                   r"[^;]*; \d+ step programs compiled in ([\d.]+) s")
 WORD = re.compile(r"t(\d+)")
 
 

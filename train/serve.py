@@ -95,6 +95,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "body; more gets a 413 (default 4 MiB)")
     parser.add_argument("--embedding-pooling", choices=POOLINGS, default="last", help="/v1/embeddings: the last "
                         "token's final state (vLLM's default for a decoder) or the mean of every token's (default last)")
+    parser.add_argument("--bf16-matmul", action="store_true", help="a float32 model's matmuls in bfloat16 where "
+                        "this machine runs them faster (a CPU with AMX, a GPU): faster, its log-probabilities off by "
+                        "about 1e-2 (default: exact)")
     parser.add_argument("--mesh", help="serve on a device mesh, e.g. tensor:2 (product = device count)")
     kept_programs.add_flag(parser)
     parser.add_argument("--cpu-devices", type=int, metavar="N", help="make N host devices on a CPU for --mesh")
@@ -173,6 +176,18 @@ def guide_compiler(tokenizer, vocab_size: int) -> GuideCompiler:
     return GuideCompiler(to_hf_tokenizer(tokenizer).to_str(), vocab_size, eos)
 
 
+def serving_kernels(dtype: str, bf16_matmul: bool = False) -> tuple[Kernels, dict[str, str]]:
+    """`Kernels.auto()` resolved for this machine, its float matmuls exact for a float32 model unless
+    `bf16_matmul`: a served model's log-probabilities are an answer of the API (lm-eval scores with them),
+    and bfloat16 dots (what "auto" picks on a CPU with AMX and on a GPU) move them by about 1e-2."""
+    kernels, reasons = resolve_kernels(Kernels.auto())
+    if dtype == "float32" and not bf16_matmul and kernels.matmul != "xla":
+        reasons = {**reasons, "matmul": "a float32 model served exactly (--bf16-matmul: "
+                   f"{kernels.matmul!r} would be faster here: {reasons['matmul']})"}
+        kernels = kernels.replace(matmul="xla")
+    return kernels, reasons
+
+
 def build_engine(args, params, config, tokenizer, kernels, mesh) -> tuple[Engine, float]:
     """The engine with every step program compiled (a progress bar on stderr); its compile seconds."""
     engine_config = EngineConfig(max_seqs=args.max_seqs, page_size=args.page_size, num_pages=args.num_pages,
@@ -212,7 +227,7 @@ def run(argv=None) -> int:
         loaded.print_notes()
         params, config, tokenizer = loaded.params, loaded.config, loaded.tokenizer
         mesh = device_mesh(args.mesh, config)
-        kernels, reasons = resolve_kernels(Kernels.auto())
+        kernels, reasons = serving_kernels(config.dtype, args.bf16_matmul)
         print(f"kernels: {paged_part(kernels, reasons)}, matmul {kernels.matmul!r} "
               f"({reasons['matmul']})" + (f"; mesh {axes.MeshShape.of(mesh)}" if mesh is not None else "")
               + quant_line(loaded.quant, kernels, reasons, loaded.head_quant), file=sys.stderr)

@@ -68,9 +68,6 @@ class _TemplateRaised(jinja2.TemplateError):
     """What `raise_exception(message)` raises inside a template."""
 
 
-# --- Finding a directory's template and special tokens -----------------------------------------------
-
-
 def find_chat_template(directory: str | Path) -> str | None:
     """The chat template of a transformers tokenizer directory, or None when it has none.
 
@@ -161,9 +158,6 @@ def _token_text(path: Path, name: str, value: Any) -> str:
     return value
 
 
-# --- The template ------------------------------------------------------------------------------------
-
-
 class ChatTemplate:
     """A chat template compiled once, rendered with `render`.
 
@@ -210,17 +204,14 @@ class ChatTemplate:
         audio) are refused. Other keys pass through (keys whose value is None are dropped).
         `add_generation_prompt` asks the template for the header that starts the assistant's reply.
         `extra` reaches the template as variables: `tools`, `documents`, `enable_thinking` and the like.
-        `max_chars` and `max_seconds` bound what a server renders for a client: the text is rendered
-        piece by piece (Jinja's `generate`) and abandoned past either (None: unbounded); the time is
-        checked between pieces, so a template spinning without output is not stopped by it.
+        `max_chars` and `max_seconds` bound what a server renders for a client: the text is rendered piece by
+        piece (Jinja's `generate`), abandoned past either (None: unbounded; the time is checked between pieces).
 
         ChatTemplateError names the index of the first bad message, gives the template's own message
         when it calls `raise_exception` or fails while rendering, or says which bound it passed.
         """
         chat = _alias_reasoning(_plain(_checked_messages(messages)))
-        variables = _plain({**self.special_tokens, **extra})
-        variables.setdefault("tools", None)
-        variables.setdefault("documents", None)
+        variables = {"tools": None, "documents": None, **_plain({**self.special_tokens, **extra})}
         try:
             pieces = self._compiled.generate(**variables, messages=chat, add_generation_prompt=add_generation_prompt)
             return _bounded("".join, pieces, max_chars, max_seconds)
@@ -235,10 +226,7 @@ class ChatTemplate:
 
 def _bounded(join, pieces, max_chars: int | None, max_seconds: float | None) -> str:
     """The rendered `pieces` joined; ChatTemplateError once they pass `max_chars` or `max_seconds`."""
-    if max_chars is None and max_seconds is None:
-        return join(pieces)
-    deadline = None if max_seconds is None else time.monotonic() + max_seconds
-    kept, size = [], 0
+    deadline, kept, size = None if max_seconds is None else time.monotonic() + max_seconds, [], 0
     for piece in pieces:
         kept.append(piece)
         size += len(piece)

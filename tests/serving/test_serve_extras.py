@@ -21,9 +21,10 @@ from server_process import MODEL, TINY_TOML, ServerProcess, tiny_server_args
 from test_serve import http
 
 from jaxattn.hf.chat_template import ChatTemplate
-from jaxattn.kernels import Kernels, prepare_weights, resolve_kernels
+from jaxattn.kernels import prepare_weights
 from jaxattn.model import DecoderLM
 from jaxattn.serving.embedding import final_hidden
+from train import serve
 from train.models.load import load_model
 from train.models.source import ModelSource
 
@@ -105,12 +106,12 @@ def test_bad_tokenize_and_detokenize_requests_are_400s(server, path, body, param
 
 @pytest.fixture(scope="module")
 def reference(served_dir):
-    """The server's model, loaded again and run by the kernels the server picks on this machine (a CPU with
-    AMX multiplies in bfloat16): `ids -> [T, D]` final states from `DecoderLM.apply`."""
+    """The server's model, loaded again and run by the kernels the server picks on this machine
+    (`serve.serving_kernels`): `ids -> [T, D]` final states from `DecoderLM.apply`."""
     directory, _ = served_dir
     loaded = load_model(ModelSource(random_init=str(directory / f"{MODEL}.toml"), data=str(directory / "corpus.txt"),
                                     seed=3))
-    kernels, _ = resolve_kernels(Kernels.auto())
+    kernels, _ = serve.serving_kernels(loaded.config.dtype)
     model, params = DecoderLM(loaded.config, kernels), prepare_weights(loaded.params, kernels)
 
     def states(ids):
