@@ -472,7 +472,9 @@ def run_perplexity(spec: dict) -> dict:
     params, config, tokenizer = perplexity_model(spec)
     corpus = load_corpus(corpus_path(spec.get("data")), tokenizer=tokenizer)
     val = np.asarray(corpus.val)[:spec["max_tokens"] + 1] if spec.get("max_tokens") else np.asarray(corpus.val)
-    kernels = resolve_kernels()[0]
+    # The float dots exact: each format's perplexity is its weights', not that of bfloat16 arithmetic ("auto"'s
+    # matmul on a CPU with AMX); the "bfloat16" format asks for that by its dtype.
+    kernels = resolve_kernels()[0].replace(matmul="xla")
     results = {}
     kept = GGUFModel.open(spec["gguf"]).kept_quantization() if spec.get("gguf") else None
     for fmt in spec["formats"]:

@@ -4,8 +4,8 @@
         [--repeats 3] [--out bench/results/serve_startup]
 
 For each model (bench/serve.py's checkpoints, written once, and --gguf's file, e.g. the real
-SmolLM2-135M-Instruct), in fresh server processes with the program's defaults (`--max-seqs 32`,
-pages for every request to reach the context), per repeat: a first start with an empty program
+SmolLM2-135M-Instruct), in fresh server processes with the program's defaults (`--max-seqs 32`, the
+default KV pool: `jaxattn.serving.kv_memory`), per repeat: a first start with an empty program
 cache (`JAXATTN_CACHE_DIR` a new folder), then a second start with the programs the first kept
 (`jaxattn.program_cache`). Each: seconds from launching the process to its `ready:` line, that
 `/health` then answers 200, the time of one 1-token completion right after, and the programs read

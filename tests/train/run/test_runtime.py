@@ -124,7 +124,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 mesh = Mesh(jax.devices(), ("d",))
 def body(x):  # device 0 works for seconds before the all-reduce; device 1 waits for it there
-    heavy = lambda x: jax.lax.fori_loop(0, 5000, lambda i, y: jnp.sin(y) @ jnp.cos(y), x)
+    heavy = lambda x: jax.lax.fori_loop(0, 20000, lambda i, y: jnp.sin(y) @ jnp.cos(y), x)
     return jax.lax.psum(jax.lax.cond(jax.lax.axis_index("d") == 0, heavy, lambda x: x, x), "d")
 jax.block_until_ready(jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P()))(jnp.ones((512, 256))))
 print("ok")
@@ -135,13 +135,14 @@ def test_host_devices_wait_for_each_other_at_collectives_as_long_as_a_step_may_t
     """XLA:CPU aborts a process whose host devices wait for each other at a collective past its termination
     timeout (40 s by default: a LoRA step of a 135M model on two busy cores did, SIGABRT and a C++ stack).
     `host_devices` raises it to an hour unless XLA_FLAGS sets it; the flags it sets are the ones XLA reads:
-    set to 2 s they abort the same program, where device 0 works 5 s before the all-reduce."""
+    set to 2 s they abort the same program, where device 0 works seconds before the all-reduce."""
     env = {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, "PYTHONPATH": str(ROOT)}
     ours = subprocess.run([sys.executable, "-c", LAGGING_COLLECTIVE + "import os; print(os.environ['XLA_FLAGS'])"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert ours.returncode == 0, ours.stderr[-2000:]
     assert all(flag in ours.stdout for flag in runtime.COLLECTIVE_FLAGS)
-    short = "--xla_cpu_collective_call_warn_stuck_timeout_seconds=1 --xla_cpu_collective_call_terminate_timeout_seconds=2"
+    short = ("--xla_cpu_collective_call_warn_stuck_timeout_seconds=1 --xla_cpu_collective_call_terminate_timeout_seconds=2 "
+             "--xla_cpu_collective_timeout_seconds=2")
     aborted = subprocess.run([sys.executable, "-c", LAGGING_COLLECTIVE], cwd=ROOT, env={**env, "XLA_FLAGS": short},
                              capture_output=True, text=True, timeout=300)
     assert aborted.returncode != 0 and "Termination timeout" in aborted.stderr and "of 2 seconds" in aborted.stderr
