@@ -29,6 +29,8 @@ per step (the adapters' weights stacked once here, each row's adapter index in t
 
 from __future__ import annotations
 
+import concurrent.futures
+import functools
 import time
 from typing import NamedTuple
 
@@ -173,17 +175,23 @@ class ModelRunner:
         self.pages_per_seq = -(-max_model_len // ec.page_size)
         self.num_slots = num_pages * ec.page_size
         self._buckets, self._prefill_shapes, self._chunk = ec.buckets(), ec.prefill_shapes(), ec.chunk
-        pools = init_pools(config, num_pages, ec.page_size, ec.kv_cache)
-        self.params, self.pools, place = _placed(params, pools, config, mesh)
-        # Each slot's token, written beside its keys and values (the penalties read it: `logit_knobs`).
-        self.history = place(jnp.zeros((num_pages, ec.page_size), jnp.int32))
-        self.programs = StepPrograms(config, kernels, self.params, self.pools, self.history, step_shapes(ec),
-                                     pages_per_seq=self.pages_per_seq, num_slots=self.num_slots, place=place,
-                                     progress=progress, store=store)
-        self.runs = None if max_steps == 1 else DecodeRunPrograms(
-            config, kernels, self.params, self.pools, self.history, self._buckets, max_steps=max_steps,
-            page_size=ec.page_size, pages_per_seq=self.pages_per_seq, num_slots=self.num_slots, place=place,
-            store=store)
+        make_pools = functools.partial(init_pools, config, num_pages, ec.page_size, ec.kv_cache)
+        with concurrent.futures.ThreadPoolExecutor(1) as zeroing:
+            # On one device the pools (gigabytes: seconds of zeroing) are made while the programs are traced or
+            # read back and compiled, which need only their shapes; on a mesh they are placed first.
+            made = zeroing.submit(make_pools) if mesh is None else None
+            pools = jax.eval_shape(make_pools) if mesh is None else make_pools()
+            self.params, pools, place = _placed(params, pools, config, mesh)
+            # Each slot's token, written beside its keys and values (the penalties read it: `logit_knobs`).
+            self.history = place(jnp.zeros((num_pages, ec.page_size), jnp.int32))
+            self.programs = StepPrograms(config, kernels, self.params, pools, self.history, step_shapes(ec),
+                                         pages_per_seq=self.pages_per_seq, num_slots=self.num_slots, place=place,
+                                         progress=progress, store=store)
+            self.runs = None if max_steps == 1 else DecodeRunPrograms(
+                config, kernels, self.params, pools, self.history, self._buckets, max_steps=max_steps,
+                page_size=ec.page_size, pages_per_seq=self.pages_per_seq, num_slots=self.num_slots, place=place,
+                store=store)
+            self.pools = pools if made is None else made.result()
 
     def execute(self, output: SchedulerOutput, clock: StepClock | None = None
                 ) -> tuple[list[int], list[bool], StepLogprobsOut | None]:

@@ -304,12 +304,9 @@ class StepPrograms:
 
         empty = {shape: place(StepInputs.empty(shape, pages_per_seq, num_slots, config.vocab_size)) for shape in shapes}
         forward_args = {shape: (params, pools, history, *_forward_args(empty[shape])) for shape in shapes}
-        # Traced here, or read back from the store; the pools and the history are donated.
-        lowered = {shape: store.program("serving-forward", context, forward, args, donate_argnums=(1, 2)).lower(*args)
-                   for shape, args in forward_args.items()}
 
-        def compile_shape(shape: StepShape):
-            compiled = lowered[shape].compile()
+        def compile_shape(shape: StepShape, lowered):
+            compiled = lowered.compile()
             sampler = None
             if first_of_rows[_rows(shape)] == shape:
                 _, history_out, raw, _ = compiled.out_info  # shapes and shardings the forward gives
@@ -318,9 +315,12 @@ class StepPrograms:
             return shape, compiled, sampler
 
         self.programs, self.samplers = {}, {}
-        # XLA compiles outside the GIL: one program per core at once.
+        # XLA compiles outside the GIL, one program per core at once, while this thread traces (or reads back
+        # from the store) the next; the pools and the history are donated.
         with concurrent.futures.ThreadPoolExecutor(threads or os.cpu_count() or 1) as pool:
-            futures = [pool.submit(compile_shape, shape) for shape in shapes]
+            futures = [pool.submit(compile_shape, shape, store.program(
+                "serving-forward", context, forward, args, donate_argnums=(1, 2)).lower(*args))
+                for shape, args in forward_args.items()]
             for done, future in enumerate(concurrent.futures.as_completed(futures), 1):
                 shape, compiled, sampler = future.result()
                 self.programs[shape] = compiled
