@@ -3,7 +3,7 @@
     PYTHONPATH=$PWD .venv/bin/python bench/step_parts.py --gguf SmolLM2-135M-Instruct.Q4_1.gguf
         [--rows 32] [--context 300] [--steps 20] [--out bench/results/step_parts]
 
-The engine is built as `train.serve` builds it (`Kernels.auto()`, the weights laid out for them), with one
+The engine is built as `train.serve` builds it (`serving_kernels`, the weights laid out for them), with one
 decode bucket of --rows rows. Two measures, one after the other:
 
 * the engine: --rows requests of --context prompt tokens decode --steps steps; `Engine.clock` splits each
@@ -38,11 +38,12 @@ sys.path.insert(0, str(ROOT))
 
 from bench.machine import describe_machine, machine_line, portable_command, write_results  # noqa: E402
 from bench.step_buckets import step_inputs  # noqa: E402
-from jaxattn.kernels import Kernels, prepare_weights, resolve_kernels  # noqa: E402
+from jaxattn.kernels import prepare_weights  # noqa: E402
 from jaxattn.serving import Engine, EngineConfig, SamplingParams  # noqa: E402
 from jaxattn.serving.step import StepShape  # noqa: E402
 from train.models.load import load_model  # noqa: E402
 from train.models.source import ModelSource  # noqa: E402
+from train.serve import serving_kernels  # noqa: E402
 
 PAGE = 16
 PARTS = ("head", "products", "attention", "rest", "sampling")
@@ -150,7 +151,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     loaded = load_model(ModelSource(gguf=str(args.gguf)))
-    kernels, _ = resolve_kernels(Kernels.auto())
+    kernels, _ = serving_kernels(loaded.config.dtype)  # as train.serve runs the model
     length = args.context + args.steps + 8
     ec = EngineConfig(max_seqs=args.rows, page_size=PAGE, decode_buckets=(args.rows,), max_model_len=length,
                       num_pages=args.rows * -(-length // PAGE), chunk=min(128, args.context), decode_steps=1)

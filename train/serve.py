@@ -29,7 +29,6 @@ import sys
 import time
 from pathlib import Path
 
-import jax
 import uvicorn
 from tqdm import tqdm
 
