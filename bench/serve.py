@@ -666,6 +666,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "%(default)s)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--page-size", type=int, default=16, help="cache page (block) size of the engine and HF")
+    parser.add_argument("--serve-args", default="", help="more arguments for the server runner's "
+                        "`python -m train.serve`, e.g. '--decode-steps 4'")
     parser.add_argument("--token-budget", type=int, default=256,
                         help="tokens per step of the engine and HF (max_batch_tokens) (default %(default)s)")
     parser.add_argument("--static-round", type=int, default=32,
@@ -746,7 +748,7 @@ def measure_load(load: Load, args, checkpoint: Path, scratch: Path, unavailable:
     spec = {"checkpoint": str(checkpoint), "threads": args.threads, "max_seqs": args.max_seqs,
             "page_size": args.page_size, "token_budget": args.token_budget, "static_round": args.static_round,
             "kernels": args.kernels, "paged": args.paged, "hf_attn": args.hf_attn, "data": args.data,
-            "guide_tokenizer": args.guide_tokenizer,
+            "guide_tokenizer": args.guide_tokenizer, "serve_args": args.serve_args,
             "max_model_len": args.prompt_range[1] + args.output_range[1],
             "load": {"kind": load.kind, "concurrency": load.concurrency, "rate": load.rate,
                      "requests": [asdict(r) for r in load.requests]}}

@@ -17,6 +17,7 @@ import asyncio
 import collections
 import json
 import re
+import shlex
 import subprocess
 import sys
 import time
@@ -135,7 +136,8 @@ def run_server(spec: dict, load, warmups: list[list[int]], max_seqs: int, num_pa
     command = [sys.executable, "-m", "train.serve", "--hf", str(checkpoint), "--served-model-name", "bench",
                "--host", "127.0.0.1", "--port", "0", "--max-seqs", str(max_seqs), "--page-size",
                str(spec["page_size"]), "--num-pages", str(num_pages), "--token-budget", str(spec["token_budget"]),
-               "--max-waiting", str(len(load.requests) + len(warmups)), "--log-level", "warning"]
+               "--max-waiting", str(len(load.requests) + len(warmups)), "--log-level", "warning",
+               *shlex.split(spec.get("serve_args", ""))]
     start = time.perf_counter()
     server = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
