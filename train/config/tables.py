@@ -68,6 +68,9 @@ class TrainConfig(Table):
         .jsonl is then chat data, rendered with its chat template and packed (`train.data.corpus.open_chat_corpus`).
       train_on: which predictions of chat data count toward the loss: "assistant" (the assistant's turns,
         `train.data.chats.render_conversation`) or "all".
+      long_chats: a conversation longer than `block_size + 1` tokens: "split" into pieces of that many (a
+        warning says how many and what share of the counted predictions lose the conversation's beginning),
+        "drop" (left out, with a warning) or "error" (the run does not start).
     """
 
     _where = "TrainConfig"
@@ -110,6 +113,7 @@ class TrainConfig(Table):
     plot: bool = True
     init_from: str | None = None
     train_on: Literal["assistant", "all"] = "assistant"
+    long_chats: Literal["split", "drop", "error"] = "split"
 
     @model_validator(mode="after")
     def _min_lr_at_most_lr(self) -> Self:

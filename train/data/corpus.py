@@ -246,18 +246,20 @@ def is_chat_file(path: str | os.PathLike | None) -> bool:
 
 
 def open_chat_corpus(path: str | os.PathLike, tokenizer: Tokenizer, template, *, block_size: int,
-                     val_fraction: float, train_on: str, seed: int) -> Corpus:
+                     val_fraction: float, train_on: str, seed: int, long_chats: str = "split") -> Corpus:
     """A chat JSONL file (`train.data.chats.read_chat_jsonl`) as a packed corpus: each conversation
     rendered with `template` (the checkpoint's chat template) and weighted by `train_on` ("assistant": the
-    assistant's turns alone, or "all"), the last `val_fraction` of the conversations (at least one) held
-    out, each split packed into rows of `block_size` predictions.
+    assistant's turns alone, or "all"), the conversations longer than a row split, dropped or refused
+    (`long_chats`: `fit_long_chats`), the last `val_fraction` of them (at least one) held out, each split
+    packed into rows of `block_size` predictions.
 
-    DataError naming the file (and line) for a bad line, a file of fewer than two conversations, or a
-    checkpoint without a chat template."""
+    DataError naming the file (and line) for a bad line, a file of fewer than two conversations, a
+    checkpoint without a chat template, or a long conversation with `long_chats="error"`."""
     if template is None:
         raise DataError(f"{path}: chat data is rendered with the checkpoint's chat template, and train.init_from "
                         "has none (a chat_template.jinja, or tokenizer_config.json's chat_template)")
-    documents = chat_documents(path, template, tokenizer, train_on=train_on)
+    documents, warnings = fit_long_chats(chat_documents(path, template, tokenizer, train_on=train_on), block_size,
+                                         long_chats, path)
     if len(documents) < 2:
         raise DataError(f"{path}: {len(documents)} conversation(s): a run needs at least two, one to hold out")
     held_out = max(1, round(len(documents) * val_fraction))
@@ -266,7 +268,32 @@ def open_chat_corpus(path: str | os.PathLike, tokenizer: Tokenizer, template, *,
     counted = float(np.sum(train.weights))
     if counted == 0:
         raise DataError(f"{path}: no training token counts toward the loss (train.train_on={train_on!r})")
-    return Corpus(train=train, val=val, tokenizer=tokenizer, path=str(path), packed=True)
+    return Corpus(train=train, val=val, tokenizer=tokenizer, path=str(path), packed=True, warnings=tuple(warnings))
+
+
+def fit_long_chats(documents: list, block_size: int, mode: str, path) -> tuple[list, list[str]]:
+    """The conversations longer than a row's `block_size + 1` tokens, as `mode` says: "split" (kept: packing
+    splits them), "drop" (left out) or "error" (DataError naming the first) -> (documents, warnings). A warning
+    says how many, the longest, and for "split" the share of the counted predictions (tokens of weight > 0)
+    made in a piece after the first, which sees none of the conversation before its piece."""
+    limit = block_size + 1
+    long = [i for i, (ids, _) in enumerate(documents) if len(ids) > limit]
+    if not long:
+        return documents, []
+    longest = max(len(documents[i][0]) for i in long)
+    what = (f"{path}: {len(long)} of {len(documents)} conversations are longer than train.block_size + 1 = {limit} "
+            f"tokens (the longest {longest:,})")
+    if mode == "error":
+        raise DataError(f"{what}; conversation {long[0] + 1} is the first (train.long_chats = \"error\"): raise "
+                        "train.block_size, or set train.long_chats = \"split\" or \"drop\"")
+    if mode == "drop":
+        dropped = set(long)
+        return [d for i, d in enumerate(documents) if i not in dropped], [f"{what}: left out (train.long_chats = \"drop\")"]
+    counted = sum(float(np.sum(np.asarray(weights)[1:])) for _, weights in documents)
+    cut = sum(float(np.sum(np.asarray(documents[i][1])[limit:])) for i in long)
+    return documents, [f"{what}: split into pieces of {limit}, and {cut / max(counted, 1):.1%} of the predictions that "
+                       "count toward the loss lose the conversation's beginning; raise train.block_size, or set "
+                       "train.long_chats = \"drop\" or \"error\""]
 
 
 def describe(corpus: Corpus) -> str:

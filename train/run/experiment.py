@@ -114,7 +114,7 @@ def _prepare(config: ExperimentConfig, runtime: runtime_lib.Runtime | None, loss
                                      "(hf:DIR or gguf:FILE), whose chat template and tokenizer render it")
         corpus = data_lib.open_chat_corpus(tc.data_path, initial.tokenizer, initial.chat_template,
                                            block_size=tc.block_size, val_fraction=tc.val_fraction,
-                                           train_on=tc.train_on, seed=tc.seed)
+                                           train_on=tc.train_on, seed=tc.seed, long_chats=tc.long_chats)
     else:
         corpus = data_lib.open_corpus(tc.data_path, tokenizer=tc.tokenizer if initial is None else initial.tokenizer,
                                       val_fraction=tc.val_fraction, verify=data_lib.verify_mode(resume))

@@ -345,3 +345,23 @@ def test_packing_refuses_what_it_cannot_pack():
         pack([(np.arange(3), np.ones(3)), (np.arange(3), np.ones(2))], 4)
     with pytest.raises(ValueError, match="no document has two tokens or more"):
         pack([(np.arange(1), np.ones(1))], 4)
+
+
+def test_conversations_longer_than_a_row_are_split_with_a_warning_dropped_or_refused():
+    """They were split into pieces without a word (train.long_chats)."""
+    from train.data.corpus import fit_long_chats
+    weights = lambda n: np.r_[np.zeros(n // 2), np.ones(n - n // 2)].astype(np.float32)  # the second half counts
+    documents = [(np.arange(n), weights(n)) for n in (8, 30, 9, 12)]  # block 8: rows of 9 tokens
+    kept, warnings = fit_long_chats(documents, 8, "split", "chats.jsonl")
+    assert kept is documents and len(warnings) == 1
+    # conversations of 30 and 12 tokens are long; the predictions of their tokens 9 on lose the beginning:
+    # 30: tokens 15..29 count and are cut (9 on); 12: tokens 6..11 count, 9..11 cut; 4 + 15 + 5 + 6 count in all.
+    assert warnings[0] == ("chats.jsonl: 2 of 4 conversations are longer than train.block_size + 1 = 9 tokens (the "
+                           f"longest 30): split into pieces of 9, and {18 / 30:.1%} of the predictions that count toward "
+                           "the loss lose the conversation's beginning; raise train.block_size, or set "
+                           "train.long_chats = \"drop\" or \"error\"")
+    dropped, warnings = fit_long_chats(documents, 8, "drop", "chats.jsonl")
+    assert [len(ids) for ids, _ in dropped] == [8, 9] and warnings[0].endswith("left out (train.long_chats = \"drop\")")
+    with pytest.raises(DataError, match=r"conversation 2 is the first \(train.long_chats = \"error\"\)"):
+        fit_long_chats(documents, 8, "error", "chats.jsonl")
+    assert fit_long_chats(documents[:1], 8, "error", "chats.jsonl") == (documents[:1], [])
