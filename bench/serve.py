@@ -3,7 +3,7 @@
     PYTHONPATH=$PWD .venv/bin/python bench/serve.py [--model baby|smollm2] [--requests 32]
         [--concurrency 1,8,32] [--poisson-rate 2] [--prompt-range 32,512] [--output-range 32,256]
         [--runners engine,hf_generate_batch,static_generate] [--threads N] [--repeats 3]
-        [--out bench/results/serve]
+        [--serve-args '--decode-steps 4'] [--out bench/results/serve]
 
 Runners, each in a fresh process per (load, repeat), in turns (the order reversed every other repeat),
 medians of --repeats:
