@@ -214,7 +214,7 @@ class ChatTemplate:
         variables = {"tools": None, "documents": None, **_plain({**self.special_tokens, **extra})}
         try:
             pieces = self._compiled.generate(**variables, messages=chat, add_generation_prompt=add_generation_prompt)
-            return _bounded("".join, pieces, max_chars, max_seconds)
+            return _bounded(pieces, max_chars, max_seconds)
         except ChatTemplateError:
             raise
         except _TemplateRaised as err:
@@ -224,7 +224,7 @@ class ChatTemplate:
                 from None
 
 
-def _bounded(join, pieces, max_chars: int | None, max_seconds: float | None) -> str:
+def _bounded(pieces, max_chars: int | None, max_seconds: float | None) -> str:
     """The rendered `pieces` joined; ChatTemplateError once they pass `max_chars` or `max_seconds`."""
     deadline, kept, size = None if max_seconds is None else time.monotonic() + max_seconds, [], 0
     for piece in pieces:
@@ -236,7 +236,7 @@ def _bounded(join, pieces, max_chars: int | None, max_seconds: float | None) -> 
         if deadline is not None and time.monotonic() > deadline:
             raise ChatTemplateError(f"the chat template took more than {max_seconds:g} s to render these "
                                     "messages; the most this server waits")
-    return join(kept)
+    return "".join(kept)
 
 
 def _compile(source: str) -> jinja2.Template:

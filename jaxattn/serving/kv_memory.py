@@ -1,7 +1,7 @@
 """The KV pool's size, checked against the memory the machine has before any of it is taken.
 
 A pool is the engine's one large allocation. Sized to let every running sequence reach the context, it
-can be most of a machine (SmolLM2-135M at 32 rows of 8,192 tokens: 11.5 GiB), so:
+can be most of a machine (SmolLM2-135M at 32 rows of 8,192 tokens: 11.25 GiB), so:
 
 * given no size (`EngineConfig.num_pages` and `kv_memory_gib` None), the pool is the smaller of that full
   need and a share of the memory available now: on a CPU a quarter of the host's available memory and at
@@ -85,7 +85,7 @@ def pool_plan(ec: EngineConfig, token_bytes: int, max_model_len: int, available:
             pages = max(int(share // page_bytes), pages_per_seq)
             reason = (f"{CPU_SHARE:.0%} of the {_gib(available)} available, at most {_gib(CPU_CAP)}" if platform == "cpu"
                       else f"{DEVICE_SHARE:.0%} of the device's {_gib(available)} free")
-            if available is not None and pages * page_bytes > available:
+            if pages * page_bytes > available:
                 raise ValueError(f"one sequence of {max_model_len} tokens needs a KV cache of "
                                  f"{_gib(pages * page_bytes)}, more than the {_gib(available)} available; "
                                  f"lower max_model_len")

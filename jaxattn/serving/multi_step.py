@@ -41,7 +41,6 @@ from jaxattn.cache.containers import PagedBatch, RowGroup
 from jaxattn.config import ModelConfig
 from jaxattn.kernels import Kernels
 from jaxattn.model import DecoderLM
-from jaxattn.serving import logit_knobs
 from jaxattn.serving.step import DrawKnobs, step_forward, step_sample
 from jaxattn.serving.validation import MAX_LOGPROBS
 
@@ -76,12 +75,9 @@ class DecodeRun:
     @staticmethod
     def empty(rows: int, pages_per_seq: int, vocab_size: int) -> "DecodeRun":
         """Host arrays of a call of padding rows only (nothing drawn, nothing written)."""
-        knobs = DrawKnobs(temperature=np.zeros(rows, np.float32), top_k=np.zeros(rows, np.int32),
-                          top_p=np.ones(rows, np.float32), seed=np.zeros(rows, np.int32),
-                          position=np.zeros(rows, np.int32), guided=np.zeros(rows, bool),
-                          mask=np.full((rows, -(-vocab_size // 32)), -1, np.int32), **logit_knobs.empty_knobs(rows))
         return DecodeRun(tokens=np.zeros(rows, np.int32), positions=np.zeros(rows, np.int32),
-                         block_table=np.zeros((rows, pages_per_seq), np.int32), knobs=knobs,
+                         block_table=np.zeros((rows, pages_per_seq), np.int32),
+                         knobs=DrawKnobs.empty(rows, vocab_size),
                          stop_ids=np.full((rows, MAX_STOP_IDS), -1, np.int32), remaining=np.zeros(rows, np.int32),
                          logprobs=np.zeros(rows, bool), steps=np.int32(1))
 

@@ -92,6 +92,14 @@ class DrawKnobs:
     guided: jax.Array  # bool, the row's tokens are constrained by `mask`
     mask: jax.Array  # [M, ceil(V/32)] int32: bit i % 32 of word i // 32 set = token i allowed (guided rows)
 
+    @staticmethod
+    def empty(rows: int, vocab_size: int) -> "DrawKnobs":
+        """Host arrays of `rows` rows with every knob off (greedy, nothing guided, every token allowed)."""
+        return DrawKnobs(temperature=np.zeros(rows, np.float32), top_k=np.zeros(rows, np.int32),
+                         top_p=np.ones(rows, np.float32), seed=np.zeros(rows, np.int32),
+                         position=np.zeros(rows, np.int32), guided=np.zeros(rows, bool),
+                         mask=np.full((rows, -(-vocab_size // 32)), -1, np.int32), **logit_knobs.empty_knobs(rows))
+
 
 @flax.struct.dataclass
 class LogprobKnobs:
@@ -138,11 +146,8 @@ class StepInputs:
                        for rows, width in ((shape.decode_rows, 1), (shape.prefill_rows, shape.chunk)) if rows)
         batch = PagedBatch(positions=np.zeros(Tf, np.int32), slots=np.full(Tf, num_slots, np.int32),
                            groups=groups, logit_tokens=np.zeros(M, np.int32))
-        knobs = DrawKnobs(temperature=np.zeros(M, np.float32), top_k=np.zeros(M, np.int32),
-                          top_p=np.ones(M, np.float32), seed=np.zeros(M, np.int32), position=np.zeros(M, np.int32),
-                          guided=np.zeros(M, bool), mask=np.full((M, -(-vocab_size // 32)), -1, np.int32),
-                          **logit_knobs.empty_knobs(M))
-        return StepInputs(tokens=np.zeros(Tf, np.int32), batch=batch, knobs=knobs, logprobs=LogprobKnobs.empty(shape))
+        return StepInputs(tokens=np.zeros(Tf, np.int32), batch=batch, knobs=DrawKnobs.empty(M, vocab_size),
+                          logprobs=LogprobKnobs.empty(shape))
 
 
 def adjusted(logits, knobs: DrawKnobs, tokens):
