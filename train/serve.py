@@ -86,6 +86,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "--max-seqs + two prompt chunks of 128)")
     parser.add_argument("--decode-steps", type=int, metavar="K", help="the most decode steps one program call "
                         "runs while every running request only decodes (default: 8 on an accelerator, 1 on a CPU)")
+    parser.add_argument("--no-overlap", dest="overlap", action="store_false", help="read every step's tokens "
+                        "before the next step is queued (default: the next decode step is queued first, fed them "
+                        "on the device)")
     parser.add_argument("--max-waiting", type=int, default=256, help="requests queued for a row; one more "
                         "gets a 429 (default 256)")
     parser.add_argument("--drain-seconds", type=float, default=30.0, help="on SIGTERM, how long running "
@@ -191,7 +194,8 @@ def build_engine(args, params, config, tokenizer, kernels, mesh) -> tuple[Engine
     """The engine with every step program compiled (a progress bar on stderr); its compile seconds."""
     engine_config = EngineConfig(max_seqs=args.max_seqs, page_size=args.page_size, num_pages=args.num_pages,
                                  kv_memory_gib=args.kv_memory, token_budget=args.token_budget,
-                                 kv_cache=args.kv_cache, max_waiting=args.max_waiting, decode_steps=args.decode_steps)
+                                 kv_cache=args.kv_cache, max_waiting=args.max_waiting, decode_steps=args.decode_steps,
+                                 overlap=args.overlap)
     bar = tqdm(total=0, desc="compiling the step programs", unit="program", file=sys.stderr, leave=False,
                disable=None)
 

@@ -18,7 +18,10 @@ module with one job (vLLM V1's split, read for its shape):
 * `jaxattn.serving.model_runner.ModelRunner`: the parameters and pools where they run, the compiled
   step programs, a scheduled step turned into their arrays and run.
 
-One `step()` is `schedule()`, `execute()`, `update()`. Greedy tokens are those of `jaxattn.generate`
+One `step()` is `schedule()`, `execute()`, `update()`; with `EngineConfig.overlap` (the default) the next
+plain decode step is scheduled and queued before a step's tokens are read, fed them on the device, so
+the host's part of a step runs while the device computes the one before (vLLM V1's asynchronous
+scheduling). Greedy tokens are those of `jaxattn.generate`
 on each prompt alone, whatever else runs (docs/theory.md §25).
 
 A guided request (`SamplingParams.guide`) is compiled here (`jaxattn.serving.structured`); the model
@@ -120,6 +123,7 @@ class Engine:
                                                guides=guide_compiler is not None,
                                                token_history=self.kv_cache_manager.window is None)
         self._rng = np.random.default_rng(seed)
+        self._in_flight = None  # a step queued on the device, its tokens not yet read (`EngineConfig.overlap`)
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -185,29 +189,44 @@ class Engine:
         self.scheduler.cancel(request)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self._in_flight is not None or self.scheduler.has_unfinished()
 
     # -- steps --------------------------------------------------------------------------------
 
     def step(self) -> list[Request]:
         """Schedules, runs one compiled step (or, when every row only decodes, one call of several decode
         steps), hands out the tokens; returns the requests that got any or ended (cancelled ones included).
-        `clock` adds up where the step's time went."""
+        With `EngineConfig.overlap`, the next plain decode step is queued before this one's tokens are
+        read (it takes them on the device), and the next `step()` starts from it. `clock` adds up where
+        the steps' time went."""
         clock, started = self.clock, time.perf_counter()
-        output = self.scheduler.schedule()
-        if output.empty:  # not a step: not counted
-            return output.ended
+        running, self._in_flight = self._in_flight, None
+        if running is None:
+            output = self.scheduler.schedule()
+            if output.empty:  # not a step: not counted
+                return output.ended
+            if output.steps > 1:
+                clock.seconds["schedule"] += time.perf_counter() - started
+                return self._run(output)
+            running = self.model_runner.dispatch(output, clock)
+            started = time.perf_counter()
+        ahead = self.scheduler.schedule_ahead(running.output) if self.engine_config.overlap else None
         clock.seconds["schedule"] += time.perf_counter() - started
-        if output.steps > 1:
-            tokens, finite, logprobs = self.model_runner.execute_run(output, clock)
-            with clock.phase("update"):
-                ended = self.scheduler.update_run(output, tokens, finite, logprobs)
-            clock.steps += max(map(len, tokens), default=1)
-            return ended
-        tokens, finite, logprobs = self.model_runner.execute(output, clock)
+        if ahead is not None:  # queued behind `running` before its tokens are read: the host works meanwhile
+            self._in_flight = self.model_runner.dispatch(ahead, clock, after=running)
+            self.stats["overlapped_steps"] += 1
+        tokens, finite, logprobs = self.model_runner.collect(running, clock)
         with clock.phase("update"):
-            ended = self.scheduler.update(output, tokens, finite, logprobs)
+            ended = self.scheduler.update(running.output, tokens, finite, logprobs)
         clock.steps += 1
+        return ended
+
+    def _run(self, output) -> list[Request]:
+        """A multi-step call (`jaxattn.serving.multi_step`), read back at its end."""
+        tokens, finite, logprobs = self.model_runner.execute_run(output, self.clock)
+        with self.clock.phase("update"):
+            ended = self.scheduler.update_run(output, tokens, finite, logprobs)
+        self.clock.steps += max(map(len, tokens), default=1)
         return ended
 
     def run(self) -> None:

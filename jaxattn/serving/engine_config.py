@@ -40,6 +40,9 @@ class EngineConfig:
         four times the pages; `jaxattn.cache.build.cache_bytes_per_token`).
       decode_steps: the most decode steps one program call runs when every running row only decodes
         (`jaxattn.serving.multi_step`; 1: a call per step); None: the platform's (`steps_per_call`).
+      overlap: queue a plain decode step's successor before reading its tokens, the successor fed them
+        on the device (`jaxattn.serving.scheduler.Scheduler.schedule_ahead`): the host's part of a step
+        runs while the device computes the one before. False: every step read back before the next.
     """
 
     max_seqs: int = 8
@@ -56,6 +59,7 @@ class EngineConfig:
     kv_cache: str = "auto"
     max_waiting: int | None = None
     decode_steps: int | None = None
+    overlap: bool = True
 
     def __post_init__(self):
         if self.kv_cache not in KV_CACHES:
@@ -68,6 +72,8 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"EngineConfig.{name} must be a positive int or None, got {value!r}")
+        if not isinstance(self.overlap, bool):
+            raise TypeError(f"EngineConfig.overlap must be a bool, got {self.overlap!r}")
         if self.num_pages is not None and self.kv_memory_gib is not None:
             raise ValueError("EngineConfig: give num_pages or kv_memory_gib, not both")
         if self.kv_memory_gib is not None and not self.kv_memory_gib > 0:

@@ -57,6 +57,19 @@ from jaxattn.serving.step_clock import StepClock
 from jaxattn.serving.structured import GuideCompiler
 
 
+class InFlight(NamedTuple):
+    """A dispatched step: what was scheduled, its shape and host inputs, the scheduled rows' draws (decode
+    rows, then prompt chunks) and its outputs on the device, not yet read back."""
+
+    output: SchedulerOutput
+    shape: StepShape
+    inputs: StepInputs
+    rows: list[int]
+    drawn: jax.Array
+    finite: jax.Array
+    logprobs: Logprobs
+
+
 class StepLogprobsOut(NamedTuple):
     """A step's log-probabilities on the host, in the order of `execute`'s tokens.
 
@@ -197,25 +210,42 @@ class ModelRunner:
                 ) -> tuple[list[int], list[bool], StepLogprobsOut | None]:
         """Runs the step -> `(tokens, finite, logprobs)`: one entry per decode row, then one per prompt
         chunk (a chunk that does not reach its prompt's end has a draw nobody takes); `logprobs` None
-        when no row asked for any. The guided rows' masks are filled while the forward runs. `clock`
-        (a `StepClock`) takes the phases' times: inputs, dispatch, device, outputs."""
+        when no row asked for any. `dispatch`, then `collect`."""
         clock = StepClock() if clock is None else clock
+        return self.collect(self.dispatch(output, clock), clock)
+
+    def dispatch(self, output: SchedulerOutput, clock: StepClock, after: InFlight | None = None) -> InFlight:
+        """Queues the step on the device and returns before it runs. The guided rows' masks are filled
+        while the forward runs. A step scheduled ahead (`output.fed_by`) is queued behind `after`, the
+        step in flight, and takes its decode rows' tokens from `after`'s draws on the device: each row
+        computes the position after its `num_computed`. `clock` (a `StepClock`) takes the phases' times:
+        inputs, dispatch."""
         decode, prefill = output.decode, output.prefill
         with clock.phase("inputs"):
-            shape = self.shape(len(decode), prefill)
+            # Ahead, each row keeps its row of `after` (a decode-only step of the same shape), so `after`'s
+            # drawn tokens are this step's tokens as they are: no program between the two.
+            shape = after.shape if output.fed_by else self.shape(len(decode), prefill)
             inputs, guided = self.inputs(shape, output)
+            if output.fed_by:
+                inputs = inputs.replace(tokens=after.drawn)
         with clock.phase("dispatch"):
             self.pools, self.history, pending = self.programs.forward(shape, self.params, self.pools, self.history,
                                                                       inputs)
             self.fill_guides(inputs, guided, pending)
             drawn, finite, logprobs = self.programs.sample(shape, pending, self.history, inputs)
+        rows = (output.fed_by or list(range(len(decode)))) + list(range(shape.decode_rows,
+                                                                         shape.decode_rows + len(prefill)))
+        return InFlight(output, shape, inputs, rows, drawn, finite, logprobs)
+
+    def collect(self, step: InFlight, clock: StepClock) -> tuple[list[int], list[bool], StepLogprobsOut | None]:
+        """Waits for a dispatched step and reads back what `execute` returns ("device", then "outputs")."""
         with clock.phase("device"):
-            jax.block_until_ready((drawn, finite, logprobs))
+            jax.block_until_ready((step.drawn, step.finite, step.logprobs))
         with clock.phase("outputs"):
-            rows = list(range(len(decode))) + list(range(shape.decode_rows, shape.decode_rows + len(prefill)))
-            logprobs = read_logprobs(logprobs, inputs, rows, [(start, count) for _, start, count in prefill])
-            drawn, finite = np.asarray(drawn).tolist(), np.asarray(finite).tolist()
-        return [drawn[r] for r in rows], [finite[r] for r in rows], logprobs
+            chunks = [(start, count) for _, start, count in step.output.prefill]
+            logprobs = read_logprobs(step.logprobs, step.inputs, step.rows, chunks)
+            drawn, finite = np.asarray(step.drawn).tolist(), np.asarray(step.finite).tolist()
+        return [drawn[r] for r in step.rows], [finite[r] for r in step.rows], logprobs
 
     def shape(self, decoding: int, prefill: list) -> StepShape:
         """The smallest compiled shape that holds the step: decode rows, then prefill rows and chunk."""
@@ -234,14 +264,16 @@ class ModelRunner:
         groups = iter(inputs.batch.groups)
         decode_group = next(groups) if shape.decode_rows else None
         prefill_group = next(groups, None)
-        rows = [(request, request.num_computed, 1, row, row, decode_group) for row, request in enumerate(output.decode)]
+        ahead = int(bool(output.fed_by))  # a step scheduled ahead computes the position after num_computed
+        rows = [(request, request.num_computed + ahead, 1, row, row, decode_group)
+                for row, request in zip(output.fed_by or range(len(output.decode)), output.decode)]
         rows += [(request, start, count, row, shape.decode_rows + row * shape.chunk, prefill_group)
                  for row, (request, start, count) in enumerate(output.prefill)]
         page_size, draws = self.page_size, []
         for request, start, count, row, first, group in rows:
             pages = request.pages
             if count == 1:  # a decode row: plain ints, no arrays to make
-                inputs.tokens[first] = request.token_at(start)
+                inputs.tokens[first] = 0 if ahead else request.token_at(start)  # ahead: the device's token
                 inputs.batch.positions[first] = group.positions[row, 0] = start
                 inputs.batch.slots[first] = pages[start // page_size] * page_size + start % page_size
             else:
@@ -260,6 +292,7 @@ class ModelRunner:
         for table in (group.block_table for group in inputs.batch.groups):
             np.maximum(table, 0, out=table)
         fill_draw_knobs(inputs.knobs, draws, [request for request, *_ in rows])
+        inputs.knobs.position[draws] += ahead
         return inputs, guided
 
     def run_inputs(self, output: SchedulerOutput) -> DecodeRun:

@@ -27,6 +27,9 @@ asked for) and moves each request on. A request that only scores its prompt (`ma
   `max_steps`, no more than its `max_tokens` and the context leave, nor than the free pages hold:
   `KVCacheManager.reserve` takes them now, preempting nobody), and `update` takes each row's tokens in
   order, cut at the first that ends its request (a stop token, a stop string, `max_tokens`).
+* Overlap (`schedule_ahead`): while a plain decode step runs, the next one is scheduled and queued
+  behind it, its rows fed the running step's tokens on the device; `update` skips a row whose request
+  the step before ended.
 * A request cancelled while a step runs is dropped when the step's tokens are handed out: its row and
   pages are free for the next step.
 
@@ -72,12 +75,16 @@ class SchedulerOutput:
       ended: requests cancelled since the last step (nothing to compute; they ended here).
       turns: per decode row, the most tokens it draws in this call (several decode steps in one call);
         empty: one step.
+      fed_by: a step scheduled ahead (`Scheduler.schedule_ahead`): per decode request, its row in the step
+        in flight, which it keeps, taking the token drawn there on the device; empty: the requests take
+        rows 0, 1, ... and every token is the host's.
     """
 
     decode: list[Request]
     prefill: list[PromptChunk]
     ended: list[Request]
     turns: list[int] = dataclasses.field(default_factory=list)
+    fed_by: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def steps(self) -> int:
@@ -150,6 +157,23 @@ class Scheduler:
         self._admit()
         prefill = self._chunks(decode)
         return SchedulerOutput(decode, prefill, ended, [] if prefill else self._turns(decode))
+
+    def schedule_ahead(self, running: SchedulerOutput) -> SchedulerOutput | None:
+        """The step after `running` (dispatched, its tokens not yet read), for the engine to queue before
+        reading them: `running`'s decode rows, each a position further, fed on the device the tokens
+        `running` draws; their next slots' pages reserved now. A row whose coming token is its last by
+        `max_tokens` or the context is left out. None where the next step needs the host to have read
+        `running`'s tokens: it computes prompt chunks or several steps, a request waits or was cancelled
+        (the rows may change), a row is guided (its mask is the host's), or a next slot has no free page.
+        A row that `running`'s token ends (a stop token or string) computes one token nobody takes."""
+        if (self.max_steps > 1 or self.waiting or self._cancelled or running.prefill or running.turns
+                or any(r.guide_state is not None for r in running.decode)):
+            return None
+        placed = zip(running.fed_by or range(len(running.decode)), running.decode)  # each request's row
+        rows = [(row, request) for row, request in placed if not request.finished and self._left(request) >= 2]
+        if not rows or any(self.kv.reserve(request, 2) < 2 for _, request in rows):
+            return None
+        return SchedulerOutput([request for _, request in rows], [], [], fed_by=[row for row, _ in rows])
 
     def _turns(self, decode: list[Request]) -> list[int]:
         """Each decode row's turns in a multi-step call, its pages reserved; empty when the step must be
@@ -254,9 +278,11 @@ class Scheduler:
         decode, touched = output.decode, list(output.ended)
         drawn = logprobs.drawn if logprobs is not None else [None] * len(tokens)
         self.stats["steps"] += 1
-        self.stats["decode_tokens"] += len(decode)
         self.stats["prefill_tokens"] += sum(chunk.count for chunk in output.prefill)
         for row, request in enumerate(decode):
+            if request.finished:  # scheduled ahead, and ended (or cancelled) by the step before
+                continue
+            self.stats["decode_tokens"] += 1
             self.kv.computed(request, 1)
             self._drawn(request, tokens[row], finite[row], now, drawn[row])
             touched.append(request)
