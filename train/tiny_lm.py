@@ -101,7 +101,7 @@ def run(argv: list[str] | None) -> RunResult:
         distributed.join(processes, {**config.to_dict(), "--resume": args.resume, "--overwrite": args.overwrite})
     try:
         runtime = runtime_lib.start(config.runtime, config.train.batch_size, model=config.model,
-                                    num_processes=args.num_processes)
+                                    num_processes=args.num_processes, block_size=config.train.block_size)
     except (ValueError, TypeError) as err:
         raise UsageError(str(err)) from err
     try:

@@ -124,7 +124,7 @@ def _prepare(config: ExperimentConfig, runtime: runtime_lib.Runtime | None, loss
     else:
         config = init_from.with_base_model(config, initial)
     check_sample_prompt(config, corpus.tokenizer)
-    runtime = runtime or runtime_lib.start(config.runtime, tc.batch_size, model=config.model)
+    runtime = runtime or runtime_lib.start(config.runtime, tc.batch_size, model=config.model, block_size=tc.block_size)
     return config.replace(runtime=runtime.config), corpus, runtime, initial
 
 

@@ -69,14 +69,43 @@ def widest_split(batch_size: int, limit: int) -> int:
     return max(d for d in range(1, max(1, min(limit, batch_size)) + 1) if batch_size % d == 0)
 
 
-def cpu_devices_wanted(config: RuntimeConfig, batch_size: int, num_processes: int = 1) -> int:
+# A host device already runs its programs' large operations on every core (XLA:CPU's intra-op threads), so a
+# batch split over host devices gains only where each device's share is small. Measured (docs/performance.md
+# §4.4, §10): the baby config (~2e9 FLOPs a step per device) ran 10% faster on two host devices than on one
+# (Intel AMX); the 10.7M config (~7e11) within noise on two (AMD AVX2); a LoRA step of a 135M model (~4e11)
+# on two devices of a loaded 2-core machine waited at a collective until XLA aborted the process.
+LONG_STEP_FLOPS = 1e11
+
+
+def train_step_flops(model: ModelConfig, tokens: int) -> float:
+    """About a training step's arithmetic: 6 x the matmuls' parameters x the step's tokens (the usual
+    estimate: attention's scores, and a MoE's experts beyond one, left out)."""
+    D = model.d_model
+    per_layer = 4 * D * D + 3 * D * (model.mlp_hidden or 4 * D)
+    return 6.0 * tokens * (model.num_layers * per_layer + model.vocab_size * D)
+
+
+def auto_host_devices(batch_size: int, step_flops: float | None = None) -> tuple[int, str]:
+    """The host devices an "auto" runtime makes on a CPU, and why: one per core that divides the batch,
+    or one where each device's share of a step (`step_flops`, `train_step_flops`) is long enough that
+    the split gains little (`LONG_STEP_FLOPS`)."""
+    cores = cpu_cores()
+    split = widest_split(batch_size, cores)
+    if split > 1 and step_flops is not None and step_flops / split >= LONG_STEP_FLOPS:
+        return 1, (f"one host device: a step is ~{step_flops:.1e} FLOPs, long enough on one device (which uses all "
+                   f"{cores} cores) that a split over {split} gains little and waits at its collectives")
+    return split, f"one host device per CPU core that divides the batch ({cores} cores, batch {batch_size})"
+
+
+def cpu_devices_wanted(config: RuntimeConfig, batch_size: int, num_processes: int = 1,
+                       step_flops: float | None = None) -> int:
     """The CPU host devices this process makes: asked for, else its share of the mesh (which spans
-    every process's devices), else one per core."""
+    every process's devices), else `auto_host_devices`."""
     if config.cpu_devices != "auto":
         return config.cpu_devices
     if config.mesh != "auto":
         return max(1, config.mesh.size // num_processes)
-    return widest_split(batch_size, cpu_cores())
+    return auto_host_devices(batch_size, step_flops)[0]
 
 
 def check_cpu_devices(config: RuntimeConfig, batch_size: int, num_processes: int = 1) -> list[str]:
@@ -125,14 +154,15 @@ def host_devices(count: int) -> None:
     jax.config.update("jax_num_cpu_devices", count)
 
 
-def prepare_jax(config: RuntimeConfig, batch_size: int, num_processes: int = 1) -> list[str]:
+def prepare_jax(config: RuntimeConfig, batch_size: int, num_processes: int = 1,
+                step_flops: float | None = None) -> list[str]:
     """Applies XLA flags and the CPU host device count (`cpu_devices_wanted`, with `COLLECTIVE_FLAGS` when
     several) before JAX starts; returns warnings. ValueError for host devices the mesh would leave idle
     (`check_cpu_devices`)."""
     warnings = check_cpu_devices(config, batch_size, num_processes)
     if config.xla_flags:
         add_xla_flags(config.xla_flags.split())
-    devices = cpu_devices_wanted(config, batch_size, num_processes)
+    devices = cpu_devices_wanted(config, batch_size, num_processes, step_flops)
     if devices > 1 or config.xla_flags:
         try:  # only affects the CPU backend; harmless where the default backend is a GPU or TPU
             host_devices(devices)
@@ -144,17 +174,19 @@ def prepare_jax(config: RuntimeConfig, batch_size: int, num_processes: int = 1) 
 
 
 def _mesh(config: RuntimeConfig, batch_size: int, platform: Platform, devices: int,
-          model: ModelConfig | None) -> tuple[MeshShape, str]:
+          model: ModelConfig | None, step_flops: float | None) -> tuple[MeshShape, str]:
     """(mesh shape, reason); ValueError for a mesh that does not fit the devices, batch or model."""
     if config.mesh != "auto":
         asked, reason = config.mesh, "asked for"
     elif jax.process_count() > 1:
         asked, reason = MeshShape(data=devices), f"data parallel over all {devices} devices of the processes"
-    else:  # host devices asked for by number are all used; made by "auto", one per core
-        limit = min(cpu_cores(), devices) if platform.is_cpu and config.cpu_devices == "auto" else devices
-        asked = MeshShape(data=widest_split(batch_size, limit))
-        reason = (f"one host device per CPU core that divides the batch ({cpu_cores()} cores, batch {batch_size})"
-                  if platform.is_cpu else f"the {platform.backend} devices that divide the batch ({devices})")
+    elif platform.is_cpu and config.cpu_devices == "auto":  # those `auto_host_devices` made, of those there are
+        wanted, reason = auto_host_devices(batch_size, step_flops)
+        asked = MeshShape(data=widest_split(batch_size, min(wanted, devices)))
+    else:  # host devices asked for by number are all used
+        asked = MeshShape(data=widest_split(batch_size, devices))
+        reason = (f"the {config.cpu_devices} host devices asked for that divide the batch" if platform.is_cpu
+                  else f"the {platform.backend} devices that divide the batch ({devices})")
     check_mesh(model, asked, batch_size)  # before the device count: what the user must change first
     if config.mesh != "auto" and asked.size != devices:  # an "auto" mesh may use the first devices only
         raise ValueError(f"runtime.mesh={str(asked)!r} uses {asked.size} device(s) but JAX has {devices}" + (
@@ -163,22 +195,26 @@ def _mesh(config: RuntimeConfig, batch_size: int, platform: Platform, devices: i
 
 
 def resolve(config: RuntimeConfig, batch_size: int, platform: Platform | None = None,
-            devices: int | None = None, model: ModelConfig | None = None) -> Runtime:
+            devices: int | None = None, model: ModelConfig | None = None,
+            step_flops: float | None = None) -> Runtime:
     """Every "auto" of `config` resolved for `platform` (default: this process's) with its reason.
 
-    `model`: also check that the mesh divides its heads and widths.
+    `model`: also check that the mesh divides its heads and widths. `step_flops`: a training step's
+    arithmetic (`train_step_flops`), for the host devices of an "auto" mesh (`auto_host_devices`).
     """
     platform = Platform.detect() if platform is None else platform
     devices = jax.device_count() if devices is None else devices
     kernels, reasons = resolve_kernels(config.requested_kernels(), platform)
-    shape, reasons["mesh"] = _mesh(config, batch_size, platform, devices, model)
+    shape, reasons["mesh"] = _mesh(config, batch_size, platform, devices, model, step_flops)
     concrete = config.replace(**kernels.to_dict(), mesh=shape)
     return Runtime(platform=platform, config=concrete, kernels=kernels, mesh_shape=shape, reasons=reasons)
 
 
 def start(config: RuntimeConfig, batch_size: int, model: ModelConfig | None = None,
-          num_processes: int = 1) -> Runtime:
-    """`prepare_jax`, then `resolve` on this machine: call before anything else uses JAX."""
-    warnings = prepare_jax(config, batch_size, num_processes)
-    runtime = resolve(config, batch_size, model=model)
+          num_processes: int = 1, block_size: int | None = None) -> Runtime:
+    """`prepare_jax`, then `resolve` on this machine: call before anything else uses JAX. With `model` and
+    `block_size`, an "auto" mesh weighs a training step's arithmetic (`auto_host_devices`)."""
+    flops = None if model is None or block_size is None else train_step_flops(model, batch_size * block_size)
+    warnings = prepare_jax(config, batch_size, num_processes, flops)
+    runtime = resolve(config, batch_size, model=model, step_flops=flops)
     return dataclasses.replace(runtime, warnings=tuple(warnings) + runtime.warnings)

@@ -147,3 +147,17 @@ def test_host_devices_wait_for_each_other_at_collectives_as_long_as_a_step_may_t
                              capture_output=True, text=True, timeout=300)
     assert aborted.returncode != 0 and "Termination timeout" in aborted.stderr and "of 2 seconds" in aborted.stderr
     assert "ok" not in aborted.stdout  # the user's settings were kept, and they are what XLA obeys
+
+
+def test_auto_keeps_one_host_device_where_a_step_is_long_enough_on_one(monkeypatch):
+    monkeypatch.setattr(runtime, "cpu_cores", lambda: 2)
+    base = ModelConfig(vocab_size=49152, d_model=576, num_layers=30, num_heads=9, num_kv_heads=3, mlp_hidden=1536)
+    flops = runtime.train_step_flops(base, 2 * 512)  # a LoRA fine-tune of SmolLM2-135M's shape, batch 2
+    assert 5e11 < flops < 1e12
+    assert runtime.cpu_devices_wanted(RuntimeConfig(), 2, step_flops=flops) == 1
+    resolved = runtime.resolve(RuntimeConfig(), 2, platform=AVX2, devices=1, step_flops=flops)
+    assert resolved.mesh_shape == MeshShape() and "long enough on one device" in resolved.reasons["mesh"]
+    # A small step keeps one device per core; asked-for devices are made whatever the step.
+    baby = ModelConfig(vocab_size=65, d_model=128, num_layers=4, num_heads=4)
+    assert runtime.cpu_devices_wanted(RuntimeConfig(), 12, step_flops=runtime.train_step_flops(baby, 12 * 64)) == 2
+    assert runtime.cpu_devices_wanted(RuntimeConfig(cpu_devices=2), 2, step_flops=flops) == 2
