@@ -2,6 +2,7 @@
 
 * `experiment`: a run end to end (`run_experiment`): corpus, runtime, run directory, then loop and finish;
 * `runtime`: devices, XLA flags and kernels, resolved once before JAX starts, with reasons;
+  `collective_watch`: one error line before XLA's collective timeout would abort a run on host devices;
   `distributed`: one run over several processes;
 * `steps`: the jitted programs (init, optimizer steps, evaluation); `optim`, `adam8bit`: the optimizers;
 * `loop`: a run's steps, evaluations and checkpoints; `resume`: where a stopped run goes on;

@@ -14,6 +14,7 @@ nothing written) or at the next dispatch boundary (a checkpoint that `--resume` 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import sys
@@ -34,6 +35,7 @@ from train.data import corpus as data_lib
 from train.data.batches import Feed, RunBatches
 from train.data.packed_batches import PackedBatches
 from train.run import crash_points, distributed
+from train.run.collective_watch import watch_for
 from train.run import runtime as runtime_lib
 from train.run.host_memory import release_freed_memory
 from train.run.metrics import MetricsLog, Throughput
@@ -95,6 +97,8 @@ class Run:
             self.close()
             raise
         self.start_step = int(self.state["step"])
+        # On several host devices: one error line before XLA's collective timeout aborts the process.
+        self.watch = watch_for(runtime.mesh_shape.size, runtime.platform.is_cpu)
         self.metrics = MetricsLog.resumed(self.out / "metrics.jsonl", tc.log_interval, meta, write=self.main)
         self.throughput = Throughput(tc.batch_size * tc.block_size, meta.get("step_seconds", []),
                                      meta.get("train_seconds", 0.0))
@@ -179,7 +183,8 @@ class Run:
 
     def record(self, first_step: int, outputs) -> None:
         """Waits for a chunk's (losses, lrs, the layers' sown losses), then logs them and advances the bar."""
-        losses, lrs, layer_losses = jax.device_get(outputs)
+        with self.watch.waiting() if self.watch is not None else contextlib.nullcontext():
+            losses, lrs, layer_losses = jax.device_get(outputs)
         self.throughput.lap(len(losses))
         if not np.all(np.isfinite(losses)):
             bad = int(np.flatnonzero(~np.isfinite(losses))[0])
