@@ -99,7 +99,8 @@ architecture and config.json), with `jaxattn.hf.rope_params` (the RoPE settings)
 and `jaxattn.hf.families` (one record per family); `jaxattn.hf.weights` and `jaxattn.hf.layouts`
 (which tensors hold which parameter), `jaxattn.hf.mxfp4` (GPT-OSS's MXFP4 experts to floats);
 `jaxattn.hf.fields` (typed reads of the JSON files), `jaxattn.hf.safetensors_io` (safetensors without
-torch); `jaxattn.hf.tokenizer` and `jaxattn.hf.chat_template` (the tokenizer and the chat template);
+torch); `jaxattn.hf.tokenizer` and `jaxattn.hf.chat_template` (the tokenizer and the chat template; `jaxattn.hf.render_bounds` the bounds
+on a server's renders);
 `jaxattn.hf.errors` (the errors); `jaxattn.hf.peft` and `jaxattn.hf.peft_modules` (PEFT's adapter
 files, and which Hugging Face module holds which part of a weight).
 """

@@ -29,7 +29,6 @@ not transformers.
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Mapping
 from datetime import datetime
 from functools import lru_cache
@@ -43,6 +42,8 @@ import jinja2.nodes
 import jinja2.utils
 import numpy as np
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from jaxattn.hf.render_bounds import TemplateTooCostly, bounded, deadline_range, time_limit
 
 TEMPLATE_FILE = "chat_template.jinja"
 CONFIG_FILE = "tokenizer_config.json"
@@ -205,7 +206,8 @@ class ChatTemplate:
         `add_generation_prompt` asks the template for the header that starts the assistant's reply.
         `extra` reaches the template as variables: `tools`, `documents`, `enable_thinking` and the like.
         `max_chars` and `max_seconds` bound what a server renders for a client: the text is rendered piece by
-        piece (Jinja's `generate`), abandoned past either (None: unbounded; the time is checked between pieces).
+        piece (Jinja's `generate`), abandoned past either (None: unbounded; the time is checked between pieces
+        and as `range` counts: `jaxattn.hf.render_bounds`).
 
         ChatTemplateError names the index of the first bad message, gives the template's own message
         when it calls `raise_exception` or fails while rendering, or says which bound it passed.
@@ -213,8 +215,11 @@ class ChatTemplate:
         chat = _alias_reasoning(_plain(_checked_messages(messages)))
         variables = {"tools": None, "documents": None, **_plain({**self.special_tokens, **extra})}
         try:
-            pieces = self._compiled.generate(**variables, messages=chat, add_generation_prompt=add_generation_prompt)
-            return _bounded(pieces, max_chars, max_seconds)
+            with time_limit(max_seconds):
+                pieces = self._compiled.generate(**variables, messages=chat, add_generation_prompt=add_generation_prompt)
+                return bounded(pieces, max_chars, max_seconds)
+        except TemplateTooCostly as err:
+            raise ChatTemplateError(str(err)) from None
         except ChatTemplateError:
             raise
         except _TemplateRaised as err:
@@ -222,21 +227,6 @@ class ChatTemplate:
         except Exception as err:  # noqa: BLE001 - any failure of a model's template code is the template's
             raise ChatTemplateError(f"the chat template failed while rendering: {type(err).__name__}: {err}") \
                 from None
-
-
-def _bounded(pieces, max_chars: int | None, max_seconds: float | None) -> str:
-    """The rendered `pieces` joined; ChatTemplateError once they pass `max_chars` or `max_seconds`."""
-    deadline, kept, size = None if max_seconds is None else time.monotonic() + max_seconds, [], 0
-    for piece in pieces:
-        kept.append(piece)
-        size += len(piece)
-        if max_chars is not None and size > max_chars:
-            raise ChatTemplateError(f"the chat template rendered more than {max_chars:,} characters from these "
-                                    "messages; the most this server renders")
-        if deadline is not None and time.monotonic() > deadline:
-            raise ChatTemplateError(f"the chat template took more than {max_seconds:g} s to render these "
-                                    "messages; the most this server waits")
-    return "".join(kept)
 
 
 def _compile(source: str) -> jinja2.Template:
@@ -259,6 +249,7 @@ def _environment() -> ImmutableSandboxedEnvironment:
     env.globals["strftime_now"] = _strftime_now
     env.globals["dict"] = _TemplateDict()
     env.globals["namespace"] = _TemplateNamespace
+    env.globals["range"] = deadline_range  # a loop that yields nothing still meets the render's deadline
     return env
 
 

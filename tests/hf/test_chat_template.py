@@ -219,6 +219,14 @@ def test_a_render_past_its_bounds_is_refused_in_one_line_without_rendering_it_al
     slow = ChatTemplate("{% for i in range(200) %}{{ i }}{% for j in range(20000) %}{% endfor %}{% endfor %}")
     with pytest.raises(ChatTemplateError, match="more than 0.05 s to render"):
         slow.render([{"role": "user", "content": "a"}], max_seconds=0.05)
+    # A loop that yields nothing (1e10 turns) meets the deadline too, as `range` counts.
+    spin = ChatTemplate("{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}")
+    started = time.perf_counter()
+    with pytest.raises(ChatTemplateError, match="more than 0.2 s to render"):
+        spin.render([{"role": "user", "content": "a"}], max_seconds=0.2)
+    assert time.perf_counter() - started < 2
+    counting = ChatTemplate("{% for i in range(3) %}{{ i }}{% endfor %}")
+    assert counting.render([{"role": "user", "content": "a"}], max_seconds=5) == "012"
     small = ChatTemplate("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}")
     chat = [{"role": "user", "content": "hi"}]
     assert small.render(chat, max_chars=100, max_seconds=5) == small.render(chat) == "<user>hi"
