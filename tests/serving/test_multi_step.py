@@ -62,16 +62,34 @@ def test_greedy_tokens_equal_generate_in_calls_of_several_steps(name, kv_cache):
     engine.allocator.check_all_free()
 
 
-def test_requests_that_end_inside_a_call_end_where_one_step_at_a_time_ends():
-    engine = multi_engine("gqa")
-    prompt = (5, 6, 7)
-    full = expected("gqa", prompt)
+ENDING_PROMPT = (5, 6, 7)
+
+
+def ending_cases():
+    """"gqa"'s greedy tokens of `ENDING_PROMPT`, their text, a stop token and a stop string met on the way, and
+    four requests of it: ending on that stop token, on that stop string, at `max_tokens` 3, and whole."""
+    full = expected("gqa", ENDING_PROMPT)
     text = "".join(LETTERS[i] for i in full)
     stop_token, stop = full[2], text[5:7]
     cases = [SamplingParams(temperature=0.0, max_tokens=MAX_NEW, stop_token_ids=(stop_token,)),
              SamplingParams(temperature=0.0, max_tokens=MAX_NEW, stop=(stop,)),
              SamplingParams(temperature=0.0, max_tokens=3),
              SamplingParams(temperature=0.0, max_tokens=MAX_NEW)]
+    return full, text, stop_token, stop, cases
+
+
+# Seeded draws with every knob, penalties, logit bias and log-probabilities, and their prompts.
+SAMPLED = [SamplingParams(temperature=0.9, top_k=12, top_p=0.95, seed=1234, max_tokens=MAX_NEW, logprobs=3),
+           SamplingParams(temperature=0.7, min_p=0.05, presence_penalty=0.8, frequency_penalty=0.3,
+                          repetition_penalty=1.3, seed=7, max_tokens=MAX_NEW),
+           SamplingParams(temperature=0.0, logit_bias={3: 5.0, 4: -100.0}, max_tokens=MAX_NEW, logprobs=2)]
+SAMPLED_PROMPTS = [(3, 1, 4, 1, 5), (9, 2, 6), (5, 3, 5, 8, 9, 7)]
+
+
+def test_requests_that_end_inside_a_call_end_where_one_step_at_a_time_ends():
+    engine = multi_engine("gqa")
+    prompt = ENDING_PROMPT
+    full, text, stop_token, stop, cases = ending_cases()
     calls = engine.stats["multi_step_calls"]
     by_token, by_text, by_length, whole = all_at_once(engine, [prompt] * 4, cases)
     assert by_token.output_ids == full[:full.index(stop_token) + 1] and by_token.finish_reason == "stop"
@@ -84,13 +102,8 @@ def test_requests_that_end_inside_a_call_end_where_one_step_at_a_time_ends():
 
 
 def test_seeded_draws_penalties_and_logprobs_equal_one_step_at_a_time():
-    sampled = [SamplingParams(temperature=0.9, top_k=12, top_p=0.95, seed=1234, max_tokens=MAX_NEW, logprobs=3),
-               SamplingParams(temperature=0.7, min_p=0.05, presence_penalty=0.8, frequency_penalty=0.3,
-                              repetition_penalty=1.3, seed=7, max_tokens=MAX_NEW),
-               SamplingParams(temperature=0.0, logit_bias={3: 5.0, 4: -100.0}, max_tokens=MAX_NEW, logprobs=2)]
-    prompts = [(3, 1, 4, 1, 5), (9, 2, 6), (5, 3, 5, 8, 9, 7)]
-    multi = all_at_once(multi_engine("gqa"), prompts, sampled)
-    single = all_at_once(engine_for("gqa"), prompts, sampled)
+    multi = all_at_once(multi_engine("gqa"), SAMPLED_PROMPTS, SAMPLED)
+    single = all_at_once(engine_for("gqa"), SAMPLED_PROMPTS, SAMPLED)
     for many, one in zip(multi, single):
         assert many.output_ids == one.output_ids
         np.testing.assert_allclose(many.output_logprobs, one.output_logprobs, rtol=1e-5, atol=1e-6)

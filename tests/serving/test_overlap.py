@@ -12,9 +12,9 @@ import numpy as np
 
 from jaxattn.serving import Engine, SamplingParams
 from tests.serving.compiles import counting_compiles
+from tests.serving.test_multi_step import (ENDING_PROMPT, LETTERS, SAMPLED, SAMPLED_PROMPTS, all_at_once,
+                                           ending_cases)
 from tests.serving.test_serving import ENGINE, MAX_NEW, engine_for, expected, model
-
-LETTERS = "abcdefghijklmnopqrstuvwxyzABCDEF"
 
 
 @functools.lru_cache(maxsize=None)
@@ -23,12 +23,6 @@ def engine(overlap: bool):
     config, params, kernels = model("gqa")
     return Engine(params, config, dataclasses.replace(ENGINE, overlap=overlap), kernels=kernels.replace(paged="gather"),
                   detokenize=lambda ids: "".join(LETTERS[i] for i in ids))
-
-
-def all_at_once(engine, prompts, sampling):
-    requests = [engine.add_request(p, s) for p, s in zip(prompts, sampling)]
-    engine.run()
-    return requests
 
 
 def test_the_engine_overlaps_by_default_and_its_greedy_tokens_are_generate_s():
@@ -44,14 +38,8 @@ def test_the_engine_overlaps_by_default_and_its_greedy_tokens_are_generate_s():
 
 
 def test_requests_ending_on_the_token_fed_ahead_end_as_without_overlap():
-    prompt = (5, 6, 7)
-    full = expected("gqa", prompt)
-    text = "".join(LETTERS[i] for i in full)
-    stop_token, stop = full[2], text[5:7]
-    cases = [SamplingParams(temperature=0.0, max_tokens=MAX_NEW, stop_token_ids=(stop_token,)),
-             SamplingParams(temperature=0.0, max_tokens=MAX_NEW, stop=(stop,)),
-             SamplingParams(temperature=0.0, max_tokens=3),
-             SamplingParams(temperature=0.0, max_tokens=MAX_NEW)]
+    prompt = ENDING_PROMPT
+    full, _, stop_token, _, cases = ending_cases()
     on, off = engine(True), engine(False)
     overlapped = on.stats["overlapped_steps"]
     ahead, plain = all_at_once(on, [prompt] * 4, cases), all_at_once(off, [prompt] * 4, cases)
@@ -67,12 +55,8 @@ def test_requests_ending_on_the_token_fed_ahead_end_as_without_overlap():
 
 
 def test_seeded_draws_penalties_and_logprobs_equal_the_engine_without_overlap():
-    sampled = [SamplingParams(temperature=0.9, top_k=12, top_p=0.95, seed=1234, max_tokens=MAX_NEW, logprobs=3),
-               SamplingParams(temperature=0.7, min_p=0.05, presence_penalty=0.8, frequency_penalty=0.3,
-                              repetition_penalty=1.3, seed=7, max_tokens=MAX_NEW),
-               SamplingParams(temperature=0.0, logit_bias={3: 5.0, 4: -100.0}, max_tokens=MAX_NEW, logprobs=2)]
-    prompts = [(3, 1, 4, 1, 5), (9, 2, 6), (5, 3, 5, 8, 9, 7)]
-    ahead, plain = all_at_once(engine(True), prompts, sampled), all_at_once(engine(False), prompts, sampled)
+    ahead = all_at_once(engine(True), SAMPLED_PROMPTS, SAMPLED)
+    plain = all_at_once(engine(False), SAMPLED_PROMPTS, SAMPLED)
     for a, b in zip(ahead, plain):
         assert a.output_ids == b.output_ids
         np.testing.assert_allclose(a.output_logprobs, b.output_logprobs, rtol=1e-6, atol=1e-7)
