@@ -25,7 +25,7 @@ from jaxattn import kernels as kernels_lib
 from jaxattn import axes
 from jaxattn.config import ModelConfig
 from jaxattn.kernels import Kernels
-from jaxattn.lora import is_lora, lora_delta
+from jaxattn.lora import is_lora, is_slots, lora_delta, slot_delta
 from jaxattn.quantization import is_quantized
 
 
@@ -64,6 +64,8 @@ class Linear(nn.Module):
     A kernel given as a `jaxattn.lora.LoraWeight` (`jaxattn.lora.add_lora`) runs its base as above
     (float or quantized) plus the low-rank delta `scale * (dropout(x) a) b` of each adapted part, zeros
     elsewhere; the adapters' dropout runs only when the module has a "dropout" rng (see `jaxattn.lora`).
+    A kernel given as a `jaxattn.lora.LoraSlots` (`jaxattn.lora.empty_slots`) runs its base likewise plus
+    `jaxattn.lora.slot_delta`: each token row's own adapter, chosen by its slot (none for -1).
     """
 
     features: int
@@ -83,14 +85,12 @@ class Linear(nn.Module):
         # A quantized kernel is read as given: flax's param would compare its packed shape with W's.
         stored = self.get_variable("params", "kernel") if self.has_variable("params", "kernel") else None
         if is_lora(stored):
-            if is_quantized(stored.base):
-                y = kernels_lib.quantized_matmul_kernel(self.quantized)(rows, stored.base).astype(self.dtype)
-            else:
-                y = kernels_lib.matmul_kernel(self.matmul)(rows, stored.base.astype(self.dtype)).astype(self.dtype)
             # A dropout rng (training with dropout on) drops the adapters' input, as PEFT's lora_dropout.
             key = self.make_rng("dropout") if stored.dropout > 0 and self.has_rng("dropout") else None
             delta = lora_delta(rows, stored, kernels_lib.matmul_kernel(self.matmul), key)  # [B*T, out]
-            y = (y + delta)[:, columns]  # [B*T, features]
+            y = (self._frozen(rows, stored.base) + delta)[:, columns]  # [B*T, features]
+        elif is_slots(stored):  # each token row its own adapter, or none
+            y = (self._frozen(rows, stored.base) + slot_delta(rows, stored))[:, columns]  # [B*T, features]
         elif is_quantized(stored):
             matmul = kernels_lib.quantized_matmul_kernel(self.quantized)
             y = matmul(rows, stored)[:, columns].astype(self.dtype)  # [B*T, features]
@@ -104,6 +104,12 @@ class Linear(nn.Module):
                               self.param_dtype)
             y = y + bias[None, columns].astype(self.dtype)  # [1, features]
         return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    def _frozen(self, rows: jnp.ndarray, base) -> jnp.ndarray:
+        """`rows [M, D_in]` times an adapted kernel's frozen base (float or quantized) -> `[M, out]`."""
+        if is_quantized(base):
+            return kernels_lib.quantized_matmul_kernel(self.quantized)(rows, base).astype(self.dtype)
+        return kernels_lib.matmul_kernel(self.matmul)(rows, base.astype(self.dtype)).astype(self.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -269,12 +275,12 @@ def with_fused_qkv(params: dict, config: ModelConfig) -> tuple[dict, ModelConfig
     scan alike; `params` unboxed, the inner tree (no "params" key).
 
     Returned unchanged: a config already fused, MLA (no q/k/v projections), or projections that are
-    not plain arrays (quantized or with adapters: fuse before `jaxattn.quantize` and after merging).
+    not plain arrays (quantized or with adapters, in slots too: fuse before `jaxattn.quantize` and after merging).
     """
     if config.fused_qkv or config.mla is not None:
         return params, config
     separate = list(_attention_params(params))
-    wrapped = lambda x: is_quantized(x) or is_lora(x)  # noqa: E731
+    wrapped = lambda x: is_quantized(x) or is_lora(x) or is_slots(x)  # noqa: E731
     if any(wrapped(leaf) for attn in separate for leaf in jax.tree.leaves(attn, is_leaf=wrapped)):
         return params, config
 

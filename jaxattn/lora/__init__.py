@@ -47,13 +47,18 @@ configs' room (`jaxattn.config.lora`: `LoraConfig`, its rank, alpha, dropout, rs
 
 * `jaxattn.lora.weight`: `LoraWeight` and its maths, what a layer reads (`lora_delta`, `float_param`);
 * `jaxattn.lora.params`: which weight each target names (`roles_of`, `part_widths`), and the adapters
-  over a params tree (`add_lora`, `split_lora`, `combine_lora`, `merge_lora`, `count_lora_params`).
+  over a params tree (`add_lora`, `split_lora`, `combine_lora`, `merge_lora`, `count_lora_params`);
+* `jaxattn.lora.slots`: many adapters on one base, chosen per token row (`LoraSlots`, `empty_slots`,
+  `write_slot`, `clear_slot`, `with_token_slots`, and the maths a Linear reads, `slot_delta`).
 """
 
 from jaxattn.config.lora import TARGETS, LoraConfig
 from jaxattn.lora.params import (KV, add_lora, combine_lora, count_lora_params, merge_lora, part_widths, role_targets,
                                  roles_of, split_lora)
+from jaxattn.lora.slots import (FORMS, LoraSlots, clear_slot, empty_slots, is_slots, slot_delta, with_token_slots,
+                                write_slot)
 from jaxattn.lora.weight import LoraWeight, float_param, is_lora, lora_delta
 
-__all__ = ["KV", "TARGETS", "LoraConfig", "LoraWeight", "add_lora", "combine_lora", "count_lora_params", "float_param",
-           "is_lora", "lora_delta", "merge_lora", "part_widths", "role_targets", "roles_of", "split_lora"]
+__all__ = ["FORMS", "KV", "TARGETS", "LoraConfig", "LoraSlots", "LoraWeight", "add_lora", "clear_slot", "combine_lora",
+           "count_lora_params", "empty_slots", "float_param", "is_lora", "is_slots", "lora_delta", "merge_lora",
+           "part_widths", "role_targets", "roles_of", "slot_delta", "split_lora", "with_token_slots", "write_slot"]

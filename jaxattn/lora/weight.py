@@ -86,6 +86,12 @@ class LoraWeight:
         return w.reshape(*self.lead, *self.weight_shape).astype(dtype)
 
 
+class PerRowWeight:
+    """What a weight whose adapters differ from one token row to the next derives from
+    (`jaxattn.lora.slots.LoraSlots`): it runs only beside a matmul, as a Linear's kernel, and has no one
+    float form for `float_param` to read."""
+
+
 def is_lora(x: Any) -> bool:
     return isinstance(x, LoraWeight)
 
@@ -136,9 +142,14 @@ def _delta_per_part(rows: jax.Array, weight: LoraWeight, matmul: Callable, dropo
 def float_param(module: nn.Module, name: str, init, shape: tuple[int, ...], dtype) -> jax.Array:
     """`jaxattn.quantization.float_param` (a float parameter, a quantized one dequantized), and a
     `LoraWeight` merged on read: `base + scale * a @ b` (per expert) reshaped to `shape` in `dtype`.
-    What the routed experts and MLA's `wkv_b` read (no matmul kernel of theirs takes an adapter)."""
+    What the routed experts and MLA's `wkv_b` read (no matmul kernel of theirs takes an adapter).
+    A `PerRowWeight` (adapters in slots) is a ValueError naming the weight: it has no one float form."""
     if module.has_variable("params", name):
         stored = module.get_variable("params", name)
         if is_lora(stored):
             return stored.merged(dtype).reshape(shape)
+        if isinstance(stored, PerRowWeight):
+            raise ValueError(f"{'/'.join((*module.path, name))}: adapters in slots run per token row beside a "
+                             "Linear's matmul, and this weight is read as one float array; jaxattn.lora.slots."
+                             "empty_slots does not target it")
     return quantized_float_param(module, name, init, shape, dtype)
