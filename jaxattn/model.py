@@ -128,9 +128,12 @@ class DecoderLM(nn.Module):
             logits = matmul(x.reshape(B * T, D), head).reshape(B, T, -1)  # [B*T, V] float32
         else:
             B, T, D = x.shape
-            # [D, V], shared with wte (or a float tied_head: a quantized model's weights dequantized)
-            head = (self.wte.embedding.T if head is None else head).astype(x.dtype)
-            logits = kernels_lib.matmul_kernel(self.kernels.matmul)(x.reshape(B * T, D), head)  # [B*T, V] float32
+            rows = x.reshape(B * T, D)
+            if head is None:  # wte [V, D] read as the head [D, V], in the kernel's form for a transposed weight
+                matmul = kernels_lib.transposed_matmul_kernel(self.kernels.matmul)
+                logits = matmul(rows, self.wte.embedding.astype(x.dtype))  # [B*T, V] float32
+            else:  # a float tied_head [D, V]: a quantized model's weights dequantized
+                logits = kernels_lib.matmul_kernel(self.kernels.matmul)(rows, head.astype(x.dtype))  # [B*T, V] float32
             logits = logits.reshape(B, T, -1)
         return soft_cap(logits, self.config.final_logits_soft_cap)
 

@@ -244,7 +244,7 @@ def test_bad_configs_and_inputs_raise_clear_errors():
         ModelConfig(d_model=30, num_heads=4)
     with pytest.raises(TypeError, match="ModelConfig.mla must be a jaxattn.MLAConfig"):
         ModelConfig(mla={"kv_lora_rank": 8})
-    with pytest.raises(ValueError, match=r"Kernels.matmul must be one of \('xla', 'bfloat16', 'bfloat16_cpu', 'auto'\)"):
+    with pytest.raises(ValueError, match=r"Kernels.matmul must be one of \('xla', 'bfloat16', 'bfloat16_cpu', 'native_cpu', 'auto'\)"):
         Kernels(matmul="float16")
     with pytest.raises(ValueError, match=r"Kernels.attention must be one of \('xla', 'custom_vjp', 'causal_blocks', 'chunked', 'cudnn', 'splash', "
                                          r"'auto_cpu', 'auto_gpu', 'auto_tpu', 'auto'\)"):

@@ -36,6 +36,7 @@ from jaxattn import Kernels, axes, prepare_weights, resolve_kernels
 from jaxattn.cache.containers import KV_CACHES
 from jaxattn.hf.chat_template import ChatTemplate, ChatTemplateError
 from jaxattn.hf.tokenizer import HFTokenizer
+from jaxattn.kernels import Platform, exact_matmul
 from jaxattn.serving import Embedder, Engine, EngineConfig
 from jaxattn.serving.api.app import Limits, ServedModel, create_app
 from jaxattn.serving.api.metrics import ServerMetrics
@@ -182,11 +183,13 @@ def serving_kernels(dtype: str, bf16_matmul: bool = False) -> tuple[Kernels, dic
     """`Kernels.auto()` resolved for this machine, its float matmuls exact for a float32 model unless
     `bf16_matmul`: a served model's log-probabilities are an answer of the API (lm-eval scores with them),
     and bfloat16 dots (what "auto" picks on a CPU with AMX and on a GPU) move them by about 1e-2."""
-    kernels, reasons = resolve_kernels(Kernels.auto())
-    if dtype == "float32" and not bf16_matmul and kernels.matmul != "xla":
-        reasons = {**reasons, "matmul": "a float32 model served exactly (--bf16-matmul: "
+    platform = Platform.detect()
+    kernels, reasons = resolve_kernels(Kernels.auto(), platform)
+    exact, why = exact_matmul(platform)
+    if dtype == "float32" and not bf16_matmul and kernels.matmul != exact:
+        reasons = {**reasons, "matmul": f"a float32 model served exactly, {why} (--bf16-matmul: "
                    f"{kernels.matmul!r} would be faster here: {reasons['matmul']})"}
-        kernels = kernels.replace(matmul="xla")
+        kernels = kernels.replace(matmul=exact)
     return kernels, reasons
 
 

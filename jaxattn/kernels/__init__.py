@@ -9,7 +9,7 @@ tests/kernels/test_kernels.py:
 | --- | --- | --- |
 | attention | `scaled_dot_product_attention` | "xla", "custom_vjp", "causal_blocks", "chunked", "cudnn", "splash"; per-call rules "auto_cpu", "auto_gpu", "auto_tpu" |
 | decode | `cached_attention`, `cache.write_rows` | "xla", "xla_cpu", "blocked" (inference only); per-call rule "auto_cpu" |
-| matmul | `Linear`, the tied lm_head | "xla", "bfloat16", "bfloat16_cpu" |
+| matmul | `Linear`, the tied lm_head | "xla", "bfloat16", "bfloat16_cpu", "native_cpu" (float32, a native loop for up to 64 rows) |
 | mla | `MultiHeadLatentAttention.__call__` | "naive", "absorb" |
 | moe | `jaxattn.layers.moe.MoE` (the routed experts) | "dense", "grouped", "grouped_cpu", "gathered"; per-call rule "auto_cpu" |
 | quantized | `Linear` with a `QuantizedWeight` kernel (`jaxattn.quantization`) | "xla", "native_cpu" (a native loop for up to 32 rows), "native_cpu_q8act" (activations rounded to int8, integer dots) |
@@ -49,11 +49,13 @@ The modules, one formulation or one rule each:
 * attention: `xla` (the reference), `xla_cpu`, `custom_vjp`, `chunked` (with its block schedule,
   `chunked_blocks`), `cudnn`, `splash`, `pallas_flash` (the teaching kernel), `blocked_decode`;
 * against pages: `paged` (the reference and the ragged loop), `native_paged` (the native decode loop);
-* matmuls: `bf16_matmul`, `quant_matmul` (quantized weights); the mixture of experts: `moe`;
+* matmuls: `bf16_matmul`, `float_matmul` (float32 rows of a decode step, native), `quant_matmul` (quantized
+  weights); the mixture of experts: `moe`;
 * the native kernels' C++ (`native/`), built on first use by `native_build` with `-march=native`:
   the quantized matmul's integer dots take one path per instruction set (`native/quant_dot.h`:
   AVX512-VNNI, AVX-VNNI, AVX2, NEON with and without the dot-product extension, scalar), named by
-  `quant_matmul.native_path()` and on the programs' `kernels:` line.
+  `quant_matmul.native_path()` and on the programs' `kernels:` line; the float32 matmul's register tiles
+  one each for AVX-512, AVX2, NEON and scalar (`native/float_gemm.h`, `float_matmul.native_path()`).
 
 Adding an implementation is a new module in this package and one entry in
 `IMPLEMENTATIONS` (`jaxattn.kernels.registry`; plus, if it should be picked
@@ -63,10 +65,11 @@ automatically, a rule in `jaxattn.kernels.select`).
 from jaxattn.kernels._call import KernelFallbackWarning
 from jaxattn.kernels.registry import (AUTO, IMPLEMENTATIONS, Kernels, attention_kernel, cache_writer,
                                       cached_attention_kernel, check_mla_path, check_paged, choices, matmul_kernel,
-                                      moe_kernel, paged_attention_kernel, prepare_weights, quantized_matmul_kernel)
-from jaxattn.kernels.select import Platform, call_kernels, default_kernels, resolve_kernels
+                                      moe_kernel, paged_attention_kernel, prepare_weights, quantized_matmul_kernel,
+                                      transposed_matmul_kernel)
+from jaxattn.kernels.select import Platform, call_kernels, default_kernels, exact_matmul, resolve_kernels
 
 __all__ = ["AUTO", "IMPLEMENTATIONS", "KernelFallbackWarning", "Kernels", "Platform", "attention_kernel",
            "cache_writer", "cached_attention_kernel", "call_kernels", "check_mla_path", "check_paged", "choices",
-           "default_kernels", "matmul_kernel", "moe_kernel", "paged_attention_kernel", "prepare_weights",
-           "quantized_matmul_kernel", "resolve_kernels"]
+           "default_kernels", "exact_matmul", "matmul_kernel", "moe_kernel", "paged_attention_kernel",
+           "prepare_weights", "quantized_matmul_kernel", "resolve_kernels", "transposed_matmul_kernel"]

@@ -11,7 +11,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-from jaxattn.kernels import auto, bf16_matmul, blocked_decode, moe, paged_select, quant_matmul, xla, xla_cpu
+from jaxattn.kernels import (auto, bf16_matmul, blocked_decode, float_matmul, moe, paged_select, quant_matmul, xla,
+                             xla_cpu)
 
 AUTO = "auto"
 
@@ -23,7 +24,8 @@ IMPLEMENTATIONS: dict[str, dict[str, object]] = {
                # xla_cpu's writes: the vmapped form copies the whole buffer, which "blocked" exists to avoid.
                "blocked": (blocked_decode.cached_attention, xla_cpu.write_rows),
                "auto_cpu": (auto.cpu_cached_attention, xla_cpu.write_rows)},  # blocked or xla_cpu per call
-    "matmul": {"xla": xla.matmul, "bfloat16": bf16_matmul.matmul, "bfloat16_cpu": bf16_matmul.matmul_cpu},
+    "matmul": {"xla": xla.matmul, "bfloat16": bf16_matmul.matmul, "bfloat16_cpu": bf16_matmul.matmul_cpu,
+               "native_cpu": float_matmul.matmul},
     "mla": {"naive": None, "absorb": None},
     # "gather": the layer's own cached attention; which kernel runs a call: paged_select.choose.
     "paged": dict(paged_select.IMPLEMENTATIONS),
@@ -31,6 +33,11 @@ IMPLEMENTATIONS: dict[str, dict[str, object]] = {
     "quantized": {"xla": quant_matmul.matmul, "native_cpu": quant_matmul.matmul_cpu,
                   "native_cpu_q8act": quant_matmul.matmul_cpu_q8act},
 }
+
+
+# The matmuls that read a weight stored `[N, K]` (the tied embedding as the head) without transposing it first:
+# matmul name -> `(x [M, K], w [N, K]) -> x @ w.T`; the others are given `w.T`.
+TRANSPOSED_MATMULS: dict[str, Callable] = {"native_cpu": float_matmul.matmul_transposed}
 
 
 # The weight layout an implementation reads fastest, given when a run is resolved (`prepare_weights`):
@@ -62,7 +69,9 @@ class Kernels:
         forward only, for inference) or "auto_cpu" (blocked at batch 1 or in caches of 4096
         slots or more, else xla_cpu).
       matmul: "xla" (reference: the compute dtype), "bfloat16" or "bfloat16_cpu" (bfloat16
-        operands, float32 sums, reverse mode only; the latter in XLA:CPU's fast forms).
+        operands, float32 sums, reverse mode only; the latter in XLA:CPU's fast forms), or
+        "native_cpu" (`jaxattn.kernels.float_matmul`: float32, up to 64 rows in a native loop built with
+        the host's C++ compiler, more rows the float32 reference; CPU only).
       mla: "naive" (decompress keys and values) or "absorb" (attend in the latent space), for
         full-sequence passes; cached decoding always absorbs.
       paged: attention against a paged cache (`jaxattn.serving`): "gather" (reference: each row's pages
@@ -154,6 +163,13 @@ def cache_writer(name: str) -> Callable:
 def matmul_kernel(name: str) -> Callable:
     """The dense `[M, K] @ [K, N] -> float32` matmul of implementation `name`."""
     return _lookup("matmul", name)
+
+
+def transposed_matmul_kernel(name: str) -> Callable:
+    """`(x [M, K], w [N, K]) -> x @ w.T` float32 with matmul implementation `name` (the tied head): its own
+    form where it has one (`TRANSPOSED_MATMULS`), else the kernel given `w.T`."""
+    kernel = _lookup("matmul", name)
+    return TRANSPOSED_MATMULS.get(name) or (lambda x, w: kernel(x, w.T))
 
 
 def quantized_matmul_kernel(name: str) -> Callable:

@@ -102,7 +102,26 @@ def _matmul(platform: Platform) -> tuple[str, str]:
         return "bfloat16", f"{platform.backend}: bfloat16 matrix units, as torch.autocast"
     if "amx_bf16" in platform.cpu_flags:
         return "bfloat16_cpu", "this CPU has AMX-BF16: bfloat16 dots run several times faster"
-    return "xla", "this CPU has no AMX-BF16: bfloat16 matmuls are slower than float32 here"
+    return exact_matmul(platform)[0], ("this CPU has no AMX-BF16: bfloat16 matmuls are slower than float32 here; "
+                                       + exact_matmul(platform)[1])
+
+
+# CPU flags -> the vector path of the native float32 matmul's tiles (native/float_gemm.h), in its order; without
+# one, its plain loops are slower than XLA's dot.
+FLOAT_TILES = {frozenset({"avx512f"}): "AVX-512", frozenset({"avx2", "fma"}): "AVX2", frozenset({"asimd"}): "NEON"}
+
+
+def exact_matmul(platform: Platform) -> tuple[str, str]:
+    """The fastest float32 matmul on `platform` (the products of a float32 model as the reference computes
+    them, up to the order of additions): "native_cpu" on a CPU with a C++ compiler and a vector path for its
+    tiles (`FLOAT_TILES`), else "xla"."""
+    tiles = next((name for flags, name in FLOAT_TILES.items() if flags <= platform.cpu_flags), None)
+    if platform.is_cpu and platform.cxx and tiles:
+        return "native_cpu", (f"float32, a decode step's rows (up to 64) in a native loop of {tiles} tiles: XLA:CPU's "
+                              "float32 dot runs those shapes at a fraction of the cores' arithmetic "
+                              "(docs/performance.md §26)")
+    where = "no C++ compiler for the native loop" if platform.is_cpu else f"{platform.backend}: no native kernel"
+    return "xla", f"float32 in XLA ({where})"
 
 
 def _mla(platform: Platform) -> tuple[str, str]:

@@ -1,5 +1,5 @@
-// Checks the quantized matmul's integer dots (jaxattn/kernels/native/quant_dot.h) and the paged attention's
-// float loops (float_vec.h) for the instruction set this file is compiled for against a scalar reference
+// Checks the quantized matmul's integer dots (jaxattn/kernels/native/quant_dot.h), the paged attention's
+// float loops (float_vec.h) and the float matmul's register tiles (float_gemm.h) for the instruction set this file is compiled for against a scalar reference
 // computed here, without JAX: compiled natively and cross-compiled for ARM (run under qemu-user) by
 // tests/kernels/test_native_paths.py.
 //
@@ -8,7 +8,9 @@
 // weights (the extremes included) and activations -127 .. 127 (the kernel's rounding range), int4 with
 // every nibble 0 .. 15. The float dots and weighted sums, for lengths around each path's vector widths
 // (odd ones included), must equal a double-precision reference within 1e-5 of the sum of the terms'
-// magnitudes (only the order of float additions differs). Prints each header's path, the cases and the
+// magnitudes (only the order of float additions differs); so must every tile of the float matmul (each
+// count of rows and vectors, storing and adding, the transposed weight's dots, the plain tails), for
+// contraction lengths around the vector widths. Prints each header's path, the cases and the
 // largest difference; exits 1 on a mismatch.
 
 #include <cmath>
@@ -18,6 +20,7 @@
 #include <random>
 #include <vector>
 
+#include "float_gemm.h"
 #include "float_vec.h"
 #include "quant_dot.h"
 
@@ -111,6 +114,52 @@ double CheckFloat(std::mt19937& rng, int n, int count) {
   return worst;
 }
 
+// The largest error of out (rows x cols, row stride N) against x @ w in double (x rows stride K, w [K, N] or,
+// `transposed`, [N, K]), plus `base` where the tile adds, relative to the sum of the terms' magnitudes.
+double GemmError(const std::vector<float>& x, const std::vector<float>& w, const std::vector<float>& base,
+                 const std::vector<float>& out, int rows, int cols, int K, int N, bool transposed, bool add) {
+  double worst = 0.0;
+  for (int r = 0; r < rows; ++r)
+    for (int c = 0; c < cols; ++c) {
+      double exact = add ? base[r * N + c] : 0.0, size = std::fabs(exact);
+      for (int k = 0; k < K; ++k) {
+        const double term = double(x[r * K + k]) * (transposed ? w[c * K + k] : w[k * N + c]);
+        exact += term, size += std::fabs(term);
+      }
+      worst = std::max(worst, std::fabs(out[r * N + c] - exact) / std::max(size, 1e-30));
+    }
+  return worst;
+}
+
+// Every tile and tail of float_gemm.h for contraction length K: the worst relative error and the cases run.
+double CheckGemm(std::mt19937& rng, int K, int* cases) {
+  namespace g = jaxattn_gemm;
+  std::uniform_real_distribution<float> value(-2.0f, 2.0f);
+  const int N = g::kVecs * g::kWidth + 5;  // a row stride past the widest tile
+  std::vector<float> x(g::kRows * K), w(K * N), base(g::kRows * N), out;
+  for (auto* v : {&x, &w, &base})
+    for (auto& e : *v) e = value(rng);
+  double worst = 0.0;
+  for (int rows = 1; rows <= g::kRows; ++rows) {
+    for (int vecs = 1; vecs <= g::kVecs; ++vecs)
+      for (bool add : {false, true}) {
+        out = base;
+        g::kRowsTiles[rows - 1][vecs - 1](x.data(), K, K, w.data(), N, out.data(), add, 0);
+        worst = std::max(worst, GemmError(x, w, base, out, rows, vecs * g::kWidth, K, N, false, add));
+        ++*cases;
+      }
+    out = base;
+    g::RowsTail(x.data(), rows, K, w.data(), N, 5, out.data());
+    worst = std::max(worst, GemmError(x, w, base, out, rows, 5, K, N, false, false));
+    out = base;  // w read as [N, K]: 4 of its rows per dots tile, then 3 in the tail
+    if (rows <= g::kDotsRows) g::kDotsTiles[rows - 1](x.data(), K, w.data(), out.data(), N);
+    g::DotsTail(x.data(), rows, K, w.data() + 4 * K, 3, out.data() + 4, N);
+    worst = std::max(worst, GemmError(x, w, base, out, rows <= g::kDotsRows ? rows : 0, 7, K, N, true, false));
+    *cases += 2;
+  }
+  return worst;
+}
+
 int main() {
   std::mt19937 rng(58);
   int64_t worst = 0, cases = 0;
@@ -132,5 +181,12 @@ int main() {
   const bool floats_ok = float_worst <= 1e-5;
   std::printf("float path %s: %d cases, max relative error %s 1e-5 (%.1e)\n", jaxattn_vec::kPath, float_cases,
               floats_ok ? "within" : "above", float_worst);
-  return worst == 0 && floats_ok ? 0 : 1;
+  double gemm_worst = 0.0;
+  int gemm_cases = 0;
+  for (int K : {1, 3, 4, 8, 15, 16, 17, 33, 64, 70})
+    gemm_worst = std::max(gemm_worst, CheckGemm(rng, K, &gemm_cases));
+  const bool gemm_ok = gemm_worst <= 1e-5;
+  std::printf("gemm path %s: %d cases, max relative error %s 1e-5 (%.1e)\n", jaxattn_gemm::kPath, gemm_cases,
+              gemm_ok ? "within" : "above", gemm_worst);
+  return worst == 0 && floats_ok && gemm_ok ? 0 : 1;
 }

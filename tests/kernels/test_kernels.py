@@ -341,18 +341,20 @@ CPU_AUTO = dict(attention="auto_cpu", decode="auto_cpu", moe="auto_cpu", paged="
     (Platform("cpu", AVX512), Kernels(**CPU_AUTO, matmul="xla")),
     (Platform("cpu", AVX2), Kernels(**CPU_AUTO, matmul="xla")),
     (Platform("cpu"), Kernels(**CPU_AUTO, matmul="xla")),
-    (Platform("cpu", AVX2, cxx=True), Kernels(**{**CPU_AUTO, "paged": "ragged_cpu"}, matmul="xla",
-                                              quantized="native_cpu_q8act")),  # AVX2's integer dots
+    (Platform("cpu", AVX2, cxx=True), Kernels(**{**CPU_AUTO, "paged": "ragged_cpu"}, matmul="native_cpu",
+                                              quantized="native_cpu_q8act")),  # AVX2's integer dots and tiles
     (Platform("cpu", frozenset({"sse4_2"}), cxx=True), Kernels(**{**CPU_AUTO, "paged": "ragged_cpu"}, matmul="xla",
-                                                               quantized="native_cpu")),  # no integer-dot path
+                                                               quantized="native_cpu")),  # no integer-dot path, no tiles
     (Platform("cpu", frozenset({"fp", "asimd", "asimddp"}), cxx=True),
-     Kernels(**{**CPU_AUTO, "paged": "ragged_cpu"}, matmul="xla", quantized="native_cpu_q8act")),  # ARM's
+     Kernels(**{**CPU_AUTO, "paged": "ragged_cpu"}, matmul="native_cpu", quantized="native_cpu_q8act")),  # ARM's
     (Platform("cpu", AVX512 | {"avx512_vnni"}, cxx=True), Kernels(**{**CPU_AUTO, "paged": "ragged_cpu"},
-                                                                   matmul="xla", quantized="native_cpu_q8act")),
+                                                                   matmul="native_cpu", quantized="native_cpu_q8act")),
+    (Platform("cpu", AMX, cxx=True), Kernels(**{**CPU_AUTO, "paged": "ragged_cpu"}, matmul="bfloat16_cpu",
+                                             quantized="native_cpu_q8act")),  # AMX: bfloat16 dots still
     (Platform("gpu", AMX, cxx=True), Kernels(attention="auto_gpu", matmul="bfloat16", moe="grouped")),  # the host's AMX: no matter
     (Platform("tpu"), Kernels(attention="auto_tpu", matmul="bfloat16", moe="grouped")),
 ], ids=["cpu-amx", "cpu-avx512-no-amx", "cpu-amd-avx2", "cpu-unknown", "cpu-avx2-with-cxx", "cpu-sse-with-cxx",
-       "cpu-arm-dotprod-with-cxx", "cpu-vnni-with-cxx", "gpu", "tpu"])
+       "cpu-arm-dotprod-with-cxx", "cpu-vnni-with-cxx", "cpu-amx-with-cxx", "gpu", "tpu"])
 def test_auto_follows_the_rules_for_each_platform(platform, expected):
     chosen, reasons = resolve_kernels(Kernels.auto(), platform)
     assert chosen == expected

@@ -1,20 +1,22 @@
 """The native kernels' instruction-set paths (the quantized matmul's integer dots, jaxattn/kernels/native/
-quant_dot.h; the paged attention's float loops, float_vec.h), each checked against a reference whatever
+quant_dot.h; the paged attention's float loops, float_vec.h; the float matmul's tiles, float_gemm.h), each checked against a reference whatever
 path `-march=native` picks on this machine.
 
 * The integer dots and float loops alone: tests/kernels/native_driver.cc compiled for each path and run
   where this machine can (x86 natively; ARM NEON with and without the dot-product extension
   cross-compiled with g++-aarch64-linux-gnu and run under qemu-aarch64, marked `qemu`): the integer sums
   exactly equal to a scalar reference, the float ones within 1e-5 of a double-precision one.
-* The whole kernel through JAX: the library built for the scalar and the AVX2 paths (x86) in a process
-  of its own each, equal to `matmul_q8act` / `matmul` on odd shapes (N not a multiple of 16, K of 64,
-  one row and 33 rows) to the tolerance tests/test_quantize.py holds the native build to.
+* The whole kernels through JAX: the libraries built for the scalar and the AVX2 paths (x86) in a process
+  of its own each; the quantized matmul equal to `matmul_q8act` / `matmul` on odd shapes (N not a multiple
+  of 16, K of 64, one row and 33 rows) to the tolerance tests/test_quantize.py holds the native build to;
+  the float matmul, both weight layouts, within 1e-5 of the terms' magnitudes of a float64 product.
 """
 
 from __future__ import annotations
 
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -37,7 +39,8 @@ X86_PATHS = {"scalar": (["-march=x86-64"], None), "avx2": (["-march=x86-64-v3"],
              "avxvnni": (["-march=x86-64-v3", "-mavxvnni"], "avx_vnni"),
              "avx512vnni": (["-march=x86-64-v4", "-mavx512vnni"], "avx512_vnni")}
 ARM_PATHS = {"neon-dotprod": "-march=armv8.2-a+dotprod", "neon": "-march=armv8-a"}
-# The paged attention's float path (native/float_vec.h) each of those builds takes.
+# The paged attention's float path (native/float_vec.h) each of those builds takes; the float matmul's tiles
+# (native/float_gemm.h) take the same.
 FLOAT_PATHS = {"scalar": "scalar", "avx2": "avx2", "avxvnni": "avx2", "avx512vnni": "avx512", "neon-dotprod": "neon",
                "neon": "neon"}
 ARM_CXX, QEMU = shutil.which("aarch64-linux-gnu-g++"), shutil.which("qemu-aarch64")
@@ -56,6 +59,8 @@ def run_driver(command: list[str], path: str) -> None:
     assert result.stdout.startswith(f"path {path}: 24 cases, max |error| 0"), result.stdout
     float_line = result.stdout.splitlines()[1]
     assert float_line.startswith(f"float path {FLOAT_PATHS[path]}: 60 cases, max relative error within 1e-5"), float_line
+    gemm_line = result.stdout.splitlines()[2]
+    assert re.match(rf"gemm path {FLOAT_PATHS[path]}: \d+ cases, max relative error within 1e-5", gemm_line), gemm_line
 
 
 def runnable(path: str) -> bool:
@@ -120,6 +125,14 @@ for M in (1, 33):
                     expected = np.asarray(reference(x, q))
                     got = np.asarray(quant_matmul.native_matmul(x, w, q8act=q8act))
                     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+from jaxattn.kernels import float_matmul
+print(float_matmul.native_path())
+for M in (1, 9, 33):
+    for K, N in ((70, 53), (130, 100)):  # bands of 64 rows and a remainder; tiles and a tail of columns
+        x, w = rng.normal(size=(M, K)).astype(np.float32), rng.normal(size=(K, N)).astype(np.float32)
+        expected = x.astype(np.float64) @ w
+        for got in (float_matmul.native_matmul(x, w), float_matmul.native_matmul(x, w.T.copy(), transposed=True)):
+            assert (np.abs(np.asarray(got) - expected) <= 1e-5 * (np.abs(x) @ np.abs(w))).all()
 print("ok")
 """
 
@@ -132,4 +145,4 @@ def test_the_whole_kernel_built_for_each_runnable_x86_path_equals_the_references
     result = subprocess.run([sys.executable, "-c", WHOLE_KERNEL, *flags], capture_output=True, text=True, env=env,
                             timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.split() == [path, "ok"]
+    assert result.stdout.split() == [path, FLOAT_PATHS[path], "ok"]
