@@ -20,7 +20,7 @@ from tests.hf.test_peft import ALL, SEQ, TOL, bases, jax_logits, peft_adapter, t
 ROW_SLOTS = np.array([2, -1, 2])
 
 
-def test_an_adapter_peft_wrote_runs_in_a_slot_as_merged(bases, tmp_path):
+def test_an_adapter_peft_wrote_runs_in_a_slot_as_merged(bases, tmp_path):  # noqa: F811 (the fixture imported)
     model, _, config, params = bases("llama")
     adapted = peft_adapter(model, tmp_path, seed=3).eval()  # r=4 on every projection
     fused, fused_config = with_fused_qkv(params, config)
