@@ -14,6 +14,8 @@ The engine, in parts that each do one job (vLLM V1's split):
 * `ModelRunner` (`jaxattn.serving.model_runner`): placed parameters and pools, a step's arrays, the run;
 * `jaxattn.serving.step`: the compiled step programs, one per shape bucket;
 * `jaxattn.serving.multi_step`: several decode steps in one program call, one program per decode bucket;
+* `LoraTable` (`jaxattn.serving.loras`): the LoRA adapters held, which sit in the model's slots and which
+  wait on the host, least recently used first out;
 * `StepClock` (`jaxattn.serving.step_clock`): where each step's time goes, host phase by phase and the
   device's wait;
 * `jaxattn.serving.logit_knobs`: logit bias, the penalties and min-p on the device, per drawn row;
@@ -33,6 +35,7 @@ from jaxattn.serving.engine import Engine
 from jaxattn.serving.engine_config import EngineConfig
 from jaxattn.serving.guides import Guide
 from jaxattn.serving.kv_cache_manager import KVCacheManager
+from jaxattn.serving.loras import LoraExists, LoraInUse, LoraTable, UnknownLora
 from jaxattn.serving.model_runner import ModelRunner
 from jaxattn.serving.pages import PageAllocator, page_keys
 from jaxattn.serving.requests import Request, SamplingParams, Status
@@ -43,6 +46,7 @@ from jaxattn.serving.structured import GuideCompiler
 from jaxattn.serving.text import TextStream
 from jaxattn.serving.validation import RequestError, RequestLimits
 
-__all__ = ["Embedder", "Engine", "EngineConfig", "Guide", "GuideCompiler", "KVCacheManager", "ModelRunner",
-           "PageAllocator", "QueueFull", "Request", "RequestError", "RequestLimits", "SamplingParams", "Scheduler",
-           "SchedulerOutput", "Status", "StepClock", "StepShape", "TextStream", "page_keys"]
+__all__ = ["Embedder", "Engine", "EngineConfig", "Guide", "GuideCompiler", "KVCacheManager", "LoraExists",
+           "LoraInUse", "LoraTable", "ModelRunner", "PageAllocator", "QueueFull", "Request", "RequestError",
+           "RequestLimits", "SamplingParams", "Scheduler", "SchedulerOutput", "Status", "StepClock", "StepShape",
+           "TextStream", "UnknownLora", "page_keys"]

@@ -1,7 +1,7 @@
 """Embeddings of a decoder: its last layer's hidden state, after the final norm, pooled over a text and
 normalised.
 
-    embedder = Embedder(engine.params, engine.config, kernels=engine.kernels, max_len=engine.max_model_len)
+    embedder = Embedder(engine.base_params, engine.config, kernels=engine.kernels, max_len=engine.max_model_len)
     vector = embedder.embed([5, 6, 7])        # float32 [d_model], unit length
 
 The pooling is vLLM's for a decoder served as an embedding model without a pooling config of its own:

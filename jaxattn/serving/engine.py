@@ -33,8 +33,10 @@ When every running row only decodes, one `step()` may run several decode steps i
 (`EngineConfig.decode_steps`, by default 8 on an accelerator and 1 on a CPU: `jaxattn.serving.multi_step`);
 the tokens are those of one step at a time.
 
-Where the next features land (each part's docstring says how): many LoRA adapters per step in the model runner (stacked adapters, each row's index among the
-step's inputs; validation checks the adapter named, the scheduler bounds the adapters a step holds).
+LoRA adapters (`EngineConfig.max_loras` > 0; `jaxattn.serving.loras`): `add_lora(name, params)` keeps one,
+`remove_lora(name)` forgets it (refused while requests name it), `SamplingParams(lora=name)` runs a
+request with it. Rows of different adapters share every step; each request's greedy tokens are those of
+its adapter merged into the base (`jaxattn.lora.merge_lora`) alone.
 """
 
 from __future__ import annotations
@@ -51,11 +53,13 @@ from jax.sharding import Mesh
 from jaxattn.cache.build import cache_bytes_per_token
 from jaxattn.config import ModelConfig
 from jaxattn.kernels import Kernels, call_kernels
+from jaxattn.lora import is_slots
 from jaxattn.program_store import ProgramStore
 from jaxattn.serving import validation
 from jaxattn.serving.engine_config import EngineConfig
 from jaxattn.serving.kv_cache_manager import KVCacheManager, local_window
 from jaxattn.serving.kv_memory import available_bytes, pool_plan
+from jaxattn.serving.loras import HostAdapter, LoraTable
 from jaxattn.serving.model_runner import ModelRunner
 from jaxattn.serving.requests import Request, SamplingParams
 from jaxattn.serving.scheduler import Scheduler
@@ -100,6 +104,9 @@ class Engine:
             raise TypeError(f"config must be a ModelConfig, got {type(config).__name__}")
         if not isinstance(engine_config, EngineConfig):
             raise TypeError(f"engine_config must be an EngineConfig, got {type(engine_config).__name__}")
+        if engine_config.max_loras and mesh is not None:
+            raise ValueError("EngineConfig.max_loras needs one device (mesh=None): LoRA slots are not laid out "
+                             "over a mesh")
         ec = self.engine_config = engine_config
         kernels, params = call_kernels(params, kernels, on_mesh=mesh is not None)
         self.detokenize, self.stats = detokenize, collections.Counter()
@@ -112,11 +119,15 @@ class Engine:
         self.kv_cache_manager = KVCacheManager(num_pages, ec.page_size, prefix_caching=ec.prefix_caching,
                                                window=local_window(config), stats=self.stats)
         self.steps_per_call, self.steps_reason = ec.steps_per_call(device.platform)
-        self.scheduler = Scheduler(ec, self.kv_cache_manager, self.max_model_len, self.stats, self.steps_per_call)
         self.clock = StepClock()  # where the steps' time goes (jaxattn.serving.step_clock)
         self.model_runner = ModelRunner(params, config, ec, num_pages=num_pages, max_model_len=self.max_model_len,
                                         kernels=kernels, mesh=mesh, progress=progress,
                                         guide_compiler=guide_compiler, store=store, max_steps=self.steps_per_call)
+        runner = self.model_runner
+        self.loras = LoraTable(ec.max_loras, ec.max_lora_rank, runner.write_slot,
+                                runner.check_adapter) if ec.max_loras else None
+        self.scheduler = Scheduler(ec, self.kv_cache_manager, self.max_model_len, self.stats, self.steps_per_call,
+                                   self.loras)
         self.guide_compiler = guide_compiler
         self.limits = validation.RequestLimits(config.vocab_size, self.max_model_len, num_pages, ec.page_size,
                                                detokenizer=detokenize is not None,
@@ -132,12 +143,14 @@ class Engine:
 
         `validation.RequestError` (a ValueError naming the parameter) for an empty prompt, ids outside
         the vocabulary, a prompt plus `max_tokens` longer than `max_model_len` or the pool, or stop
-        strings without a detokenizer, a guide that does not compile (param "guide");
+        strings without a detokenizer, a guide that does not compile (param "guide"), an adapter not held
+        (`sampling.lora`: `jaxattn.serving.loras.UnknownLora`, param "lora");
         `scheduler.QueueFull` past `EngineConfig.max_waiting`.
         """
         if not isinstance(sampling, SamplingParams):
             raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
         ids, max_tokens = validation.check_request(prompt_ids, sampling, self.limits)
+        adapter = self._adapter(sampling.lora)
         self.scheduler.check_room()
         guide_state = None if sampling.guide is None else self.guide_compiler.start(sampling.guide)
         if max_tokens != sampling.max_tokens:  # None: the rest of the context, now known
@@ -145,6 +158,7 @@ class Engine:
         seed = int(self._rng.integers(2**31)) if sampling.seed is None else sampling.seed % 2**31
         request = Request(ids, sampling, seed, self.detokenize)
         request.guide_state = guide_state
+        request.cache_root = b"" if adapter is None else adapter.cache_root
         self.scheduler.add(request)
         return request
 
@@ -176,6 +190,7 @@ class Engine:
         request = Request(leader.prompt_ids, sampling, sampling.seed, self.detokenize)
         request.guide_state = None if sampling.guide is None else self.guide_compiler.start(sampling.guide)
         request.leader = leader if self.kv_cache_manager.allocator.prefix_caching else None
+        request.cache_root = leader.cache_root
         self.scheduler.add(request)
         return request
 
@@ -190,6 +205,41 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         return self._in_flight is not None or self.scheduler.has_unfinished()
+
+    # -- LoRA adapters ------------------------------------------------------------------------
+
+    def add_lora(self, name: str, adapter_params) -> None:
+        """Keeps adapter `name` (a params tree with `LoraWeight`s: `jaxattn.hf.peft.load_adapter`'s,
+        `jaxattn.lora.add_lora`'s, on this model's layers unrolled) for requests that name it: written into a free
+        slot, else kept on the host until a request needs it. Compiles nothing. ValueError: no slots
+        (`EngineConfig.max_loras` 0), a name not a non-empty str, a name already held
+        (`jaxattn.serving.loras.LoraExists`), an adapter that does not fit the slots (its rank above
+        `max_lora_rank`, a projection `lora_targets` leaves out: the message names the weight)."""
+        if self.loras is None:
+            raise ValueError("this engine has no LoRA slots: EngineConfig.max_loras is 0")
+        self.loras.add(name, adapter_params)
+
+    def remove_lora(self, name: str) -> None:
+        """Forgets adapter `name` and empties its slot. `jaxattn.serving.loras.UnknownLora` (a ValueError)
+        for a name not held; `LoraInUse` (a ValueError) while requests running or waiting name it: the
+        caller stops sending them and removes it once they end (see `jaxattn.serving.loras`)."""
+        if self.loras is None:
+            raise ValueError("this engine has no LoRA slots: EngineConfig.max_loras is 0")
+        self.loras.remove(name, self.scheduler.in_use(name))
+
+    @property
+    def lora_names(self) -> tuple[str, ...]:
+        """The adapters held, in the order added (a snapshot other threads may read)."""
+        return () if self.loras is None else self.loras.names
+
+    def _adapter(self, name: str | None) -> HostAdapter | None:
+        """The adapter a request names (None for none); `UnknownLora` for one not held."""
+        if name is None:
+            return None
+        if self.loras is None:
+            raise validation.RequestError(f"lora {name!r}: this engine has no LoRA slots (max_loras 0)",
+                                          param="lora", code="model_not_found")
+        return self.loras.get(name)
 
     # -- steps --------------------------------------------------------------------------------
 
@@ -261,7 +311,10 @@ class Engine:
                       doc="The widest window when every layer has one (pages behind it are given back), else None.")
     config = property(lambda self: self.model_runner.config, doc="The model (its layers unrolled).")
     kernels = property(lambda self: self.model_runner.kernels, doc="The implementations that run it.")
-    params = property(lambda self: self.model_runner.params, doc="The parameters, placed.")
+    params = property(lambda self: self.model_runner.params, doc="The parameters, placed (LoRA slots included).")
+    base_params = property(lambda self: jax.tree.map(lambda w: w.base if is_slots(w) else w, self.params,
+                                                     is_leaf=is_slots),
+                           doc="The parameters without LoRA slots: the same arrays, for a forward of the base.")
     pools = property(lambda self: self.model_runner.pools, doc="Each layer's page pool, placed.")
     programs = property(lambda self: self.model_runner.programs, doc="The compiled step programs.")
     pages_per_seq = property(lambda self: self.model_runner.pages_per_seq, doc="A block table's width.")

@@ -2,7 +2,8 @@
 
 `EngineConfig` is read by every part of the engine: the scheduler (`max_seqs`, `max_waiting`, `chunk`,
 `prefill_rows`, `token_budget`, `decode_steps`), the KV-cache manager (`page_size`, the pool, `prefix_caching`)
-and the model runner (the compiled shapes: `buckets()`, `prefill_shapes()`, `steps_per_call()`; `kv_cache`).
+and the model runner (the compiled shapes: `buckets()`, `prefill_shapes()`, `steps_per_call()`; `kv_cache`;
+the LoRA slots: `max_loras`, `max_lora_rank`, `lora_targets`, read by `jaxattn.serving.loras` too).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxattn.cache.containers import KV_CACHES
+from jaxattn.config.lora import TARGETS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +45,12 @@ class EngineConfig:
       overlap: queue a plain decode step's successor before reading its tokens, the successor fed them
         on the device (`jaxattn.serving.scheduler.Scheduler.schedule_ahead`): the host's part of a step
         runs while the device computes the one before. False: every step read back before the next.
+      max_loras: LoRA adapters held in the model at once, chosen per request (`jaxattn.serving.loras`);
+        0: none, the parameters and the step programs as without adapters. More adapters may be added
+        than slots: they wait on the host and are written into a slot when a request needs one.
+      max_lora_rank: the slots' rank, the most an adapter added may have (lower ranks are zero-padded).
+      lora_targets: the projections the slots cover (`jaxattn.lora.TARGETS`); an adapter may adapt any
+        of them, not others. MLA's k and v (its `wkv_b`) cannot be slotted: name q, o and the MLP's there.
     """
 
     max_seqs: int = 8
@@ -60,6 +68,9 @@ class EngineConfig:
     max_waiting: int | None = None
     decode_steps: int | None = None
     overlap: bool = True
+    max_loras: int = 0
+    max_lora_rank: int = 16
+    lora_targets: tuple[str, ...] = ("q", "k", "v", "o", "gate", "up", "down")
 
     def __post_init__(self):
         if self.kv_cache not in KV_CACHES:
@@ -74,6 +85,7 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{name} must be a positive int or None, got {value!r}")
         if not isinstance(self.overlap, bool):
             raise TypeError(f"EngineConfig.overlap must be a bool, got {self.overlap!r}")
+        self._check_loras()
         if self.num_pages is not None and self.kv_memory_gib is not None:
             raise ValueError("EngineConfig: give num_pages or kv_memory_gib, not both")
         if self.kv_memory_gib is not None and not self.kv_memory_gib > 0:
@@ -84,6 +96,17 @@ class EngineConfig:
                 not isinstance(b, int) or b < 1 or b > self.max_seqs for b in self.decode_buckets)):
             raise ValueError(f"EngineConfig.decode_buckets must be ints in [1, max_seqs={self.max_seqs}], "
                              f"got {self.decode_buckets!r}")
+
+    def _check_loras(self) -> None:
+        if not isinstance(self.max_loras, int) or isinstance(self.max_loras, bool) or self.max_loras < 0:
+            raise ValueError(f"EngineConfig.max_loras must be an int >= 0, got {self.max_loras!r}")
+        if not isinstance(self.max_lora_rank, int) or isinstance(self.max_lora_rank, bool) or self.max_lora_rank < 1:
+            raise ValueError(f"EngineConfig.max_lora_rank must be a positive int, got {self.max_lora_rank!r}")
+        targets = self.lora_targets
+        slottable = tuple(t for t in TARGETS if t != "experts")  # routed experts are read merged: no slots
+        if isinstance(targets, str) or not targets or any(t not in slottable for t in targets):
+            raise ValueError(f"EngineConfig.lora_targets must be one or more of {slottable}, got {targets!r}")
+        object.__setattr__(self, "lora_targets", tuple(targets))
 
     @property
     def budget(self) -> int:

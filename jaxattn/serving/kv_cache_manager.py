@@ -9,6 +9,8 @@ runs: the scheduler asks it whether pages can be had and, when they cannot, pree
 * Admission (`allocate_prompt`): the prompt's full pages, but the last token's, looked up by their hash
   chain (`page_keys`): those found are shared, the rest allocated; all or nothing. A request asking for
   prompt log-probabilities looks nothing up (each of its prompt tokens must be computed, to be scored).
+  The chain starts from the request's `cache_root`: b"" for the base, its adapter's own key for a
+  request run with a LoRA adapter (`jaxattn.serving.loras`), whose keys and values are not the base's.
 * Decoding (`needs_page`, `append_page`): a page for slot `num_computed` once the last one is full.
 * Several decode steps in one call (`reserve`): the pages of the call's slots ahead, as many as can be
   had without preempting anyone.
@@ -68,7 +70,7 @@ class KVCacheManager:
         # Shared pages: full pages of every token but the last (at least one is computed, to draw from).
         # None for a request that scores its prompt: a token found in the cache would never be computed.
         scores = request.sampling.prompt_logprobs is not None
-        keys = [] if scores else page_keys(tokens[:-1], self.page_size)
+        keys = [] if scores else page_keys(tokens[:-1], self.page_size, request.cache_root)
         hits = self.allocator.lookup(keys)
         needed = -(-len(tokens) // self.page_size) - len(hits)
         if needed > self.allocator.available:
@@ -114,7 +116,7 @@ class KVCacheManager:
             self._give_back_behind_window(request)
 
     def _key_full_pages(self, request: Request, full: int) -> None:
-        parent = request.page_keys[-1] if request.page_keys else b""
+        parent = request.page_keys[-1] if request.page_keys else request.cache_root
         start = len(request.page_keys) * self.page_size
         new = page_keys(request.tokens[start:full * self.page_size], self.page_size, parent)
         for index, key in enumerate(new, start=len(request.page_keys)):

@@ -23,8 +23,11 @@ A step whose decode rows take several turns (`SchedulerOutput.turns`) runs as on
 `max_steps` decode steps (`jaxattn.serving.multi_step`, compiled per decode bucket when `max_steps` > 1):
 `execute_run` writes its inputs (`run_inputs`) and reads each row's tokens once, at the call's end.
 
-vLLM V1's GPUModelRunner is the model (read for its shape). What lands here next: many LoRA adapters
-per step (the adapters' weights stacked once here, each row's adapter index in the step's inputs).
+With `EngineConfig.max_loras` > 0 the parameters carry LoRA slots (`jaxattn.lora.empty_slots`, made once
+here); `write_slot` fills or clears one (new arrays of the same shapes: no program changes), and each
+row's tokens carry its request's slot (`StepInputs.token_slots`, `DecodeRun.token_slots`).
+
+vLLM V1's GPUModelRunner is the model (read for its shape).
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from jaxattn.axes import MeshShape
 from jaxattn.cache.build import init_pools
 from jaxattn.config import ModelConfig
 from jaxattn.kernels import Kernels
+from jaxattn.lora import clear_slot, empty_slots, write_slot
 from jaxattn.program_store import ProgramStore
 from jaxattn.scan_plan import relayout
 from jaxattn.serving.engine_config import EngineConfig
@@ -183,6 +187,9 @@ class ModelRunner:
         # and back on every step (`jaxattn.scan_plan`), so stacked parameters are unstacked once here.
         params, config = relayout(nn.unbox(params), config, scan_layers=False)
         ec = engine_config
+        self.lora = ec.max_loras > 0
+        if self.lora:  # refused on a mesh by the engine: the slots are laid out on one device
+            params = empty_slots(params, config, ec.max_loras, ec.max_lora_rank, ec.lora_targets)
         self.config, self.kernels, self.page_size = config, kernels, ec.page_size
         self.guide_compiler, self.mask_seconds, self.masked_rows, self.masks_late = guide_compiler, 0.0, 0, 0
         self.pages_per_seq = -(-max_model_len // ec.page_size)
@@ -199,12 +206,20 @@ class ModelRunner:
             self.history = place(jnp.zeros((num_pages, ec.page_size), jnp.int32))
             self.programs = StepPrograms(config, kernels, self.params, pools, self.history, step_shapes(ec),
                                          pages_per_seq=self.pages_per_seq, num_slots=self.num_slots, place=place,
-                                         progress=progress, store=store)
+                                         progress=progress, store=store, lora=self.lora)
             self.runs = None if max_steps == 1 else DecodeRunPrograms(
                 config, kernels, self.params, pools, self.history, self._buckets, max_steps=max_steps,
                 page_size=ec.page_size, pages_per_seq=self.pages_per_seq, num_slots=self.num_slots, place=place,
-                store=store)
+                store=store, lora=self.lora)
             self.pools = pools if made is None else made.result()
+
+    def write_slot(self, slot: int, adapter) -> None:
+        """LoRA slot `slot` holding `adapter` (a params tree with `LoraWeight`s), or emptied (None)."""
+        self.params = clear_slot(self.params, slot) if adapter is None else write_slot(self.params, slot, adapter)
+
+    def check_adapter(self, adapter) -> None:
+        """ValueError (naming the weight) where `adapter` does not fit the slots; nothing is computed."""
+        jax.eval_shape(lambda params, adapter: write_slot(params, 0, adapter), self.params, adapter)
 
     def execute(self, output: SchedulerOutput, clock: StepClock | None = None
                 ) -> tuple[list[int], list[bool], StepLogprobsOut | None]:
@@ -259,7 +274,7 @@ class ModelRunner:
     def inputs(self, shape: StepShape, output: SchedulerOutput) -> tuple[StepInputs, list[tuple[Request, int]]]:
         """The step's host arrays (flat tokens, positions and slots, the rows' groups, the draws' knobs;
         the guided rows' masks left for `fill_guides`) and the guided rows: (request, its logit row)."""
-        inputs = StepInputs.empty(shape, self.pages_per_seq, self.num_slots, self.config.vocab_size)
+        inputs = StepInputs.empty(shape, self.pages_per_seq, self.num_slots, self.config.vocab_size, self.lora)
         guided = []  # (request, its logit row) of the rows drawn under a guide
         groups = iter(inputs.batch.groups)
         decode_group = next(groups) if shape.decode_rows else None
@@ -283,6 +298,8 @@ class ModelRunner:
                 inputs.batch.positions[flat] = group.positions[row, :count] = positions
                 inputs.batch.slots[flat] = np.asarray(pages)[positions // page_size] * page_size + positions % page_size
             group.block_table[row, :len(pages)] = pages  # pages given back are -1: 0 below, never visible again
+            if inputs.token_slots is not None:
+                inputs.token_slots[first:first + count] = request.lora_slot
             draw = row if group is decode_group else shape.decode_rows + row  # the row's logits
             inputs.batch.logit_tokens[draw] = first + count - 1
             draws.append(draw)
@@ -299,8 +316,10 @@ class ModelRunner:
         """A multi-step call's host arrays: each decode row's last token, position, pages, knobs, stop
         tokens (the first `MAX_STOP_IDS`; the host stops at any of them) and turns."""
         rows = min(d for d in self._buckets if d >= len(output.decode))
-        run = DecodeRun.empty(rows, self.pages_per_seq, self.config.vocab_size)
+        run = DecodeRun.empty(rows, self.pages_per_seq, self.config.vocab_size, self.lora)
         for row, request in enumerate(output.decode):
+            if run.token_slots is not None:
+                run.token_slots[row] = request.lora_slot
             run.tokens[row], run.positions[row] = request.token_at(request.num_computed), request.num_computed
             run.block_table[row, :len(request.pages)] = request.pages
             stop = request.sampling.stop_token_ids[:MAX_STOP_IDS]

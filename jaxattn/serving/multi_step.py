@@ -18,7 +18,7 @@ What the device decides, and what stays the host's:
   drew after it are dropped, as are the tokens of a request cancelled during the call.
 
 Nothing changes a token: turn j of a row is the step it would have had alone, with the same inputs
-(its token, position, slot, block table and knobs, the drawn token's position `knobs.position + j`
+(its token, position, slot, block table, knobs and LoRA slot, the drawn token's position `knobs.position + j`
 keying a seeded draw), so greedy and seeded tokens are those of one step at a time. The scheduler
 reserves each row's pages for the turns it may take before the call
 (`jaxattn.serving.scheduler.Scheduler.schedule`).
@@ -61,6 +61,7 @@ class DecodeRun:
       remaining: `[M]` int32 the most tokens the row may draw in this call.
       logprobs: `[M]` bool the row's draws' log-probabilities are asked.
       steps: `[]` int32 the most turns.
+      token_slots: `[M]` int32 the row's LoRA slot (-1: none), with slots in the parameters; else None.
     """
 
     tokens: jax.Array
@@ -71,15 +72,18 @@ class DecodeRun:
     remaining: jax.Array
     logprobs: jax.Array
     steps: jax.Array
+    token_slots: jax.Array | None = None
 
     @staticmethod
-    def empty(rows: int, pages_per_seq: int, vocab_size: int) -> "DecodeRun":
-        """Host arrays of a call of padding rows only (nothing drawn, nothing written)."""
+    def empty(rows: int, pages_per_seq: int, vocab_size: int, lora: bool = False) -> "DecodeRun":
+        """Host arrays of a call of padding rows only (nothing drawn, nothing written; with `lora`, every
+        row's slot -1)."""
         return DecodeRun(tokens=np.zeros(rows, np.int32), positions=np.zeros(rows, np.int32),
                          block_table=np.zeros((rows, pages_per_seq), np.int32),
                          knobs=DrawKnobs.empty(rows, vocab_size),
                          stop_ids=np.full((rows, MAX_STOP_IDS), -1, np.int32), remaining=np.zeros(rows, np.int32),
-                         logprobs=np.zeros(rows, bool), steps=np.int32(1))
+                         logprobs=np.zeros(rows, bool), steps=np.int32(1),
+                         token_slots=np.full(rows, -1, np.int32) if lora else None)
 
 
 class RunOut(NamedTuple):
@@ -114,7 +118,8 @@ def _decode_run(params, pools, history, run: DecodeRun, *, model: DecoderLM, max
     def turn(carry):
         j, pools, history, tokens, drawing, out = carry
         batch = _turn_batch(run, j, drawing, page_size, num_slots)
-        pools, history, raw, _ = step_forward(params, pools, history, tokens, batch, no_prompt, model=model)
+        pools, history, raw, _ = step_forward(params, pools, history, tokens, batch, no_prompt, run.token_slots,
+                                              model=model)
         knobs = run.knobs.replace(position=run.knobs.position + j)
         drawn, finite, (logprob, top_ids, top) = step_sample(raw, history, knobs, (run.block_table,),
                                                          run.logprobs & drawing)
@@ -141,7 +146,7 @@ class DecodeRunPrograms:
 
     def __init__(self, config: ModelConfig, kernels: Kernels, params, pools, history, buckets, *, max_steps: int,
                  page_size: int, pages_per_seq: int, num_slots: int, place=lambda tree: tree,
-                 threads: int | None = None, store: program_store.ProgramStore | None = None):
+                 threads: int | None = None, store: program_store.ProgramStore | None = None, lora: bool = False):
         store = program_store.default_store() if store is None else store
         self.max_steps, self._place = max_steps, place
         program = functools.partial(_decode_run, model=DecoderLM(config, kernels), max_steps=max_steps,
@@ -149,7 +154,7 @@ class DecodeRunPrograms:
         context = f"{config!r} {kernels!r} steps={max_steps} page={page_size} slots={num_slots}"
 
         def compile_rows(rows: int):
-            args = (params, pools, history, place(DecodeRun.empty(rows, pages_per_seq, config.vocab_size)))
+            args = (params, pools, history, place(DecodeRun.empty(rows, pages_per_seq, config.vocab_size, lora)))
             return rows, store.program("serving-decode-run", context, program, args,
                                        donate_argnums=(1, 2)).lower(*args).compile()
 

@@ -48,6 +48,8 @@ class SamplingParams:
         likely token's are dropped.
       logit_bias: token id -> bias in [-100, 100], added to the logits (a dict, or pairs; kept as
         pairs; at most `validation.MAX_LOGIT_BIAS`).
+      lora: the name of a LoRA adapter the engine holds (`Engine.add_lora`), run with the base for this
+        request alone; None: the base.
     The order on the device is vLLM's: bias, penalties, temperature, min_p, top-k, top-p
     (`jaxattn.serving.logit_knobs`).
     """
@@ -67,6 +69,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     min_p: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    lora: str | None = None
 
     def __post_init__(self):
         bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
@@ -145,6 +148,10 @@ class Request:
         self.pages: list[int] = []
         self.num_computed = 0
         self.page_keys: list[bytes] = []
+        # Its adapter's (`sampling.lora`): the slot it holds while it runs (-1: none, the base), set on each
+        # admission, and the key its first page's key chains from (b"": the base's; `jaxattn.serving.loras`).
+        self.lora_slot = -1
+        self.cache_root = b""
 
     @property
     def tokens(self) -> list[int]:

@@ -33,8 +33,13 @@ asked for) and moves each request on. A request that only scores its prompt (`ma
 * A request cancelled while a step runs is dropped when the step's tokens are handed out: its row and
   pages are free for the next step.
 
-vLLM V1's Scheduler is the model (read for its shape). What lands here next: at most so many LoRA
-adapters per step (`schedule` admits by the adapters already in the step).
+* LoRA adapters (`jaxattn.serving.loras`): a request naming an adapter is admitted once its adapter
+  holds a slot: one it is in, a free one, or the least recently used one no running request's adapter
+  holds (written at admission); while every slot is held by running requests' adapters it waits, as
+  for pages, and holds back those behind it. A running request keeps its slot until it ends or is
+  preempted.
+
+vLLM V1's Scheduler is the model (read for its shape).
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ from typing import NamedTuple
 
 from jaxattn.serving.engine_config import EngineConfig
 from jaxattn.serving.kv_cache_manager import KVCacheManager
+from jaxattn.serving.loras import LoraTable
 from jaxattn.serving.requests import Request, Status
 
 # Why a guided request ends with "error" when its mask leaves nothing to draw: the request's fault (a 400).
@@ -106,11 +112,12 @@ class Scheduler:
       max_model_len: a request that reaches it ends ("length").
       stats: the engine's counters (steps, tokens, preemptions are counted here).
       max_steps: the most decode steps a program call runs (`EngineConfig.steps_per_call`).
+      loras: the LoRA adapters and their slots (None: no adapters).
     """
 
     def __init__(self, config: EngineConfig, kv: KVCacheManager, max_model_len: int, stats: collections.Counter,
-                 max_steps: int = 1):
-        self.max_steps = max_steps
+                 max_steps: int = 1, loras: LoraTable | None = None):
+        self.max_steps, self.loras = max_steps, loras
         self.max_seqs, self.max_waiting = config.max_seqs, config.max_waiting
         self.chunk, self.prefill_rows, self.token_budget = config.chunk, config.prefill_rows, config.budget
         self.kv, self.max_model_len, self.stats = kv, max_model_len, stats
@@ -214,11 +221,29 @@ class Scheduler:
         n choices waits (holding back those behind it) while its running leader computes the prompt."""
         while self.waiting and len(self.running) < self.max_seqs:
             request = self.waiting[0]
-            if self._leader_computing(request) or not self.kv.allocate_prompt(request):
+            if (self._leader_computing(request) or not self._lora_slot(request)
+                    or not self.kv.allocate_prompt(request)):
                 return
             self.waiting.popleft()
             request.status = Status.RUNNING
             self.running.append(request)
+
+    def _lora_slot(self, request: Request) -> bool:
+        """The request's adapter in a slot (`request.lora_slot`; -1 without one); False when every slot is
+        held by the adapter of some running request."""
+        name = request.sampling.lora
+        if name is None:
+            return True
+        slot = self.loras.acquire(name, {r.sampling.lora for r in self.running})
+        if slot is None:
+            self.stats["lora_slot_waits"] += 1
+            return False
+        request.lora_slot = slot
+        return True
+
+    def in_use(self, name: str) -> int:
+        """The requests running or waiting that name adapter `name`."""
+        return sum(r.sampling.lora == name for r in (*self.running, *self.waiting) if not r.finished)
 
     def _leader_computing(self, request: Request) -> bool:
         """The request's leader runs and has not yet keyed the full pages of its prompt (but the last

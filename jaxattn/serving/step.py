@@ -26,6 +26,11 @@ The forward needs nothing of the draws, and the draws' program is small: between
 fills the guided rows' masks (`StepPrograms.forward`, then `.sample`) while the device runs the forward,
 so a mask costs the step nothing while it takes less than the forward.
 
+With LoRA slots in the parameters (`jaxattn.serving.loras`), each flat token carries its row's slot
+(`StepInputs.token_slots`, -1 for none and for padding), set on every slotted weight at the start of
+the forward (`jaxattn.lora.with_token_slots`): an input like the tokens, so which adapters a step's rows
+run, and what the slots hold, compile nothing. Without slots it is None and the programs are as before.
+
 Shapes are static per bucket (`StepShape`); `StepInputs.empty` is a step of padding alone, used
 to compile every bucket at start-up (`StepPrograms`), so no request ever waits for a compile.
 """
@@ -47,6 +52,7 @@ from jaxattn import program_store
 from jaxattn.cache.containers import PagedBatch, RowGroup
 from jaxattn.config import ModelConfig
 from jaxattn.kernels import Kernels
+from jaxattn.lora import with_token_slots
 from jaxattn.model import DecoderLM
 from jaxattn.sampling import filter_logits
 from jaxattn.serving import logit_knobs
@@ -136,10 +142,13 @@ class StepInputs:
     batch: PagedBatch
     knobs: DrawKnobs
     logprobs: LogprobKnobs
+    token_slots: jax.Array | None = None  # [Tf] int32 each token's LoRA slot (-1: none); None: no slots
 
     @staticmethod
-    def empty(shape: StepShape, pages_per_seq: int, num_slots: int, vocab_size: int) -> "StepInputs":
-        """Host arrays of a step of padding only (nothing written, nothing visible, nothing guided)."""
+    def empty(shape: StepShape, pages_per_seq: int, num_slots: int, vocab_size: int,
+              lora: bool = False) -> "StepInputs":
+        """Host arrays of a step of padding only (nothing written, nothing visible, nothing guided; with
+        `lora`, every token's slot -1)."""
         Tf, M = shape.num_tokens, shape.num_draws
         groups = tuple(RowGroup(positions=np.full((rows, width), -1, np.int32),
                                 block_table=np.zeros((rows, pages_per_seq), np.int32))
@@ -147,7 +156,7 @@ class StepInputs:
         batch = PagedBatch(positions=np.zeros(Tf, np.int32), slots=np.full(Tf, num_slots, np.int32),
                            groups=groups, logit_tokens=np.zeros(M, np.int32))
         return StepInputs(tokens=np.zeros(Tf, np.int32), batch=batch, knobs=DrawKnobs.empty(M, vocab_size),
-                          logprobs=LogprobKnobs.empty(shape))
+                          logprobs=LogprobKnobs.empty(shape), token_slots=np.full(Tf, -1, np.int32) if lora else None)
 
 
 def adjusted(logits, knobs: DrawKnobs, tokens):
@@ -241,13 +250,14 @@ def prompt_logprobs(head, hidden, targets, vocab_size: int):
                         lambda: _zeros((rows, chunk), k))
 
 
-def step_forward(params, pools, history, tokens, batch: PagedBatch, prompt_targets, *, model: DecoderLM):
+def step_forward(params, pools, history, tokens, batch: PagedBatch, prompt_targets, token_slots=None, *,
+                 model: DecoderLM):
     """The step's first program: the paged forward -> `(pools, history, raw [M, V] float32 logits of the
     drawn rows, prompt log-probabilities)`. It needs nothing of the draws, so the host fills the guided
-    rows' masks while it runs."""
+    rows' masks while it runs. `token_slots` (`[Tf]`, with LoRA slots in `params`): each token's slot."""
     # The tokens go into the history at their keys' slots first, so a row reads its own sequence whole.
     history = history.reshape(-1).at[batch.slots].set(tokens, mode="drop").reshape(history.shape)
-    variables = {"params": params}
+    variables = {"params": params if token_slots is None else with_token_slots(params, token_slots)}
     hidden, pools = model.apply(variables, tokens, pools, batch, method=DecoderLM.paged_hidden)
     head = lambda x: model.apply(variables, x[None], method=DecoderLM.logits)[0].astype(jnp.float32)  # noqa: E731
     raw = head(hidden[batch.logit_tokens])  # log-probabilities are the model's, before any knob
@@ -277,7 +287,8 @@ def _rows(shape: StepShape) -> tuple[int, int]:
 
 
 def _forward_args(inputs: StepInputs) -> tuple:
-    return inputs.tokens, inputs.batch, inputs.logprobs.prompt_targets
+    slots = () if inputs.token_slots is None else (inputs.token_slots,)  # no slots: the arguments as before
+    return inputs.tokens, inputs.batch, inputs.logprobs.prompt_targets, *slots
 
 
 def _sample_args(inputs: StepInputs) -> tuple:
@@ -299,7 +310,7 @@ class StepPrograms:
 
     def __init__(self, config: ModelConfig, kernels: Kernels, params, pools, history, shapes, *,
                  pages_per_seq: int, num_slots: int, place=lambda tree: tree, progress=None,
-                 threads: int | None = None, store: program_store.ProgramStore | None = None):
+                 threads: int | None = None, store: program_store.ProgramStore | None = None, lora: bool = False):
         self.pages_per_seq, self.num_slots, self.place = pages_per_seq, num_slots, place
         store = program_store.default_store() if store is None else store
         forward, context = functools.partial(step_forward, model=DecoderLM(config, kernels)), f"{config!r} {kernels!r}"
@@ -307,7 +318,8 @@ class StepPrograms:
         # Each rows' sampler is compiled after the first forward of those rows: it takes that forward's outputs.
         first_of_rows = {_rows(shape): shape for shape in reversed(shapes)}
 
-        empty = {shape: place(StepInputs.empty(shape, pages_per_seq, num_slots, config.vocab_size)) for shape in shapes}
+        empty = {shape: place(StepInputs.empty(shape, pages_per_seq, num_slots, config.vocab_size, lora))
+                 for shape in shapes}
         forward_args = {shape: (params, pools, history, *_forward_args(empty[shape])) for shape in shapes}
 
         def compile_shape(shape: StepShape, lowered):

@@ -95,6 +95,9 @@ def check_sampling(sampling) -> None:
     if any(not is_int(t) for t in sampling.stop_token_ids):
         raise RequestError(f"stop_token_ids must be ints, got {sampling.stop_token_ids!r}", param="stop_token_ids")
     _check_logit_knobs(sampling)
+    if sampling.lora is not None and (not isinstance(sampling.lora, str) or not sampling.lora):
+        raise RequestError(f"lora must be an adapter's name (a non-empty str) or None, got {sampling.lora!r}",
+                           param="lora")
 
 
 def _check_stop(stop: tuple) -> None:
