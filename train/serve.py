@@ -4,14 +4,21 @@
     python -m train.serve --gguf model-Q8_0.gguf            # a llama.cpp file: its chat template, named by its stem
     python -m train.serve --checkpoint runs/shakespeare_char_baby --port 8001
     python -m train.serve --random-init shakespeare_char_baby --max-seqs 16 --kv-memory 0.5
+    python -m train.serve --hf exports/baby --lora poet=runs/poet_lora/peft --max-loras 4 --max-lora-rank 16
     curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
          -d '{"model": "baby", "prompt": "ROMEO:", "max_tokens": 64, "temperature": 0.8}'
 
 Endpoints: `POST /v1/completions` and `/v1/chat/completions` (streamed as server-sent events with
 `"stream": true`; chat takes `tools`), `POST /v1/embeddings`, `POST /tokenize` and `/detokenize`
 (vLLM's), `GET /v1/models`, `GET /health` (200 once ready, 503 while draining),
-`GET /metrics` (Prometheus text) and `GET /`, a chat page. docs/serving.md has the knobs, the
-metrics and the memory arithmetic.
+`GET /metrics` (Prometheus text) and `GET /`, a chat page; with `--max-loras`, `POST /v1/load_lora_adapter`
+and `/v1/unload_lora_adapter` (vLLM's). docs/serving.md has the knobs, the metrics and the memory arithmetic.
+
+LoRA adapters (`--lora NAME=DIR`, a PEFT directory; more loaded over HTTP) are served unmerged beside the
+base, each under its name as a `model` of its own (`/v1/models` lists it with `parent` the base):
+`--max-loras` of them sit in the model at once (`jaxattn.serving.loras`), the rest wait on the host.
+`--adapter DIR` still merges one adapter into the base. A bad `--lora` spec: one `error:` line and exit 2;
+an adapter directory that cannot be read: exit 1.
 
 Every step program of the engine is compiled before the server listens: the first request runs
 as fast as the thousandth. When it serves, the program prints one line on stdout,
@@ -49,7 +56,7 @@ from train.checkpoints.store import CheckpointError
 from train.cli import ArgumentParser, UsageError, guard
 from train.data.errors import DataError
 from train.data.tokenizer import CharTokenizer, to_hf_tokenizer
-from train.models.load import device_mesh, load_model, paged_part, quant_line, read_chat
+from train.models.load import device_mesh, load_model, paged_part, quant_line, read_adapter, read_chat
 from train.models.source import SourceFlags
 from train.run import runtime as runtime_lib
 from train.run.host_memory import release_freed_memory
@@ -102,6 +109,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "this machine runs them faster (a CPU with AMX, a GPU): faster, its log-probabilities off by "
                         "about 1e-2 (default: exact)")
     parser.add_argument("--mesh", help="serve on a device mesh, e.g. tensor:2 (product = device count)")
+    add_lora_flags(parser)
     kept_programs.add_flag(parser)
     parser.add_argument("--cpu-devices", type=int, metavar="N", help="make N host devices on a CPU for --mesh")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
@@ -118,7 +126,41 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"--drain-seconds must be >= 0, got {args.drain_seconds}")
     if args.cpu_devices is not None and args.mesh is None:
         parser.error("--cpu-devices goes with --mesh")
+    args.loras = lora_specs(parser, args)
     return args
+
+
+def add_lora_flags(parser) -> None:
+    parser.add_argument("--lora", action="append", default=[], metavar="NAME=DIR", help="a PEFT LoRA adapter "
+                        "served unmerged under NAME: a request whose model is NAME runs with it (repeat for more; "
+                        "POST /v1/load_lora_adapter loads more while serving)")
+    parser.add_argument("--max-loras", type=int, metavar="N", help="LoRA adapters held in the model at once, "
+                        "chosen per request; more loaded wait on the host (default: the --lora count; 0: none)")
+    parser.add_argument("--max-lora-rank", type=int, default=16, metavar="R", help="the largest rank of an "
+                        "adapter served (lower ranks are zero-padded to it; default 16)")
+
+
+def lora_specs(parser, args) -> dict[str, str]:
+    """--lora NAME=DIR as {name: directory}; --max-loras defaulted to their count. Usage errors (exit 2)
+    for a spec without NAME or DIR, a name given twice or the base's, --max-loras below what is asked."""
+    specs = {}
+    for spec in args.lora:
+        name, sep, directory = spec.partition("=")
+        if not sep or not name.strip() or not directory:
+            parser.error(f"--lora takes NAME=DIR (a PEFT adapter directory), got {spec!r}")
+        if name in specs or name == model_name(args):
+            parser.error(f"--lora {spec}: the name {name!r} is served already (names must differ, and from the "
+                         "base's)")
+        specs[name] = directory
+    args.max_loras = len(specs) if args.max_loras is None else args.max_loras
+    if args.max_loras < 0 or args.max_lora_rank < 1:
+        parser.error(f"--max-loras must be >= 0 and --max-lora-rank >= 1, got {args.max_loras} and "
+                     f"{args.max_lora_rank}")
+    if specs and args.max_loras == 0:
+        parser.error("--lora needs --max-loras >= 1 (0 holds no adapter)")
+    if args.max_loras and args.mesh is not None:
+        parser.error("--max-loras serves on one device: not with --mesh")
+    return specs
 
 
 def model_name(args) -> str:
@@ -198,7 +240,7 @@ def build_engine(args, params, config, tokenizer, kernels, mesh) -> tuple[Engine
     engine_config = EngineConfig(max_seqs=args.max_seqs, page_size=args.page_size, num_pages=args.num_pages,
                                  kv_memory_gib=args.kv_memory, token_budget=args.token_budget,
                                  kv_cache=args.kv_cache, max_waiting=args.max_waiting, decode_steps=args.decode_steps,
-                                 overlap=args.overlap)
+                                 overlap=args.overlap, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank)
     bar = tqdm(total=0, desc="compiling the step programs", unit="program", file=sys.stderr, leave=False,
                disable=None)
 
@@ -220,6 +262,49 @@ def build_engine(args, params, config, tokenizer, kernels, mesh) -> tuple[Engine
     return engine, time.perf_counter() - started
 
 
+def check_lora_dirs(loras: dict[str, str]) -> None:
+    """CheckpointError (exit 1) before anything loads for a --lora directory that is not one."""
+    for name, directory in loras.items():
+        if not (Path(directory) / "adapter_config.json").is_file():
+            raise CheckpointError(f"--lora {name}={directory}: no adapter_config.json there (a PEFT adapter directory)")
+
+
+def adapter_loader(engine: Engine):
+    """`path -> adapter params` over the engine's base (its layers unrolled); ValueError, one line, for a
+    directory that cannot be read or does not fit the model (`ServedModel.load_adapter`)."""
+    config, base = engine.config, engine.base_params
+
+    def load(path: str):
+        try:
+            return read_adapter(path, config, base)
+        except CheckpointError as err:
+            raise ValueError(str(err)) from None
+    return load
+
+
+def api_parts(args, engine: Engine, tokenizer, vocab_size: int) -> tuple[ServedModel, ServerMetrics, EngineRunner]:
+    """What the application serves: the model (its embeddings, its --lora adapters added), metrics, runner.
+    CheckpointError (exit 1) for an adapter that cannot be read, UsageError (exit 2) for one that does
+    not fit the slots."""
+    served = served_model(args, tokenizer, engine.max_model_len, vocab_size)
+    embedder = Embedder(engine.base_params, engine.config, kernels=engine.kernels, max_len=engine.max_model_len,
+                        pooling=args.embedding_pooling)
+    served.embed = lambda ids, normalize: embedder.embed(ids, normalize=normalize)
+    if engine.loras is not None:
+        served.load_adapter = adapter_loader(engine)
+    for name, directory in args.loras.items():
+        try:
+            adapter = read_adapter(directory, engine.config, engine.base_params)
+        except CheckpointError as err:
+            raise CheckpointError(f"--lora {name}={directory}: {err}") from None
+        try:
+            engine.add_lora(name, adapter)
+        except ValueError as err:
+            raise UsageError(f"--lora {name}={directory}: {err}") from None
+    metrics = ServerMetrics(engine)
+    return served, metrics, EngineRunner(engine, on_step=metrics.on_step, on_tokens=metrics.on_tokens)
+
+
 def run(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -229,6 +314,7 @@ def run(argv=None) -> int:
     kept = kept_programs.KeptPrograms(args)
     sock = listen_socket(args.host, args.port)
     try:
+        check_lora_dirs(args.loras)
         loaded = load_model(args.model_source)
         loaded.print_notes()
         params, config, tokenizer = loaded.params, loaded.config, loaded.tokenizer
@@ -242,12 +328,7 @@ def run(argv=None) -> int:
         engine, compile_seconds = build_engine(args, params, config, tokenizer, kernels, mesh)
         release_freed_memory()  # the compiler's freed heap: not resident while serving
         kept.report()
-        served = served_model(args, tokenizer, engine.max_model_len, config.vocab_size)
-        embedder = Embedder(engine.params, engine.config, kernels=engine.kernels, max_len=engine.max_model_len,
-                            pooling=args.embedding_pooling)
-        served.embed = lambda ids, normalize: embedder.embed(ids, normalize=normalize)
-        metrics = ServerMetrics(engine)
-        runner = EngineRunner(engine, on_step=metrics.on_step, on_tokens=metrics.on_tokens)
+        served, metrics, runner = api_parts(args, engine, tokenizer, config.vocab_size)
         app = create_app(runner, served, metrics, Limits(api_key=args.api_key, max_body_bytes=args.max_body))
         host, port = sock.getsockname()[:2]
         url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
@@ -259,7 +340,9 @@ def run(argv=None) -> int:
                     f"reaches {engine.pool.per_row:,} tokens at once, {engine.pool.reason}; "
                     f"{len(engine.programs.shapes)} step programs compiled in {compile_seconds:.1f} s; {engine.steps_per_call} decode step"
                     f"{'s' if engine.steps_per_call > 1 else ''} per call; ready {time.perf_counter() - started:.1f} s "
-                    f"after loading; chat {'on' if served.chat_template else 'off: no chat template'})")
+                    f"after loading; chat {'on' if served.chat_template else 'off: no chat template'}"
+                    + (f"; LoRA: {len(engine.lora_names)} adapters, {args.max_loras} slots of rank "
+                       f"{args.max_lora_rank}" if args.max_loras else "") + ")")
 
         config_uv = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
                                    timeout_graceful_shutdown=5, timeout_keep_alive=5, http=HeadersTimeout)

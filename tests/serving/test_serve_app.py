@@ -28,6 +28,8 @@ class StandInEngine:
     """What EngineRunner and the metrics use of an Engine. Each step draws token 1 for every request
     (or raises, with `fail`); with `stall`, requests never get a token; cancelled ones end."""
 
+    lora_names, loras = (), None  # no LoRA slots
+
     def __init__(self, *, fail=False, stall=False):
         self.fail, self.stall = fail, stall
         self.allocator = types.SimpleNamespace(in_use=0, num_pages=8, cached=0, hits=0, queries=0)
@@ -200,11 +202,20 @@ def test_a_model_that_does_not_load_is_one_error_line_and_exit_1(capsys, tmp_pat
     assert code == 1 and line.startswith("error: ") and "missing" in line
 
 
+def test_a_lora_directory_that_is_not_an_adapter_is_one_error_line_and_exit_1(capsys, tmp_path):
+    code, line = run_main(capsys, "--hf", str(tmp_path / "missing"), "--port", "0", "--lora", f"a={tmp_path}")
+    assert code == 1 and line == f"error: --lora a={tmp_path}: no adapter_config.json there (a PEFT adapter directory)"
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--max-seqs", "0"], "--max-seqs must be >= 1"),
     (["--port", "70000"], "--port must be in [0, 65535]"),
     (["--data", "x.txt"], "--data goes with --random-init"),
     (["--kv-memory", "1", "--num-pages", "8"], "not allowed with argument"),
+    (["--lora", "no-directory"], "--lora takes NAME=DIR (a PEFT adapter directory), got 'no-directory'"),
+    (["--lora", "a=x", "--lora", "a=y"], "--lora a=y: the name 'a' is served already"),
+    (["--lora", "a=x", "--max-loras", "0"], "--lora needs --max-loras >= 1"),
+    (["--max-lora-rank", "0"], "--max-lora-rank >= 1"),
 ])
 def test_bad_flags_are_one_error_line_and_exit_2(capsys, tmp_path, argv, message):
     code, line = run_main(capsys, "--checkpoint", str(tmp_path), *argv)

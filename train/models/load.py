@@ -145,6 +145,17 @@ def with_adapter(directory: str, config: ModelConfig, params) -> dict:
     return lora.merge_lora(adapted)
 
 
+def read_adapter(directory: str, config: ModelConfig, params) -> dict:
+    """`params` with the PEFT LoRA adapter in `directory` on them, unmerged (`jaxattn.hf.peft.load_adapter`),
+    for a server's slots (`jaxattn.serving.Engine.add_lora`); CheckpointError (one line naming the file and
+    the key or module, for the caller to prefix) when the adapter cannot be read or does not fit the model."""
+    try:
+        adapted, _ = hf_peft.load_adapter(directory, config, nn.unbox(params))
+    except (HFCheckpointError, ValueError, OSError) as err:
+        raise CheckpointError(describe(err)) from err
+    return adapted
+
+
 def read_chat(source: ModelSource, *, template: bool = True) -> tuple[str | None, dict[str, str]]:
     """(the chat template's source or None, the named special tokens) of a transformers directory or a
     GGUF file (`train.models.pretrained.read_chat`; `template` False reads the tokens alone); (None, {})

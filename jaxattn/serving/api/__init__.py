@@ -16,6 +16,7 @@ does not import it, so the engine alone needs no web framework.
 * `tool_calls`: the formats templates write tool calls in, and the parser that reads them back;
 * `tokens`: `/tokenize` and `/detokenize` (vLLM's extensions);
 * `embeddings`: `/v1/embeddings` over the decoder's last hidden state;
+* `adapters`: `/v1/load_lora_adapter` and `/v1/unload_lora_adapter`, LoRA adapters loaded while serving;
 * `app`: `create_app`, the routes with their error answers and middleware;
 * `metrics`: `GET /metrics` in Prometheus text;
 * `server`: the listening socket and uvicorn draining on a signal;

@@ -15,7 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from jaxattn.serving.api import answers, embeddings, handlers, protocol, tokens
+from jaxattn.serving.api import adapters, answers, embeddings, handlers, protocol, tokens
 from jaxattn.serving.api.handlers import error_response, internal_error
 from jaxattn.serving.api.metrics import ServerMetrics
 from jaxattn.serving.api.protocol import APIError
@@ -62,7 +62,7 @@ def create_app(runner: EngineRunner, served: ServedModel, metrics: ServerMetrics
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(Exception, unexpected)
     app.add_middleware(KeyAndTag, api_key=limits.api_key)
-    for method, path, handler in handlers.ROUTES + tokens.ROUTES + embeddings.ROUTES:
+    for method, path, handler in handlers.ROUTES + tokens.ROUTES + embeddings.ROUTES + adapters.ROUTES:
         app.add_api_route(path, handler, methods=[method], response_model=None)
     return app
 

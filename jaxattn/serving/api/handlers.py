@@ -33,6 +33,7 @@ from jaxattn.serving.api.protocol import APIError, bad_request
 from jaxattn.serving.api.runner import Draining, Ticket, Update
 from jaxattn.serving.api.state import ApiState
 from jaxattn.serving.guides import Guide
+from jaxattn.serving.loras import UnknownLora
 from jaxattn.serving.scheduler import GUIDE_DEAD_END, QueueFull
 
 CHAT_PAGE = Path(__file__).with_name("chat.html")
@@ -68,10 +69,13 @@ async def chat_page(request: Request) -> Response:
 
 
 async def models(request: Request) -> Response:
-    served = state_of(request).served
+    """The base and each LoRA adapter the engine holds, an adapter's `parent` the base's id (as vLLM)."""
+    state = state_of(request)
+    served = state.served
     card = {"id": served.name, "object": "model", "created": 0, "owned_by": "jaxattn",
             "max_model_len": served.max_model_len, "chat": served.chat_template is not None}
-    return JSONResponse({"object": "list", "data": [card]})
+    adapters = [{**card, "id": name, "parent": served.name} for name in state.runner.engine.lora_names]
+    return JSONResponse({"object": "list", "data": [{**card, "parent": None}, *adapters]})
 
 
 # -- completions and chat -----------------------------------------------------------------------
@@ -79,7 +83,7 @@ async def models(request: Request) -> Response:
 async def completions(request: Request) -> Response:
     state = state_of(request)
     body = protocol.parse(protocol.CompletionRequest, await read_json(request, state.limits.max_body_bytes))
-    check_model(state, body.model)
+    check_model(state, body.model, adapters=True)
     prompt = body.single_prompt()
     echo = None
     if isinstance(prompt, str):
@@ -88,17 +92,17 @@ async def completions(request: Request) -> Response:
         prompt = encode(state, prompt, special=True, param="prompt")
     if body.echo and echo is None:  # the ids' text (the engine checks the ids first)
         echo = ""
-    return await answer(request, Answer("completion", state.served.name), body, prompt, body.asked_tokens,
+    return await answer(request, Answer("completion", body.model), body, prompt, body.asked_tokens,
                         echo if body.echo else None)
 
 
 async def chat(request: Request) -> Response:
     state = state_of(request)
     body = protocol.parse(protocol.ChatRequest, await read_json(request, state.limits.max_body_bytes))
-    check_model(state, body.model)
+    check_model(state, body.model, adapters=True)
     text, tool_plan = render_chat(state, body)
     ids = encode(state, text, special=False, param="messages")
-    return await answer(request, Answer("chat", state.served.name, tool_plan.parse), body, ids, body.asked_tokens,
+    return await answer(request, Answer("chat", body.model, tool_plan.parse), body, ids, body.asked_tokens,
                         guide=tool_plan.guide)
 
 
@@ -130,10 +134,13 @@ ROUTES: tuple[tuple[str, str, Callable], ...] = (
     ("GET", "/v1/models", models), ("POST", "/v1/completions", completions), ("POST", "/v1/chat/completions", chat))
 
 
-def check_model(state: ApiState, name: str) -> None:
-    if name != state.served.name:
-        raise APIError(404, f"the model {name!r} does not exist; this server serves {state.served.name!r}",
-                       param="model", code="model_not_found")
+def check_model(state: ApiState, name: str, *, adapters: bool = False) -> None:
+    """A 404 unless `name` is the served model's, or (with `adapters`) a LoRA adapter's the engine holds."""
+    if name == state.served.name or (adapters and name in state.runner.engine.lora_names):
+        return
+    held = (state.served.name, *state.runner.engine.lora_names) if adapters else (state.served.name,)
+    raise APIError(404, f"the model {name!r} does not exist; this server serves {', '.join(map(repr, held))}",
+                   param="model", code="model_not_found")
 
 
 def encode(state: ApiState, text: str, *, special: bool, param: str) -> list[int]:
@@ -151,13 +158,17 @@ async def admitted(request: Request, body, ids: list[int], asked: int | None,
     forced tool call must match."""
     state = state_of(request)
     n, best_of = body.choices
+    lora = None if body.model == state.served.name else body.model  # an adapter's name (`check_model`)
     try:
         sampling = body.sampling(asked, state.served.stop_token_ids)
         if guide is not None:
             sampling = dataclasses.replace(sampling, guide=guide)
+        sampling = dataclasses.replace(sampling, lora=lora)
         tickets = state.runner.submit_choices(request.state.tag, ids, sampling, n=n, best_of=best_of)
         for ticket in tickets:
             await ticket.admitted()
+    except UnknownLora:  # unloaded since `check_model`
+        raise APIError(404, f"the model {body.model!r} does not exist", param="model", code="model_not_found") from None
     except validation.RequestError as err:
         raise bad_request(str(err), body.openai_param(err.param), err.code) from None
     except QueueFull as err:

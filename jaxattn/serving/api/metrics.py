@@ -1,15 +1,17 @@
 """`GET /metrics`: the engine's state and the requests' latencies in Prometheus text (prometheus_client).
 
 Gauges are read from the engine when scraped (`jaxattn_requests_running`, `_waiting`,
-`jaxattn_kv_pages_used`, `_total`, `_cached`); counters and histograms are updated on the
-engine's thread after each step. Pages "used" are those held by requests; pages that are free
-but still hold a prefix-cache entry are `jaxattn_kv_pages_cached`.
+`jaxattn_kv_pages_used`, `_total`, `_cached`, and for LoRA adapters `jaxattn_lora_adapters_loaded` and
+`jaxattn_lora_requests_running{adapter=...}`, one series per adapter held); counters and histograms are
+updated on the engine's thread after each step. Pages "used" are those held by requests; pages that
+are free but still hold a prefix-cache entry are `jaxattn_kv_pages_cached`.
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client.core import GaugeMetricFamily
 
 from jaxattn.serving import Engine, Request
 
@@ -48,6 +50,9 @@ class ServerMetrics:
                               buckets=TTFT_BUCKETS, registry=registry)
         self.itl = Histogram("jaxattn_inter_token_latency_seconds", "Between a request's tokens",
                              buckets=ITL_BUCKETS, registry=registry)
+        Gauge("jaxattn_lora_adapters_loaded", "LoRA adapters held (in slots or on the host)", registry=registry
+              ).set_function(lambda: len(engine.lora_names))
+        registry.register(LoraRunning(engine))
         self._seen = {"hits": 0, "queries": 0, "generated": 0}
         self._engine = engine
 
@@ -71,3 +76,21 @@ class ServerMetrics:
 
     def text(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class LoraRunning:
+    """`jaxattn_lora_requests_running{adapter=...}`: per adapter held, the running requests that name it."""
+
+    def __init__(self, engine: Engine):
+        self._engine = engine
+
+    def describe(self):
+        return [GaugeMetricFamily("jaxattn_lora_requests_running", "Running requests of each LoRA adapter",
+                                  labels=["adapter"])]
+
+    def collect(self):
+        family = self.describe()[0]
+        running = [request.sampling.lora for request in list(self._engine.running)]
+        for name in self._engine.lora_names:
+            family.add_metric([name], running.count(name))
+        yield family

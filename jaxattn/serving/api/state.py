@@ -4,7 +4,7 @@ beside the engine's runner and the metrics (`app.state.api`)."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 
@@ -28,7 +28,9 @@ class ServedModel:
         None: `/detokenize` answers 404.
       vocab_size: the model's vocabulary (ids at or past it are refused); None: unchecked here.
       embed: `embed(ids, normalize)` -> the text's float32 embedding (`jaxattn.serving.embedding.Embedder`),
-        run on the engine's thread; None: `/v1/embeddings` answers 404.
+        run on the engine's thread; None: `/v1/embeddings` answers 404. It runs the base, never an adapter.
+      load_adapter: `load_adapter(path)` -> a PEFT LoRA adapter directory's params for `Engine.add_lora`
+        (ValueError, one line, for one it cannot read); None: `/v1/load_lora_adapter` answers 400.
     """
 
     name: str
@@ -39,6 +41,7 @@ class ServedModel:
     decode: Callable[[list[int]], str] | None = None
     vocab_size: int | None = None
     embed: Callable[[list[int], bool], np.ndarray] | None = None
+    load_adapter: Callable[[str], Any] | None = None
 
 
 @dataclasses.dataclass

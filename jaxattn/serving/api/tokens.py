@@ -58,7 +58,7 @@ async def tokenize(request: Request) -> Response:
     chat = isinstance(raw, dict) and "messages" in raw
     body = protocol.parse(TokenizeChatRequest if chat else TokenizeCompletionRequest, raw)
     if body.model is not None:
-        check_model(state, body.model)
+        check_model(state, body.model, adapters=True)
     if chat:
         text, _ = render_chat(state, body, add_generation_prompt=body.add_generation_prompt)
     else:
@@ -73,7 +73,7 @@ async def detokenize(request: Request) -> Response:
     state = state_of(request)
     body = protocol.parse(DetokenizeRequest, await read_json(request, state.limits.max_body_bytes))
     if body.model is not None:
-        check_model(state, body.model)
+        check_model(state, body.model, adapters=True)
     served = state.served
     if served.decode is None:
         raise APIError(404, "this server cannot decode ids (its model came without a decoder)")
