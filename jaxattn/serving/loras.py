@@ -33,7 +33,7 @@ import jax
 import numpy as np
 from flax.traverse_util import flatten_dict, unflatten_dict
 
-from jaxattn.lora import is_lora
+from jaxattn.lora import is_lora, is_slots
 from jaxattn.serving.validation import RequestError
 
 
@@ -99,6 +99,50 @@ def host_adapter(params: Any, rank: int) -> tuple[Any, int]:
                          "make them)")
     own = max(a.shape[-1] for w in adapters.values() for a in w.a if a is not None)
     return unflatten_dict({path: _host_weight(w, rank) for path, w in adapters.items()}), own
+
+
+def _write_stacks(stacks: dict, slot, values: dict) -> dict:
+    """Each slotted weight's `(a, b, scale)` stacks with slot `slot` set to `values`' (one program)."""
+    put = lambda x, v: None if x is None else x.at[slot].set(v.astype(x.dtype))  # noqa: E731
+    return {path: (tuple(map(put, a, values[path][0])), tuple(map(put, b, values[path][1])),
+                   scale.at[slot].set(values[path][2]))
+            for path, (a, b, scale) in stacks.items()}
+
+
+class SlotWriter:
+    """Writes an adapter into one slot of every `LoraSlots` of a params tree in one compiled program, the
+    slots' stacks donated: only the slot's numbers are written, and the program is the same for every
+    adapter and slot (compiled once, when the engine is built). The same values as
+    `jaxattn.lora.write_slot` (and `clear_slot` for None): a part or weight the adapter leaves alone is
+    zeros in the slot, scale 0."""
+
+    def __init__(self, params: Any):
+        self.slotted = {path: w for path, w in flatten_dict(params).items() if is_slots(w)}
+        self._program = jax.jit(_write_stacks, donate_argnums=0)
+
+    def values(self, adapter: Any | None) -> dict:
+        """Per slotted weight, the slot's `(a parts, b parts, scale)` as numpy arrays (zeros where `adapter`,
+        a `host_adapter` tree of the slots' rank, or None, leaves it)."""
+        given = {} if adapter is None else {p: w for p, w in flatten_dict(adapter).items() if is_lora(w)}
+        out = {}
+        for path, slots in self.slotted.items():
+            weight = given.get(path)
+            new_a = weight.a if weight is not None else (None,) * len(slots.a)
+            new_b = weight.b if weight is not None else (None,) * len(slots.b)
+            a = tuple(None if x is None else np.zeros(x.shape[1:], x.dtype) if v is None else v
+                      for x, v in zip(slots.a, new_a))
+            b = tuple(None if x is None else np.zeros(x.shape[1:], x.dtype) if v is None else v
+                      for x, v in zip(slots.b, new_b))
+            out[path] = a, b, np.float32(0.0 if weight is None else weight.scale)
+        return out
+
+    def __call__(self, params: Any, slot: int, adapter: Any | None) -> Any:
+        """`params` with slot `slot` holding `adapter` (None: emptied); `params`' slot stacks are donated."""
+        flat = flatten_dict(params)
+        stacks = {path: (flat[path].a, flat[path].b, flat[path].scale) for path in self.slotted}
+        written = self._program(stacks, np.int32(slot), self.values(adapter))
+        flat.update({path: flat[path].replace(a=a, b=b, scale=scale) for path, (a, b, scale) in written.items()})
+        return unflatten_dict(flat)
 
 
 class LoraTable:

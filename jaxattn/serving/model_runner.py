@@ -48,11 +48,12 @@ from jaxattn.axes import MeshShape
 from jaxattn.cache.build import init_pools
 from jaxattn.config import ModelConfig
 from jaxattn.kernels import Kernels
-from jaxattn.lora import clear_slot, empty_slots, write_slot
+from jaxattn.lora import empty_slots, write_slot
 from jaxattn.program_store import ProgramStore
 from jaxattn.scan_plan import relayout
 from jaxattn.serving.engine_config import EngineConfig
 from jaxattn.serving.logit_knobs import fill_logit_knobs
+from jaxattn.serving.loras import SlotWriter
 from jaxattn.serving.multi_step import MAX_STOP_IDS, DecodeRun, DecodeRunPrograms
 from jaxattn.serving.requests import Request, StepLogprobs
 from jaxattn.serving.scheduler import SchedulerOutput
@@ -187,9 +188,11 @@ class ModelRunner:
         # and back on every step (`jaxattn.scan_plan`), so stacked parameters are unstacked once here.
         params, config = relayout(nn.unbox(params), config, scan_layers=False)
         ec = engine_config
-        self.lora = ec.max_loras > 0
+        self.lora, self._slot_writer = ec.max_loras > 0, None
         if self.lora:  # refused on a mesh by the engine: the slots are laid out on one device
             params = empty_slots(params, config, ec.max_loras, ec.max_lora_rank, ec.lora_targets)
+            self._slot_writer = SlotWriter(params)
+            params = self._slot_writer(params, 0, None)  # its one program compiles here, not at a request
         self.config, self.kernels, self.page_size = config, kernels, ec.page_size
         self.guide_compiler, self.mask_seconds, self.masked_rows, self.masks_late = guide_compiler, 0.0, 0, 0
         self.pages_per_seq = -(-max_model_len // ec.page_size)
@@ -214,8 +217,9 @@ class ModelRunner:
             self.pools = pools if made is None else made.result()
 
     def write_slot(self, slot: int, adapter) -> None:
-        """LoRA slot `slot` holding `adapter` (a params tree with `LoraWeight`s), or emptied (None)."""
-        self.params = clear_slot(self.params, slot) if adapter is None else write_slot(self.params, slot, adapter)
+        """LoRA slot `slot` holding `adapter` (`jaxattn.serving.loras.host_adapter`'s, of the slots' rank), or
+        emptied (None): one compiled program, the slots' stacks written in place (`SlotWriter`)."""
+        self.params = self._slot_writer(self.params, slot, adapter)
 
     def check_adapter(self, adapter) -> None:
         """ValueError (naming the weight) where `adapter` does not fit the slots; nothing is computed."""
