@@ -1,6 +1,6 @@
 """Where an engine decode step's time goes: the head, the other products, attention, the rest, sampling, host.
 
-    PYTHONPATH=$PWD .venv/bin/python bench/step_parts.py --gguf SmolLM2-135M-Instruct.Q4_1.gguf
+    PYTHONPATH=$PWD .venv/bin/python bench/step_parts.py (--gguf SmolLM2-135M-Instruct.Q4_1.gguf | --hf DIR)
         [--rows 32] [--context 300] [--steps 20] [--out bench/results/step_parts]
 
 The engine is built as `train.serve` builds it (`serving_kernels`, the weights laid out for them), with one
@@ -11,7 +11,7 @@ decode bucket of --rows rows. Two measures, one after the other:
 * the step's programs under JAX's profiler (`jax.profiler.trace`, read back with `jax.profiler.ProfileData`):
   the decode step's forward, then its draw, each run --steps times alone with --rows rows at --context
   tokens. Every operation XLA ran is one event named by its HLO instruction; the forward's are put in a
-  part by the program's HLO text: a custom call to the native quantized matmul is a product, the one whose
+  part by the program's HLO text: a custom call to a native matmul (quantized or float) is a product, the one whose
   output is as wide as the vocabulary the head; one to the native paged loop attention; an XLA dot a
   product; anything else (norms, RoPE, activations, the cache's writes, gathers) the rest. The draw's
   operations are sampling. Events on XLA's threads overlap, so a part is CPU time (milliseconds of all
@@ -143,15 +143,20 @@ def program_parts(engine: Engine, rows: int, context: int, steps: int) -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--gguf", type=Path, required=True)
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--gguf", type=Path, help="a GGUF file (its quantized weights kept)")
+    source.add_argument("--hf", type=Path, help="a transformers directory (float32, as train.serve --hf serves it)")
+    parser.add_argument("--matmul", help="the float matmul kernel (default: what train.serve picks here)")
     parser.add_argument("--rows", type=int, default=32)
     parser.add_argument("--context", type=int, default=300)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "step_parts")
     args = parser.parse_args(argv)
 
-    loaded = load_model(ModelSource(gguf=str(args.gguf)))
+    path = args.gguf or args.hf
+    loaded = load_model(ModelSource(gguf=str(args.gguf)) if args.gguf else ModelSource(hf=str(args.hf)))
     kernels, _ = serving_kernels(loaded.config.dtype)  # as train.serve runs the model
+    kernels = kernels.replace(matmul=args.matmul) if args.matmul else kernels
     length = args.context + args.steps + 8
     ec = EngineConfig(max_seqs=args.rows, page_size=PAGE, decode_buckets=(args.rows,), max_model_len=length,
                       num_pages=args.rows * -(-length // PAGE), chunk=min(128, args.context), decode_steps=1)
@@ -162,9 +167,10 @@ def main(argv=None) -> int:
 
     machine = describe_machine()
     words = list(argv if argv is not None else sys.argv[1:])
-    command = "PYTHONPATH=$PWD python bench/step_parts.py " + portable_command(words, ("--gguf",))
+    command = "PYTHONPATH=$PWD python bench/step_parts.py " + portable_command(words, ("--gguf", "--hf"))
     lines = ["# Where an engine decode step's time goes", "",
-             f"{machine_line(machine)}; the model of `{args.gguf.name}`, kernels {kernels.quantized!r} / paged "
+             f"{machine_line(machine)}; the model of `{path.name}`, kernels matmul {kernels.matmul!r} / quantized "
+             f"{kernels.quantized!r} / paged "
              f"{kernels.paged!r}; {args.rows} rows at about {args.context} tokens of context, {args.steps} steps.", "",
              "The engine, wall time a step:", "",
              "| step ms | device ms | host ms | " + " | ".join(f"host: {name}" for name in clock["phases_ms"]) + " |",
@@ -175,7 +181,7 @@ def main(argv=None) -> int:
              "| part | CPU ms a step | share |", "| --- | ---: | ---: |"]
     lines += [f"| {part} | {ms:.2f} | {ms / cpu:.0%} |" for part, ms in parts.items()]
     lines += ["", f"Command: `{command}`", ""]
-    write_results(args.out.parent, args.out.name, {"machine": machine, "command": command, "model": args.gguf.name,
+    write_results(args.out.parent, args.out.name, {"machine": machine, "command": command, "model": path.name,
                                                    "engine": clock, "cpu_ms": parts}, "\n".join(lines))
     print("\n".join(lines))
     return 0
