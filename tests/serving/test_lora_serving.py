@@ -166,6 +166,8 @@ def test_an_adapter_in_use_is_not_removed_and_what_is_refused_names_it():
     for bad in (dict(max_loras=-1), dict(max_lora_rank=0), dict(lora_targets=("experts",)), dict(lora_targets="q")):
         with pytest.raises(ValueError, match="EngineConfig"):
             EngineConfig(**bad)
+    with pytest.raises(ValueError, match="max_loras needs one device"):  # refused before anything is built
+        Engine(base, config, ENGINE, mesh=jax.make_mesh((1,), ("tensor",)))
 
 
 def test_loading_removing_and_moving_rows_between_adapters_compile_nothing():
