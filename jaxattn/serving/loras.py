@@ -19,6 +19,9 @@ adapters share a step and no program is compiled again when adapters come, go or
   else it is forgotten and its slot cleared. Refusing, rather than waiting for those requests, answers at
   once and never leaves an unload pending behind traffic that keeps naming the adapter; the caller
   stops sending it and unloads once the last such request has ended.
+
+`SlotWriter` is what the model runner writes a slot with: one program, compiled when the engine is
+built, the slots' stacks donated, so a swap writes one slot's numbers and compiles nothing.
 """
 
 from __future__ import annotations
