@@ -72,7 +72,7 @@ def test_overrides_coerce_types():
     ("model.mla={kv_lora_rank = 0}", ValueError, "model.mla: MLAConfig.kv_lora_rank must be a positive integer"),
     ("model.mla={rank = 8}", ValueError, r"^unknown model.mla keys \['rank'\]$"),
     ("model.rope_scaling=2", TypeError, r"model.rope_scaling must be a table, got 2"),
-    ("runtime.matmul=bf16", ValueError, r"runtime.matmul must be 'xla', 'bfloat16', 'bfloat16_cpu' or 'auto', got 'bf16'"),
+    ("runtime.matmul=bf16", ValueError, r"runtime.matmul must be 'xla', 'bfloat16', 'bfloat16_cpu', 'native_cpu' or 'auto', got 'bf16'"),
     ("runtime.data_parallel=2", ValueError, r"unknown runtime keys \['data_parallel'\]; known keys: \[.*'mesh'"),
     ("runtime.mesh=data2", ValueError,
      r"runtime.mesh: mesh 'data2': each item must be AXIS:SIZE with AXIS one of \('data', 'fsdp', 'tensor'\)"),
@@ -100,8 +100,8 @@ def test_every_bad_field_is_named_on_the_one_line():
     with pytest.raises(TypeError) as caught:
         load_config(overrides=["train.lr=fast", "model.d_model=x", "runtime.matmul=bf16"])
     assert str(caught.value) == ("model.d_model must be a valid integer, got 'x'; train.lr must be a valid number, "
-                                 "got 'fast'; runtime.matmul must be 'xla', 'bfloat16', 'bfloat16_cpu' or 'auto', "
-                                 "got 'bf16'")
+                                 "got 'fast'; runtime.matmul must be 'xla', 'bfloat16', 'bfloat16_cpu', 'native_cpu' or "
+                                 "'auto', got 'bf16'")
     with pytest.raises(ValueError, match=r"^unknown train keys \['lrr', 'sed'\]; known keys: \["):
         load_config(overrides=["train.lrr=1", "train.sed=2"])
 
