@@ -4,11 +4,13 @@
 whose characters are its vocabulary, a chat template) and returns the command-line arguments that
 serve it. `ServerProcess` starts the program with `--port 0` (the system picks a free port), waits
 for its one `ready:` line on stdout (the URL it listens on), and stops it on exit (SIGTERM, then
-SIGKILL), keeping what it wrote on stderr for the assertions.
+SIGKILL), keeping what it wrote on stderr for the assertions. `http` and `metric` ask it a raw request and
+read one sample of its /metrics.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -16,6 +18,8 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -126,3 +130,27 @@ def tiny_bpe_server_args(directory: Path) -> list[str]:
                        eos_token_id=0)
     (directory / "chat.jinja").write_text(TEMPLATE)
     return ["--hf", str(directory / MODEL), "--chat-template", str(directory / "chat.jinja")]
+
+
+def http(server, path, *, key: str | None, method="GET", body: bytes | None = None, timeout=30):
+    """(status, parsed JSON or text) of a raw request, with `key` as the bearer token (None: none)."""
+    headers = {"Content-Type": "application/json"}
+    if key is not None:
+        headers["Authorization"] = f"Bearer {key}"
+    request = urllib.request.Request(server.url + path, data=body, method=method, headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            status, text = response.status, response.read().decode()
+    except urllib.error.HTTPError as err:
+        status, text = err.code, err.read().decode()
+    try:
+        return status, json.loads(text)
+    except json.JSONDecodeError:
+        return status, text
+
+
+def metric(server, name: str, key: str | None) -> float:
+    """A sample's value from /metrics (`name` with its labels, as Prometheus writes it); 0 if absent."""
+    _, text = http(server, "/metrics", key=key)
+    match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
+    return float(match.group(1)) if match else 0.0

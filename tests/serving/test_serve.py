@@ -13,12 +13,11 @@ import signal
 import socket
 import threading
 import time
-import urllib.error
-import urllib.request
 
 import openai
 import pytest
 
+import server_process
 from server_process import MODEL, ServerProcess, tiny_server_args
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("train_serve")]
@@ -39,28 +38,14 @@ def client(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
 
 
-def http(server, path, *, method="GET", body: bytes | None = None, key: str | None = KEY, timeout=30):
-    """(status, parsed JSON or text) of a raw request."""
-    headers = {"Content-Type": "application/json"}
-    if key is not None:
-        headers["Authorization"] = f"Bearer {key}"
-    request = urllib.request.Request(server.url + path, data=body, method=method, headers=headers)
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            status, text = response.status, response.read().decode()
-    except urllib.error.HTTPError as err:
-        status, text = err.code, err.read().decode()
-    try:
-        return status, json.loads(text)
-    except json.JSONDecodeError:
-        return status, text
+def http(server, path, *, key: str | None = KEY, **options):
+    """(status, parsed JSON or text) of a raw request, with this module's key unless told otherwise."""
+    return server_process.http(server, path, key=key, **options)
 
 
 def metric(server, name: str) -> float:
     """A sample's value from /metrics (`name` with its labels, as Prometheus writes it)."""
-    _, text = http(server, "/metrics")
-    match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
-    return float(match.group(1)) if match else 0.0
+    return server_process.metric(server, name, KEY)
 
 
 def until(condition, timeout=30.0):

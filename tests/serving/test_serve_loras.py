@@ -11,10 +11,7 @@ at once, while adapters are unloaded and loaded.
 import concurrent.futures
 import functools
 import json
-import re
 import threading
-import urllib.error
-import urllib.request
 
 import jax
 import numpy as np
@@ -25,6 +22,7 @@ from tokenizers import Tokenizer
 import jaxattn as ja
 from jaxattn import hf
 from jaxattn.lora import LoraConfig, add_lora, merge_lora
+import server_process
 from server_process import MODEL, ServerProcess, tiny_bpe_server_args
 from tiny_models import with_random_b
 
@@ -78,24 +76,13 @@ def expected(model):
     return text
 
 
-def http(server, path, *, method="GET", body: bytes | None = None, key: str | None = KEY):
-    """(status, parsed JSON or text) of a raw request."""
-    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
-    request = urllib.request.Request(server.url + path, data=body, method=method, headers=headers)
-    try:
-        with urllib.request.urlopen(request, timeout=60) as response:
-            status, text = response.status, response.read().decode()
-    except urllib.error.HTTPError as err:
-        status, text = err.code, err.read().decode()
-    try:
-        return status, json.loads(text)
-    except json.JSONDecodeError:
-        return status, text
+def http(server, path, *, key: str | None = KEY, **options):
+    """(status, parsed JSON or text) of a raw request, with this module's key unless told otherwise."""
+    return server_process.http(server, path, key=key, timeout=60, **options)
 
 
 def metric(server, name: str) -> float:
-    match = re.search(rf"^{re.escape(name)} (\S+)$", http(server, "/metrics")[1], re.M)
-    return float(match.group(1)) if match else -1.0
+    return server_process.metric(server, name, KEY)
 
 
 def load(server, name, path, key=KEY):
@@ -160,7 +147,7 @@ def test_an_adapter_is_unloaded_and_reloaded_while_other_requests_run(server, cl
                 try:
                     text = ask(client, adapter or MODEL, index).choices[0].text
                     seen.append(text == expected(adapter, index))
-                except Exception as err:  # noqa: BLE001: any failure is one
+                except Exception as err:  # noqa: BLE001 (any failure is one)
                     failures.append(repr(err))
 
     expected(None, 0), expected("alpha", 1), expected("gamma", 2), expected("beta", 2)  # computed before
