@@ -102,8 +102,8 @@ def _matmul(platform: Platform) -> tuple[str, str]:
         return "bfloat16", f"{platform.backend}: bfloat16 matrix units, as torch.autocast"
     if "amx_bf16" in platform.cpu_flags:
         return "bfloat16_cpu", "this CPU has AMX-BF16: bfloat16 dots run several times faster"
-    return exact_matmul(platform)[0], ("this CPU has no AMX-BF16: bfloat16 matmuls are slower than float32 here; "
-                                       + exact_matmul(platform)[1])
+    exact, why = exact_matmul(platform)
+    return exact, f"this CPU has no AMX-BF16: bfloat16 matmuls are slower than float32 here; {why}"
 
 
 # CPU flags -> the vector path of the native float32 matmul's tiles (native/float_gemm.h), in its order; without
