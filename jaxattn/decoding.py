@@ -245,8 +245,10 @@ def _validate_tokens(config, top_k, stop_token, pad_token) -> None:
             raise ValueError(f"{name} must be a token id in [0, vocab_size={config.vocab_size}), got {token}")
 
 
-def _validate(config, kernels, prompt_tokens, prompt_lengths, max_new_tokens, temperature, top_p):
-    """Checks on host values before anything is traced; returns numpy `(tokens [B,Tp], lengths [B])`."""
+def validated_arguments(config, kernels, prompt_tokens, prompt_lengths, max_new_tokens, temperature, top_k, top_p,
+                        stop_token, pad_token):
+    """`generate`'s checks on host values before anything is traced (a TypeError or ValueError naming the
+    argument); returns numpy `(tokens [B,Tp], lengths [B])` int32. Also run by `jaxattn.speculative`."""
     if not isinstance(config, ModelConfig):
         raise TypeError(f"config must be a ModelConfig, got {type(config).__name__}")
     if not isinstance(kernels, Kernels):
@@ -275,6 +277,7 @@ def _validate(config, kernels, prompt_tokens, prompt_lengths, max_new_tokens, te
         raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
     if not 0.0 <= float(top_p) <= 1.0:
         raise ValueError(f"top_p must be in [0, 1], got {top_p}")
+    _validate_tokens(config, top_k, stop_token, pad_token)
     return tokens.astype(np.int32), lengths.astype(np.int32)
 
 
@@ -288,8 +291,8 @@ def call_lengths(config: ModelConfig, prompt_len: int, max_new_tokens: int) -> t
 def _prepare(config, kernels, prompt_tokens, prompt_lengths, max_new_tokens, temperature, top_k, top_p,
              stop_token, pad_token):
     """Validates, pads the prompt to its bucket and packs the traced knobs."""
-    tokens, lengths = _validate(config, kernels, prompt_tokens, prompt_lengths, max_new_tokens, temperature, top_p)
-    _validate_tokens(config, top_k, stop_token, pad_token)
+    tokens, lengths = validated_arguments(config, kernels, prompt_tokens, prompt_lengths, max_new_tokens,
+                                          temperature, top_k, top_p, stop_token, pad_token)
     bucket, context_len = call_lengths(config, int(lengths.max()), max_new_tokens)
     padded = np.full((tokens.shape[0], bucket), pad_token, np.int32)
     width = min(bucket, tokens.shape[1])
