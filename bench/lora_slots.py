@@ -28,7 +28,7 @@ from bench.timing import time_compiled  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 RANK, ROWS, ADAPTERS = 16, (32, 256), (1, 2, 8, 32)
-CELLS = ("base", "gather", "segment", "segment_cpu")
+CELLS = ("base", "gather", "segment", "segment_cpu", "native_cpu")
 
 
 def smollm2_layer():

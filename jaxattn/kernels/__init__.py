@@ -50,12 +50,14 @@ The modules, one formulation or one rule each:
   `chunked_blocks`), `cudnn`, `splash`, `pallas_flash` (the teaching kernel), `blocked_decode`;
 * against pages: `paged` (the reference and the ragged loop), `native_paged` (the native decode loop);
 * matmuls: `bf16_matmul`, `float_matmul` (float32 rows of a decode step, native), `quant_matmul` (quantized
-  weights); the mixture of experts: `moe`;
+  weights); the mixture of experts: `moe`; LoRA adapters in slots, each row its own: `lora_slots` (native,
+  `jaxattn.lora.slot_delta`'s "native_cpu" form, which `select.lora_form` gives the serving engine);
 * the native kernels' C++ (`native/`), built on first use by `native_build` with `-march=native`:
   the quantized matmul's integer dots take one path per instruction set (`native/quant_dot.h`:
   AVX512-VNNI, AVX-VNNI, AVX2, NEON with and without the dot-product extension, scalar), named by
   `quant_matmul.native_path()` and on the programs' `kernels:` line; the float32 matmul's register tiles
-  one each for AVX-512, AVX2, NEON and scalar (`native/float_gemm.h`, `float_matmul.native_path()`).
+  one each for AVX-512, AVX2, NEON and scalar (`native/float_gemm.h`, `float_matmul.native_path()`;
+  `lora_slots` runs them too).
 
 Adding an implementation is a new module in this package and one entry in
 `IMPLEMENTATIONS` (`jaxattn.kernels.registry`; plus, if it should be picked

@@ -25,6 +25,7 @@ import functools
 from typing import Callable
 
 import jax
+import jax.numpy as jnp
 
 from jaxattn.kernels import auto, moe, native_paged, paged_select
 from jaxattn.kernels.host import read_cpu_flags
@@ -122,6 +123,20 @@ def exact_matmul(platform: Platform) -> tuple[str, str]:
                               "(docs/performance.md §26)")
     where = "no C++ compiler for the native loop" if platform.is_cpu else f"{platform.backend}: no native kernel"
     return "xla", f"float32 in XLA ({where})"
+
+
+def lora_form(platform: Platform, param_dtype) -> tuple[str, str]:
+    """The formulation of adapters in slots (`jaxattn.lora.slot_delta`'s forms) for a model whose adapters are
+    stored in `param_dtype`, on `platform`: `(form, reason)`. The forms compute the same sums; the serving
+    engine asks this when `EngineConfig.lora_form` is "auto"."""
+    if platform.is_cpu and platform.cxx and jnp.dtype(param_dtype) == jnp.float32:
+        return "native_cpu", ("each projection's adapters in one native call that groups the rows by slot: "
+                              "XLA:CPU has no grouped matmul, and its loop over segments costs more than the "
+                              "arithmetic of a decode step (docs/performance.md §27)")
+    if platform.is_cpu:
+        why = "no C++ compiler for the native loop" if not platform.cxx else "adapters not stored in float32"
+        return "segment_cpu", f"{why}: XLA's loop over the rows' segments, each adapter read once"
+    return "segment", f"{platform.backend}: ragged_dot, a grouped matmul on accelerators (Punica's SGMV)"
 
 
 def _mla(platform: Platform) -> tuple[str, str]:

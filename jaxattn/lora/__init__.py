@@ -49,7 +49,8 @@ configs' room (`jaxattn.config.lora`: `LoraConfig`, its rank, alpha, dropout, rs
 * `jaxattn.lora.params`: which weight each target names (`roles_of`, `part_widths`), and the adapters
   over a params tree (`add_lora`, `split_lora`, `combine_lora`, `merge_lora`, `count_lora_params`);
 * `jaxattn.lora.slots`: many adapters on one base, chosen per token row (`LoraSlots`, `empty_slots`,
-  `write_slot`, `clear_slot`, `with_token_slots`, and the maths a Linear reads, `slot_delta`).
+  `write_slot`, `clear_slot`, `with_token_slots`);
+* `jaxattn.lora.slot_forms`: the maths a Linear reads for them, `slot_delta`, in each of its formulations.
 """
 
 from jaxattn.config.lora import TARGETS, LoraConfig

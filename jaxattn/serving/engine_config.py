@@ -12,6 +12,7 @@ import dataclasses
 
 from jaxattn.cache.containers import KV_CACHES
 from jaxattn.config.lora import TARGETS
+from jaxattn.lora import FORMS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +52,8 @@ class EngineConfig:
       max_lora_rank: the slots' rank, the most an adapter added may have (lower ranks are zero-padded).
       lora_targets: the projections the slots cover (`jaxattn.lora.TARGETS`); an adapter may adapt any
         of them, not others. MLA's k and v (its `wkv_b`) cannot be slotted: name q, o and the MLP's there.
+      lora_form: how the slots' products run, one of `jaxattn.lora.FORMS` (the same sums), or "auto": the
+        platform's (`jaxattn.kernels.select.lora_form`: the native loop on a CPU, float32 adapters).
     """
 
     max_seqs: int = 8
@@ -71,6 +74,7 @@ class EngineConfig:
     max_loras: int = 0
     max_lora_rank: int = 16
     lora_targets: tuple[str, ...] = ("q", "k", "v", "o", "gate", "up", "down")
+    lora_form: str = "auto"
 
     def __post_init__(self):
         if self.kv_cache not in KV_CACHES:
@@ -107,6 +111,8 @@ class EngineConfig:
         if isinstance(targets, str) or not targets or any(t not in slottable for t in targets):
             raise ValueError(f"EngineConfig.lora_targets must be one or more of {slottable}, got {targets!r}")
         object.__setattr__(self, "lora_targets", tuple(targets))
+        if self.lora_form not in ("auto", *FORMS):
+            raise ValueError(f"EngineConfig.lora_form must be one of {('auto', *FORMS)}, got {self.lora_form!r}")
 
     @property
     def budget(self) -> int:

@@ -48,6 +48,7 @@ from jaxattn.axes import MeshShape
 from jaxattn.cache.build import init_pools
 from jaxattn.config import ModelConfig
 from jaxattn.kernels import Kernels
+from jaxattn.kernels.select import lora_form, this_platform
 from jaxattn.lora import empty_slots, write_slot
 from jaxattn.program_store import ProgramStore
 from jaxattn.scan_plan import relayout
@@ -190,7 +191,8 @@ class ModelRunner:
         ec = engine_config
         self.lora, self._slot_writer = ec.max_loras > 0, None
         if self.lora:  # refused on a mesh by the engine: the slots are laid out on one device
-            params = empty_slots(params, config, ec.max_loras, ec.max_lora_rank, ec.lora_targets)
+            form = lora_form(this_platform(), config.param_dtype)[0] if ec.lora_form == "auto" else ec.lora_form
+            params = empty_slots(params, config, ec.max_loras, ec.max_lora_rank, ec.lora_targets, form=form)
             self._slot_writer = SlotWriter(params)
             params = self._slot_writer(params, 0, None)  # its one program compiles here, not at a request
         self.config, self.kernels, self.page_size = config, kernels, ec.page_size

@@ -163,7 +163,8 @@ def test_an_adapter_in_use_is_not_removed_and_what_is_refused_names_it():
     assert sorted(engine.lora_names) == list("abcd")
     with pytest.raises(RequestError, match="lora must be an adapter's name"):
         SamplingParams(lora=3)
-    for bad in (dict(max_loras=-1), dict(max_lora_rank=0), dict(lora_targets=("experts",)), dict(lora_targets="q")):
+    for bad in (dict(max_loras=-1), dict(max_lora_rank=0), dict(lora_targets=("experts",)), dict(lora_targets="q"),
+                dict(lora_form="ragged")):
         with pytest.raises(ValueError, match="EngineConfig"):
             EngineConfig(**bad)
     with pytest.raises(ValueError, match="max_loras needs one device"):  # refused before anything is built
