@@ -29,7 +29,8 @@ an optional `Kernels`, which implementations run it):
 Decoding: `generate` (prefill + `jax.lax.scan` over one-token steps),
 `generate_windowed` and `windows` (past the context, all at once or window by
 window), and the pure sampling functions in
-`jaxattn.sampling`.
+`jaxattn.sampling`. Speculative decoding: `speculative_generate` (`jaxattn.speculative`: drafts from
+prompt lookup or a small model, checked k at a time by the target; docs/speculative.md).
 
 Many requests at once: `jaxattn.serving` (`Engine`, `EngineConfig`, `SamplingParams`): a paged
 KV cache, continuous batching, prefix caching and preemption (docs/serving.md).
@@ -51,8 +52,8 @@ The modules, one job each. The maths: `attention` (its checks `attention_checks`
 `masks`, `rope`, `positions` (sinusoidal), `additive` (Bahdanau). The model: `config` (the configs),
 `layers` (the Flax modules), `model` (its checks `model_checks`), `scan_plan` (which layers one scan
 runs), `head_loss` (next-token losses without `[M, V]` logits), `layer_losses` (the losses layers
-sow). Decoding: `cache`, `decoding`, `windowed` (past the context), `sampling`, `serving`. Weights:
-`lora` (LoRA adapters), `quantization`; implementations: `kernels`; meshes: `axes`, `sharding`;
+sow). Decoding: `cache`, `decoding`, `windowed` (past the context), `sampling`, `speculative`, `serving`.
+Weights: `lora` (LoRA adapters), `quantization`; implementations: `kernels`; meshes: `axes`, `sharding`;
 compiled programs kept between runs: `program_cache`, and traced ones beside them: `program_store`.
 Checkpoints in and out: `hf` (Hugging Face), `gguf` (llama.cpp's files). `viewer`: the interactive
 attention viewer.
@@ -64,6 +65,7 @@ from jaxattn.cache.containers import DecodeCache, KVCache, LatentCache
 from jaxattn.cache.build import cache_bytes_per_token, init_cache
 from jaxattn.config import AttentionSpec, LayerKind, MLAConfig, ModelConfig, MoEConfig
 from jaxattn.decoding import GenerateOutput, generate
+from jaxattn.speculative import speculative_generate
 from jaxattn.windowed import generate_windowed, windows
 from jaxattn.kernels import Kernels, Platform, prepare_weights, resolve_kernels
 from jaxattn.layers.gqa import Attention
@@ -147,6 +149,7 @@ __all__ = [
     "separate_to_fused_qkv",
     "sinusoidal_positions",
     "sliding_window_mask",
+    "speculative_generate",
     "windows",
     "with_fused_qkv",
 ]
