@@ -21,6 +21,10 @@ medians of --repeats:
   beside `engine` on the same load; it also reports the host's time per guided row per step. The
   guides' tokenizer is --guide-tokenizer's (a GGUF file or a tokenizer.json, e.g. SmolLM2's for
   --model smollm2), else the corpus's characters ($, & and 3 read as {, } and ", which it lacks).
+* `engine_lora1`, `engine_lora2`, `engine_lora8`, `engine_lora32` (asked by name): the engine with that
+  many random rank-16 LoRA adapters on every projection in as many slots (`EngineConfig.max_loras`),
+  request i under adapter i mod N, beside `engine` on the same load: a table of each one's output tokens/s
+  against `engine`'s follows the main one.
 * `server`: the same engine behind `python -m train.serve`, over HTTP: each request a streamed
   `/v1/completions` from a client in the runner's process (bench/serve_http.py), each token timed as
   its event arrives. The server process is started by the runner and shares its cores.
@@ -70,7 +74,7 @@ from bench.machine import cpu_cores, load_average, write_results  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 SHARED_CORPUS = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
-RUNNER_NAMES = ("engine", "server", "hf_generate_batch", "static_generate")  # engine_guided: asked by name
+RUNNER_NAMES = ("engine", "server", "hf_generate_batch", "static_generate")  # engine_guided, engine_lora<N>: by name
 MAX_SEQ_LEN = {"tiny": 128, "baby": 1024, "smollm2": 2048}
 SEED = 0
 
@@ -347,9 +351,41 @@ def run_engine_guided(spec: dict) -> dict:
     return run_engine(spec, guided=True)
 
 
-def run_engine(spec: dict, guided: bool = False) -> dict:
+LORA_RANK, LORA_COUNTS = 16, (1, 2, 8, 32)  # the engine_lora<N> runners: N adapters of this rank
+
+
+def lora_targets(config) -> tuple[str, ...]:
+    """Every projection: q, k, v, o, the MLP's up and down, and its gate where it has one."""
+    return ("q", "k", "v", "o", "up", "down") + (("gate",) if config.mlp in ("swiglu", "geglu") else ())
+
+
+def random_adapters(config, params, count: int) -> list:
+    """`count` distinct rank-`LORA_RANK` adapters on every projection (params trees with `LoraWeight`s, a and
+    b drawn N(0, 0.02): no product of zeros)."""
+    import jax
+
+    from jaxattn.lora import LoraConfig, add_lora, combine_lora, split_lora
+    lora = LoraConfig(rank=LORA_RANK, alpha=32.0, targets=lora_targets(config))
+    made = []
+    for i in range(count):
+        ab, frozen = split_lora(add_lora(params, config, lora, jax.random.PRNGKey(i)))
+        leaves, tree = jax.tree.flatten(ab)
+        keys = jax.random.split(jax.random.PRNGKey(1000 + i), len(leaves))
+        made.append(combine_lora(frozen, jax.tree.unflatten(
+            tree, [0.02 * jax.random.normal(k, x.shape, x.dtype) for k, x in zip(keys, leaves)])))
+    return made
+
+
+def lora_runner(count: int):
+    """The runner `engine_lora<count>`: the engine with `count` adapters in as many slots, request i asking
+    adapter i mod `count`."""
+    return lambda spec: run_engine(spec, adapters=count)
+
+
+def run_engine(spec: dict, guided: bool = False, adapters: int = 0) -> dict:
     """jaxattn's continuous-batching engine: a loop that adds the requests whose time has come (Poisson)
-    or keeps `concurrency` in flight, then runs one `engine.step()`."""
+    or keeps `concurrency` in flight, then runs one `engine.step()`. `adapters` > 0: that many random
+    LoRA adapters in slots (`random_adapters`), mixed evenly among the requests."""
     try:
         from jaxattn.serving import Engine, EngineConfig, Guide, SamplingParams
     except ImportError as err:
@@ -357,20 +393,24 @@ def run_engine(spec: dict, guided: bool = False) -> dict:
     load = load_of(spec)
     config, params = load_model(spec["checkpoint"])
     kernels = jax_kernels(spec)
+    slots = {"max_loras": adapters, "max_lora_rank": LORA_RANK, "lora_targets": lora_targets(config)} if adapters else {}
     engine_config = EngineConfig(max_seqs=rows_at_once(spec, load), page_size=spec["page_size"],
-                                 num_pages=cache_pages(spec, load), token_budget=spec["token_budget"])
+                                 num_pages=cache_pages(spec, load), token_budget=spec["token_budget"], **slots)
     start = time.perf_counter()
     compiler = guide_compiler(spec, config.vocab_size) if guided else None
     engine = Engine(params, config, engine_config, kernels=kernels, guide_compiler=compiler)  # compiles every step
     compile_s = time.perf_counter() - start
+    for i, adapter in enumerate(random_adapters(config, params, adapters)):
+        engine.add_lora(f"a{i}", adapter)
     guide = Guide("json_schema", json.dumps(guided_schema(max(r.max_tokens for r in load.requests))))
 
     def sampling(n, i=1):
-        return SamplingParams(temperature=0.0, max_tokens=n, seed=0, guide=guide if guided and i % 2 == 0 else None)
+        return SamplingParams(temperature=0.0, max_tokens=n, seed=0, guide=guide if guided and i % 2 == 0 else None,
+                              lora=f"a{i % adapters}" if adapters else None)
 
     start = time.perf_counter()  # warm-up, untimed: short requests, as many as it holds, through prefill and decode
-    for prompt in warmup_prompts(spec, load):
-        engine.add_request(prompt, sampling(4))
+    for i, prompt in enumerate(warmup_prompts(spec, load)):  # (every adapter placed in its slot)
+        engine.add_request(prompt, sampling(4, i))
     while engine.has_unfinished():
         engine.step()
     warmup_s = time.perf_counter() - start
@@ -600,9 +640,13 @@ def run_server(spec: dict) -> dict:
                                  cache_pages(spec, load), Clock)
 
 
-RUNNERS = {"engine": run_engine, "engine_guided": run_engine_guided, "server": run_server, "hf_generate_batch": run_hf, "static_generate": run_static}
+RUNNERS = {"engine": run_engine, "engine_guided": run_engine_guided, "server": run_server, "hf_generate_batch": run_hf,
+           "static_generate": run_static, **{f"engine_lora{n}": lora_runner(n) for n in LORA_COUNTS}}
 TIMING_NOTES = {
     "engine": "each token's time is the engine's `time.perf_counter()` when its step returned it",
+    **{f"engine_lora{n}": f"as `engine`'s, with {n} random rank-{LORA_RANK} LoRA adapter(s) on every projection in "
+                          f"{n} slot(s) (`EngineConfig.max_loras`), request i under adapter i mod {n}: its tokens "
+                          "are the adapted model's, not the reference's" for n in LORA_COUNTS},
     "engine_guided": "as `engine`'s; the even requests guided by a JSON schema (an object of one string of "
                      "at least the longest output's characters), whose answers may end before their output tokens "
                      "where a token holds several characters; mask: the host's time filling the guided "
@@ -886,6 +930,7 @@ def markdown(record: dict) -> str:
             lines.append(f"| {row['load']} | {row['runner']} | {ms['steps']:,.0f} | " + " | ".join(
                 f"{ms[key]:.2f}" for key in ("host", "device", "schedule", "inputs", "dispatch", "outputs", "update"))
                 + " |")
+    lines += lora_table(record)
     lines += ["", "How each runner's times are taken:", ""]
     lines += [f"* `{name}`: {TIMING_NOTES[name]}." for name in meta["runners"]]
     loads = [f"{load['load']} {load['load_average']}" for load in record["loads"] if load["load_average"] is not None]
@@ -893,6 +938,24 @@ def markdown(record: dict) -> str:
         lines += ["", f"1-minute load average as each load started: {', '.join(loads)} ({meta['cores']} cores)."]
     lines += ["", f"Command: `{meta['command']}`", ""]
     return "\n".join(lines)
+
+
+def lora_table(record: dict) -> list[str]:
+    """The engine's output tokens/s with N adapters in slots against none (`engine`), per load: the lines of
+    a table, or none where no engine_lora<N> runner ran beside `engine`."""
+    lines = []
+    for load in record["loads"]:
+        rows = {row["runner"]: row["median"]["output_tokens_per_s"] for row in load["rows"] if "median" in row}
+        counts = [n for n in LORA_COUNTS if f"engine_lora{n}" in rows]
+        if "engine" not in rows or not counts:
+            continue
+        lines += ["", f"{load['load']}: LoRA adapters in slots (rank {LORA_RANK}, every projection, mixed evenly "
+                      "among the requests) against the same requests with none, output tokens/s:", "",
+                  "| adapters | output tok/s | / no adapter |", "| ---: | ---: | ---: |",
+                  f"| 0 | {fmt(rows['engine'], 1, ',.1f')} | 1.00x |"]
+        lines += [f"| {n} | {fmt(rows[f'engine_lora{n}'], 1, ',.1f')} | "
+                  f"{rows[f'engine_lora{n}'] / rows['engine']:.2f}x |" for n in counts]
+    return lines
 
 
 def drive(args, argv: list[str]) -> int:
