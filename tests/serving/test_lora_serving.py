@@ -4,7 +4,8 @@ Four adapters (ranks 4, 2, 3, 4, each on its own targets and scale) in an engine
 rank 4, for MHA, GQA and MLA (MLA's q, o and MLP: its `wkv_b` has no slots): rows of three adapters and
 rows of none share steps, and each request draws the greedy tokens of its adapter merged into the base
 (`jaxattn.lora.merge_lora`) under `jaxattn.generate` alone; the fourth adapter waits on the host and is
-swapped in at admission. One engine a kind runs one step at a time and overlapped (MHA, MLA), the other
+swapped in at admission; every prompt and output token's log-probability is the merged model's (logits
+within 1e-5). The slots run the platform's form (`jaxattn.kernels.select.lora_form`). One engine a kind runs one step at a time and overlapped (MHA, MLA), the other
 several decode steps a call (GQA). The prefix cache never shares pages across adapters, nor with an
 adapter removed and added again under the same name; adapters in use are not removed; loading,
 removing and moving rows between adapters compile nothing.
@@ -34,6 +35,7 @@ MODELS = {  # name: (config changes, the slots' targets, kernels, decode steps a
 ADAPTERS = {"a": (4, 8.0, ALL), "b": (2, 4.0, ("q", "v", "up")), "c": (3, 3.0, ("k", "o", "down")),
             "d": (4, 4.0, ("q", "o", "gate", "down"))}  # name: (rank, alpha, targets)
 ENGINE = EngineConfig(max_seqs=4, page_size=4, chunk=8, prefill_rows=2, num_pages=48, max_loras=3, max_lora_rank=4)
+LOGPROB_ATOL = 2e-5  # logits within 1e-5 (float32, other summation orders), twice that after the log-sum-exp
 ROW_LORAS = ("a", "b", "c", None, "d", "a", None, "d", "b", "c")
 
 
@@ -106,6 +108,31 @@ def test_each_request_draws_the_greedy_tokens_of_its_adapter_merged(name):
     engine.allocator.check_all_free()
     # The adapters are visible: they draw other tokens than the base and one another.
     assert len({tuple(expected(name, lora, asked[0])) for lora in (None, *"abcd")}) >= 3
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_each_row_s_log_probabilities_are_its_adapter_s_merged_model_s(name):
+    # Rows of three adapters and a row of none in the same steps: every prompt and output token's
+    # log-probability (the raw log-softmax) is the merged model's over the whole sequence: logits within
+    # 1e-5 in float32, so log-probabilities (a logit less the log-sum-exp) within twice that.
+    engine, (config, base, _, kernels) = engine_for(name), model(name)
+    loras = ("a", "b", "c", None)
+    asked = prompts(2, count=len(loras))
+    knobs = dict(temperature=0.0, max_tokens=3, logprobs=0, prompt_logprobs=0)
+    requests = [engine.add_request(p, SamplingParams(lora=lora, **knobs)) for p, lora in zip(asked, loras)]
+    engine.step()
+    assert [r.sampling.lora for r in engine.running] == list(loras)  # one step holds all four
+    engine.run()
+    for request, prompt, lora in zip(requests, asked, loras):
+        params = base if lora is None else merge_lora(adapter(name, lora))
+        tokens = [*prompt, *request.output_ids]
+        logits = ja.DecoderLM(config, kernels).apply({"params": params}, np.array([tokens]))[0]  # [T, V]
+        logp = np.asarray(jax.nn.log_softmax(logits.astype(np.float32)))
+        np.testing.assert_allclose(request.prompt_logprobs[1:], [logp[t - 1, tokens[t]] for t in range(1, len(prompt))],
+                                   rtol=0, atol=LOGPROB_ATOL)
+        np.testing.assert_allclose(request.output_logprobs, [logp[len(prompt) - 1 + i, token] for i, token in
+                                                             enumerate(request.output_ids)], rtol=0, atol=LOGPROB_ATOL)
+    engine.allocator.check_all_free()
 
 
 def run_one(engine, prompt, lora):
