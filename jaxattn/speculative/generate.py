@@ -14,9 +14,13 @@ step:
 
 Greedy output equals `generate`'s token for token (up to the float rounding of a (k+1)-token forward
 pass against one-token passes, which can flip an argmax between two near-equal logits); sampled output
-has the distribution of `generate`'s, not its draws. A step with k = 0 is a plain decoding step. The
-verification program compiles once per (k, cache length); k takes the values the schedule reaches
-(halvings of the proposer's k), so a few programs serve a generation.
+has the distribution of `generate`'s, not its draws.
+
+A step with k = 0 is a plain decoding step, and where the schedule has backed off to k = 0 the steps up
+to its next probe run as one program (`jaxattn.speculative.verify.plain_steps`, a scan as `generate`'s),
+so free text pays no host round trip per token. A step whose drafts are shorter than k (no n-gram
+match) verifies at the next width of 0, 1, 2, 4, ... up to k that holds them. The verification program
+compiles once per (width, cache length), so a few programs serve a generation.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from jaxattn.kernels import Kernels, call_kernels
 from jaxattn.speculative.proposal import Proposal
 from jaxattn.speculative.schedule import AdaptiveK
 from jaxattn.speculative.stats import SpeculativeStats
-from jaxattn.speculative.verify import prefill, verify_step
+from jaxattn.speculative.verify import plain_steps, prefill, verify_step
 
 
 class SpeculativeOutput(NamedTuple):
@@ -119,6 +123,10 @@ def _step(target, cache, rows: _Rows, proposer, k: int, stats: SpeculativeStats,
     """One propose-verify-emit step; returns the cache and (proposed, accepted), the most of any row."""
     params, knobs, rng, config, kernels, sampled = target
     proposal = _drafts(proposer, rows, k, stats)
+    # Shorter drafts than k (no n-gram match, the end of a repeat) run a narrower program: 0, 1, 2, 4, ... up to k.
+    most = int(np.where(rows.done, 0, proposal.num).max())
+    width = 0 if most == 0 else min(k, 1 << (most - 1).bit_length())
+    proposal = Proposal(tokens=proposal.tokens[:, :width], num=np.minimum(proposal.num, width))
     last = np.array([h[-1] for h in rows.histories], np.int32)
     tokens = np.concatenate([last[:, None], proposal.tokens], axis=1)  # [B, k+1]
     active = ~rows.done
@@ -127,10 +135,25 @@ def _step(target, cache, rows: _Rows, proposer, k: int, stats: SpeculativeStats,
                                               kernels=kernels, sampled=sampled)
     accepted, next_token = np.asarray(accepted), np.asarray(next_token)
     num = np.where(active, proposal.num, 0)
-    stats.record(k, num, np.where(active, accepted, 0))
+    stats.record(width, num, np.where(active, accepted, 0))
     for b in np.flatnonzero(active):
         rows.emit(b, [*proposal.tokens[b, :accepted[b]], next_token[b]])
     return cache, (int(num.max()), int(np.where(active, accepted, 0).max()))
+
+
+def _plain(target, cache, rows: _Rows, steps: int, stats: SpeculativeStats):
+    """`steps` plain decoding steps in one program (`plain_steps`), emitted as a step each would; the cache."""
+    params, knobs, rng, config, kernels, sampled = target
+    last = np.array([h[-1] for h in rows.histories], np.int32)
+    active = ~rows.done
+    tokens, cache = plain_steps(params, cache, jnp.asarray(last), jnp.asarray(active), rng, jnp.int32(stats.steps),
+                                knobs, config=config, kernels=kernels, steps=steps, sampled=sampled)
+    tokens = np.asarray(tokens)
+    for _ in range(steps):
+        stats.record(0, np.zeros(len(last), np.int32), np.zeros(len(last), np.int32))
+    for b in np.flatnonzero(active):
+        rows.emit(b, tokens[b])
+    return cache
 
 
 def _prefill(params, config, kernels, tokens, lengths, max_new_tokens: int, k_max: int, key, knobs, pad_token: int,
@@ -193,6 +216,11 @@ def speculative_generate(params, config: ModelConfig, prompt_tokens, prompt_leng
         fits = cache_len - max(len(h) for h in rows.histories)
         # k is not cut to the rows' room near the end (their drafts are): one program width serves the tail.
         k = max(0, min(schedule.k, fits))
+        run = schedule.plain_run
+        if 1 < run <= min(fits, int(rows.room().max()) + 1):  # k = 0: the steps to the next probe in one program
+            cache = _plain(target, cache, rows, run, stats)
+            schedule.update(0, 0, steps=run)
+            continue
         cache, (proposed, accepted) = _step(target, cache, rows, proposer, k, stats, stats.steps)
         schedule.update(proposed, accepted)
     return SpeculativeOutput(*rows.result(pad_token), stats=stats)

@@ -45,13 +45,18 @@ class AdaptiveK:
         if self.k < 0:
             self.k = self.k_max
 
-    def update(self, proposed: int, accepted: int) -> int:
+    @property
+    def plain_run(self) -> int:
+        """At k = 0, the plain steps left before the next probe (a caller may run them in one program); else 0."""
+        return self.probe_after - self._plain_steps if self.adaptive and self.k == 0 else 0
+
+    def update(self, proposed: int, accepted: int, steps: int = 1) -> int:
         """After a step that proposed `proposed` drafts (the most of any row) and kept `accepted` (the most
-        of any row): the next step's k."""
+        of any row), or after `steps` plain steps at k = 0: the next step's k."""
         if not self.adaptive:
             return self.k
         if self.k == 0:
-            self._plain_steps += 1
+            self._plain_steps += steps
             if self._plain_steps >= self.probe_after:
                 self.k, self._plain_steps = min(1, self.k_max), 0
         elif proposed > 0 and accepted == 0:

@@ -84,3 +84,32 @@ def verify_step(params, cache: DecodeCache, tokens, num_proposed, active, rng, s
     else:
         accepted, next_token = greedy_accept(logits, tokens[:, 1:], num_proposed)
     return accepted, next_token, rollback(cache, start + jnp.where(active, accepted + 1, 0))
+
+
+@functools.partial(jax.jit, static_argnames=("config", "kernels", "steps", "sampled"), donate_argnames=("cache",))
+def plain_steps(params, cache: DecodeCache, last_token, active, rng, step, knobs: SamplingKnobs, *,
+                config: ModelConfig, kernels: Kernels, steps: int, sampled: bool = True):
+    """`steps` plain decoding steps in one program (a `jax.lax.scan` of one-token extends, as `generate`'s),
+    for a stretch with nothing to verify: no host round trip per token.
+
+    Args:
+      cache, last_token `[B]`, active `[B]`: as `verify_step`'s (inactive rows do not advance).
+      rng, step: step i's draw uses the key `fold_in(fold_in(rng, step), i)`.
+      sampled: False draws the argmax alone (the knobs' temperature must then be 0).
+
+    Returns:
+      `(tokens [B, steps] int32, cache)`: the cache holds `last_token` and all but the last new token.
+    """
+    model = DecoderLM(config, kernels)
+    key = jax.random.fold_in(rng, step)
+
+    def one(carry, i):
+        cache, token = carry
+        logits, cache = model.apply({"params": params}, token[:, None], cache, num_new=active.astype(jnp.int32),
+                                    method=DecoderLM.extend)
+        token = (sampling.sample(logits[:, 0], jax.random.fold_in(key, i), temperature=knobs.temperature,
+                                 top_k=knobs.top_k, top_p=knobs.top_p) if sampled else sampling.greedy(logits[:, 0]))
+        return (cache, token), token
+
+    (cache, _), tokens = jax.lax.scan(one, (cache, last_token), jnp.arange(steps))
+    return tokens.T, cache

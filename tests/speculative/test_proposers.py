@@ -65,7 +65,9 @@ def test_k_halves_on_rejection_grows_on_full_acceptance_and_probes_after_plain_s
     schedule = AdaptiveK(k_max=4, probe_after=3)
     assert [schedule.update(p, a) for p, a in [(4, 0), (2, 1), (2, 2), (4, 4), (0, 0), (4, 0), (2, 0), (1, 0)]] \
         == [2, 2, 4, 4, 4, 2, 1, 0]
+    assert schedule.plain_run == 3
     assert [schedule.update(0, 0) for _ in range(3)] == [0, 0, 1]  # three plain steps, then one draft again
+    assert schedule.plain_run == 0 and schedule.update(1, 0) == 0 and schedule.update(0, 0, steps=3) == 1
     fixed = AdaptiveK(k_max=4, adaptive=False)
     assert fixed.update(4, 0) == 4
     with pytest.raises(ValueError, match="k_max"):
