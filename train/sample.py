@@ -7,6 +7,7 @@
     python -m train.sample --hf exports/baby --prompt "ROMEO:"   # a transformers directory with tokenizer.json
     python -m train.sample --gguf model-Q4_K_M.gguf --prompt "Hello"   # a llama.cpp file (jaxattn.gguf)
     python -m train.sample --checkpoint DIR --num-samples 8 --cpu-devices 8 --mesh data:2,fsdp:2,tensor:2
+    python -m train.sample --hf exports/baby --prompt "ROMEO:" --speculative ngram:k=4   # or draft:DIR,k=4
 
 The text goes to stdout; the kernels, compile time and steady-state tokens/s go to
 stderr, with a progress bar on a terminal. Generation is `jaxattn.generate_windowed`:
@@ -27,7 +28,8 @@ at the model's context, its logits, XLA's buffers) does not grow with --num-samp
 compiling, stderr gets the memory the whole run takes at its peak, a warning when that is most of
 what is free and an error when it is more than the machine has. A token drawn from logits that are
 not finite (a model loaded with --allow-nonfinite) ends the run with a line naming the first layer
-whose output is not finite.
+whose output is not finite. With --speculative the samples are `jaxattn.speculative_generate`'s, within the
+model's context, and stderr gets the drafts' statistics (`train.decode.speculative`).
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ from train.cli import ArgumentParser, Stopped, UsageError, guard
 from train.config import RuntimeConfig
 from train.data.errors import DataError
 from train.data.tokenizer import Tokenizer
-from train.decode import calls, memory
+from train.decode import calls, memory, speculative
 from train.decode.calls import NonFiniteError
 from train.models.load import device_mesh, load_model, quant_line
 from train.models.nonfinite import list_weights
@@ -77,8 +79,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "starts) for --mesh")
     parser.add_argument("--kv-cache", choices=KV_CACHES, default="auto", help="the KV cache's storage: auto (the "
                         "compute dtype) or int8 (int8 numbers with a float32 scale per token and head; default auto)")
+    speculative.add_flag(parser)
     args = parser.parse_args(argv)
     args.model_source = FLAGS.read(parser, args)
+    speculative.check_flags(parser, args)
     return args
 
 
@@ -223,7 +227,11 @@ def run(argv=None) -> int:
                       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, kv_cache=args.kv_cache)
     printer = SamplePrinter(prompt, tokenizer)
     try:
-        sampled = calls.sample(params, config, prompt_ids, draw, kernels, mesh, plan.rows, emit=printer)
+        if args.speculative is not None:  # train.decode.speculative: speculative_generate, within the context
+            sampled = speculative.sample(args.speculative, params, config, prompt_ids, draw, kernels, plan.rows,
+                                         eos=printer.eos, emit=printer)
+        else:
+            sampled = calls.sample(params, config, prompt_ids, draw, kernels, mesh, plan.rows, emit=printer)
     finally:
         printer.close()
     kept.report()

@@ -15,13 +15,16 @@ The modules, one job each:
 * `verify`: the target's step over its dense cache (`verify_step`, `prefill`, `rollback`);
 * `schedule`: how k adapts to the acceptance (`AdaptiveK`);
 * `stats`: what a generation did (`SpeculativeStats`);
-* `generate`: the host loop, `speculative_generate`, with `jaxattn.generate`'s contract.
+* `generate`: the host loop, `speculative_generate`, with `jaxattn.generate`'s contract;
+* `options`: the method and its settings as one value (`SpeculativeOptions`, `parse_speculative` of
+  `ngram:k=4` or `draft:DIR`, `make_proposer`), for command lines.
 """
 
 from jaxattn.speculative.acceptance import accept, greedy_accept, point_mass, rejection_accept, target_probs
 from jaxattn.speculative.draft import DraftProposer
 from jaxattn.speculative.generate import SpeculativeOutput, speculative_generate
 from jaxattn.speculative.ngram import NgramProposer, NgramSettings, ngram_lookup
+from jaxattn.speculative.options import SpeculativeOptions, make_proposer, parse_speculative
 from jaxattn.speculative.proposal import Proposal, Proposer
 from jaxattn.speculative.schedule import AdaptiveK
 from jaxattn.speculative.stats import SpeculativeStats
@@ -34,11 +37,14 @@ __all__ = [
     "NgramSettings",
     "Proposal",
     "Proposer",
+    "SpeculativeOptions",
     "SpeculativeOutput",
     "SpeculativeStats",
     "accept",
     "greedy_accept",
+    "make_proposer",
     "ngram_lookup",
+    "parse_speculative",
     "point_mass",
     "prefill",
     "rejection_accept",
