@@ -7,7 +7,11 @@ The engine, in parts that each do one job (vLLM V1's split):
 * `jaxattn.serving.validation`: every check of a request (`RequestError`, a ValueError with the OpenAI
   parameter and code);
 * `Scheduler` (`jaxattn.serving.scheduler`): admission, the queue's limit (`QueueFull`), the token
-  budget, preemption; each step as a `SchedulerOutput`;
+  budget, preemption; each step as a `SchedulerOutput` (`jaxattn.serving.scheduler_output`);
+* `Speculator` (`jaxattn.serving.speculation`): speculative decoding's drafts (prompt lookup), each row's
+  k, the spec-decode counters;
+* `jaxattn.serving.verify`: the verification step's programs (a row's last token and its drafts in one
+  forward, the drafts accepted on the device);
 * `KVCacheManager` (`jaxattn.serving.kv_cache_manager`): each request's pages;
 * `jaxattn.serving.kv_memory`: the pool's size, checked against the memory available before it is taken;
 * `PageAllocator` (`jaxattn.serving.pages`): the pool's pages, refcounts, the prefix cache;
@@ -39,7 +43,9 @@ from jaxattn.serving.loras import LoraExists, LoraInUse, LoraTable, UnknownLora
 from jaxattn.serving.model_runner import ModelRunner
 from jaxattn.serving.pages import PageAllocator, page_keys
 from jaxattn.serving.requests import Request, SamplingParams, Status
-from jaxattn.serving.scheduler import QueueFull, Scheduler, SchedulerOutput
+from jaxattn.serving.scheduler import QueueFull, Scheduler
+from jaxattn.serving.scheduler_output import SchedulerOutput
+from jaxattn.serving.speculation import Speculator
 from jaxattn.serving.step import StepShape
 from jaxattn.serving.step_clock import StepClock
 from jaxattn.serving.structured import GuideCompiler
@@ -48,5 +54,5 @@ from jaxattn.serving.validation import RequestError, RequestLimits
 
 __all__ = ["Embedder", "Engine", "EngineConfig", "Guide", "GuideCompiler", "KVCacheManager", "LoraExists",
            "LoraInUse", "LoraTable", "ModelRunner", "PageAllocator", "QueueFull", "Request", "RequestError",
-           "RequestLimits", "SamplingParams", "Scheduler", "SchedulerOutput", "Status", "StepClock", "StepShape",
+           "RequestLimits", "SamplingParams", "Scheduler", "SchedulerOutput", "Speculator", "Status", "StepClock", "StepShape",
            "TextStream", "UnknownLora", "page_keys"]

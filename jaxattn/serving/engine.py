@@ -33,6 +33,11 @@ When every running row only decodes, one `step()` may run several decode steps i
 (`EngineConfig.decode_steps`, by default 8 on an accelerator and 1 on a CPU: `jaxattn.serving.multi_step`);
 the tokens are those of one step at a time.
 
+Speculative decoding (`EngineConfig.speculative`, or a draft model: `draft`): when every running row
+decodes, rows propose drafts (`jaxattn.serving.speculation`) and one step verifies each row's last token and its drafts
+(`jaxattn.serving.verify`); a row emits its kept drafts and one token of its own. Greedy tokens are those
+of one step at a time; `speculator` holds the counters (vLLM's spec-decode metrics).
+
 LoRA adapters (`EngineConfig.max_loras` > 0; `jaxattn.serving.loras`): `add_lora(name, params)` keeps one,
 `remove_lora(name)` forgets it (refused while requests name it), `SamplingParams(lora=name)` runs a
 request with it. Rows of different adapters share every step; each request's greedy tokens are those of
@@ -63,8 +68,10 @@ from jaxattn.serving.loras import HostAdapter, LoraTable
 from jaxattn.serving.model_runner import ModelRunner
 from jaxattn.serving.requests import Request, SamplingParams
 from jaxattn.serving.scheduler import Scheduler
+from jaxattn.serving.speculation import Speculator
 from jaxattn.serving.step_clock import StepClock
 from jaxattn.serving.structured import GuideCompiler
+from jaxattn.speculative import DraftProposer, NgramProposer
 
 class Engine:
     """Continuous batching over a paged KV cache (see the module docstring).
@@ -83,6 +90,8 @@ class Engine:
       progress: called `(done, total, shape)` as each step program compiles.
       guide_compiler: compiles requests' guides for the model's tokenizer and fills their masks
         (`jaxattn.serving.structured.GuideCompiler`); None: a guided request is refused.
+      draft: a draft model for speculative decoding (`jaxattn.speculative.DraftProposer`, the target's
+        vocabulary; its `k` the most drafts per row), instead of `EngineConfig.speculative`'s prompt lookup.
       store: where the step programs are kept traced between runs (`jaxattn.program_store`); None: beside
         the program cache this process enabled (`jaxattn.program_cache.enable`), else nowhere.
 
@@ -91,6 +100,7 @@ class Engine:
         prefix hits, preemptions, pages given back behind a window).
       pool: the KV pool's size and why (`jaxattn.serving.kv_memory.PoolPlan`: a size given, or the
         smaller of the full need and a share of the memory available).
+      speculator: speculative decoding's drafts and counters (`EngineConfig.speculative`; None: off).
       steps_per_call, steps_reason: the most decode steps one program call runs, and why
         (`EngineConfig.steps_per_call`).
     """
@@ -99,7 +109,7 @@ class Engine:
                  kernels: Kernels | None = None, mesh: Mesh | None = None,
                  detokenize: Callable[[list[int]], str] | None = None, seed: int = 0,
                  progress: Callable | None = None, guide_compiler: GuideCompiler | None = None,
-                 store: ProgramStore | None = None):
+                 store: ProgramStore | None = None, draft: DraftProposer | None = None):
         if not isinstance(config, ModelConfig):
             raise TypeError(f"config must be a ModelConfig, got {type(config).__name__}")
         if not isinstance(engine_config, EngineConfig):
@@ -119,15 +129,21 @@ class Engine:
         self.kv_cache_manager = KVCacheManager(num_pages, ec.page_size, prefix_caching=ec.prefix_caching,
                                                window=local_window(config), stats=self.stats)
         self.steps_per_call, self.steps_reason = ec.steps_per_call(device.platform)
+        proposer = _proposer(ec, draft, config)
         self.clock = StepClock()  # where the steps' time goes (jaxattn.serving.step_clock)
         self.model_runner = ModelRunner(params, config, ec, num_pages=num_pages, max_model_len=self.max_model_len,
                                         kernels=kernels, mesh=mesh, progress=progress,
-                                        guide_compiler=guide_compiler, store=store, max_steps=self.steps_per_call)
+                                        guide_compiler=guide_compiler, store=store, max_steps=self.steps_per_call,
+                                        verify_width=None if proposer is None else proposer.k + 1)
         runner = self.model_runner
         self.loras = LoraTable(ec.max_loras, ec.max_lora_rank, runner.write_slot,
                                 runner.check_adapter) if ec.max_loras else None
+        self.speculator = None if proposer is None else Speculator(proposer, rows=ec.max_seqs,
+                                                                   capacity=self.max_model_len, adaptive=ec.adaptive_k)
+        if self.speculator is not None:
+            self.speculator.warm_up()
         self.scheduler = Scheduler(ec, self.kv_cache_manager, self.max_model_len, self.stats, self.steps_per_call,
-                                   self.loras)
+                                   self.loras, self.speculator)
         self.guide_compiler = guide_compiler
         self.limits = validation.RequestLimits(config.vocab_size, self.max_model_len, num_pages, ec.page_size,
                                                detokenizer=detokenize is not None,
@@ -255,9 +271,9 @@ class Engine:
             output = self.scheduler.schedule()
             if output.empty:  # not a step: not counted
                 return output.ended
-            if output.steps > 1:
+            if output.steps > 1 or output.drafts:
                 clock.seconds["schedule"] += time.perf_counter() - started
-                return self._run(output)
+                return self._verify(output) if output.drafts else self._run(output)
             running = self.model_runner.dispatch(output, clock)
             started = time.perf_counter()
         ahead = self.scheduler.schedule_ahead(running.output) if self.engine_config.overlap else None
@@ -277,6 +293,14 @@ class Engine:
         with self.clock.phase("update"):
             ended = self.scheduler.update_run(output, tokens, finite, logprobs)
         self.clock.steps += max(map(len, tokens), default=1)
+        return ended
+
+    def _verify(self, output) -> list[Request]:
+        """A verification step (`jaxattn.serving.verify`): each row's kept drafts and its own token."""
+        tokens, finite, logprobs = self.model_runner.execute_verify(output, self.clock)
+        with self.clock.phase("update"):
+            ended = self.scheduler.update_verify(output, tokens, finite, logprobs)
+        self.clock.steps += 1
         return ended
 
     def run(self) -> None:
@@ -318,3 +342,16 @@ class Engine:
     pools = property(lambda self: self.model_runner.pools, doc="Each layer's page pool, placed.")
     programs = property(lambda self: self.model_runner.programs, doc="The compiled step programs.")
     pages_per_seq = property(lambda self: self.model_runner.pages_per_seq, doc="A block table's width.")
+
+
+def _proposer(ec: EngineConfig, draft: DraftProposer | None, config: ModelConfig):
+    """The speculative proposer: the draft model given, else prompt lookup by `ec.speculative`, else None."""
+    if draft is None:
+        return None if ec.speculative is None else NgramProposer(ec.speculative)
+    if ec.speculative is not None:
+        raise ValueError("give a draft model or EngineConfig.speculative (prompt lookup), not both")
+    if not isinstance(draft, DraftProposer):
+        raise TypeError(f"draft must be a jaxattn.speculative.DraftProposer, got {type(draft).__name__}")
+    if draft.vocab_size != config.vocab_size:
+        raise ValueError(f"the draft model's vocabulary ({draft.vocab_size}) is not the target's ({config.vocab_size})")
+    return draft

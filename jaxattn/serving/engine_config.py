@@ -13,6 +13,7 @@ import dataclasses
 from jaxattn.cache.containers import KV_CACHES
 from jaxattn.config.lora import TARGETS
 from jaxattn.lora import FORMS
+from jaxattn.speculative.ngram import NgramSettings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +53,12 @@ class EngineConfig:
       max_lora_rank: the slots' rank, the most an adapter added may have (lower ranks are zero-padded).
       lora_targets: the projections the slots cover (`jaxattn.lora.TARGETS`); an adapter may adapt any
         of them, not others. MLA's k and v (its `wkv_b`) cannot be slotted: name q, o and the MLP's there.
+      speculative: speculative decoding by prompt lookup (`jaxattn.speculative.NgramSettings`: n_min, n_max,
+        k): a decode row drafts up to k tokens copied from its prompt and output, verified in one forward
+        of k + 1 tokens per row (`jaxattn.serving.verify`), its k adapting to its acceptance; greedy tokens
+        unchanged, sampled ones distributed as before. None: off.
+      adaptive_k: with speculative decoding, each row's k follows its acceptance (halved on a miss,
+        doubled on a full accept, `jaxattn.speculative.schedule.AdaptiveK`); False: always k.
       lora_form: how the slots' products run, one of `jaxattn.lora.FORMS` (the same sums), or "auto": the
         platform's (`jaxattn.kernels.select.lora_form`: the native loop on a CPU, float32 adapters).
     """
@@ -75,6 +82,8 @@ class EngineConfig:
     max_lora_rank: int = 16
     lora_targets: tuple[str, ...] = ("q", "k", "v", "o", "gate", "up", "down")
     lora_form: str = "auto"
+    speculative: NgramSettings | None = None
+    adaptive_k: bool = True
 
     def __post_init__(self):
         if self.kv_cache not in KV_CACHES:
@@ -87,9 +96,12 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"EngineConfig.{name} must be a positive int or None, got {value!r}")
-        if not isinstance(self.overlap, bool):
-            raise TypeError(f"EngineConfig.overlap must be a bool, got {self.overlap!r}")
+        for name in ("overlap", "adaptive_k"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"EngineConfig.{name} must be a bool, got {getattr(self, name)!r}")
         self._check_loras()
+        if self.speculative is not None and not isinstance(self.speculative, NgramSettings):
+            raise TypeError(f"EngineConfig.speculative must be an NgramSettings or None, got {self.speculative!r}")
         if self.num_pages is not None and self.kv_memory_gib is not None:
             raise ValueError("EngineConfig: give num_pages or kv_memory_gib, not both")
         if self.kv_memory_gib is not None and not self.kv_memory_gib > 0:

@@ -101,3 +101,14 @@ def fill_logit_knobs(knobs, draws: list[int], requests: list) -> None:
         if sampling.logit_bias:
             ids, values = zip(*sampling.logit_bias)
             knobs.bias_ids[draw, :len(ids)], knobs.bias_values[draw, :len(ids)] = ids, values
+
+
+def fill_draw_knobs(knobs, draws: list[int], requests: list) -> None:
+    """Writes request i's every knob into row `draws[i]` of a step's `DrawKnobs`: temperature, top-k, top-p,
+    seed, the drawn token's position (the request's next) and `fill_logit_knobs`'."""
+    knobs.temperature[draws] = [request.sampling.temperature for request in requests]
+    knobs.top_k[draws] = [request.sampling.top_k for request in requests]
+    knobs.top_p[draws] = [request.sampling.top_p for request in requests]
+    knobs.seed[draws] = [request.seed for request in requests]
+    knobs.position[draws] = [request.num_tokens for request in requests]
+    fill_logit_knobs(knobs, draws, requests)

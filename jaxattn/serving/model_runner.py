@@ -53,14 +53,15 @@ from jaxattn.lora import empty_slots, write_slot
 from jaxattn.program_store import ProgramStore
 from jaxattn.scan_plan import relayout
 from jaxattn.serving.engine_config import EngineConfig
-from jaxattn.serving.logit_knobs import fill_logit_knobs
+from jaxattn.serving.logit_knobs import fill_draw_knobs
 from jaxattn.serving.loras import SlotWriter
 from jaxattn.serving.multi_step import MAX_STOP_IDS, DecodeRun, DecodeRunPrograms
 from jaxattn.serving.requests import Request, StepLogprobs
-from jaxattn.serving.scheduler import SchedulerOutput
-from jaxattn.serving.step import DrawKnobs, LogprobKnobs, Logprobs, Pending, StepInputs, StepPrograms, StepShape
+from jaxattn.serving.scheduler_output import SchedulerOutput
+from jaxattn.serving.step import LogprobKnobs, Logprobs, Pending, StepInputs, StepPrograms, StepShape
 from jaxattn.serving.step_clock import StepClock
 from jaxattn.serving.structured import GuideCompiler
+from jaxattn.serving.verify import VerifyPrograms, verify_inputs
 
 
 class InFlight(NamedTuple):
@@ -131,16 +132,6 @@ def read_logprobs(logprobs: Logprobs, inputs: StepInputs, rows: list[int], chunk
     return StepLogprobsOut(drawn, prompt)
 
 
-def fill_draw_knobs(knobs: DrawKnobs, draws: list[int], requests: list[Request]) -> None:
-    """Writes each request's sampling knobs into its draw's row (the drawn token's position its next)."""
-    knobs.temperature[draws] = [request.sampling.temperature for request in requests]
-    knobs.top_k[draws] = [request.sampling.top_k for request in requests]
-    knobs.top_p[draws] = [request.sampling.top_p for request in requests]
-    knobs.seed[draws] = [request.seed for request in requests]
-    knobs.position[draws] = [request.num_tokens for request in requests]
-    fill_logit_knobs(knobs, draws, requests)
-
-
 def step_shapes(ec: EngineConfig) -> list[StepShape]:
     """Every shape compiled: each decode bucket alone, and with each prefill shape (and prefill alone)."""
     shapes = [StepShape(d, 0, ec.chunk) for d in ec.buckets()]
@@ -175,6 +166,8 @@ class ModelRunner:
       guide_compiler: fills the masks of guided rows (`jaxattn.serving.structured`); None: no guides.
       max_steps: the most decode steps a call runs (`EngineConfig.steps_per_call`); above 1 a multi-step
         program is compiled per decode bucket (`runs`).
+      verify_width: speculative decoding's tokens per row of a verification step (k + 1), its programs
+        compiled per decode bucket (`verifies`, `jaxattn.serving.verify`); None: none.
 
     Attributes:
       mask_seconds, masked_rows: host time spent filling guided rows' masks, and the rows filled.
@@ -184,7 +177,7 @@ class ModelRunner:
     def __init__(self, params, config: ModelConfig, engine_config: EngineConfig, *, num_pages: int,
                  max_model_len: int, kernels: Kernels = Kernels(), mesh: Mesh | None = None, progress=None,
                  guide_compiler: GuideCompiler | None = None, store: ProgramStore | None = None,
-                 max_steps: int = 1):
+                 max_steps: int = 1, verify_width: int | None = None):
         # A paged step runs its layers unrolled: a scan would copy each layer's pool out of the stack
         # and back on every step (`jaxattn.scan_plan`), so stacked parameters are unstacked once here.
         params, config = relayout(nn.unbox(params), config, scan_layers=False)
@@ -212,6 +205,9 @@ class ModelRunner:
             self.programs = StepPrograms(config, kernels, self.params, pools, self.history, step_shapes(ec),
                                          pages_per_seq=self.pages_per_seq, num_slots=self.num_slots, place=place,
                                          progress=progress, store=store, lora=self.lora)
+            self.verifies = None if verify_width is None else VerifyPrograms(
+                config, kernels, self.params, pools, self.history, self._buckets, verify_width,
+                pages_per_seq=self.pages_per_seq, num_slots=self.num_slots, place=place, store=store, lora=self.lora)
             self.runs = None if max_steps == 1 else DecodeRunPrograms(
                 config, kernels, self.params, pools, self.history, self._buckets, max_steps=max_steps,
                 page_size=ec.page_size, pages_per_seq=self.pages_per_seq, num_slots=self.num_slots, place=place,
@@ -358,6 +354,35 @@ class ModelRunner:
                 logprobs = [[StepLogprobs(float(value[j, r]), _top(ids[j, r], top[j, r])) if run.logprobs[r] else None
                              for j in range(len(drawn[r]))] for r in range(rows)]
         return drawn, [row[:len(d)] for row, d in zip(finite.tolist(), drawn)], logprobs
+
+    def execute_verify(self, output: SchedulerOutput, clock: StepClock
+                       ) -> tuple[list[list[int]], list[list[bool]], list[list] | None]:
+        """Runs a verification step (`output.drafts`) -> per decode row the tokens it emits (its kept drafts,
+        then its own), whether each was drawn from finite logits, and their log-probabilities (as
+        `execute_run`'s)."""
+        programs = self.verifies
+        with clock.phase("inputs"):
+            rows = min(r for r in programs.rows if r >= len(output.decode))
+            inputs = verify_inputs(output.decode, output.drafts, rows, programs.width, page_size=self.page_size,
+                                   pages_per_seq=self.pages_per_seq, num_slots=self.num_slots,
+                                   vocab_size=self.config.vocab_size, lora=self.lora)
+        with clock.phase("dispatch"):
+            self.pools, self.history, *out = programs.run(self.params, self.pools, self.history, inputs)
+        with clock.phase("device"):
+            jax.block_until_ready(out)
+        with clock.phase("outputs"):
+            tokens, accepted, finite, logprobs = out
+            counts = np.asarray(accepted)[:len(output.decode)] + 1
+            drawn = [row[:n] for row, n in zip(np.asarray(tokens).tolist(), counts)]
+            finite = np.asarray(finite).reshape(rows, -1).tolist()
+            asked = inputs.logprobs_asked.reshape(rows, -1)[:, 0]
+            read = None
+            if asked.any():
+                value, ids, top = (np.asarray(a).reshape(rows, programs.width, -1)
+                                   for a in (logprobs.drawn, logprobs.drawn_top_ids, logprobs.drawn_top))
+                read = [[StepLogprobs(float(value[r, j, 0]), _top(ids[r, j], top[r, j])) if asked[r] else None
+                         for j in range(len(drawn[r]))] for r in range(len(drawn))]
+        return drawn, [row[:len(d)] for row, d in zip(finite, drawn)], read
 
     def fill_guides(self, inputs: StepInputs, guided: list[tuple[Request, int]], pending: Pending) -> None:
         """Each guided row's mask of allowed tokens (its guide's next step), filled on the host in one

@@ -152,6 +152,9 @@ class Request:
         # admission, and the key its first page's key chains from (b"": the base's; `jaxattn.serving.loras`).
         self.lora_slot = -1
         self.cache_root = b""
+        # How many tokens it drafts per step with speculative decoding (`jaxattn.serving.speculation`).
+        self.draft_schedule = None
+        self.draft_row = None  # the proposer's row it holds (a draft model's cache row)
 
     @property
     def tokens(self) -> list[int]:

@@ -33,6 +33,11 @@ asked for) and moves each request on. A request that only scores its prompt (`ma
 * A request cancelled while a step runs is dropped when the step's tokens are handed out: its row and
   pages are free for the next step.
 
+* Speculative decoding (`EngineConfig.speculative`, `jaxattn.serving.speculation`): when no prompt chunk
+  runs and no row is guided, the decode rows propose drafts (prompt lookup, each row's k adapting); a
+  step where some row drafts verifies them (`SchedulerOutput.drafts`, `jaxattn.serving.verify`), its
+  pages reserved, the budget counting a row's drafts and its last token, and `update_verify` hands each
+  row its kept drafts and its own token, cut as a multi-step call's.
 * LoRA adapters (`jaxattn.serving.loras`): a request naming an adapter is admitted once its adapter
   holds a slot: one it is in, a free one, or the least recently used one no running request's adapter
   holds (written at admission); while every slot is held by running requests' adapters it waits, as
@@ -45,14 +50,14 @@ vLLM V1's Scheduler is the model (read for its shape).
 from __future__ import annotations
 
 import collections
-import dataclasses
 import time
-from typing import NamedTuple
 
 from jaxattn.serving.engine_config import EngineConfig
 from jaxattn.serving.kv_cache_manager import KVCacheManager
 from jaxattn.serving.loras import LoraTable
 from jaxattn.serving.requests import Request, Status
+from jaxattn.serving.scheduler_output import PromptChunk, SchedulerOutput
+from jaxattn.serving.speculation import Speculator
 
 # Why a guided request ends with "error" when its mask leaves nothing to draw: the request's fault (a 400).
 GUIDE_DEAD_END = ("the guide allows no token of the model's vocabulary here: the vocabulary cannot write what it "
@@ -61,46 +66,6 @@ GUIDE_DEAD_END = ("the guide allows no token of the model's vocabulary here: the
 
 class QueueFull(Exception):
     """More requests are waiting than `EngineConfig.max_waiting` allows."""
-
-
-class PromptChunk(NamedTuple):
-    """A piece of a prompt in a step: `count` tokens of `request` from position `start`."""
-
-    request: Request
-    start: int
-    count: int
-
-
-@dataclasses.dataclass
-class SchedulerOutput:
-    """One step, as the model runner takes it.
-
-    Attributes:
-      decode: requests decoding one token each (their last), in row order.
-      prefill: prompt chunks in row order (one request may have several, consecutive).
-      ended: requests cancelled since the last step (nothing to compute; they ended here).
-      turns: per decode row, the most tokens it draws in this call (several decode steps in one call);
-        empty: one step.
-      fed_by: a step scheduled ahead (`Scheduler.schedule_ahead`): per decode request, its row in the step
-        in flight, which it keeps, taking the token drawn there on the device; empty: the requests take
-        rows 0, 1, ... and every token is the host's.
-    """
-
-    decode: list[Request]
-    prefill: list[PromptChunk]
-    ended: list[Request]
-    turns: list[int] = dataclasses.field(default_factory=list)
-    fed_by: list[int] = dataclasses.field(default_factory=list)
-
-    @property
-    def steps(self) -> int:
-        """The most decode steps the call runs (1: a plain step)."""
-        return max(self.turns, default=1)
-
-    @property
-    def empty(self) -> bool:
-        """Nothing to compute."""
-        return not self.decode and not self.prefill
 
 
 class Scheduler:
@@ -113,11 +78,12 @@ class Scheduler:
       stats: the engine's counters (steps, tokens, preemptions are counted here).
       max_steps: the most decode steps a program call runs (`EngineConfig.steps_per_call`).
       loras: the LoRA adapters and their slots (None: no adapters).
+      speculator: the decode rows' drafts (`jaxattn.serving.speculation.Speculator`; None: no speculation).
     """
 
     def __init__(self, config: EngineConfig, kv: KVCacheManager, max_model_len: int, stats: collections.Counter,
-                 max_steps: int = 1, loras: LoraTable | None = None):
-        self.max_steps, self.loras = max_steps, loras
+                 max_steps: int = 1, loras: LoraTable | None = None, speculator: Speculator | None = None):
+        self.max_steps, self.loras, self.speculator = max_steps, loras, speculator
         self.max_seqs, self.max_waiting = config.max_seqs, config.max_waiting
         self.chunk, self.prefill_rows, self.token_budget = config.chunk, config.prefill_rows, config.budget
         self.kv, self.max_model_len, self.stats = kv, max_model_len, stats
@@ -163,7 +129,10 @@ class Scheduler:
                 self._page_for_next(request, decode)
         self._admit()
         prefill = self._chunks(decode)
-        return SchedulerOutput(decode, prefill, ended, [] if prefill else self._turns(decode))
+        if prefill:
+            return SchedulerOutput(decode, prefill, ended)
+        drafts = self._drafts(decode)
+        return SchedulerOutput(decode, [], ended, [] if drafts else self._turns(decode), drafts)
 
     def schedule_ahead(self, running: SchedulerOutput) -> SchedulerOutput | None:
         """The step after `running` (dispatched, its tokens not yet read), for the engine to queue before
@@ -172,14 +141,18 @@ class Scheduler:
         `max_tokens` or the context is left out. None where the next step needs the host to have read
         `running`'s tokens: it computes prompt chunks or several steps, a request waits or was cancelled
         (the rows may change), a row is guided (its mask is the host's), or a next slot has no free page.
-        A row that `running`'s token ends (a stop token or string) computes one token nobody takes."""
+        A row that `running`'s token ends (a stop token or string) computes one token nobody takes. None too
+        where some row may draft: its drafts are looked up in the tokens read back."""
         if (self.max_steps > 1 or self.waiting or self._cancelled or running.prefill or running.turns
-                or any(r.guide_state is not None for r in running.decode)):
+                or running.drafts or any(r.guide_state is not None for r in running.decode)
+                or (self.speculator is not None and self.speculator.may_draft(running.decode))):
             return None
         placed = zip(running.fed_by or range(len(running.decode)), running.decode)  # each request's row
         rows = [(row, request) for row, request in placed if not request.finished and self._left(request) >= 2]
         if not rows or any(self.kv.reserve(request, 2) < 2 for _, request in rows):
             return None
+        if self.speculator is not None:
+            self.speculator.plain_step([request for _, request in rows])
         return SchedulerOutput([request for _, request in rows], [], [], fed_by=[row for row, _ in rows])
 
     def _turns(self, decode: list[Request]) -> list[int]:
@@ -189,6 +162,13 @@ class Scheduler:
             return []
         turns = [self.kv.reserve(request, min(self.max_steps, self._left(request))) for request in decode]
         return turns if max(turns) > 1 else []
+
+    def _drafts(self, decode: list[Request]) -> list:
+        """Each decode row's drafts, their slots' pages reserved; empty (a plain step) when no row drafts."""
+        if self.speculator is None or not decode or any(r.guide_state is not None for r in decode):
+            return []
+        drafts = self.speculator.propose(decode, [self._left(r) for r in decode], self.token_budget, self.kv.reserve)
+        return drafts if any(len(draft) for draft in drafts) else []
 
     def _left(self, request: Request) -> int:
         """The tokens a running request may still draw before `max_tokens` or the context ends it."""
@@ -325,9 +305,24 @@ class Scheduler:
         """Hands a multi-step call's draws to their requests: per decode row its tokens in order (and
         whether each was drawn from finite logits, its log-probabilities or None), taken until one ends
         the request; the rest are dropped. Returns the requests that got a token or ended."""
-        now, touched = time.perf_counter(), list(output.ended)
         self.stats["steps"] += max(map(len, tokens), default=0)
         self.stats["multi_step_calls"] += 1
+        return self._take_runs(output, tokens, finite, logprobs)
+
+    def update_verify(self, output: SchedulerOutput, tokens: list[list[int]], finite: list[list[bool]],
+                      logprobs: list[list] | None = None) -> list[Request]:
+        """Hands a verification step's tokens to their requests (per decode row its kept drafts and its own
+        token, as `update_run` takes them) and tells the speculator what each row kept."""
+        self.stats["steps"] += 1
+        self.stats["verify_steps"] += 1
+        self.speculator.steps += 1
+        for row, request in enumerate(output.decode):
+            if not request.finished:
+                self.speculator.record(request, len(output.drafts[row]), len(tokens[row]) - 1)
+        return self._take_runs(output, tokens, finite, logprobs)
+
+    def _take_runs(self, output: SchedulerOutput, tokens, finite, logprobs) -> list[Request]:
+        now, touched = time.perf_counter(), list(output.ended)
         for row, request in enumerate(output.decode):
             for turn, token in enumerate(tokens[row]):
                 if request.finished or request in self._cancelled:

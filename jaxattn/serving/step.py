@@ -171,26 +171,36 @@ def adjusted(logits, knobs: DrawKnobs, tokens):
         lambda x: x, logits)
 
 
+def filtered(logits, knobs: DrawKnobs):
+    """`[M, V]` float32 logits (already biased and penalised) -> what a sampled row draws from: after the
+    temperature, min-p, top-k and top-p (each filtered token at -inf). The sorting top-k/top-p need, and
+    min-p's softmax, run only when some row asks for them."""
+    t = knobs.temperature
+    scaled = logits / jnp.where(t > 0, t, 1.0)[:, None]
+    scaled = jax.lax.cond(jnp.any(knobs.min_p > 0), lambda x: logit_knobs.apply_min_p(x, knobs.min_p),
+                          lambda x: x, scaled)
+    return jax.lax.cond(
+        jnp.any((knobs.top_k > 0) | (knobs.top_p < 1.0)),
+        lambda x: jax.vmap(lambda row, k, p: filter_logits(row[None], top_k=k, top_p=p)[0])(
+            x, knobs.top_k, knobs.top_p),
+        lambda x: x, scaled)
+
+
+def draw_keys(knobs: DrawKnobs):
+    """`[M]` PRNG keys of the draws: `fold_in(PRNGKey(seed), position)`, nothing else."""
+    return jax.vmap(lambda seed, position: jax.random.fold_in(jax.random.PRNGKey(seed), position))(
+        knobs.seed, knobs.position)
+
+
 def draw(logits, knobs: DrawKnobs):
     """`[M, V]` float32 logits (already biased and penalised) -> `[M]` int32 tokens: greedy where
-    temperature is 0, else a draw keyed by (seed, position) after temperature, min-p, top-k and top-p.
-    The sorting top-k/top-p need, and min-p's softmax, run only when some row asks for them."""
+    temperature is 0, else a draw keyed by (seed, position) from the `filtered` logits."""
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
     def sampled(logits):
-        t = knobs.temperature
-        scaled = logits / jnp.where(t > 0, t, 1.0)[:, None]
-        scaled = jax.lax.cond(jnp.any(knobs.min_p > 0), lambda x: logit_knobs.apply_min_p(x, knobs.min_p),
-                              lambda x: x, scaled)
-        filtered = jax.lax.cond(
-            jnp.any((knobs.top_k > 0) | (knobs.top_p < 1.0)),
-            lambda x: jax.vmap(lambda row, k, p: filter_logits(row[None], top_k=k, top_p=p)[0])(
-                x, knobs.top_k, knobs.top_p),
-            lambda x: x, scaled)
-        keys = jax.vmap(lambda seed, position: jax.random.fold_in(jax.random.PRNGKey(seed), position))(
-            knobs.seed, knobs.position)
-        drawn = jax.vmap(lambda key, row: jax.random.categorical(key, row))(keys, filtered).astype(jnp.int32)
-        return jnp.where(t > 0, drawn, greedy)
+        drawn = jax.vmap(lambda key, row: jax.random.categorical(key, row))(
+            draw_keys(knobs), filtered(logits, knobs)).astype(jnp.int32)
+        return jnp.where(knobs.temperature > 0, drawn, greedy)
 
     return jax.lax.cond(jnp.any(knobs.temperature > 0), sampled, lambda _: greedy, logits)
 

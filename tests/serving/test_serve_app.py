@@ -28,7 +28,7 @@ class StandInEngine:
     """What EngineRunner and the metrics use of an Engine. Each step draws token 1 for every request
     (or raises, with `fail`); with `stall`, requests never get a token; cancelled ones end."""
 
-    lora_names, loras = (), None  # no LoRA slots
+    lora_names, loras, speculator = (), None, None  # no LoRA slots, no speculative decoding
 
     def __init__(self, *, fail=False, stall=False):
         self.fail, self.stall = fail, stall

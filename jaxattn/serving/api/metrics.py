@@ -5,13 +5,18 @@ Gauges are read from the engine when scraped (`jaxattn_requests_running`, `_wait
 `jaxattn_lora_requests_running{adapter=...}`, one series per adapter held); counters and histograms are
 updated on the engine's thread after each step. Pages "used" are those held by requests; pages that
 are free but still hold a prefix-cache entry are `jaxattn_kv_pages_cached`.
+
+With speculative decoding (`EngineConfig.speculative`) the spec-decode counters, vLLM's, are read from the
+engine's `Speculator` when scraped: `jaxattn_spec_decode_num_drafts` (rows that drafted, over the
+verification steps), `_num_draft_tokens`, `_num_accepted_tokens`, `_num_accepted_tokens_per_pos{position}`
+(the acceptance rate per position is it over `_num_drafts`), `_verify_steps` and `_draft_seconds`.
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from jaxattn.serving import Engine, Request
 
@@ -53,6 +58,8 @@ class ServerMetrics:
         Gauge("jaxattn_lora_adapters_loaded", "LoRA adapters held (in slots or on the host)", registry=registry
               ).set_function(lambda: len(engine.lora_names))
         registry.register(LoraRunning(engine))
+        if engine.speculator is not None:
+            registry.register(SpecDecode(engine.speculator))
         self._seen = {"hits": 0, "queries": 0, "generated": 0}
         self._engine = engine
 
@@ -93,4 +100,30 @@ class LoraRunning:
         running = [request.sampling.lora for request in list(self._engine.running)]
         for name in self._engine.lora_names:
             family.add_metric([name], running.count(name))
+        yield family
+
+
+class SpecDecode:
+    """Speculative decoding's counters (vLLM's spec-decode metrics), read from the engine's `Speculator`."""
+
+    COUNTERS = (("num_drafts", "drafts_made", "Rows that drafted tokens in a verification step"),
+                ("num_draft_tokens", "draft_tokens", "Tokens drafted"),
+                ("num_accepted_tokens", "accepted_tokens", "Drafted tokens kept"),
+                ("verify_steps", "steps", "Verification steps"),
+                ("draft_seconds", "draft_seconds", "Host seconds spent drafting"))
+
+    def __init__(self, speculator):
+        self._speculator = speculator
+
+    def describe(self):
+        return list(self.collect())
+
+    def collect(self):
+        for name, attribute, documentation in self.COUNTERS:
+            yield CounterMetricFamily(f"jaxattn_spec_decode_{name}", documentation,
+                                      value=getattr(self._speculator, attribute))
+        family = CounterMetricFamily("jaxattn_spec_decode_num_accepted_tokens_per_pos",
+                                     "Drafted tokens kept at each position (0: the first draft)", labels=["position"])
+        for position, count in enumerate(self._speculator.accepted_per_position.tolist()):
+            family.add_metric([str(position)], count)
         yield family
