@@ -5,6 +5,7 @@
     python -m train.serve --checkpoint runs/shakespeare_char_baby --port 8001
     python -m train.serve --random-init shakespeare_char_baby --max-seqs 16 --kv-memory 0.5
     python -m train.serve --hf exports/baby --lora poet=runs/poet_lora/peft --max-loras 4 --max-lora-rank 16
+    python -m train.serve --gguf SmolLM2-135M-Instruct.Q4_1.gguf --speculative ngram:k=4   # or draft:DIR,k=4
     curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
          -d '{"model": "baby", "prompt": "ROMEO:", "max_tokens": 64, "temperature": 0.8}'
 
@@ -51,7 +52,9 @@ from jaxattn.serving.api.runner import EngineRunner
 from jaxattn.serving.api.server import DrainingServer, HeadersTimeout, listen_socket  # a ListenError is an OSError: exit 1
 from jaxattn.serving.embedding import POOLINGS
 from jaxattn.serving.structured import GuideCompiler
+from jaxattn.speculative import DraftProposer
 from train import kept_programs
+from train.decode import speculative
 from train.checkpoints.store import CheckpointError
 from train.cli import ArgumentParser, UsageError, guard
 from train.data.errors import DataError
@@ -110,6 +113,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "about 1e-2 (default: exact)")
     parser.add_argument("--mesh", help="serve on a device mesh, e.g. tensor:2 (product = device count)")
     add_lora_flags(parser)
+    speculative.add_flag(parser, ENGINE_HELP)
     kept_programs.add_flag(parser)
     parser.add_argument("--cpu-devices", type=int, metavar="N", help="make N host devices on a CPU for --mesh")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
@@ -127,6 +131,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.cpu_devices is not None and args.mesh is None:
         parser.error("--cpu-devices goes with --mesh")
     args.loras = lora_specs(parser, args)
+    speculative.check_flags(parser, args)
     return args
 
 
@@ -235,12 +240,23 @@ def serving_kernels(dtype: str, bf16_matmul: bool = False) -> tuple[Kernels, dic
     return kernels, reasons
 
 
+ENGINE_HELP = ("decode speculatively: ngram, ngram:k=4,n_min=1,n_max=3 (prompt lookup), or draft:DIR,k=4 (a draft "
+               "model of the same vocabulary: a run, a transformers directory or a .gguf file); adaptive=0 keeps "
+               "k fixed; a decode row's drafts are verified in one step (docs/speculative.md)")
+
+
 def build_engine(args, params, config, tokenizer, kernels, mesh) -> tuple[Engine, float]:
     """The engine with every step program compiled (a progress bar on stderr); its compile seconds."""
+    options, draft = args.speculative, None
+    if options is not None and options.method == "draft":
+        draft_params, draft_config = speculative.load_draft(options, config, config.max_seq_len, kernels)
+        draft = DraftProposer(draft_params, draft_config, k=options.k, kernels=kernels)
     engine_config = EngineConfig(max_seqs=args.max_seqs, page_size=args.page_size, num_pages=args.num_pages,
                                  kv_memory_gib=args.kv_memory, token_budget=args.token_budget,
                                  kv_cache=args.kv_cache, max_waiting=args.max_waiting, decode_steps=args.decode_steps,
-                                 overlap=args.overlap, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank)
+                                 overlap=args.overlap, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+                                 speculative=options.ngram_settings() if options and draft is None else None,
+                                 adaptive_k=options.adaptive if options else True)
     bar = tqdm(total=0, desc="compiling the step programs", unit="program", file=sys.stderr, leave=False,
                disable=None)
 
@@ -254,7 +270,8 @@ def build_engine(args, params, config, tokenizer, kernels, mesh) -> tuple[Engine
     started = time.perf_counter()
     try:
         engine = Engine(params, config, engine_config, kernels=kernels, mesh=mesh, detokenize=detokenize,
-                        seed=args.seed, progress=progress, guide_compiler=guide_compiler(tokenizer, config.vocab_size))
+                        seed=args.seed, progress=progress, guide_compiler=guide_compiler(tokenizer, config.vocab_size),
+                        draft=draft)
     except ValueError as err:
         raise UsageError(str(err)) from err
     finally:
@@ -342,7 +359,8 @@ def run(argv=None) -> int:
                     f"{'s' if engine.steps_per_call > 1 else ''} per call; ready {time.perf_counter() - started:.1f} s "
                     f"after loading; chat {'on' if served.chat_template else 'off: no chat template'}"
                     + (f"; LoRA: {len(engine.lora_names)} adapters, {args.max_loras} slots of rank "
-                       f"{args.max_lora_rank}" if args.max_loras else "") + ")")
+                       f"{args.max_lora_rank}" if args.max_loras else "")
+                    + (f"; speculative: {args.speculative.describe()}" if args.speculative else "") + ")")
 
         config_uv = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
                                    timeout_graceful_shutdown=5, timeout_keep_alive=5, http=HeadersTimeout)

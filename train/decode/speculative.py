@@ -52,8 +52,8 @@ def spec(text: str) -> SpeculativeOptions:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
-def add_flag(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--speculative", metavar="SPEC", type=spec, help=HELP)
+def add_flag(parser: argparse.ArgumentParser, help: str = HELP) -> None:
+    parser.add_argument("--speculative", metavar="SPEC", type=spec, help=help)
 
 
 def check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
