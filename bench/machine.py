@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shlex
 from pathlib import Path
 
 
@@ -64,6 +65,27 @@ def cpu_class(flags) -> tuple[str, str]:
                 ("scalar", "no vector extension the kernels use"))
 
 
+# What narrows the instructions this CPU is used with, to emulate a smaller one (docs/performance.md §28): the
+# native kernels' target, the CPU flags the kernel rules see, torch's own kernels, MKL's and oneDNN's (torch's
+# matmuls); and XLA's `--xla_cpu_max_isa`.
+LIMIT_VARIABLES = ("JAXATTN_NATIVE_MARCH", "JAXATTN_CPU_FLAGS_MAX", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS",
+                   "ONEDNN_MAX_CPU_ISA")
+
+
+def isa_limits(environ=None) -> dict[str, str]:
+    """The set `LIMIT_VARIABLES` of `environ` (default `os.environ`), and XLA_FLAGS's `--xla_cpu_max_isa=...`
+    where it has one (its other flags do not narrow the instruction set)."""
+    environ = os.environ if environ is None else environ
+    limits = {name: environ[name] for name in LIMIT_VARIABLES if environ.get(name)}
+    isa = [word for word in environ.get("XLA_FLAGS", "").split() if word.startswith("--xla_cpu_max_isa")]
+    return {**({"XLA_FLAGS": " ".join(isa)} if isa else {}), **limits}
+
+
+def limits_prefix(limits: dict[str, str]) -> str:
+    """`isa_limits()` as the environment of a command line: "XLA_FLAGS=--xla_cpu_max_isa=AVX2 ... " ("" for none)."""
+    return "".join(f"{name}={shlex.quote(value)} " for name, value in limits.items())
+
+
 def describe_machine() -> dict:
     """A JSON-able record of the machine (starts JAX's backends)."""
     import jax
@@ -73,12 +95,16 @@ def describe_machine() -> dict:
     return {"cpu": cpu_model(), "cpus": os.cpu_count(), "cores": cpu_cores(), "platform": detected.describe(),
             "amx_bf16": "amx_bf16" in detected.cpu_flags, "cpu_class": cpu_class(detected.cpu_flags)[1],
             "cpu_class_slug": cpu_class(detected.cpu_flags)[0], "jax": jax.__version__,
-            "python": platform.python_version(), "XLA_FLAGS": os.environ.get("XLA_FLAGS", "")}
+            "python": platform.python_version(), "XLA_FLAGS": os.environ.get("XLA_FLAGS", ""),
+            "isa_limits": isa_limits()}
 
 
 def machine_line(machine: dict) -> str:
-    """`describe_machine()` in a few words: "CPU (platform, N CPUs), jax VERSION"."""
-    return f"{machine['cpu']} ({machine['platform']}, {machine['cpus']} CPUs), jax {machine['jax']}"
+    """`describe_machine()` in a few words: "CPU (platform, N CPUs), jax VERSION", and the instruction set's
+    limits where some were set (`isa_limits`)."""
+    line = f"{machine['cpu']} ({machine['platform']}, {machine['cpus']} CPUs), jax {machine['jax']}"
+    limits = machine.get("isa_limits")
+    return line + (f", limited by `{limits_prefix(limits).strip()}`" if limits else "")
 
 
 def write_results(out_dir: str | Path, name: str, record: dict, markdown: str) -> None:

@@ -959,7 +959,7 @@ def lora_table(record: dict) -> list[str]:
 
 
 def drive(args, argv: list[str]) -> int:
-    from bench.machine import describe_machine, machine_line
+    from bench.machine import describe_machine, limits_prefix, machine_line
     text = corpus_path(args.data).read_text(encoding="utf-8")
     requests = draw_requests(text_ids(text), args.requests, args.prompt_range, args.output_range, args.seed)
     loads = make_loads(requests, args.concurrency, args.poisson_rate, args.seed)
@@ -972,7 +972,7 @@ def drive(args, argv: list[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-serve-") as scratch:
         results = [measure_load(load, args, checkpoint, Path(scratch), unavailable) for load in loads]
     machine = describe_machine()
-    command = " ".join(["PYTHONPATH=$PWD python bench/serve.py",
+    command = " ".join([limits_prefix(machine["isa_limits"]) + "PYTHONPATH=$PWD python bench/serve.py",
                         *(a if not a.startswith("/") else "/path/to/" + Path(a).name for a in argv)])
     meta = {"machine": machine, "machine_line": machine_line(machine), "cores": cpu_cores(), "threads": args.threads,
             "model": args.model, "checkpoint": facts, "runners": args.runners, "repeats": args.repeats,

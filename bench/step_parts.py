@@ -17,7 +17,9 @@ decode bucket of --rows rows. Two measures, one after the other:
   operations are sampling. Events on XLA's threads overlap, so a part is CPU time (milliseconds of all
   threads a step), reported with its share of the forward and draw's CPU time.
 
-Writes PATH.json and PATH.md (--out), with the CPU and the command.
+Writes PATH.json and PATH.md (--out), with the CPU, the native loops' instruction-set paths and the command,
+led by the variables that limited the instruction set where some were set (`bench.machine.isa_limits`: an
+AVX2 CPU emulated on a larger one, docs/performance.md §28).
 """
 
 from __future__ import annotations
@@ -36,9 +38,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.machine import describe_machine, machine_line, portable_command, write_results  # noqa: E402
+from bench.machine import describe_machine, limits_prefix, machine_line, portable_command, write_results  # noqa: E402
 from bench.step_buckets import step_inputs  # noqa: E402
-from jaxattn.kernels import prepare_weights  # noqa: E402
+from jaxattn.kernels import Kernels, float_matmul, native_paged, prepare_weights, quant_matmul  # noqa: E402
 from jaxattn.serving import Engine, EngineConfig, SamplingParams  # noqa: E402
 from jaxattn.serving.step import StepShape  # noqa: E402
 from train.models.load import load_model  # noqa: E402
@@ -91,6 +93,14 @@ def operation_ms(run, steps: int) -> dict[str, float]:
                 if not event.name.startswith(("ThunkExecutor", "$")):
                     totals[event.name] += event.duration_ns / 1e6 / steps
     return dict(totals)
+
+
+def native_paths(kernels: Kernels) -> dict[str, str]:
+    """The instruction-set path each native loop the kernels run was compiled with (e.g. "avx2")."""
+    paths = {"quantized": quant_matmul.native_path} if kernels.quantized.startswith("native") else {}
+    paths |= {"matmul": float_matmul.native_path} if kernels.matmul == "native_cpu" else {}
+    paths |= {"paged": native_paged.native_path} if kernels.paged == "ragged_cpu" else {}
+    return {field: path() for field, path in paths.items()}
 
 
 def engine_clock(engine: Engine, rows: int, context: int, steps: int, vocab_size: int) -> dict:
@@ -167,11 +177,14 @@ def main(argv=None) -> int:
 
     machine = describe_machine()
     words = list(argv if argv is not None else sys.argv[1:])
-    command = "PYTHONPATH=$PWD python bench/step_parts.py " + portable_command(words, ("--gguf", "--hf"))
+    command = (limits_prefix(machine["isa_limits"]) + "PYTHONPATH=$PWD python bench/step_parts.py "
+               + portable_command(words, ("--gguf", "--hf")))
+    paths = native_paths(kernels)
     lines = ["# Where an engine decode step's time goes", "",
              f"{machine_line(machine)}; the model of `{path.name}`, kernels matmul {kernels.matmul!r} / quantized "
              f"{kernels.quantized!r} / paged "
-             f"{kernels.paged!r}; {args.rows} rows at about {args.context} tokens of context, {args.steps} steps.", "",
+             f"{kernels.paged!r} (native paths: {', '.join(f'{k} {v}' for k, v in paths.items()) or 'none'}); "
+             f"{args.rows} rows at about {args.context} tokens of context, {args.steps} steps.", "",
              "The engine, wall time a step:", "",
              "| step ms | device ms | host ms | " + " | ".join(f"host: {name}" for name in clock["phases_ms"]) + " |",
              "| ---: | ---: | ---: | " + " | ".join("---:" for _ in clock["phases_ms"]) + " |",
@@ -181,8 +194,9 @@ def main(argv=None) -> int:
              "| part | CPU ms a step | share |", "| --- | ---: | ---: |"]
     lines += [f"| {part} | {ms:.2f} | {ms / cpu:.0%} |" for part, ms in parts.items()]
     lines += ["", f"Command: `{command}`", ""]
-    write_results(args.out.parent, args.out.name, {"machine": machine, "command": command, "model": path.name,
-                                                   "engine": clock, "cpu_ms": parts}, "\n".join(lines))
+    record = {"machine": machine, "command": command, "model": path.name, "native_paths": paths, "engine": clock,
+              "cpu_ms": parts}
+    write_results(args.out.parent, args.out.name, record, "\n".join(lines))
     print("\n".join(lines))
     return 0
 
