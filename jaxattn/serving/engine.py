@@ -134,7 +134,7 @@ class Engine:
         self.model_runner = ModelRunner(params, config, ec, num_pages=num_pages, max_model_len=self.max_model_len,
                                         kernels=kernels, mesh=mesh, progress=progress,
                                         guide_compiler=guide_compiler, store=store, max_steps=self.steps_per_call,
-                                        verify_width=None if proposer is None else proposer.k + 1)
+                                        max_drafts=None if proposer is None else proposer.k)
         runner = self.model_runner
         self.loras = LoraTable(ec.max_loras, ec.max_lora_rank, runner.write_slot,
                                 runner.check_adapter) if ec.max_loras else None

@@ -166,8 +166,8 @@ class ModelRunner:
       guide_compiler: fills the masks of guided rows (`jaxattn.serving.structured`); None: no guides.
       max_steps: the most decode steps a call runs (`EngineConfig.steps_per_call`); above 1 a multi-step
         program is compiled per decode bucket (`runs`).
-      verify_width: speculative decoding's tokens per row of a verification step (k + 1), its programs
-        compiled per decode bucket (`verifies`, `jaxattn.serving.verify`); None: none.
+      max_drafts: speculative decoding's most drafts per row (k), its verification programs compiled per
+        decode bucket and width (`verifies`, `jaxattn.serving.verify`); None: none.
 
     Attributes:
       mask_seconds, masked_rows: host time spent filling guided rows' masks, and the rows filled.
@@ -177,7 +177,7 @@ class ModelRunner:
     def __init__(self, params, config: ModelConfig, engine_config: EngineConfig, *, num_pages: int,
                  max_model_len: int, kernels: Kernels = Kernels(), mesh: Mesh | None = None, progress=None,
                  guide_compiler: GuideCompiler | None = None, store: ProgramStore | None = None,
-                 max_steps: int = 1, verify_width: int | None = None):
+                 max_steps: int = 1, max_drafts: int | None = None):
         # A paged step runs its layers unrolled: a scan would copy each layer's pool out of the stack
         # and back on every step (`jaxattn.scan_plan`), so stacked parameters are unstacked once here.
         params, config = relayout(nn.unbox(params), config, scan_layers=False)
@@ -205,8 +205,8 @@ class ModelRunner:
             self.programs = StepPrograms(config, kernels, self.params, pools, self.history, step_shapes(ec),
                                          pages_per_seq=self.pages_per_seq, num_slots=self.num_slots, place=place,
                                          progress=progress, store=store, lora=self.lora)
-            self.verifies = None if verify_width is None else VerifyPrograms(
-                config, kernels, self.params, pools, self.history, self._buckets, verify_width,
+            self.verifies = None if max_drafts is None else VerifyPrograms(
+                config, kernels, self.params, pools, self.history, self._buckets, max_drafts,
                 pages_per_seq=self.pages_per_seq, num_slots=self.num_slots, place=place, store=store, lora=self.lora)
             self.runs = None if max_steps == 1 else DecodeRunPrograms(
                 config, kernels, self.params, pools, self.history, self._buckets, max_steps=max_steps,
@@ -362,8 +362,8 @@ class ModelRunner:
         `execute_run`'s)."""
         programs = self.verifies
         with clock.phase("inputs"):
-            rows = min(r for r in programs.rows if r >= len(output.decode))
-            inputs = verify_inputs(output.decode, output.drafts, rows, programs.width, page_size=self.page_size,
+            rows, width = programs.shape(len(output.decode), max(map(len, output.drafts)))
+            inputs = verify_inputs(output.decode, output.drafts, rows, width, page_size=self.page_size,
                                    pages_per_seq=self.pages_per_seq, num_slots=self.num_slots,
                                    vocab_size=self.config.vocab_size, lora=self.lora)
         with clock.phase("dispatch"):
@@ -378,7 +378,7 @@ class ModelRunner:
             asked = inputs.logprobs_asked.reshape(rows, -1)[:, 0]
             read = None
             if asked.any():
-                value, ids, top = (np.asarray(a).reshape(rows, programs.width, -1)
+                value, ids, top = (np.asarray(a).reshape(rows, width, -1)
                                    for a in (logprobs.drawn, logprobs.drawn_top_ids, logprobs.drawn_top))
                 read = [[StepLogprobs(float(value[r, j, 0]), _top(ids[r, j], top[r, j])) if asked[r] else None
                          for j in range(len(drawn[r]))] for r in range(len(drawn))]

@@ -56,11 +56,6 @@ class Speculator:
         self.accepted_per_position = np.zeros(self.k, np.int64)
         self.draft_seconds = 0.0
 
-    @property
-    def width(self) -> int:
-        """Tokens per row of a verification step: the last token and k drafts."""
-        return self.k + 1
-
     def warm_up(self) -> None:
         """One call of the proposer on every row's one-token history: a draft model's usual program compiles."""
         self.proposer.propose(self._histories, self.k)

@@ -1,7 +1,8 @@
 """The engine's speculative step: each decode row's last token and its drafts in one forward pass over the
 paged cache, the drafts accepted on the device (docs/speculative.md §"In the engine").
 
-A verification step has R rows of W = k_max + 1 tokens: row r holds its sequence's last token (at
+A verification step has R rows of W tokens (`widths`: 2, 3, 5, ... up to k_max + 1, the counts of drafts
+an adaptive k takes, so a step of short drafts computes no padding of long ones): row r holds its sequence's last token (at
 position `num_computed`), then its d_r <= k_max drafts (`jaxattn.serving.speculation`), then padding.
 The forward is the plain step's (`jaxattn.serving.step.step_forward`) with logits after every one of the
 R * W tokens. At each position j of a row, the draw is the one a plain step would make there had the
@@ -143,43 +144,53 @@ def _sample_args(inputs: VerifyInputs) -> tuple:
             inputs.logprobs_asked)
 
 
+def widths(k: int) -> tuple[int, ...]:
+    """The verification widths compiled for drafts of up to `k` tokens: 1 + 1, 2, 4, ... and 1 + k."""
+    counts, count = {k}, 1
+    while count < k:
+        counts.add(count)
+        count *= 2
+    return tuple(sorted(1 + c for c in counts))
+
+
 class VerifyPrograms:
-    """The verification step's two programs per decode bucket of rows, width `width`, compiled here (as
-    `jaxattn.serving.step.StepPrograms`: traced or read back from `store`, compiled on `threads` threads)."""
+    """The verification step's two programs per decode bucket of rows and width (`widths(k)`), compiled here
+    (as `jaxattn.serving.step.StepPrograms`: traced or read back from `store`, compiled on `threads` threads)."""
 
     def __init__(self, config: ModelConfig, kernels: Kernels, params, pools, history, rows: tuple[int, ...],
-                 width: int, *, pages_per_seq: int, num_slots: int, place=lambda tree: tree,
+                 k: int, *, pages_per_seq: int, num_slots: int, place=lambda tree: tree,
                  store: program_store.ProgramStore | None = None, lora: bool = False, threads: int | None = None):
-        self.width, self.place = width, place
+        self.widths, self.place = widths(k), place
         store = program_store.default_store() if store is None else store
         forward, context = functools.partial(step_forward, model=DecoderLM(config, kernels)), f"{config!r} {kernels!r}"
-        empty = {r: VerifyInputs.empty(r, width, pages_per_seq, num_slots, config.vocab_size, lora) for r in rows}
+        empty = {(r, w): VerifyInputs.empty(r, w, pages_per_seq, num_slots, config.vocab_size, lora)
+                 for r in rows for w in self.widths}
 
-        def compile_rows(r, lowered):
+        def compile_shape(shape, lowered):
             compiled = lowered.compile()
             _, history_out, raw, _ = compiled.out_info
-            args = (raw, history_out, *place(_sample_args(empty[r])))
-            return r, compiled, store.program("serving-verify", "", verify_sample, args).lower(*args).compile()
+            args = (raw, history_out, *place(_sample_args(empty[shape])))
+            return shape, compiled, store.program("serving-verify", "", verify_sample, args).lower(*args).compile()
 
         self.programs, self.samplers = {}, {}
         with concurrent.futures.ThreadPoolExecutor(threads or os.cpu_count() or 1) as pool:
             futures = []
-            for r in rows:
-                args = (params, pools, history, *place(_forward_args(empty[r])))
+            for shape, inputs in empty.items():
+                args = (params, pools, history, *place(_forward_args(inputs)))
                 lowered = store.program("serving-forward", context, forward, args, donate_argnums=(1, 2)).lower(*args)
-                futures.append(pool.submit(compile_rows, r, lowered))
+                futures.append(pool.submit(compile_shape, shape, lowered))
             for future in concurrent.futures.as_completed(futures):
-                r, self.programs[r], self.samplers[r] = future.result()
+                shape, self.programs[shape], self.samplers[shape] = future.result()
 
-    @property
-    def rows(self) -> list[int]:
-        return sorted(self.programs)
+    def shape(self, rows: int, most_drafts: int) -> tuple[int, int]:
+        """The smallest compiled (rows, width) that holds `rows` rows of up to `most_drafts` drafts."""
+        return min(shape for shape in self.programs if shape[0] >= rows and shape[1] > most_drafts)
 
     def run(self, params, pools, history, inputs: VerifyInputs):
-        """Dispatches a verification (its rows a compiled bucket) -> `(pools, history, tokens [R, W], accepted
-        [R], finite [M], Logprobs)`, all on the device, returned before the programs end."""
-        rows = inputs.drafts.shape[0]
-        pools, history, raw, _ = self.programs[rows](params, pools, history, *self.place(_forward_args(inputs)))
-        tokens, accepted, finite, drawn = self.samplers[rows](raw, history, *self.place(_sample_args(inputs)))
+        """Dispatches a verification (its rows and width a compiled shape) -> `(pools, history, tokens [R, W],
+        accepted [R], finite [M], Logprobs)`, all on the device, returned before the programs end."""
+        shape = inputs.drafts.shape
+        pools, history, raw, _ = self.programs[shape](params, pools, history, *self.place(_forward_args(inputs)))
+        tokens, accepted, finite, drawn = self.samplers[shape](raw, history, *self.place(_sample_args(inputs)))
         none = jnp.zeros((0,), jnp.float32)
         return pools, history, tokens, accepted, finite, Logprobs(*drawn, none, none, none)

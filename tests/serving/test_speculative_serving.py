@@ -17,7 +17,7 @@ from scipy import stats
 
 from jaxattn.serving import Engine, EngineConfig, SamplingParams
 from jaxattn.serving.step import DrawKnobs
-from jaxattn.serving.verify import accept_drafts, verify_inputs
+from jaxattn.serving.verify import accept_drafts, verify_inputs, widths
 from jaxattn.speculative import DraftProposer, NgramSettings
 from tests.serving.test_serving import ENGINE, draw_requests, expected, model, run_schedule
 from tiny_models import drawn_params
@@ -163,7 +163,7 @@ def test_a_rolled_back_cache_is_bit_exact_against_the_kept_tokens_alone():
     def verify(drafts):
         runner.pools, runner.history = jax.tree.map(jnp.asarray, before)
         programs = runner.verifies
-        inputs = verify_inputs([request], [np.array(drafts, np.int32)], 1, programs.width, page_size=runner.page_size,
+        inputs = verify_inputs([request], [np.array(drafts, np.int32)], 1, programs.widths[-1], page_size=runner.page_size,
                                pages_per_seq=runner.pages_per_seq, num_slots=runner.num_slots,
                                vocab_size=32, lora=False)
         runner.pools, runner.history, tokens, accepted, *_ = programs.run(runner.params, runner.pools,
@@ -267,3 +267,9 @@ def test_log_probabilities_of_kept_drafts_equal_plain_decoding_s():
         np.testing.assert_allclose(a.output_logprobs, b.output_logprobs, atol=2e-5)
         assert [[i for i, _ in top] for top in a.output_top_logprobs] == \
             [[i for i, _ in top] for top in b.output_top_logprobs]
+
+
+def test_verification_widths_follow_the_counts_an_adaptive_k_takes():
+    assert [widths(k) for k in (1, 2, 3, 4, 8)] == [(2,), (2, 3), (2, 3, 4), (2, 3, 5), (2, 3, 5, 9)]
+    programs = spec_engine("gqa").model_runner.verifies
+    assert programs.shape(1, 1) == (1, 2) and programs.shape(2, 3) == (4, 4) and programs.shape(4, 2) == (4, 3)
