@@ -3,7 +3,7 @@ transformers' prompt lookup beside its own greedy decoding, on the same prompts 
 
     PYTHONPATH=$PWD .venv/bin/python bench/speculative.py --gguf SmolLM2-135M-Instruct.Q4_1.gguf
         [--new-tokens 128] [--rounds 5] [--k 4] [--n-min 1] [--n-max 3] [--threads N] [--no-hf]
-        [--out bench/results/speculative]
+        [--draft DIR [--draft-k 4,2]] [--out bench/results/speculative]
 
 The model is the GGUF file's, dequantized to float32 (`jaxattn.gguf.load_gguf`), q, k and v fused into one
 projection as `train.sample` runs it, with the kernels `generate` picks on this machine (`kernels=None`).
@@ -15,6 +15,13 @@ Three prompts, each in the model's chat template (its default system prompt):
 * `summary`: summarise a passage of about 400 tokens (written for this benchmark, below);
 * `code_edit`: rename a variable in a Python function and give the function back;
 * `free`: write a story (little to copy: prompt lookup should back off and cost next to nothing).
+
+With --draft DIR (a draft model of the same tokenizer, a transformers directory such as
+`python -m train.distill_draft` writes), one more candidate per --draft-k: `jaxattn.speculative_generate` with
+a `DraftProposer` of that k (greedy, adaptive k; with --draft-fixed also at a fixed k, drafting at every step,
+as "draft_k{k}_fixed"), its q, k and v fused as the target's, with its acceptance,
+drafts kept per step, the seconds spent drafting and its tokens against plain greedy decoding's; the
+directory's distill.json (how it was made), where it has one, goes into the record.
 
 Per prompt four candidates, timed in turns (`bench.timing.in_turns`: each warmed up once, then one call of
 each per round, the order reversed every other round; medians of --rounds): `jaxattn.generate` greedy,
@@ -110,6 +117,18 @@ def load(gguf_path: str):
     return fused_config, fused, tokenizer, chat, (config, params)
 
 
+def load_draft(directory: Path):
+    """(config, fused params, the directory's distill.json or None) of a draft model's transformers directory."""
+    import json
+
+    from jaxattn import hf
+    from jaxattn.layers.primitives import with_fused_qkv
+    config, params = hf.load_pretrained(directory, dtype="float32")
+    params, config = with_fused_qkv(params, config)
+    made = directory / "distill.json"
+    return config, params, (json.loads(made.read_text()) if made.is_file() else None)
+
+
 def hf_model(saved, tokenizer, threads: int, scratch: str):
     """transformers' model of the same float32 weights, from a directory `jaxattn.hf.save_pretrained` writes."""
     import torch
@@ -122,13 +141,15 @@ def hf_model(saved, tokenizer, threads: int, scratch: str):
     return AutoModelForCausalLM.from_pretrained(scratch, dtype=torch.float32).eval()
 
 
-def candidates(model, prompt_ids: list[int], args, hf=None) -> tuple[dict, dict]:
-    """({name: zero-argument call}, {name: the last output}) of the four candidates for one prompt."""
+def candidates(model, prompt_ids: list[int], args, hf=None, draft=None) -> tuple[dict, dict]:
+    """({name: zero-argument call}, {name: the last output}) of the candidates for one prompt: the four, and
+    "draft_k{k}" for each --draft-k with a draft model (`draft`: its config and params), "draft_k{k}_fixed"
+    too with --draft-fixed."""
     import jax
     import numpy as np
 
     import jaxattn as ja
-    from jaxattn.speculative import NgramProposer, NgramSettings
+    from jaxattn.speculative import DraftProposer, NgramProposer, NgramSettings
     config, params = model
     ids = np.asarray([prompt_ids], np.int32)
     lengths = np.asarray([len(prompt_ids)], np.int32)
@@ -145,6 +166,14 @@ def candidates(model, prompt_ids: list[int], args, hf=None) -> tuple[dict, dict]
         return last["ngram"].tokens
 
     calls = {"plain": plain, "ngram": ngram}
+    schedules = {"": True, **({"_fixed": False} if args.draft_fixed else {})}
+    ks = args.draft_k if draft is not None else ()
+    for k, (suffix, adaptive) in [(k, schedule) for k in ks for schedule in schedules.items()]:
+        def drafted(name=f"draft_k{k}{suffix}", proposer=DraftProposer(draft[1], draft[0], k=k), adaptive=adaptive):
+            last[name] = ja.speculative_generate(params, config, ids, lengths, proposer=proposer, adaptive=adaptive,
+                                                 **common)
+            return last[name].tokens
+        calls[f"draft_k{k}{suffix}"] = drafted
     if hf is not None:
         import torch
         from transformers import GenerationConfig
@@ -165,12 +194,12 @@ def candidates(model, prompt_ids: list[int], args, hf=None) -> tuple[dict, dict]
     return calls, last
 
 
-def measure_prompt(kind: str, model, tokenizer, chat, args, hf=None) -> dict:
+def measure_prompt(kind: str, model, tokenizer, chat, args, hf=None, draft=None) -> dict:
     """One prompt's candidates timed in turns; tokens/s, speed-ups and our acceptance."""
     from bench.timing import in_turns
     text = chat.render([{"role": "user", "content": PROMPTS[kind]}])
     prompt_ids = tokenizer.encode(text)
-    calls, last = candidates(model, prompt_ids, args, hf)
+    calls, last = candidates(model, prompt_ids, args, hf, draft)
     timings = in_turns(calls, args.rounds)
     plain = [int(t) for t in last["plain"].tokens[0]]
     ngram = [int(t) for t in last["ngram"].tokens[0]]
@@ -184,6 +213,8 @@ def measure_prompt(kind: str, model, tokenizer, chat, args, hf=None) -> dict:
            "reply": tokenizer.decode(plain)}
     tps = row["tokens_per_s"]
     row["speedup"] = tps["ngram"] / tps["plain"]
+    row["drafts"] = {name: draft_row(last[name], plain, tps[name] / tps["plain"]) for name in calls
+                     if name.startswith("draft_")}
     if hf is not None:
         row["hf_speedup"] = tps["hf_lookup"] / tps["hf_plain"]
         row["hf_agrees_for"] = leading_agreement(last["hf_plain"], plain)
@@ -191,10 +222,42 @@ def measure_prompt(kind: str, model, tokenizer, chat, args, hf=None) -> dict:
     return row
 
 
+def draft_row(out, plain: list[int], speedup: float) -> dict:
+    """A draft candidate's speed-up, stats, k trace and tokens against plain greedy decoding's."""
+    tokens = [int(t) for t in out.tokens[0]]
+    return {"speedup": speedup, "stats": out.stats.as_dict(), "k_trace": out.stats.k_trace,
+            "equals_plain": tokens == plain, "agrees_for": leading_agreement(tokens, plain)}
+
+
+def draft_markdown(record: dict) -> list[str]:
+    """The draft candidates' table and how the draft was made (empty without --draft)."""
+    if not record.get("draft"):
+        return []
+    made = record["draft"].get("distill") or {}
+    lines = ["", f"Draft model `{record['draft']['name']}`: {record['draft']['layers']} layers"
+             + (f", distilled for {made['minutes']:g} min ({made['steps']} steps, init {made['init']}); held-out "
+                f"top-1 agreement with the target {made['agreement_before']:.3f} before training, "
+                f"{made['agreement_after']:.3f} after" if made else "") + ". Greedy; draft_kN: adaptive k up to N, "
+             "draft_kN_fixed: N drafts at every step.", "",
+             "| prompt | plain tok/s | draft | draft tok/s | speed-up | acceptance | kept per step | steps "
+             "| drafting s | same tokens |", "|---|---:|---|---:|---:|---:|---:|---:|---:|---|"]
+    for kind, row in record["prompts"].items():
+        tps = row["tokens_per_s"]
+        for name, drafted in row["drafts"].items():
+            stats = drafted["stats"]
+            same = "yes" if drafted["equals_plain"] else f"first {drafted['agrees_for']}"
+            lines.append(f"| {kind} | {tps['plain']:.1f} | {name} | {tps[name]:.1f} | {drafted['speedup']:.2f}x | "
+                         f"{stats['acceptance_rate']:.2f} | {stats['mean_accepted']:.2f} | {stats['steps']} | "
+                         f"{stats['draft_seconds']:.2f} | {same} |")
+    return lines
+
+
 def markdown(record: dict) -> str:
     rows = record["prompts"]
+    drafted = (f" and a draft model (k {', '.join(map(str, record['draft']['k']))})" if record.get("draft")
+               else "")
     lines = [f"# Speculative decoding at batch 1: {record['model']}, prompt lookup (k={record['k']}, "
-             f"n {record['n_min']}..{record['n_max']}), {record['new_tokens']} new tokens, greedy", "",
+             f"n {record['n_min']}..{record['n_max']}){drafted}, {record['new_tokens']} new tokens, greedy", "",
              f"{record['machine']['cpu']}, {record['threads']} threads; medians of {record['rounds']} rounds in "
              f"turns; 1-minute load average {record['load_before']} before, {record['load_after']} after. "
              f"Tokens/s over the whole call (prompt included).", "",
@@ -210,6 +273,7 @@ def markdown(record: dict) -> str:
         lines.append(f"| {kind} | {row['prompt_tokens']} | {tps['plain']:.1f} | {tps['ngram']:.1f} | "
                      f"{row['speedup']:.2f}x | {stats['acceptance_rate']:.2f} | {stats['mean_accepted']:.2f} | "
                      f"{stats['steps']} | {same} | {peer} |")
+    lines += draft_markdown(record)
     lines += ["", "Acceptance: drafts kept / drafts proposed; kept per step: drafts kept per verification step "
               "(each step also emits one token of its own). Same tokens: the speculative greedy tokens against "
               "`jaxattn.generate`'s.", ""]
@@ -231,6 +295,9 @@ def command_line(argv: list[str]) -> str:
             word = Path(word).resolve().relative_to(ROOT).as_posix()
         elif flag == "--out":
             word = "OUT"
+        elif flag == "--draft":
+            word = Path(word).resolve().relative_to(ROOT).as_posix() if Path(word).resolve().is_relative_to(ROOT) \
+                else "DRAFT_DIR"
         words.append(word)
     return " ".join(["PYTHONPATH=$PWD python bench/speculative.py", *words])
 
@@ -247,10 +314,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=cpu_cores())
     parser.add_argument("--prompts", default=",".join(PROMPTS), help="comma-separated, of " + ", ".join(PROMPTS))
     parser.add_argument("--no-hf", action="store_true", help="leave transformers out")
+    parser.add_argument("--draft", type=Path, help="a draft model's transformers directory (same tokenizer)")
+    parser.add_argument("--draft-k", default="4", help="comma-separated ks of the draft candidates (default 4)")
+    parser.add_argument("--draft-fixed", action="store_true", help="each draft candidate also with k fixed "
+                        "(adaptive=False: drafting at every step)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "speculative")
     args = parser.parse_args(argv)
     if not args.gguf.is_file():
         parser.error(f"--gguf {args.gguf}: no such file")
+    if args.draft is not None and not (args.draft / "config.json").is_file():
+        parser.error(f"--draft {args.draft}: no config.json there")
+    try:
+        args.draft_k = sorted({int(k) for k in args.draft_k.split(",")}, reverse=True)
+    except ValueError:
+        parser.error(f"--draft-k: comma-separated ints, got {args.draft_k!r}")
+    if min(args.draft_k) < 1:
+        parser.error("--draft-k: each k must be >= 1")
     unknown = set(args.prompts.split(",")) - set(PROMPTS)
     if unknown:
         parser.error(f"--prompts: unknown {sorted(unknown)}")
@@ -262,16 +341,20 @@ def main(argv=None) -> int:
     pin_to_cores(args.threads)  # before JAX and torch size their thread pools
     from bench.machine import describe_machine
     config, params, tokenizer, chat, saved = load(str(args.gguf))
+    draft = None if args.draft is None else load_draft(args.draft)
     load_before = load_average()
     with tempfile.TemporaryDirectory(prefix="speculative-hf-") as scratch:
         hf = None if args.no_hf else hf_model(saved, tokenizer, args.threads, scratch)
-        prompts = {kind: measure_prompt(kind, (config, params), tokenizer, chat, args, hf)
+        prompts = {kind: measure_prompt(kind, (config, params), tokenizer, chat, args, hf, draft)
                    for kind in args.prompts.split(",")}
     record = {"model": args.gguf.name, "dtype": "float32", "new_tokens": args.new_tokens, "rounds": args.rounds,
               "k": args.k, "n_min": args.n_min, "n_max": args.n_max, "threads": args.threads,
               "load_before": load_before, "load_after": load_average(), "machine": describe_machine(),
               "command": command_line(sys.argv[1:] if argv is None else argv),
               "median_speedup": statistics.median(row["speedup"] for row in prompts.values()), "prompts": prompts}
+    if draft is not None:
+        record["draft"] = {"name": args.draft.name, "layers": draft[0].num_layers, "k": args.draft_k,
+                           "distill": draft[2]}
     out = Path(args.out)
     write_results(out.parent, out.name, record, markdown(record))
     return 0

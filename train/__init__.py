@@ -8,6 +8,7 @@ Programs, each `python -m train.NAME` and each thin (flags, one loader, library 
   serve: the OpenAI-compatible server (`jaxattn.serving.api`) over the continuous-batching engine.
   compare: attention kinds x position schemes trained side by side.
   attention_maps: a model's attention as a PNG or an interactive page.
+  distill_draft: a small draft model for speculative decoding, distilled from a target model.
 
 What the programs share:
   cli: how every program ends (one `error:` line and an exit code, never a traceback).
@@ -21,6 +22,7 @@ The training machinery, in rooms:
   data: the corpus, its tokenizer, prepared shards, batches, fine-tuning chats.
   run: a run end to end: runtime, jitted steps, optimizers, the loop, resume, the finish.
   checkpoints: the checkpoint store, its meta, and where a fine-tuning run starts (`init_from`).
+  distill: a draft model cut from its target and fitted to the target's next-token distribution.
 
 docs/architecture.md draws the packages and the path of a training step through them.
 """

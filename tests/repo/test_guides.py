@@ -129,7 +129,8 @@ def parse_only(program: str, argv: list[str], monkeypatch) -> str | None:
 
 def test_the_guides_show_commands_of_every_program():
     programs = {program for command in COMMANDS for program, _ in program_commands(command.values[1])}
-    assert programs == {"tiny_lm", "prepare", "sample", "export", "serve", "compare", "attention_maps"}
+    assert programs == {"tiny_lm", "prepare", "sample", "export", "serve", "compare", "attention_maps",
+                        "distill_draft"}
 
 
 @pytest.mark.parametrize("document, line", COMMANDS)
