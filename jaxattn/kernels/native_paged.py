@@ -31,7 +31,9 @@ from jaxattn.kernels.native_build import NativeBuildError, compiler, native_cach
 
 SOURCE = Path(__file__).parent / "native" / "paged_attention.cc"
 TARGET = "jaxattn_paged_attention"
-NATIVE_UP_TO = 8  # queries per row and kv head (C * G) up to which a call goes native
+# Queries per row and kv head (C * G) up to which a call goes native: a speculative verification's rows
+# (C = k + 1 = 5, G = 3 on SmolLM2-135M: 15) ran its forward in 41.6 ms native against 46.7 ragged.
+NATIVE_UP_TO = 16
 WAY_OUT = "use Kernels(paged='ragged')"
 
 

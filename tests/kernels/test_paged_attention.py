@@ -200,7 +200,7 @@ def test_ragged_cpu_equals_gathered_going_native_only_where_it_should(case):
     args, kwargs = inputs(case)
     queries, key_pages, value_pages = args[:3]
     G = CASES[case][0] // CASES[case][1]
-    assert takes_native(queries, key_pages, value_pages) == (len(queries) == 1 and 3 * G <= 8)
+    assert takes_native(queries, key_pages, value_pages) == (len(queries) == 1 and 3 * G <= native_paged.NATIVE_UP_TO)
     close(_ragged_cpu(*args, **kwargs), gathered(args, kwargs))
 
 
@@ -209,11 +209,12 @@ def takes_native(queries, key_pages, value_pages) -> bool:
     return paged_select.choose("ragged_cpu", queries, key_pages, value_pages)[0] == paged_select.NATIVE
 
 
-def test_native_takes_decode_rows_only():
+def test_native_takes_decode_and_verification_rows_only():
     q = lambda C, N, dtype=jnp.float32: jnp.zeros((2, C, N, H), dtype)  # noqa: E731
     pages = lambda K, dtype=jnp.float32: jnp.zeros((P, PS, K, H), dtype)  # noqa: E731
     assert takes_native((q(1, 8),), (pages(1),), pages(1))  # one row per head group of 8
-    assert not takes_native((q(2, 8),), (pages(1),), pages(1))  # 16 queries per kv head
+    assert takes_native((q(2, 8),), (pages(1),), pages(1))  # 16 queries per kv head: a verification's rows
+    assert not takes_native((q(3, 8),), (pages(1),), pages(1))  # 24 queries per kv head: a prompt chunk
     assert not takes_native((q(1, 4), q(1, 4)), (pages(1), pages(1)), pages(1))  # MLA's parts
     assert not takes_native((q(1, 4, jnp.bfloat16),), (pages(2, jnp.bfloat16),), pages(2, jnp.bfloat16))
 
@@ -225,13 +226,13 @@ def test_the_call_rule_names_the_kernel_and_its_reason():
     decoding rows and ragged, saying why, for a prompt chunk, MLA's two parts and int8 or 16-bit pages."""
     q = lambda C, N, dtype=jnp.float32: jnp.zeros((2, C, N, H), dtype)  # noqa: E731
     pages = lambda K, dtype=jnp.float32: jnp.zeros((P, PS, K, H), dtype)  # noqa: E731
-    decoding, chunk = ((q(1, 8),), (pages(2),), pages(2)), ((q(4, 8),), (pages(2),), pages(2))
+    decoding, chunk = ((q(1, 8),), (pages(2),), pages(2)), ((q(8, 8),), (pages(2),), pages(2))
     assert paged_select.choose("gather", *decoding)[0] == "gather"
     assert paged_select.choose("ragged", *decoding)[0] == "ragged"
     kernel, reason = paged_select.choose("ragged_cpu", *decoding)
-    assert kernel == "native" and "4 queries per row and kv head <= 8" in reason
+    assert kernel == "native" and "4 queries per row and kv head <= 16" in reason
     kernel, reason = paged_select.choose("ragged_cpu", *chunk)
-    assert kernel == "ragged" and "16 queries per row and kv head > 8" in reason
+    assert kernel == "ragged" and "32 queries per row and kv head > 16" in reason
     kernel, reason = paged_select.choose("ragged_cpu", (q(1, 4), q(1, 4)), (pages(1), pages(1)), pages(1))
     assert kernel == "ragged" and "2 key parts" in reason
     kernel, reason = paged_select.choose("ragged_cpu", (q(1, 4, jnp.bfloat16),), (pages(2, jnp.bfloat16),),
