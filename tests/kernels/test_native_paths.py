@@ -113,7 +113,7 @@ rng = np.random.default_rng(0)
 for M in (1, 33):
     for K in (96, 160):  # three and five groups of 32: not a multiple of 64
         x = rng.normal(size=(M, K)).astype(np.float32)
-        for mode in ("int8", "int8:channel", "int4", "int4:32"):  # int8: groups of 32; then per channel
+        for mode in ("int8", "int8:channel", "int4", "int4:32", "int4:asym"):  # int8: groups of 32; per channel; Q4_1
             for N in (17, 531, 80):  # a tail alone, vector columns and a tail, whole panels
                 q = quantize_weight(rng.normal(size=(K, N)).astype(np.float32), mode)
                 calls = [(q, False, quant_matmul.matmul), (q, True, quant_matmul.matmul_q8act)]

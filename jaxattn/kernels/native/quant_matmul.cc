@@ -177,14 +177,50 @@ void Int4Float(const Problem& p, int64_t m0, int64_t m1, int64_t j0, int64_t j1,
 }
 
 // out[0:16] += (the 16 int32 sums - offset) * (scale[c] or 1) * xs: a group's integer dots into float32.
+// The int4 form (AddScaled4): without minimums as AddScaled with 8 * the group's sum of xq taken off; with
+// them (W = u * scale + minimum), out[c] += xs * (sum_k xq_k u_k * scale[c] + sum_k xq_k * minimum[c]).
+// Once per row, group and 16 columns: in vector registers where the dots are (a plain loop here cost about
+// as much as the dots themselves, so each row past the first nearly doubled a call's time).
+#if defined(JAXATTN_VNNI)
+inline __m512 Sums(const jaxattn_dot::Acc16& acc, int32_t offset) {
+  return _mm512_cvtepi32_ps(_mm512_sub_epi32(acc.v, _mm512_set1_epi32(offset)));
+}
+inline void AddScaled(float* out, const jaxattn_dot::Acc16& acc, int32_t offset, const float* scale, float xs) {
+  const __m512 factor = scale ? _mm512_mul_ps(_mm512_loadu_ps(scale), _mm512_set1_ps(xs)) : _mm512_set1_ps(xs);
+  _mm512_storeu_ps(out, _mm512_fmadd_ps(Sums(acc, offset), factor, _mm512_loadu_ps(out)));
+}
+inline void AddScaled4(float* out, const jaxattn_dot::Acc16& acc, int32_t xsum, const float* scale, const float* mins,
+                       float xs) {
+  if (!mins) return AddScaled(out, acc, 8 * xsum, scale, xs);
+  const __m512 inner = _mm512_fmadd_ps(Sums(acc, 0), _mm512_loadu_ps(scale),
+                                       _mm512_mul_ps(_mm512_set1_ps(static_cast<float>(xsum)), _mm512_loadu_ps(mins)));
+  _mm512_storeu_ps(out, _mm512_fmadd_ps(inner, _mm512_set1_ps(xs), _mm512_loadu_ps(out)));
+}
+#elif defined(JAXATTN_DOT_256) && defined(__FMA__)
+inline __m256 Sums(const jaxattn_dot::Acc16& acc, int h, int32_t offset) {
+  return _mm256_cvtepi32_ps(_mm256_sub_epi32(acc.v[h], _mm256_set1_epi32(offset)));
+}
+inline void AddScaled(float* out, const jaxattn_dot::Acc16& acc, int32_t offset, const float* scale, float xs) {
+  for (int h = 0; h < 2; ++h) {
+    const __m256 factor = scale ? _mm256_mul_ps(_mm256_loadu_ps(scale + 8 * h), _mm256_set1_ps(xs)) : _mm256_set1_ps(xs);
+    _mm256_storeu_ps(out + 8 * h, _mm256_fmadd_ps(Sums(acc, h, offset), factor, _mm256_loadu_ps(out + 8 * h)));
+  }
+}
+inline void AddScaled4(float* out, const jaxattn_dot::Acc16& acc, int32_t xsum, const float* scale, const float* mins,
+                       float xs) {
+  if (!mins) return AddScaled(out, acc, 8 * xsum, scale, xs);
+  for (int h = 0; h < 2; ++h) {
+    const __m256 inner = _mm256_fmadd_ps(Sums(acc, h, 0), _mm256_loadu_ps(scale + 8 * h),
+                                         _mm256_mul_ps(_mm256_set1_ps(static_cast<float>(xsum)), _mm256_loadu_ps(mins + 8 * h)));
+    _mm256_storeu_ps(out + 8 * h, _mm256_fmadd_ps(inner, _mm256_set1_ps(xs), _mm256_loadu_ps(out + 8 * h)));
+  }
+}
+#else
 inline void AddScaled(float* out, const jaxattn_dot::Acc16& acc, int32_t offset, const float* scale, float xs) {
   int32_t sums[16];
   jaxattn_dot::Lanes(acc, sums);
   for (int c = 0; c < 16; ++c) out[c] += static_cast<float>(sums[c] - offset) * ((scale ? scale[c] : 1.0f) * xs);
 }
-
-// The int4 form: without minimums as AddScaled with 8 * the group's sum of xq taken off; with them
-// (W = u * scale + minimum), out[c] += xs * (sum_k xq_k u_k * scale[c] + sum_k xq_k * minimum[c]).
 inline void AddScaled4(float* out, const jaxattn_dot::Acc16& acc, int32_t xsum, const float* scale, const float* mins,
                        float xs) {
   if (!mins) return AddScaled(out, acc, 8 * xsum, scale, xs);
@@ -192,6 +228,7 @@ inline void AddScaled4(float* out, const jaxattn_dot::Acc16& acc, int32_t xsum, 
   jaxattn_dot::Lanes(acc, sums);
   for (int c = 0; c < 16; ++c) out[c] += xs * (static_cast<float>(sums[c]) * scale[c] + static_cast<float>(xsum) * mins[c]);
 }
+#endif
 
 // out[m0:m1, j0:j1] for int4 words and int8 activations: integer dots per group of 32 rows. The rows
 // of a group are read along the piece's columns (four streams through memory), each 16 columns' int32
