@@ -266,6 +266,7 @@ class Engine:
         read (it takes them on the device), and the next `step()` starts from it. `clock` adds up where
         the steps' time went."""
         clock, started = self.clock, time.perf_counter()
+        step_started = started
         running, self._in_flight = self._in_flight, None
         if running is None:
             output = self.scheduler.schedule()
@@ -273,7 +274,9 @@ class Engine:
                 return output.ended
             if output.steps > 1 or output.drafts:
                 clock.seconds["schedule"] += time.perf_counter() - started
-                return self._verify(output) if output.drafts else self._run(output)
+                ended = self._verify(output) if output.drafts else self._run(output)
+                self._time_step(output, started, output.steps)
+                return ended
             running = self.model_runner.dispatch(output, clock)
             started = time.perf_counter()
         ahead = self.scheduler.schedule_ahead(running.output) if self.engine_config.overlap else None
@@ -285,7 +288,14 @@ class Engine:
         with clock.phase("update"):
             ended = self.scheduler.update(running.output, tokens, finite, logprobs)
         clock.steps += 1
+        self._time_step(running.output, step_started)
         return ended
+
+    def _time_step(self, output, started: float, steps: int = 1) -> None:
+        """A decode-only step's wall time a step, for the speculator's choice of k (what drafting costs here)."""
+        if self.speculator is not None and output.decode and not output.prefill:
+            self.speculator.observe(len(output.decode), max(map(len, output.drafts), default=0),
+                                    (time.perf_counter() - started) / steps)
 
     def _run(self, output) -> list[Request]:
         """A multi-step call (`jaxattn.serving.multi_step`), read back at its end."""

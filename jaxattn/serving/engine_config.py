@@ -57,8 +57,9 @@ class EngineConfig:
         k): a decode row drafts up to k tokens copied from its prompt and output, verified in one forward
         of k + 1 tokens per row (`jaxattn.serving.verify`), its k adapting to its acceptance; greedy tokens
         unchanged, sampled ones distributed as before. None: off.
-      adaptive_k: with speculative decoding, each row's k follows its acceptance (halved on a miss,
-        doubled on a full accept, `jaxattn.speculative.schedule.AdaptiveK`); False: always k.
+      adaptive_k: with speculative decoding, each row drafts the count expected to give the most tokens a
+        second, from its acceptance and the measured cost of wider steps (`jaxattn.speculative.schedule.AdaptiveK`,
+        `DraftCosts`); False: always k.
       lora_form: how the slots' products run, one of `jaxattn.lora.FORMS` (the same sums), or "auto": the
         platform's (`jaxattn.kernels.select.lora_form`: the native loop on a CPU, float32 adapters).
     """

@@ -1,9 +1,11 @@
 """The engine's drafts: which decode rows draft how many tokens this step, and what the drafts did.
 
 `Speculator` asks a proposer (`jaxattn.speculative.proposal.Proposer`: prompt lookup, `NgramProposer`, or a
-draft model, `DraftProposer`) for each decode row's drafts, and gives every request its own k (`jaxattn.speculative.schedule.AdaptiveK`): k halves when
-a row's drafts are all rejected, doubles when all are kept, and after `probe_after` plain steps at 0 drafts
-one token again. The scheduler asks it for a step's drafts (`drafts`), within the token budget (a row
+draft model, `DraftProposer`) for each decode row's drafts, and gives every request its own k
+(`jaxattn.speculative.schedule.AdaptiveK`): the count expected to give the most tokens per second, from the
+request's acceptance so far and what steps of each width cost on this machine (`costs`, a
+`jaxattn.speculative.schedule.DraftCosts` the engine times its decode-only steps into); at 0, after
+`probe_after` plain steps one token again. The scheduler asks it for a step's drafts (`drafts`), within the token budget (a row
 drafting d tokens costs d + 1) and the tokens each row may still draw; a step in which no row drafts is a
 plain step (and may be overlapped or run several decode steps in one call).
 
@@ -26,7 +28,7 @@ import numpy as np
 
 from jaxattn.serving.requests import Request, Status
 from jaxattn.speculative.proposal import Proposer
-from jaxattn.speculative.schedule import AdaptiveK
+from jaxattn.speculative.schedule import AdaptiveK, DraftCosts, widths
 
 
 class Speculator:
@@ -41,6 +43,7 @@ class Speculator:
       adaptive: each row's k follows its acceptance; False: always k.
 
     Attributes:
+      costs: what a step of each width costs against a plain one (`observe` times the engine's steps).
       steps, drafts, draft_tokens, accepted_tokens: counts over the verification steps (vLLM's names).
       accepted_per_position: `[k]` int, drafts kept at position i.
       draft_seconds: host time spent looking up drafts.
@@ -50,6 +53,7 @@ class Speculator:
                  adaptive: bool = True):
         self.proposer, self.k, self.probe_after, self.adaptive = proposer, proposer.k, probe_after, adaptive
         proposer.begin(rows, capacity)
+        self.costs = DraftCosts(widths(self.k))
         self._histories = [np.zeros(1, np.int32) for _ in range(rows)]  # each row's last history
         self._holders: list[Request | None] = [None] * rows
         self.steps = self.drafts_made = self.draft_tokens = self.accepted_tokens = 0
@@ -62,7 +66,8 @@ class Speculator:
 
     def _schedule(self, request: Request) -> AdaptiveK:
         if request.draft_schedule is None:
-            request.draft_schedule = AdaptiveK(self.k, probe_after=self.probe_after, adaptive=self.adaptive)
+            request.draft_schedule = AdaptiveK(self.k, probe_after=self.probe_after, adaptive=self.adaptive,
+                                               costs=self.costs)
         return request.draft_schedule
 
     def _row(self, request: Request) -> int:
@@ -95,7 +100,7 @@ class Speculator:
         ks = []
         for request, most in zip(requests, left):
             schedule = self._schedule(request)
-            ks.append(min(schedule.k, most - 1, max(budget, 0)))
+            ks.append(min(schedule.for_rows(len(requests)), most - 1, max(budget, 0)))
             budget -= ks[-1]
             if schedule.k == 0:
                 schedule.update(0, 0)
@@ -110,6 +115,10 @@ class Speculator:
                       for request, draft in zip(requests, drafts)]
         self.draft_seconds += time.perf_counter() - started
         return drafts
+
+    def observe(self, rows: int, drafts: int, seconds: float) -> None:
+        """A decode-only step of `rows` rows and at most `drafts` drafts a row (0: plain) took `seconds`."""
+        self.costs.observe(rows, drafts, seconds)
 
     def record(self, request: Request, proposed: int, accepted: int) -> None:
         """After a verification step: the row drafted `proposed` tokens and kept `accepted`; its k follows."""

@@ -42,6 +42,7 @@ from jaxattn.serving.logit_knobs import fill_draw_knobs
 from jaxattn.serving.requests import Request
 from jaxattn.serving.step import DrawKnobs, Logprobs, adjusted, draw_keys, drawn_logprobs, filtered, step_forward
 from jaxattn.speculative.acceptance import leading_true
+from jaxattn.speculative.schedule import widths
 
 
 @flax.struct.dataclass
@@ -142,15 +143,6 @@ def _forward_args(inputs: VerifyInputs) -> tuple:
 def _sample_args(inputs: VerifyInputs) -> tuple:
     return (inputs.knobs, inputs.drafts, inputs.num_drafts, inputs.batch.groups[0].block_table,
             inputs.logprobs_asked)
-
-
-def widths(k: int) -> tuple[int, ...]:
-    """The verification widths compiled for drafts of up to `k` tokens: 1 + 1, 2, 4, ... and 1 + k."""
-    counts, count = {k}, 1
-    while count < k:
-        counts.add(count)
-        count *= 2
-    return tuple(sorted(1 + c for c in counts))
 
 
 class VerifyPrograms:

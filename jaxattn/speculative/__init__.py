@@ -13,7 +13,8 @@ The modules, one job each:
 * `acceptance`: the pure, jittable acceptance rules over `[B, k, V]` arrays (`greedy_accept`,
   `rejection_accept`, `accept`, `target_probs`, `point_mass`), for any caller with batched logits;
 * `verify`: the target's step over its dense cache (`verify_step`, `prefill`, `rollback`);
-* `schedule`: how k adapts to the acceptance (`AdaptiveK`);
+* `schedule`: how many drafts pay, from the acceptance and the measured cost of a wider step (`AdaptiveK`,
+  `DraftCosts`);
 * `stats`: what a generation did (`SpeculativeStats`);
 * `generate`: the host loop, `speculative_generate`, with `jaxattn.generate`'s contract;
 * `options`: the method and its settings as one value (`SpeculativeOptions`, `parse_speculative` of
@@ -26,12 +27,13 @@ from jaxattn.speculative.generate import SpeculativeOutput, speculative_generate
 from jaxattn.speculative.ngram import NgramProposer, NgramSettings, ngram_lookup
 from jaxattn.speculative.options import SpeculativeOptions, make_proposer, parse_speculative
 from jaxattn.speculative.proposal import Proposal, Proposer
-from jaxattn.speculative.schedule import AdaptiveK
+from jaxattn.speculative.schedule import AdaptiveK, DraftCosts
 from jaxattn.speculative.stats import SpeculativeStats
 from jaxattn.speculative.verify import prefill, rollback, verify_step
 
 __all__ = [
     "AdaptiveK",
+    "DraftCosts",
     "DraftProposer",
     "NgramProposer",
     "NgramSettings",

@@ -38,7 +38,7 @@ from jaxattn.config import ModelConfig
 from jaxattn.decoding import SamplingKnobs, call_lengths, validated_arguments
 from jaxattn.kernels import Kernels, call_kernels
 from jaxattn.speculative.proposal import Proposal
-from jaxattn.speculative.schedule import AdaptiveK
+from jaxattn.speculative.schedule import AdaptiveK, DraftCosts, widths
 from jaxattn.speculative.stats import SpeculativeStats
 from jaxattn.speculative.verify import plain_steps, prefill, verify_step
 
@@ -169,6 +169,30 @@ def _prefill(params, config, kernels, tokens, lengths, max_new_tokens: int, k_ma
     return cache_len, np.asarray(first), cache
 
 
+def _decode(target, cache, cache_len: int, rows: _Rows, proposer, schedule: AdaptiveK, stats: SpeculativeStats):
+    """Steps until every row is done, each one timed into `schedule.costs` (what a step of each width costs)."""
+    costs, batch = schedule.costs, len(rows.histories)
+    schedule.for_rows(batch)
+    runs = set()
+    while not rows.done.all():
+        # k drafts write k + 1 slots from each row's cache length (its history less the pending token).
+        fits = cache_len - max(len(h) for h in rows.histories)
+        # k is not cut to the rows' room near the end (their drafts are): one program width serves the tail.
+        k = max(0, min(schedule.k, fits))
+        run = schedule.plain_run
+        started = time.perf_counter()
+        if 1 < run <= min(fits, int(rows.room().max()) + 1):  # k = 0: the steps to the next probe in one program
+            cache = _plain(target, cache, rows, run, stats)
+            if run in runs:  # a run of a new length compiled its program: not a step's cost
+                costs.observe(batch, 0, (time.perf_counter() - started) / run)
+            runs.add(run)
+            schedule.update(0, 0, steps=run)
+            continue
+        cache, (proposed, accepted) = _step(target, cache, rows, proposer, k, stats, stats.steps)
+        costs.observe(batch, proposed, time.perf_counter() - started)
+        schedule.update(proposed, accepted)
+
+
 def speculative_generate(params, config: ModelConfig, prompt_tokens, prompt_lengths=None, *, max_new_tokens: int,
                          rng: jax.Array, proposer, temperature=1.0, top_k=0, top_p=1.0, stop_token: int | None = None,
                          pad_token: int = 0, kernels: Kernels | None = None, kv_cache: str = "auto",
@@ -191,7 +215,8 @@ def speculative_generate(params, config: ModelConfig, prompt_tokens, prompt_leng
     if kv_cache not in KV_CACHES:
         raise ValueError(f"kv_cache must be one of {KV_CACHES}, got {kv_cache!r}")
     k_max = check_proposer(proposer, config)
-    schedule = AdaptiveK(k_max, probe_after=probe_after, adaptive=bool(adaptive))
+    # This call's steps are timed into its costs: what drafting costs here.
+    schedule = AdaptiveK(k_max, probe_after=probe_after, adaptive=bool(adaptive), costs=DraftCosts(widths(k_max)))
     kernels, params = call_kernels(params, kernels)
     if prompt_lengths is None:
         shape = np.shape(prompt_tokens)
@@ -211,16 +236,5 @@ def speculative_generate(params, config: ModelConfig, prompt_tokens, prompt_leng
     # Greedy calls compile the exact-match rule alone (a temperature of 0 is known here, on the host).
     target = (params, knobs, rng, config, kernels, bool(np.any(np.asarray(temperature) > 0)))
     stats = SpeculativeStats.empty(k_max)
-    while not rows.done.all():
-        # k drafts write k + 1 slots from each row's cache length (its history less the pending token).
-        fits = cache_len - max(len(h) for h in rows.histories)
-        # k is not cut to the rows' room near the end (their drafts are): one program width serves the tail.
-        k = max(0, min(schedule.k, fits))
-        run = schedule.plain_run
-        if 1 < run <= min(fits, int(rows.room().max()) + 1):  # k = 0: the steps to the next probe in one program
-            cache = _plain(target, cache, rows, run, stats)
-            schedule.update(0, 0, steps=run)
-            continue
-        cache, (proposed, accepted) = _step(target, cache, rows, proposer, k, stats, stats.steps)
-        schedule.update(proposed, accepted)
+    _decode(target, cache, cache_len, rows, proposer, schedule, stats)
     return SpeculativeOutput(*rows.result(pad_token), stats=stats)

@@ -273,3 +273,20 @@ def test_verification_widths_follow_the_counts_an_adaptive_k_takes():
     assert [widths(k) for k in (1, 2, 3, 4, 8)] == [(2,), (2, 3), (2, 3, 4), (2, 3, 5), (2, 3, 5, 9)]
     programs = spec_engine("gqa").model_runner.verifies
     assert programs.shape(1, 1) == (1, 2) and programs.shape(2, 3) == (4, 4) and programs.shape(4, 2) == (4, 3)
+
+
+def test_the_engine_times_its_decode_only_steps_into_what_drafting_costs():
+    engine = spec_engine("mha")
+    costs = engine.speculator.costs
+    prompts, max_tokens, _ = draw_requests(0, count=4)
+    for _ in range(2):  # the same steps twice: a shape's first timing is left out (it may have compiled)
+        requests = [engine.add_request(p, greedy(m)) for p, m in zip(prompts, max_tokens)]
+        engine.run()
+    schedules = [r.draft_schedule for r in requests if r.draft_schedule is not None]  # those that decoded
+    assert schedules and all(s.costs is costs for s in schedules)  # one machine: the requests share its costs
+    widths_timed = {width for _, width in costs.seconds}
+    assert 1 in widths_timed and widths_timed - {1}, costs.seconds  # plain steps and verifications
+    assert all(0 < seconds < 60 and 1 <= rows <= ENGINE.max_seqs for (rows, _), seconds in costs.seconds.items())
+    rows = next(rows for rows, width in costs.seconds if width > 1 and (rows, 1) in costs.seconds)
+    width = next(width for r, width in costs.seconds if r == rows and width > 1)
+    assert costs.relative(rows, width - 1) == pytest.approx(costs.seconds[(rows, width)] / costs.seconds[(rows, 1)])

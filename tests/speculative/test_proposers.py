@@ -7,6 +7,8 @@ import pytest
 from jaxattn.config import ModelConfig
 from jaxattn.kernels import Kernels
 from jaxattn.speculative import AdaptiveK, DraftProposer, NgramProposer, NgramSettings, Proposal, ngram_lookup
+from jaxattn.speculative.schedule import (COST_DECAY, MAX_PROBE_GAP, PRIOR_DRAFT_COST, DraftCosts, expected_tokens,
+                                        widths)
 from tiny_models import drawn_params
 
 
@@ -61,14 +63,94 @@ def test_the_draft_proposer_rolls_back_to_what_the_history_still_agrees_with():
         DraftProposer(params, config, k=2).propose([history], 2)
 
 
-def test_k_halves_on_rejection_grows_on_full_acceptance_and_probes_after_plain_steps():
-    schedule = AdaptiveK(k_max=4, probe_after=3)
-    assert [schedule.update(p, a) for p, a in [(4, 0), (2, 1), (2, 2), (4, 4), (0, 0), (4, 0), (2, 0), (1, 0)]] \
-        == [2, 2, 4, 4, 4, 2, 1, 0]
-    assert schedule.plain_run == 3
-    assert [schedule.update(0, 0) for _ in range(3)] == [0, 0, 1]  # three plain steps, then one draft again
-    assert schedule.plain_run == 0 and schedule.update(1, 0) == 0 and schedule.update(0, 0, steps=3) == 1
-    fixed = AdaptiveK(k_max=4, adaptive=False)
-    assert fixed.update(4, 0) == 4
+def measured(plain: float, per_width: dict[int, float], k: int = 4, rows: int = 1) -> DraftCosts:
+    """Costs of steps timed twice each (the first timing of a shape is left out: it may have compiled)."""
+    costs = DraftCosts(widths(k))
+    for drafts, seconds in [(0, plain), *((w - 1, s) for w, s in per_width.items())]:
+        for _ in range(2):
+            costs.observe(rows, drafts, seconds)
+    return costs
+
+
+def test_expected_tokens_and_the_widths_a_draft_count_runs_in():
+    assert expected_tokens(0.5, 0) == 1.0 and expected_tokens(0.5, 2) == 1.75
+    assert expected_tokens(1.0, 4) == 5.0 and expected_tokens(0.0, 4) == 1.0
+    assert widths(4) == (2, 3, 5) and widths(1) == (2,) and widths(6) == (2, 3, 5, 7)
+    costs = DraftCosts(widths(4))
+    assert [costs.width(d) for d in range(5)] == [1, 2, 3, 5, 5]  # 3 drafts pay for the width of 4
+    assert costs.candidates(4) == (0, 1, 2, 4) and costs.candidates(2) == (0, 1, 2)
+
+
+def test_draft_costs_leave_out_each_shape_s_first_timing_then_follow_a_decayed_mean():
+    costs = DraftCosts(widths(4))
+    assert costs.relative(1, 0) == 1.0 and costs.relative(1, 2) == pytest.approx(1 + 2 * PRIOR_DRAFT_COST)
+    costs.observe(1, 0, 5.0)  # a first step: may have compiled, left out
+    costs.observe(1, 1, 9.0)
+    assert costs.seconds == {} and costs.relative(1, 1) == pytest.approx(1 + PRIOR_DRAFT_COST)
+    costs.observe(1, 0, 0.010)
+    costs.observe(1, 1, 0.015)
+    assert costs.relative(1, 1) == pytest.approx(1.5)
+    assert costs.relative(4, 1) == pytest.approx(1 + PRIOR_DRAFT_COST)  # other rows: not measured
+    costs.observe(1, 1, 0.025)
+    assert costs.seconds[(1, 2)] == pytest.approx(COST_DECAY * 0.015 + (1 - COST_DECAY) * 0.025)
+
+
+def test_k_maximises_expected_tokens_per_cost():
+    cheap = measured(0.010, {2: 0.0105, 3: 0.011, 5: 0.012})  # float32 at batch 1: drafts cost little
+    costly = measured(0.010, {2: 0.013, 3: 0.016, 5: 0.024})  # a quantized step's: each row costs
+    for costs in (cheap, costly):
+        schedule = AdaptiveK(4, costs=costs)
+        for _ in range(30):
+            schedule.update(schedule.k, schedule.k)  # every draft kept: the acceptance nears 1
+        assert schedule.k == 4 and schedule.acceptance > 0.9
+    cheap_k, costly_k = AdaptiveK(4, costs=cheap), AdaptiveK(4, costs=costly)
+    for schedule in (cheap_k, costly_k):
+        for _ in range(30):
+            schedule.update(2, 1)  # one kept in two tried, as a summary's drafts
+    assert cheap_k.k == 4 and costly_k.k == 1  # the same acceptance: long drafts only where they are cheap
+    for schedule in (cheap_k, costly_k):
+        for _ in range(30):
+            schedule.update(max(schedule.k, 1), 0)  # everything rejected
+    assert costly_k.k == 0 and cheap_k.acceptance < 0.15
+    assert cheap_k.k == 1  # a draft costing 5% of a step still pays at an acceptance above 5%
+    for schedule in (cheap_k, costly_k):  # the choice is the argmax of E(d) / c(d) over the candidates
+        best = max(schedule.costs.candidates(4), key=lambda d: (expected_tokens(schedule.acceptance, d)
+                                                                 / schedule.costs.relative(1, d), -d))
+        assert schedule.best() == best
+
+
+def test_a_backed_off_row_probes_and_a_rejected_probe_doubles_the_wait():
+    schedule = AdaptiveK(4, probe_after=3, costs=measured(0.010, {2: 0.016, 3: 0.019, 5: 0.024}))
+    for _ in range(5):
+        schedule.update(max(schedule.k, 1), 0)
+    assert schedule.k == 0 and schedule.plain_run == 3
+    gaps = []
+    for _ in range(5):
+        steps = 0
+        while schedule.update(0, 0) == 0:
+            steps += 1
+        gaps.append(steps + 1)
+        assert schedule.k == 1 and schedule.plain_run == 0
+        schedule.update(1, 0)  # the probe's draft rejected
+    assert gaps == [3, 6, 12, 24, 24]  # up to MAX_PROBE_GAP * probe_after
+    assert 24 == MAX_PROBE_GAP * 3
+    while schedule.update(0, 0, steps=24) == 0:
+        pass
+    for _ in range(20):  # a probe kept: the text repeats again, the wait goes back to probe_after
+        schedule.update(max(schedule.k, 1), max(schedule.k, 1))
+    assert schedule.k == 4 and schedule.gap == 3
+
+
+def test_k_follows_the_rows_a_step_holds_and_a_fixed_k_stays():
+    costs = measured(0.010, {2: 0.0105, 3: 0.011, 5: 0.012}, rows=1)
+    for drafts, seconds in [(0, 0.020), (1, 0.040), (2, 0.060), (4, 0.100)]:  # 8 rows: a draft costs a step
+        for _ in range(2):
+            costs.observe(8, drafts, seconds)
+    schedule = AdaptiveK(4, costs=costs)
+    for _ in range(10):
+        schedule.update(2, 1)
+    assert schedule.for_rows(1) == 4 and schedule.for_rows(8) == 0
+    fixed = AdaptiveK(k_max=4, adaptive=False, costs=costs)
+    assert fixed.update(4, 0) == 4 and fixed.for_rows(8) == 4
     with pytest.raises(ValueError, match="k_max"):
         AdaptiveK(k_max=-1)
