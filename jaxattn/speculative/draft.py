@@ -2,7 +2,10 @@
 
 Each `propose` is one jitted program: the tokens the draft has not yet seen are appended to its dense
 cache in one `DecoderLM.extend` (padded to a bucket of widths, so the program compiles once per
-(width, k)), then k - 1 one-token extends in a `jax.lax.scan`, each feeding the previous argmax.
+(width, k)), then k - 1 one-token extends in a `jax.lax.scan`, each feeding the previous argmax. A longer
+catch-up (a row that ran plain steps for a while, a new request's prompt) is first fed in pieces of
+`CATCH_UP` tokens by one program of that width (`feed_tokens`): the widths, so the programs, stay a few
+however long a row went without drafting.
 
 The proposer keeps, per row, the ids its cache holds (`fed`). A call first finds the longest prefix
 of the row's history that its cache still agrees with and rolls the cache back to it (the cache's
@@ -26,6 +29,9 @@ from jaxattn.config import ModelConfig
 from jaxattn.kernels import Kernels, call_kernels
 from jaxattn.model import DecoderLM
 from jaxattn.speculative.proposal import Proposal
+
+
+CATCH_UP = 32  # the widest catch-up drafted from; more tokens are fed first, this many a call
 
 
 def catch_up_width(need: int) -> int:
@@ -68,6 +74,14 @@ def draft_tokens(params, cache, catch_up, num_catch, *, config: ModelConfig, ker
 
     (cache, _), rest = jax.lax.scan(step, (cache, first), None, length=k - 1)
     return jnp.concatenate([first[:, None], rest.T], axis=1), cache
+
+
+@functools.partial(jax.jit, static_argnames=("config", "kernels"))
+def feed_tokens(params, cache, tokens, num, *, config: ModelConfig, kernels: Kernels):
+    """Appends `num [B]` (in `[0, W]`) of each row's `tokens [B, W]` to the draft's cache, drafting nothing."""
+    _, cache = DecoderLM(config, kernels).apply({"params": params}, tokens, cache, num_new=num,
+                                                method=DecoderLM.extend)
+    return cache
 
 
 class DraftProposer:
@@ -118,6 +132,7 @@ class DraftProposer:
         histories = [np.asarray(h, np.int32) for h in histories]
         # The draft's logits after the last history token are needed, so at least that token is fed again.
         kept = np.array([min(common_prefix(f, h), len(h) - 1) for f, h in zip(self.fed, histories)], np.int32)
+        cache, kept = self._feed(histories, self.cache.replace(lengths=jnp.asarray(kept)), kept)
         need = max(len(h) - n for h, n in zip(histories, kept))
         width = min(catch_up_width(need), self.cache.num_slots - int(kept.max()) - (k - 1))
         if width < need:
@@ -126,10 +141,24 @@ class DraftProposer:
         catch_up = np.zeros((len(histories), width), np.int32)
         for b, (h, n) in enumerate(zip(histories, kept)):
             catch_up[b, :len(h) - n] = h[n:]
-        cache = self.cache.replace(lengths=jnp.asarray(kept))
         drafts, self.cache = draft_tokens(self.params, cache, jnp.asarray(catch_up),
                                           jnp.asarray([len(h) - n for h, n in zip(histories, kept)], jnp.int32),
                                           config=self.config, kernels=self.kernels, k=k)
         drafts = np.asarray(drafts)
         self.fed = [np.concatenate([h, d[:k - 1]]) for h, d in zip(histories, drafts)]
         return Proposal(tokens=drafts, num=np.full((len(histories),), k, np.int32))
+
+    def _feed(self, histories: list[np.ndarray], cache, kept: np.ndarray):
+        """Feeds each row's unseen tokens but its last `CATCH_UP` in pieces of `CATCH_UP` -> `(cache, kept)`.
+        A piece is as wide as the fullest row's room allows (a wider write would be clamped onto its tokens)."""
+        while True:
+            width = min(CATCH_UP, self.cache.num_slots - int(kept.max()))
+            num = np.array([min(width, max(0, len(h) - n - CATCH_UP)) for h, n in zip(histories, kept)], np.int32)
+            if not num.any():
+                return cache, kept
+            pieces = np.zeros((len(histories), width), np.int32)
+            for b, (h, n, m) in enumerate(zip(histories, kept, num)):
+                pieces[b, :m] = h[n:n + m]
+            cache = feed_tokens(self.params, cache, jnp.asarray(pieces), jnp.asarray(num), config=self.config,
+                                kernels=self.kernels)
+            kept = kept + num

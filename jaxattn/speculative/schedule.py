@@ -11,7 +11,8 @@ tokens, at a cost c(d) in plain steps (c(0) = 1). `AdaptiveK` picks the d that m
 * a is each request's own (`AdaptiveK.acceptance`): a decayed count of drafts kept over drafts tried (a
   draft after a rejected one is not tried), from a prior of 1/2, so it follows the text as it changes;
 * c(d) is the machine's (`DraftCosts`): the measured seconds of verification steps of that width over
-  those of plain steps at the same number of rows, until measured a guess (each draft a tenth of a step).
+  those of plain steps at the same number of rows (medians of the last few), until measured a guess (each
+  draft a tenth of a step).
   A verification that costs little (a float32 step, memory-bound) makes long drafts pay at a modest
   acceptance; a costly one (a quantized step, whose products grow with the rows) needs a high one.
 
@@ -24,13 +25,14 @@ match) leaves k as it is. `adaptive=False` keeps k at its most.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 
 from jaxattn._validate import is_int
 
 PRIOR_DRAFT_COST = 0.1  # a drafted token's cost in plain steps, until a verification has been timed
 DECAY = 0.9  # how much of the acceptance counts so far each verification keeps
-COST_DECAY = 0.8  # how much of a measured cost each new timing keeps
+COST_WINDOW = 9  # the timings of a step's shape its cost is the lower median of
 MAX_PROBE_GAP = 8  # the most plain steps between probes, in units of probe_after
 
 
@@ -55,17 +57,19 @@ class DraftCosts:
 
     `observe(rows, drafts, seconds)` takes each decode-only step's wall time (drafts 0: a plain step), the
     first of each shape left out (it may have compiled); `relative(rows, d)` is a step of d drafts' seconds
-    over a plain step's at those rows (each a decayed mean), or `1 + PRIOR_DRAFT_COST * d` until both are
-    measured. Steps of d drafts run in the narrowest of `widths` that holds d + 1 tokens, so d counts are
-    timed by that width.
+    over a plain step's at those rows, or `1 + PRIOR_DRAFT_COST * d` until both are measured. Each is the
+    lower median of the shape's last `COST_WINDOW` timings: a step slowed by something else (a collection, a
+    page fault, another process) must not make a width look dear for good, since a width that looks dear is
+    not chosen, so not timed again. Steps of d drafts run in the narrowest of `widths` that holds d + 1
+    tokens, so d counts are timed by that width.
 
     Attributes:
       widths: the verification widths (`widths(k)`).
-      seconds: `(rows, width) -> seconds` a step (width 1: plain).
+      timings: `(rows, width) -> deque` of the last seconds a step (width 1: plain).
     """
 
     widths: tuple[int, ...]
-    seconds: dict = dataclasses.field(default_factory=dict)
+    timings: dict = dataclasses.field(default_factory=dict)
     _seen: set = dataclasses.field(default_factory=set)
 
     def width(self, drafts: int) -> int:
@@ -80,13 +84,17 @@ class DraftCosts:
         if key not in self._seen:  # a shape's first step may have compiled its program
             self._seen.add(key)
             return
-        before = self.seconds.get(key)
-        self.seconds[key] = seconds if before is None else COST_DECAY * before + (1 - COST_DECAY) * seconds
+        self.timings.setdefault(key, collections.deque(maxlen=COST_WINDOW)).append(seconds)
+
+    def seconds(self, rows: int, width: int) -> float | None:
+        """A step's seconds at `rows` rows of `width` tokens (the lower median of its last timings), or None."""
+        timings = self.timings.get((rows, width))
+        return sorted(timings)[(len(timings) - 1) // 2] if timings else None
 
     def relative(self, rows: int, drafts: int) -> float:
-        plain, verify = self.seconds.get((rows, 1)), self.seconds.get((rows, self.width(drafts)))
         if drafts == 0:
             return 1.0
+        plain, verify = self.seconds(rows, 1), self.seconds(rows, self.width(drafts))
         if plain is None or verify is None:
             return 1.0 + PRIOR_DRAFT_COST * drafts
         return verify / plain

@@ -1,13 +1,16 @@
 """The proposers and the schedule without a target: prompt lookup by hand, the draft model's rollback by its
 histories, the adaptive k, bad settings named."""
 
+import jax
 import numpy as np
 import pytest
 
 from jaxattn.config import ModelConfig
+from jaxattn.decoding import generate
 from jaxattn.kernels import Kernels
+from jaxattn.speculative import draft as draft_module
 from jaxattn.speculative import AdaptiveK, DraftProposer, NgramProposer, NgramSettings, Proposal, ngram_lookup
-from jaxattn.speculative.schedule import (COST_DECAY, MAX_PROBE_GAP, PRIOR_DRAFT_COST, DraftCosts, expected_tokens,
+from jaxattn.speculative.schedule import (COST_WINDOW, MAX_PROBE_GAP, PRIOR_DRAFT_COST, DraftCosts, expected_tokens,
                                         widths)
 from tiny_models import drawn_params
 
@@ -72,6 +75,31 @@ def measured(plain: float, per_width: dict[int, float], k: int = 4, rows: int = 
     return costs
 
 
+def test_a_long_catch_up_is_fed_in_pieces_and_drafts_what_greedy_decoding_gives(monkeypatch):
+    """Rows that went without drafting for longer than CATCH_UP tokens (two rows, 100 and 40 unseen) are fed in
+    pieces by one program width; the drafts are the draft model's greedy continuation of each history."""
+    config = ModelConfig(vocab_size=17, d_model=32, num_layers=1, num_heads=4, max_seq_len=160)
+    params = drawn_params(config, seed=4, std=0.3)
+    rng = np.random.default_rng(0)
+    histories = [rng.integers(0, 17, 100).astype(np.int32), rng.integers(0, 17, 40).astype(np.int32)]
+    widths_fed = []
+    feed = draft_module.feed_tokens
+
+    def counting(params, cache, tokens, num, **static):
+        widths_fed.append(tokens.shape[1])
+        return feed(params, cache, tokens, num, **static)
+
+    monkeypatch.setattr(draft_module, "feed_tokens", counting)
+    drafter = DraftProposer(params, config, k=3, kernels=Kernels())
+    drafter.begin(2, 128)
+    drafts = drafter.propose(histories, 3).tokens
+    assert widths_fed and set(widths_fed) == {draft_module.CATCH_UP}  # 100 - 32 unseen tokens in pieces of 32
+    for history, row in zip(histories, drafts):
+        out = generate(params, config, history[None], np.array([len(history)]), max_new_tokens=3,
+                       rng=jax.random.PRNGKey(0), temperature=0.0, kernels=Kernels())
+        np.testing.assert_array_equal(row, np.asarray(out.tokens)[0])
+
+
 def test_expected_tokens_and_the_widths_a_draft_count_runs_in():
     assert expected_tokens(0.5, 0) == 1.0 and expected_tokens(0.5, 2) == 1.75
     assert expected_tokens(1.0, 4) == 5.0 and expected_tokens(0.0, 4) == 1.0
@@ -81,18 +109,21 @@ def test_expected_tokens_and_the_widths_a_draft_count_runs_in():
     assert costs.candidates(4) == (0, 1, 2, 4) and costs.candidates(2) == (0, 1, 2)
 
 
-def test_draft_costs_leave_out_each_shape_s_first_timing_then_follow_a_decayed_mean():
+def test_draft_costs_leave_out_each_shape_s_first_timing_and_shrug_off_a_slow_step():
     costs = DraftCosts(widths(4))
     assert costs.relative(1, 0) == 1.0 and costs.relative(1, 2) == pytest.approx(1 + 2 * PRIOR_DRAFT_COST)
     costs.observe(1, 0, 5.0)  # a first step: may have compiled, left out
     costs.observe(1, 1, 9.0)
-    assert costs.seconds == {} and costs.relative(1, 1) == pytest.approx(1 + PRIOR_DRAFT_COST)
+    assert costs.timings == {} and costs.relative(1, 1) == pytest.approx(1 + PRIOR_DRAFT_COST)
     costs.observe(1, 0, 0.010)
     costs.observe(1, 1, 0.015)
-    assert costs.relative(1, 1) == pytest.approx(1.5)
+    assert costs.relative(1, 1) == pytest.approx(1.5) and costs.seconds(1, 2) == 0.015
     assert costs.relative(4, 1) == pytest.approx(1 + PRIOR_DRAFT_COST)  # other rows: not measured
-    costs.observe(1, 1, 0.025)
-    assert costs.seconds[(1, 2)] == pytest.approx(COST_DECAY * 0.015 + (1 - COST_DECAY) * 0.025)
+    costs.observe(1, 1, 0.500)  # one slow step (another process, a collection): the lower median ignores it
+    assert costs.seconds(1, 2) == 0.015
+    for _ in range(COST_WINDOW):  # the machine got slower for good: the window follows
+        costs.observe(1, 1, 0.030)
+    assert costs.seconds(1, 2) == 0.030 and costs.relative(1, 1) == pytest.approx(3.0)
 
 
 def test_k_maximises_expected_tokens_per_cost():
