@@ -96,6 +96,8 @@ class Speculator:
         (`reserve(request, count)`: `KVCacheManager.reserve`); empty where it drafts nothing. A row backing
         off (k = 0) counts a plain step."""
         started = time.perf_counter()
+        if self.adaptive and self.costs.wants_plain(len(requests)):  # timing the unit of a draft's cost
+            return [np.zeros(0, np.int32)] * len(requests)
         budget -= len(requests)
         ks = []
         for request, most in zip(requests, left):

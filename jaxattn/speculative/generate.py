@@ -178,7 +178,7 @@ def _decode(target, cache, cache_len: int, rows: _Rows, proposer, schedule: Adap
         # k drafts write k + 1 slots from each row's cache length (its history less the pending token).
         fits = cache_len - max(len(h) for h in rows.histories)
         # k is not cut to the rows' room near the end (their drafts are): one program width serves the tail.
-        k = max(0, min(schedule.k, fits))
+        k = 0 if schedule.adaptive and costs.wants_plain(batch) else max(0, min(schedule.k, fits))
         run = schedule.plain_run
         started = time.perf_counter()
         if 1 < run <= min(fits, int(rows.room().max()) + 1):  # k = 0: the steps to the next probe in one program

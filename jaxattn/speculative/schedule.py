@@ -34,6 +34,7 @@ PRIOR_DRAFT_COST = 0.1  # a drafted token's cost in plain steps, until a verific
 DECAY = 0.9  # how much of the acceptance counts so far each verification keeps
 COST_WINDOW = 9  # the timings of a step's shape its cost is the lower median of
 MAX_PROBE_GAP = 8  # the most plain steps between probes, in units of probe_after
+PLAIN_EVERY = 8  # until plain steps are timed at some rows, every this many steps there is one
 
 
 def expected_tokens(acceptance: float, drafts: int) -> float:
@@ -71,6 +72,7 @@ class DraftCosts:
     widths: tuple[int, ...]
     timings: dict = dataclasses.field(default_factory=dict)
     _seen: set = dataclasses.field(default_factory=set)
+    _steps: dict = dataclasses.field(default_factory=dict)  # steps observed by rows
 
     def width(self, drafts: int) -> int:
         return 1 if drafts == 0 else min(w for w in self.widths if w > drafts)
@@ -80,6 +82,7 @@ class DraftCosts:
         return (0, *(w - 1 for w in self.widths if w - 1 <= most))
 
     def observe(self, rows: int, drafts: int, seconds: float) -> None:
+        self._steps[rows] = self._steps.get(rows, 0) + 1
         key = (rows, self.width(drafts))
         if key not in self._seen:  # a shape's first step may have compiled its program
             self._seen.add(key)
@@ -90,6 +93,16 @@ class DraftCosts:
         """A step's seconds at `rows` rows of `width` tokens (the lower median of its last timings), or None."""
         timings = self.timings.get((rows, width))
         return sorted(timings)[(len(timings) - 1) // 2] if timings else None
+
+    def knows_plain(self, rows: int) -> bool:
+        """A plain step at `rows` rows has been timed: the unit a draft's cost is measured in."""
+        return (rows, 1) in self.timings
+
+    def wants_plain(self, rows: int) -> bool:
+        """The next step at `rows` rows should be a plain one: plain steps are not yet timed there and this is
+        every `PLAIN_EVERY`-th step. Else a row that always drafts (a code edit) would never learn what its
+        drafts cost, and would keep drafting at the prior's price where they do not pay."""
+        return not self.knows_plain(rows) and self._steps.get(rows, 0) % PLAIN_EVERY == PLAIN_EVERY - 1
 
     def relative(self, rows: int, drafts: int) -> float:
         if drafts == 0:

@@ -10,7 +10,7 @@ from jaxattn.decoding import generate
 from jaxattn.kernels import Kernels
 from jaxattn.speculative import draft as draft_module
 from jaxattn.speculative import AdaptiveK, DraftProposer, NgramProposer, NgramSettings, Proposal, ngram_lookup
-from jaxattn.speculative.schedule import (COST_WINDOW, MAX_PROBE_GAP, PRIOR_DRAFT_COST, DraftCosts, expected_tokens,
+from jaxattn.speculative.schedule import (COST_WINDOW, MAX_PROBE_GAP, PLAIN_EVERY, PRIOR_DRAFT_COST, DraftCosts, expected_tokens,
                                         widths)
 from tiny_models import drawn_params
 
@@ -117,6 +117,7 @@ def test_draft_costs_leave_out_each_shape_s_first_timing_and_shrug_off_a_slow_st
     assert costs.timings == {} and costs.relative(1, 1) == pytest.approx(1 + PRIOR_DRAFT_COST)
     costs.observe(1, 0, 0.010)
     costs.observe(1, 1, 0.015)
+    costs.observe(1, 1, 0.015)
     assert costs.relative(1, 1) == pytest.approx(1.5) and costs.seconds(1, 2) == 0.015
     assert costs.relative(4, 1) == pytest.approx(1 + PRIOR_DRAFT_COST)  # other rows: not measured
     costs.observe(1, 1, 0.500)  # one slow step (another process, a collection): the lower median ignores it
@@ -124,6 +125,16 @@ def test_draft_costs_leave_out_each_shape_s_first_timing_and_shrug_off_a_slow_st
     for _ in range(COST_WINDOW):  # the machine got slower for good: the window follows
         costs.observe(1, 1, 0.030)
     assert costs.seconds(1, 2) == 0.030 and costs.relative(1, 1) == pytest.approx(3.0)
+
+
+def test_a_row_that_always_drafts_still_times_a_plain_step_every_so_often():
+    costs = DraftCosts(widths(4))
+    wanted = []
+    for _ in range(3 * PLAIN_EVERY):
+        wanted.append(costs.wants_plain(1))
+        costs.observe(1, 0 if wanted[-1] else 1, 0.010 if wanted[-1] else 0.015)
+    assert [i for i, w in enumerate(wanted) if w] == [PLAIN_EVERY - 1, 2 * PLAIN_EVERY - 1]  # the first left out
+    assert costs.knows_plain(1) and not costs.knows_plain(2) and costs.relative(1, 1) == pytest.approx(1.5)
 
 
 def test_k_maximises_expected_tokens_per_cost():
