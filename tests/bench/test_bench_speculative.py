@@ -52,4 +52,5 @@ def test_the_engine_bench_runs_plain_and_speculative_engines_with_the_same_token
     record = json.loads((tmp_path / "s.json").read_text())
     row = record["prompts"]["code_edit"]
     assert row["ngram"]["equals_plain"] and row["tokens_per_s"]["plain"] > 0
+    assert record["weights"] == "served" and row["ngram"]["decode_speedup"] > 0 and row["decode_tokens_per_s"]["plain"] > 0
     assert "| code_edit | ngram |" in (tmp_path / "s.md").read_text()
