@@ -276,7 +276,7 @@ def test_verification_widths_follow_the_counts_an_adaptive_k_takes():
 
 
 def test_the_engine_times_its_decode_only_steps_into_what_drafting_costs():
-    engine = spec_engine("mha")
+    engine = spec_engine("mha", "auto", None)  # the first test's engine (the cache's key: these arguments)
     costs = engine.speculator.costs
     prompts, max_tokens, _ = draw_requests(0, count=4)
     for _ in range(2):  # the same steps twice: a shape's first timing is left out (it may have compiled)
